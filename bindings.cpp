@@ -1,0 +1,607 @@
+// bindings.cpp: the PyTorch face of kernels.cu. Each op checks its inputs (messages name the op
+// and the argument), allocates outputs, launches on the current CUDA stream under a device guard,
+// and, when differentiable, pairs the forward with our backward kernels through an autograd
+// Function, so loss.backward() runs them. From Python the ops read like torch.nn.functional.
+//
+// Non-contiguous inputs: matmul, linear and tiled attention read strided 2-D views (transposes,
+// slices) directly; every other op makes a contiguous copy first (cost: one extra copy).
+
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using at::Tensor;
+
+// ---- launchers defined in kernels.cu ----------------------------------------------------------
+void embedding_fwd(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
+void embedding_bwd(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
+void layernorm_fwd(const float*, const float*, const float*, float*, float*, float*, int, int, float, cudaStream_t);
+void layernorm_bwd_dx(const float*, const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
+void layernorm_bwd_params(const float*, const float*, const float*, const float*, float*, float*, float*, float*, int, int, cudaStream_t);
+int colsum_chunks(int, int);
+void bias_grad(const float*, float*, float*, int, int, cudaStream_t);
+void softmax_fwd(const float*, float*, int, int, float, int, int, cudaStream_t);
+void softmax_bwd(const float*, const float*, float*, int, int, float, cudaStream_t);
+void cross_entropy_fwd(const float*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);
+void cross_entropy_bwd(const float*, const int64_t*, const float*, const float*, float*, int, int, cudaStream_t);
+void gelu_fwd(const float*, float*, int64_t, bool, cudaStream_t);
+void gelu_bwd(const float*, const float*, float*, int64_t, bool, cudaStream_t);
+void matmul(const float*, const float*, const float*, float*, int, int, int, int, bool, bool, int64_t,
+            int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
+size_t matmul_workspace_floats(int, int, int, int);
+void gemv(const float*, const float*, const float*, float*, int, int, cudaStream_t);
+size_t topk_workspace_bytes(int64_t, int, int);
+void topk(const float*, float*, int64_t*, int64_t, int, int, void*, cudaStream_t);
+bool attention_fused_supports(int);
+void attention_fwd_fused(const float*, const float*, const float*, float*, float*, int, int, int, int, bool,
+                         float, bool, cudaStream_t);
+void attention_bwd_fused(const float*, const float*, const float*, const float*, const float*, const float*,
+                         float*, float*, float*, float*, int, int, int, int, bool, float, bool, cudaStream_t);
+
+// ---- checks -----------------------------------------------------------------------------------
+
+// Error messages are assembled here, numbers through std::to_string, and handed to TORCH_CHECK as
+// one string (streaming integers into TORCH_CHECK's message crashed this extension on some setups).
+static void put(std::string& s, const char* v) { s += v; }
+static void put(std::string& s, const std::string& v) { s += v; }
+static void put(std::string& s, int64_t v) { s += std::to_string(v); }
+static void put(std::string& s, int v) { s += std::to_string(v); }
+static void put(std::string& s, const c10::Device& d) { s += d.str(); }
+static void put(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+static void put(std::string& s, at::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+template <class... A>
+static std::string msg(const A&... a) {
+  std::string s;
+  (put(s, a), ...);
+  return s;
+}
+#define REQUIRE(cond, ...) TORCH_CHECK(cond, msg(__VA_ARGS__))
+#define REQUIRE_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, msg(__VA_ARGS__))
+
+static void check_float_cuda(const char* op, const Tensor& t, const char* name) {
+  REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
+  REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  REQUIRE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+}
+
+static void check_index_cuda(const char* op, const Tensor& t, const char* name) {
+  REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  REQUIRE(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ", t.scalar_type());
+}
+
+static void check_same_device(const char* op, const Tensor& a, const char* an, const Tensor& b, const char* bn) {
+  REQUIRE(a.device() == b.device(), op, ": ", an, " and ", bn, " must be on the same device, got ",
+              a.device(), " and ", b.device());
+}
+
+static void check_dim(const char* op, const Tensor& t, const char* name, int64_t dim, const char* shape) {
+  REQUIRE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", shape, ", got shape ", t.sizes());
+}
+
+// Raise ValueError if any index is outside [0, n). Costs one device-to-host copy, so it is skipped
+// while a CUDA graph is being captured (the kernels then skip bad indices instead of faulting).
+static void check_index_range(const char* op, const Tensor& idx, const char* name, int64_t n) {
+  if (idx.numel() == 0) return;
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  auto mm = at::aminmax(idx);
+  const int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
+  REQUIRE_VALUE(lo >= 0 && hi < n, op, ": ", name, " out of range: values must be in [0, ", n,
+                    "), got min ", lo, ", max ", hi);
+}
+
+static int to_int(const char* op, int64_t v, const char* what) {
+  REQUIRE(v <= INT32_MAX, op, ": ", what, " = ", v, " exceeds the 2^31 - 1 limit of the kernels");
+  return static_cast<int>(v);
+}
+
+static cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
+static const float* fptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// ---- matmul on strided views ------------------------------------------------------------------
+
+// A batch of matrices (dims 1, 2 of a 3-D tensor) as the kernel sees it: row-major with leading
+// dim ld (trans = false) or column-major (trans = true), batch stride 0 when there is one matrix.
+struct Mat {
+  Tensor t;  // keeps a copy alive when one was needed
+  bool trans;
+  int64_t ld, batch_stride;
+};
+
+static Mat as_mat(const Tensor& m) {
+  const int64_t R = m.size(1), C = m.size(2), s0 = m.stride(1), s1 = m.stride(2);
+  const int64_t bs = m.size(0) == 1 ? 0 : m.stride(0);
+  if ((C == 1 || s1 == 1) && (R == 1 || s0 >= C)) return {m, false, R == 1 ? C : s0, bs};
+  if ((R == 1 || s0 == 1) && (C == 1 || s1 >= R)) return {m, true, C == 1 ? R : s1, bs};
+  Tensor c = m.contiguous();
+  return {c, false, C, c.size(0) == 1 ? 0 : R * C};
+}
+
+// c (batch, M, N), contiguous, = alpha * a (batch, M, K) @ b (batch, K, N) + bias. Small outputs
+// with a long K (weight gradients) are split along K into a workspace from PyTorch's allocator.
+static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias = Tensor(), float alpha = 1.f) {
+  const char* op = "matmul";
+  const Mat A = as_mat(a), B = as_mat(b);
+  const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"), N = to_int(op, c.size(2), "N"),
+            K = to_int(op, a.size(2), "K");
+  const size_t ws_floats = matmul_workspace_floats(batch, M, N, K);
+  Tensor ws = ws_floats ? at::empty({(int64_t)ws_floats}, c.options()) : Tensor();
+  matmul(A.t.data_ptr<float>(), B.t.data_ptr<float>(), fptr(bias), c.data_ptr<float>(), batch, M, N, K, A.trans,
+         B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride, batch == 1 ? 0 : (int64_t)M * N, alpha,
+         ws_floats ? ws.data_ptr<float>() : nullptr, stream());
+}
+
+static Tensor mm_new(const Tensor& a, const Tensor& b, float alpha = 1.f) {
+  Tensor c = at::empty({std::max(a.size(0), b.size(0)), a.size(1), b.size(2)}, a.options());
+  mm(a, b, c, Tensor(), alpha);
+  return c;
+}
+
+// ---- linear -----------------------------------------------------------------------------------
+
+struct LinearFn : torch::autograd::Function<LinearFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+    const char* op = "linear";
+    check_float_cuda(op, x, "x");
+    check_float_cuda(op, w, "weight");
+    check_dim(op, w, "weight", 2, "(out_features, in_features)");
+    check_same_device(op, x, "x", w, "weight");
+    REQUIRE(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dim must equal weight.shape[1] = ",
+                w.size(1), ", got x of shape ", x.sizes());
+    Tensor bias = b.has_value() ? *b : Tensor();
+    if (bias.defined()) {
+      check_float_cuda(op, bias, "bias");
+      check_same_device(op, x, "x", bias, "bias");
+      REQUIRE(bias.dim() == 1 && bias.size(0) == w.size(0), op, ": bias must have shape (",
+                  w.size(0), ",), got ", bias.sizes());
+      bias = bias.contiguous();
+    }
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor x2 = x.reshape({1, -1, w.size(1)});
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = w.size(0);
+    Tensor y = at::empty({1, x2.size(1), w.size(0)}, x.options());
+    mm(x2, w.t().unsqueeze(0), y, bias);
+    ctx->save_for_backward({x2, w});
+    ctx->saved_data["has_bias"] = bias.defined();
+    return y.view(out_shape);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x2 = saved[0], &w = saved[1];
+    const c10::cuda::CUDAGuard guard(x2.device());
+    const Tensor dy = grads[0].reshape({1, -1, w.size(0)}).contiguous();
+    Tensor dx = mm_new(dy, w.unsqueeze(0));                               // (M, N) @ (N, K)
+    Tensor dw = mm_new(dy.transpose(1, 2), x2);                           // (N, M) @ (M, K)
+    Tensor db;
+    if (ctx->saved_data["has_bias"].toBool()) {
+      const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
+      db = at::empty({C}, dy.options());
+      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options());
+      bias_grad(dy.data_ptr<float>(), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
+    }
+    auto x_shape = grads[0].sizes().vec();
+    x_shape.back() = w.size(1);
+    return {dx.view(x_shape), dw.squeeze(0), db};
+  }
+};
+
+Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  return LinearFn::apply(x, weight, bias);
+}
+
+// ---- matmul -----------------------------------------------------------------------------------
+
+struct MatmulFn : torch::autograd::Function<MatmulFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
+    const char* op = "matmul";
+    check_float_cuda(op, a, "a");
+    check_float_cuda(op, b, "b");
+    check_same_device(op, a, "a", b, "b");
+    REQUIRE((a.dim() == 2 && b.dim() == 2) || (a.dim() == 3 && b.dim() == 3), op,
+                ": a and b must both be 2-D (M, K) @ (K, N) or both 3-D (B, M, K) @ (B, K, N), got shapes ",
+                a.sizes(), " and ", b.sizes());
+    REQUIRE(a.size(-1) == b.size(-2), op, ": inner dims must match, got a ", a.sizes(), " and b ", b.sizes());
+    if (a.dim() == 3)
+      REQUIRE(a.size(0) == b.size(0), op, ": batch sizes must match, got ", a.size(0), " and ", b.size(0));
+    const c10::cuda::CUDAGuard guard(a.device());
+    const bool flat = a.dim() == 2;
+    const Tensor a3 = flat ? a.unsqueeze(0) : a, b3 = flat ? b.unsqueeze(0) : b;
+    ctx->save_for_backward({a3, b3});
+    ctx->saved_data["flat"] = flat;
+    Tensor c = mm_new(a3, b3);
+    return flat ? c.squeeze(0) : c;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &a3 = saved[0], &b3 = saved[1];
+    const c10::cuda::CUDAGuard guard(a3.device());
+    const bool flat = ctx->saved_data["flat"].toBool();
+    const Tensor g = flat ? grads[0].unsqueeze(0) : grads[0];
+    Tensor da = mm_new(g, b3.transpose(1, 2));  // dC @ B^T
+    Tensor db = mm_new(a3.transpose(1, 2), g);  // A^T @ dC
+    return {flat ? da.squeeze(0) : da, flat ? db.squeeze(0) : db};
+  }
+};
+
+Tensor matmul_op(const Tensor& a, const Tensor& b) { return MatmulFn::apply(a, b); }
+
+// ---- layernorm --------------------------------------------------------------------------------
+
+struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps) {
+    const char* op = "layernorm";
+    check_float_cuda(op, x_in, "x");
+    check_float_cuda(op, w_in, "weight");
+    check_float_cuda(op, b_in, "bias");
+    check_same_device(op, x_in, "x", w_in, "weight");
+    check_same_device(op, x_in, "x", b_in, "bias");
+    REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
+    const int64_t C = x_in.size(-1);
+    REQUIRE(w_in.dim() == 1 && w_in.size(0) == C, op, ": weight must have shape (", C, ",), got ", w_in.sizes());
+    REQUIRE(b_in.dim() == 1 && b_in.size(0) == C, op, ": bias must have shape (", C, ",), got ", b_in.sizes());
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = b_in.contiguous();
+    const int R = to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), Ci = to_int(op, C, "C");
+    Tensor y = at::empty_like(x), mean = at::empty({R}, x.options()), rstd = at::empty({R}, x.options());
+    if (C > 0)
+      layernorm_fwd(x.data_ptr<float>(), w.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(),
+                    mean.data_ptr<float>(), rstd.data_ptr<float>(), R, Ci, (float)eps, stream());
+    ctx->save_for_backward({x, w, mean, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &w = s[1], &mean = s[2], &rstd = s[3];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dy = grads[0].contiguous();
+    const int C = (int)w.size(0), R = (int)mean.size(0);
+    Tensor dx = at::empty_like(x), dw = at::empty_like(w), db = at::empty_like(w);
+    if (C > 0) {
+      layernorm_bwd_dx(x.data_ptr<float>(), w.data_ptr<float>(), dy.data_ptr<float>(), mean.data_ptr<float>(),
+                       rstd.data_ptr<float>(), dx.data_ptr<float>(), R, C, stream());
+      Tensor part = at::empty({2, (int64_t)colsum_chunks(R, C) * C}, x.options());
+      layernorm_bwd_params(x.data_ptr<float>(), dy.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                           part[0].data_ptr<float>(), part[1].data_ptr<float>(), dw.data_ptr<float>(),
+                           db.data_ptr<float>(), R, C, stream());
+    }
+    return {dx, dw, db, Tensor()};
+  }
+};
+
+Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  return LayerNormFn::apply(x, weight, bias, eps);
+}
+
+// ---- softmax ----------------------------------------------------------------------------------
+
+struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in) {
+    const char* op = "softmax";
+    check_float_cuda(op, x_in, "x");
+    REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous();
+    Tensor y = at::empty_like(x);
+    const int64_t C = x.size(-1);
+    if (x.numel() > 0)
+      softmax_fwd(x.data_ptr<float>(), y.data_ptr<float>(), to_int(op, x.numel() / C, "rows"), to_int(op, C, "C"),
+                  1.f, 0, 0, stream());
+    ctx->save_for_backward({y});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor y = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(y.device());
+    const Tensor dy = grads[0].contiguous();
+    Tensor dx = at::empty_like(y);
+    if (y.numel() > 0)
+      softmax_bwd(y.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), (int)(y.numel() / y.size(-1)),
+                  (int)y.size(-1), 1.f, stream());
+    return {dx};
+  }
+};
+
+Tensor softmax(const Tensor& x) { return SoftmaxFn::apply(x); }
+
+// ---- GELU -------------------------------------------------------------------------------------
+
+static bool gelu_tanh(const std::string& approximate) {
+  REQUIRE_VALUE(approximate == "none" || approximate == "tanh",
+                    "gelu: approximate must be 'none' or 'tanh', got '", approximate, "'");
+  return approximate == "tanh";
+}
+
+struct GeluFn : torch::autograd::Function<GeluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const std::string& approximate) {
+    check_float_cuda("gelu", x_in, "x");
+    const bool th = gelu_tanh(approximate);
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous();
+    Tensor y = at::empty_like(x);
+    gelu_fwd(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), th, stream());
+    ctx->save_for_backward({x});
+    ctx->saved_data["tanh"] = th;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dy = grads[0].contiguous();
+    Tensor dx = at::empty_like(x);
+    gelu_bwd(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), x.numel(),
+             ctx->saved_data["tanh"].toBool(), stream());
+    return {dx, Tensor()};
+  }
+};
+
+Tensor gelu(const Tensor& x, const std::string& approximate) { return GeluFn::apply(x, approximate); }
+
+// ---- embedding --------------------------------------------------------------------------------
+
+struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& idx_in, const Tensor& w_in) {
+    const char* op = "embedding";
+    check_index_cuda(op, idx_in, "idx");
+    check_float_cuda(op, w_in, "weight");
+    check_dim(op, w_in, "weight", 2, "(num_embeddings, embedding_dim)");
+    check_same_device(op, idx_in, "idx", w_in, "weight");
+    const c10::cuda::CUDAGuard guard(w_in.device());
+    check_index_range(op, idx_in, "idx", w_in.size(0));
+    const Tensor idx = idx_in.contiguous(), w = w_in.contiguous();
+    auto shape = idx.sizes().vec();
+    shape.push_back(w.size(1));
+    Tensor out = at::empty(shape, w.options());
+    embedding_fwd(idx.data_ptr<int64_t>(), w.data_ptr<float>(), out.data_ptr<float>(), idx.numel(), w.size(0),
+                  to_int(op, w.size(1), "embedding_dim"), stream());
+    ctx->save_for_backward({idx});
+    ctx->saved_data["V"] = w.size(0);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor idx = ctx->get_saved_variables()[0];
+    const int64_t V = ctx->saved_data["V"].toInt();
+    const c10::cuda::CUDAGuard guard(idx.device());
+    const Tensor dout = grads[0].contiguous();
+    const int C = (int)dout.size(-1);
+    Tensor dw = at::zeros({V, (int64_t)C}, dout.options());
+    embedding_bwd(idx.data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), idx.numel(), V, C, stream());
+    return {Tensor(), dw};
+  }
+};
+
+Tensor embedding(const Tensor& idx, const Tensor& weight) { return EmbeddingFn::apply(idx, weight); }
+
+// ---- cross-entropy ----------------------------------------------------------------------------
+
+struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, const Tensor& tgt_in) {
+    const char* op = "cross_entropy";
+    check_float_cuda(op, logits_in, "logits");
+    check_index_cuda(op, tgt_in, "targets");
+    check_same_device(op, logits_in, "logits", tgt_in, "targets");
+    check_dim(op, logits_in, "logits", 2, "(N, C)");
+    REQUIRE(tgt_in.dim() == 1 && tgt_in.size(0) == logits_in.size(0), op, ": targets must have shape (",
+                logits_in.size(0), ",), got ", tgt_in.sizes());
+    REQUIRE(logits_in.size(0) > 0 && logits_in.size(1) > 0, op, ": logits must be non-empty, got ", logits_in.sizes());
+    const c10::cuda::CUDAGuard guard(logits_in.device());
+    check_index_range(op, tgt_in, "targets", logits_in.size(1));
+    const Tensor x = logits_in.contiguous(), tgt = tgt_in.contiguous();
+    const int R = to_int(op, x.size(0), "N"), C = to_int(op, x.size(1), "C");
+    Tensor lse = at::empty({R}, x.options()), rows = at::empty({R}, x.options()), loss = at::empty({}, x.options());
+    cross_entropy_fwd(x.data_ptr<float>(), tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), rows.data_ptr<float>(),
+                      loss.data_ptr<float>(), R, C, stream());
+    ctx->save_for_backward({x, tgt, lse});
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &tgt = s[1], &lse = s[2];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dloss = grads[0].contiguous();
+    Tensor dx = at::empty_like(x);
+    cross_entropy_bwd(x.data_ptr<float>(), tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), dloss.data_ptr<float>(),
+                      dx.data_ptr<float>(), (int)x.size(0), (int)x.size(1), stream());
+    return {dx, Tensor()};
+  }
+};
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets) { return CrossEntropyFn::apply(logits, targets); }
+
+// ---- GEMV (inference only, no autograd) --------------------------------------------------------
+
+Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in) {
+  const char* op = "gemv";
+  check_float_cuda(op, w_in, "weight");
+  check_float_cuda(op, x_in, "x");
+  check_same_device(op, w_in, "weight", x_in, "x");
+  check_dim(op, w_in, "weight", 2, "(N, K)");
+  REQUIRE(x_in.dim() == 1 && x_in.size(0) == w_in.size(1), op, ": x must have shape (", w_in.size(1),
+              ",), got ", x_in.sizes());
+  Tensor b;
+  if (b_in.has_value() && b_in->defined()) {
+    check_float_cuda(op, *b_in, "bias");
+    check_same_device(op, w_in, "weight", *b_in, "bias");
+    REQUIRE(b_in->dim() == 1 && b_in->size(0) == w_in.size(0), op, ": bias must have shape (", w_in.size(0),
+                ",), got ", b_in->sizes());
+    b = b_in->contiguous();
+  }
+  const c10::cuda::CUDAGuard guard(w_in.device());
+  const Tensor w = w_in.contiguous(), x = x_in.contiguous();
+  Tensor y = at::empty({w.size(0)}, w.options());
+  gemv(w.data_ptr<float>(), x.data_ptr<float>(), fptr(b), y.data_ptr<float>(), to_int(op, w.size(0), "N"),
+       to_int(op, w.size(1), "K"), stream());
+  return y;
+}
+
+// ---- top-k (no autograd) ----------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
+  const char* op = "topk";
+  check_float_cuda(op, x_in, "x");
+  REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
+  const int64_t L = x_in.size(-1);
+  REQUIRE_VALUE(k >= 1 && k <= L && k <= 128, op, ": k must be in [1, min(128, x.shape[-1] = ", L,
+                    ")], got k = ", k);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous();
+  auto shape = x.sizes().vec();
+  shape.back() = k;
+  Tensor values = at::empty(shape, x.options()), indices = at::empty(shape, x.options().dtype(at::kLong));
+  const int64_t rows = x.numel() / L;
+  Tensor ws = at::empty({(int64_t)topk_workspace_bytes(rows, (int)L, (int)k)}, x.options().dtype(at::kByte));
+  topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, to_int(op, L, "row length"),
+       (int)k, ws.numel() ? ws.data_ptr() : nullptr, stream());
+  return {values, indices};
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+struct AttnShape {
+  int64_t B, H, Sq, Sk, D;
+};
+
+static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal) {
+  const char* op = "attention";
+  check_float_cuda(op, q, "q");
+  check_float_cuda(op, k, "k");
+  check_float_cuda(op, v, "v");
+  check_same_device(op, q, "q", k, "k");
+  check_same_device(op, q, "q", v, "v");
+  check_dim(op, q, "q", 4, "(B, H, Sq, D)");
+  check_dim(op, k, "k", 4, "(B, H, Sk, D)");
+  check_dim(op, v, "v", 4, "(B, H, Sk, D)");
+  REQUIRE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  REQUIRE(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), op,
+              ": q and k must agree in B, H and D, got q ", q.sizes(), " and k ", k.sizes());
+  REQUIRE(k.size(2) >= 1, op, ": k and v need at least one key, got Sk = 0");
+  REQUIRE_VALUE(!causal || q.size(2) <= k.size(2), op, ": causal attention needs Sq <= Sk (queries align to the ",
+                    "last keys), got Sq = ", q.size(2), ", Sk = ", k.size(2));
+  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+}
+
+struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool causal,
+                        double scale, bool precise) {
+    const AttnShape s = check_attention(q_in, k_in, v_in, causal);
+    REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D = 32, 64, 128, got D = ",
+                      s.D, " (mode='tiled' takes any D)");
+    const c10::cuda::CUDAGuard guard(q_in.device());
+    const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
+    const int BH = to_int("attention", s.B * s.H, "B * H");
+    attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                        lse2.data_ptr<float>(), BH, (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, precise,
+                        stream());
+    ctx->save_for_backward({q, k, v, out, lse2});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["precise"] = precise;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto t = ctx->get_saved_variables();
+    const Tensor &q = t[0], &k = t[1], &v = t[2], &out = t[3], &lse2 = t[4];
+    const c10::cuda::CUDAGuard guard(q.device());
+    const Tensor dout = grads[0].contiguous();
+    Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v), delta = at::empty_like(lse2);
+    attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                        dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
+                        dk.data_ptr<float>(), dv.data_ptr<float>(), (int)(q.size(0) * q.size(1)), (int)q.size(2),
+                        (int)k.size(2), (int)q.size(3), ctx->saved_data["causal"].toBool(),
+                        (float)ctx->saved_data["scale"].toDouble(), ctx->saved_data["precise"].toBool(), stream());
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats); exact fp32.
+struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
+    const AttnShape s = check_attention(q, k, v, causal);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const Tensor q3 = q.reshape({-1, s.Sq, s.D}), k3 = k.reshape({-1, s.Sk, s.D}), v3 = v.reshape({-1, s.Sk, s.D});
+    Tensor p = mm_new(q3, k3.transpose(1, 2), (float)scale);  // (BH, Sq, Sk)
+    if (p.numel() > 0)
+      softmax_fwd(p.data_ptr<float>(), p.data_ptr<float>(), to_int("attention", p.numel() / s.Sk, "B * H * Sq"),
+                  to_int("attention", s.Sk, "Sk"), 1.f, causal ? (int)s.Sq : 0, (int)(s.Sk - s.Sq), stream());
+    Tensor out = mm_new(p, v3);
+    ctx->save_for_backward({q3, k3, v3, p});
+    ctx->saved_data["scale"] = scale;
+    return out.view({s.B, s.H, s.Sq, s.D});
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto t = ctx->get_saved_variables();
+    const Tensor &q3 = t[0], &k3 = t[1], &v3 = t[2], &p = t[3];
+    const c10::cuda::CUDAGuard guard(q3.device());
+    const Tensor dout = grads[0].reshape(q3.sizes());
+    Tensor ds = mm_new(dout, v3.transpose(1, 2));  // dP, then dS in place
+    Tensor dv = mm_new(p.transpose(1, 2), dout);
+    if (p.numel() > 0)
+      softmax_bwd(p.data_ptr<float>(), ds.data_ptr<float>(), ds.data_ptr<float>(), (int)(p.numel() / p.size(2)),
+                  (int)p.size(2), (float)ctx->saved_data["scale"].toDouble(), stream());
+    Tensor dq = mm_new(ds, k3);
+    Tensor dk = mm_new(ds.transpose(1, 2), q3);
+    const auto shape = grads[0].sizes();
+    const int64_t B = shape[0], H = shape[1];
+    return {dq.view(shape), dk.view({B, H, k3.size(1), k3.size(2)}), dv.view({B, H, v3.size(1), v3.size(2)}),
+            Tensor(), Tensor()};
+  }
+};
+
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                 const std::string& mode, const std::string& precision) {
+  REQUIRE_VALUE(mode == "fused" || mode == "tiled", "attention: mode must be 'fused' or 'tiled', got '", mode, "'");
+  REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
+                    "attention: precision must be 'fp32' (3xTF32) or 'tf32', got '", precision, "'");
+  REQUIRE(q.dim() == 4, "attention: q must be 4-D (B, H, Sq, D), got shape ", q.sizes());
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
+  if (mode == "tiled") return TiledAttentionFn::apply(q, k, v, causal, sc);
+  return FusedAttentionFn::apply(q, k, v, causal, sc, precision == "fp32");
+}
+
+// ---- module -----------------------------------------------------------------------------------
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Hand-written CUDA kernels for transformer training and inference (fp32).";
+  m.def("linear", &linear, "y = x @ weight.T + bias, like F.linear", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("matmul", &matmul_op, "a @ b for 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N)", py::arg("a"),
+        py::arg("b"));
+  m.def("layernorm", &layernorm, "layer norm over the last dim, like F.layer_norm", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("eps") = 1e-5);
+  m.def("softmax", &softmax, "softmax over the last dim", py::arg("x"));
+  m.def("gelu", &gelu, "GELU, approximate='none' (erf) or 'tanh', like F.gelu", py::arg("x"),
+        py::arg("approximate") = "none");
+  m.def("embedding", &embedding, "rows of weight gathered by int64 idx, like F.embedding", py::arg("idx"),
+        py::arg("weight"));
+  m.def("cross_entropy", &cross_entropy, "mean cross-entropy of logits (N, C) against int64 targets (N,)",
+        py::arg("logits"), py::arg("targets"));
+  m.def("gemv", &gemv_op, "y = weight @ x + bias for one vector x (decoding)", py::arg("weight"), py::arg("x"),
+        py::arg("bias") = py::none());
+  m.def("topk", &topk_op, "k largest over the last dim, sorted; ties -> lower index first, NaN largest", py::arg("x"),
+        py::arg("k"));
+  m.def("attention", &attention,
+        "attention over q (B, H, Sq, D), k, v (B, H, Sk, D), like F.scaled_dot_product_attention; causal aligns "
+        "queries to the last keys",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = false, py::arg("scale") = py::none(),
+        py::arg("mode") = "fused", py::arg("precision") = "fp32");
+}

@@ -1,0 +1,148 @@
+"""Text data for the character-level GPTs: fetching, cleaning, tokenizing and batching.
+
+The training text is The Wonderful Wizard of Oz (Project Gutenberg eBook #55). It is downloaded once
+and cached next to this file, or read from any UTF-8 file given with --data_path. Gutenberg's header
+and license footer are stripped, the characters of the text become the vocabulary, and training
+batches are random windows drawn with a CPU generator so every backend sees the same batches.
+"""
+
+import os
+import re
+import tempfile
+
+import requests
+import torch
+
+BOOK_URL = "https://www.gutenberg.org/cache/epub/55/pg55.txt"
+CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_cache")
+CACHE_NAME = "wizard_of_oz.txt"
+
+_START = re.compile(r"^.*\*\*\* *START OF TH(E|IS) PROJECT GUTENBERG EBOOK.*$", re.I | re.M)
+_END = re.compile(r"^.*\*\*\* *END OF TH(E|IS) PROJECT GUTENBERG EBOOK.*$", re.I | re.M)
+
+
+def clean_text(raw: str) -> str:
+    """Drop the BOM, normalise line ends to LF and cut Gutenberg's header and footer if present."""
+    text = raw.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    start = _START.search(text)
+    if start:
+        text = text[start.end():]
+    end = _END.search(text)
+    if end:
+        text = text[:end.start()]
+    return text.strip() + "\n"
+
+
+def _short_reason(e: requests.RequestException) -> str:
+    # requests' own messages run to several nested lines; the chained exception keeps the detail.
+    if isinstance(e, requests.HTTPError) and e.response is not None:
+        return f"HTTP {e.response.status_code} {e.response.reason}"
+    if isinstance(e, requests.Timeout):
+        return "no answer within the timeout"
+    m = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(e))
+    return m.group(1).strip() if m else type(e).__name__
+
+
+def load_text(data_path=None, cache_dir=CACHE_DIR, url=BOOK_URL, timeout=30.0) -> str:
+    """Return the training text: from data_path, else the cache, else a one-time download."""
+    if data_path is not None:
+        if not os.path.isfile(data_path):
+            raise FileNotFoundError(f"data file not found: {data_path}")
+        with open(data_path, encoding="utf-8") as f:
+            text = clean_text(f.read())
+        if not text.strip():
+            raise ValueError(f"data file is empty after cleaning: {data_path}")
+        return text
+
+    cache_path = os.path.join(cache_dir, CACHE_NAME)
+    if os.path.isfile(cache_path):
+        with open(cache_path, encoding="utf-8") as f:
+            return f.read()
+
+    try:
+        resp = requests.get(url, timeout=timeout)
+        resp.raise_for_status()
+    except requests.RequestException as e:
+        raise RuntimeError(
+            f"could not download the book from {url} ({_short_reason(e)}). "
+            f"Without network, put a UTF-8 copy of the book at {cache_path} "
+            f"or pass --data_path=FILE."
+        ) from e
+    # Gutenberg does not always name the charset, and requests would then guess Latin-1.
+    text = clean_text(resp.content.decode("utf-8"))
+
+    # Write to a temp file and rename, so an interrupted run never leaves a truncated cache.
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp_path = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp_path, cache_path)
+    except BaseException:
+        os.unlink(tmp_path)
+        raise
+    print(f"cached {len(text):,} characters of {url} at {cache_path}")
+    return text
+
+
+class CharTokenizer:
+    """Maps each distinct character of the training text to an integer id."""
+
+    def __init__(self, text: str):
+        self.chars = sorted(set(text))
+        self._index = {c: i for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, s: str) -> list:
+        try:
+            return [self._index[c] for c in s]
+        except KeyError as e:
+            raise ValueError(
+                f"character {e.args[0]!r} is not in the vocabulary, "
+                f"which was built from the training text"
+            ) from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"chars": "".join(self.chars)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CharTokenizer":
+        # Keep the saved order as is: ids in a checkpoint depend on it.
+        tok = cls.__new__(cls)
+        tok.chars = list(d["chars"])
+        tok._index = {c: i for i, c in enumerate(tok.chars)}
+        return tok
+
+
+def split_data(ids: torch.Tensor, val_fraction=0.1):
+    """Split into a leading training part and a trailing validation part, unshuffled."""
+    n_val = int(len(ids) * val_fraction)
+    n_train = len(ids) - n_val
+    if n_train < 1 or n_val < 1:
+        raise ValueError(
+            f"the text has only {len(ids)} tokens, too few to split into non-empty "
+            f"training and validation parts with val_fraction={val_fraction}"
+        )
+    return ids[:n_train], ids[n_train:]
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
+              generator: torch.Generator, device="cpu"):
+    """Draw batch_size random windows; y is x shifted one token ahead."""
+    if len(data) <= block_size:
+        raise ValueError(
+            f"the text has {len(data)} tokens and block_size is {block_size}; "
+            f"use a longer text or a smaller block_size"
+        )
+    # The generator lives on the CPU so a given seed yields the same batches on every device.
+    starts = torch.randint(0, len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([data[i:i + block_size] for i in starts.tolist()]).long()
+    y = torch.stack([data[i + 1:i + 1 + block_size] for i in starts.tolist()]).long()
+    non_blocking = torch.device(device).type == "cuda"
+    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)

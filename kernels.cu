@@ -1,0 +1,1593 @@
+// kernels.cu: every CUDA kernel of the repo and its host launcher, fp32 throughout.
+//
+// Sections, top to bottom:
+//   helpers -> embedding -> row kernels (layernorm, softmax, cross-entropy) -> column sums
+//   -> GELU -> matmul -> GEMV -> top-k -> attention (tiled helpers, fused forward/backward)
+//
+// Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
+// throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
+// compiles this file on its own. bindings.cpp is the PyTorch face (checks, allocation, autograd).
+
+#include <cuda_runtime.h>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+// ------------------------------------------------------------------------------------------------
+// helpers
+
+static void check_launch(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(err));
+}
+
+static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+static int num_sms() {
+  static int cached[64] = {};  // per device: the attribute query is not free and never changes
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cached[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cached[dev] = n > 0 ? n : 1;
+  }
+  return cached[dev];
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Reduce one value per thread over a row handled by TX threads (threadIdx.x). TX == 32 is one
+// warp per row (rows stacked in threadIdx.y, no barrier); TX > 32 is one row per block and goes
+// through shared memory. Every thread gets the result; the fixed order keeps it deterministic.
+template <int TX, bool IS_MAX>
+__device__ __forceinline__ float row_reduce(float v, float* red) {
+  v = IS_MAX ? warp_max(v) : warp_sum(v);
+  if (TX == 32) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // the previous reduction's reads of red[] are done
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll
+  for (int i = 1; i < TX / 32; ++i) r = IS_MAX ? fmaxf(r, red[i]) : r + red[i];
+  return r;
+}
+
+// A row is read in "units" of VEC floats (VEC = 4 when the row length is a multiple of 4 and the
+// pointers are 16-byte aligned, else 1). Unit u of a row belongs to thread u % TX.
+template <int VEC>
+__device__ __forceinline__ void load_unit(const float* row, int u, int C, float (&v)[VEC], float fill) {
+  if (VEC == 4) {
+    if (u * 4 < C) {
+      float4 t = reinterpret_cast<const float4*>(row)[u];
+      v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = fill;
+    }
+  } else {
+    v[0] = u < C ? row[u] : fill;
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_unit(float* row, int u, int C, const float (&v)[VEC]) {
+  if (VEC == 4) {
+    if (u * 4 < C) reinterpret_cast<float4*>(row)[u] = make_float4(v[0], v[1], v[2], v[3]);
+  } else if (u < C) {
+    row[u] = v[0];
+  }
+}
+
+// Row kernels cache N units per thread in registers (N * TX * VEC columns, at most 16 floats per
+// thread at 1024 threads); wider rows re-read the rest from global memory in a tail loop. The launch shape follows the row length:
+// up to 256 units one warp per row (4 rows per block), up to 2048 units 256 threads per row,
+// beyond that 1024 threads per row.
+struct RowLaunch {
+  int tx, ty, n, vec;
+};
+
+static RowLaunch row_launch(int C, bool vec_ok) {
+  RowLaunch L;
+  L.vec = (vec_ok && C % 4 == 0) ? 4 : 1;
+  int units = ceil_div(C, L.vec);
+  if (units <= 256) { L.tx = 32; L.ty = 4; }
+  else if (units <= 2048) { L.tx = 256; L.ty = 1; }
+  else { L.tx = 1024; L.ty = 1; }
+  int per = ceil_div(units, L.tx);
+  L.n = per <= 1 ? 1 : per <= 2 ? 2 : per <= 4 ? 4 : 8;
+  if (L.tx * L.vec > 2048) L.n = std::min(L.n, 4);  // 1024 threads get 64 registers each
+  return L;
+}
+
+// Instantiates KERNEL<TX, N, VEC> for the chosen RowLaunch and launches it with ARGS.
+#define LAUNCH_ROW_N(KERNEL, TX, VEC, L, grid, stream, ...)                                       \
+  switch (L.n) {                                                                               \
+    case 1: KERNEL<TX, 1, VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break;       \
+    case 2: KERNEL<TX, 2, VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break;       \
+    case 4: KERNEL<TX, 4, VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break;       \
+    default: KERNEL<TX, (TX * VEC > 2048 ? 4 : 8), VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); \
+  }
+#define LAUNCH_ROW_VEC(KERNEL, TX, L, grid, stream, ...)                                          \
+  if (L.vec == 4) { LAUNCH_ROW_N(KERNEL, TX, 4, L, grid, stream, __VA_ARGS__) }                \
+  else { LAUNCH_ROW_N(KERNEL, TX, 1, L, grid, stream, __VA_ARGS__) }
+#define LAUNCH_ROW(KERNEL, L, rows, stream, ...)                                                  \
+  do {                                                                                         \
+    dim3 grid_(ceil_div(rows, L.ty));                                                          \
+    if (L.tx == 32) { LAUNCH_ROW_VEC(KERNEL, 32, L, grid_, stream, __VA_ARGS__) }              \
+    else if (L.tx == 256) { LAUNCH_ROW_VEC(KERNEL, 256, L, grid_, stream, __VA_ARGS__) }       \
+    else { LAUNCH_ROW_VEC(KERNEL, 1024, L, grid_, stream, __VA_ARGS__) }                       \
+  } while (0)
+
+// ------------------------------------------------------------------------------------------------
+// embedding: out[t, :] = weight[idx[t], :]; backward scatter-adds rows of dout into dweight.
+// bindings.cpp range-checks the indices; the kernels also skip a bad index (zeros forward) so a
+// check skipped under CUDA-graph capture can never read or write out of bounds.
+
+__global__ void embedding_fwd_kernel(const int64_t* idx, const float* weight, float* out,
+                                     int64_t V, int C) {
+  const int64_t t = blockIdx.x;
+  const int64_t row = idx[t];
+  const bool ok = row >= 0 && row < V;
+  const float* src = weight + (ok ? row : 0) * C;
+  float* dst = out + t * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) dst[c] = ok ? src[c] : 0.f;
+}
+
+// Atomic adds: rows repeated in idx are summed in an unspecified order (last-bit nondeterminism,
+// the same trade PyTorch's CUDA embedding backward makes by default).
+__global__ void embedding_bwd_kernel(const int64_t* idx, const float* dout, float* dweight,
+                                     int64_t V, int C) {
+  const int64_t t = blockIdx.x;
+  const int64_t row = idx[t];
+  if (row < 0 || row >= V) return;
+  const float* src = dout + t * C;
+  float* dst = dweight + row * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(dst + c, src[c]);
+}
+
+void embedding_fwd(const int64_t* idx, const float* weight, float* out, int64_t T, int64_t V, int C,
+                   cudaStream_t s) {
+  if (T == 0) return;
+  int threads = C >= 256 ? 256 : ((C + 31) / 32) * 32;
+  embedding_fwd_kernel<<<(unsigned)T, threads, 0, s>>>(idx, weight, out, V, C);
+  check_launch("embedding_fwd");
+}
+
+// dweight must be zeroed by the caller.
+void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int64_t T, int64_t V, int C,
+                   cudaStream_t s) {
+  if (T == 0) return;
+  int threads = C >= 256 ? 256 : ((C + 31) / 32) * 32;
+  embedding_bwd_kernel<<<(unsigned)T, threads, 0, s>>>(idx, dout, dweight, V, C);
+  check_launch("embedding_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// layernorm over the last dim: y = (x - mean) * rstd * w + b, saving mean and rstd per row.
+// The variance is computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const float* x, const float* w,
+    const float* b, float* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
+  __shared__ float red[32];
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const float* xr = x + (int64_t)r * C;
+  float* yr = y + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  float v[N][VEC];
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    load_unit<VEC>(xr, threadIdx.x + j * TX, C, v[j], 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum += v[j][i];
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i) sum += t[i];
+  }
+  const float mean = row_reduce<TX, false>(sum, red) / C;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if ((threadIdx.x + j * TX) < units)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) { float d = v[j][i] - mean; sq += d * d; }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, mean);
+    for (int i = 0; i < VEC; ++i) { float d = t[i] - mean; sq += d * d; }
+  }
+  const float rstd = rsqrtf(row_reduce<TX, false>(sq, red) / C + eps);
+  if (threadIdx.x == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int u = threadIdx.x + j * TX;
+    float wv[VEC], bv[VEC], o[VEC];
+    load_unit<VEC>(w, u, C, wv, 0.f);
+    load_unit<VEC>(b, u, C, bv, 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = (v[j][i] - mean) * rstd * wv[i] + bv[i];
+    store_unit<VEC>(yr, u, C, o);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC], wv[VEC], bv[VEC], o[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    load_unit<VEC>(w, u, C, wv, 0.f);
+    load_unit<VEC>(b, u, C, bv, 0.f);
+    for (int i = 0; i < VEC; ++i) o[i] = (t[i] - mean) * rstd * wv[i] + bv[i];
+    store_unit<VEC>(yr, u, C, o);
+  }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const float* x, const float* w,
+    const float* dy, const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+  __shared__ float red[32];
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const float* xr = x + (int64_t)r * C;
+  const float* dyr = dy + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  const float mean = mean_in[r], rstd = rstd_in[r];
+  float xh[N][VEC], g[N][VEC];
+  float sg = 0.f, sgx = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int u = threadIdx.x + j * TX;
+    float wv[VEC];
+    load_unit<VEC>(xr, u, C, xh[j], mean);
+    load_unit<VEC>(dyr, u, C, g[j], 0.f);
+    load_unit<VEC>(w, u, C, wv, 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      xh[j][i] = (xh[j][i] - mean) * rstd;
+      g[j][i] *= wv[i];
+      sg += g[j][i];
+      sgx += g[j][i] * xh[j][i];
+    }
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float xv[VEC], dv[VEC], wv[VEC];
+    load_unit<VEC>(xr, u, C, xv, mean);
+    load_unit<VEC>(dyr, u, C, dv, 0.f);
+    load_unit<VEC>(w, u, C, wv, 0.f);
+    for (int i = 0; i < VEC; ++i) {
+      float gi = dv[i] * wv[i];
+      sg += gi;
+      sgx += gi * (xv[i] - mean) * rstd;
+    }
+  }
+  const float mg = row_reduce<TX, false>(sg, red) / C;
+  const float mgx = row_reduce<TX, false>(sgx, red) / C;
+  float* dxr = dx + (int64_t)r * C;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float o[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = rstd * (g[j][i] - mg - xh[j][i] * mgx);
+    store_unit<VEC>(dxr, threadIdx.x + j * TX, C, o);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float xv[VEC], dv[VEC], wv[VEC], o[VEC];
+    load_unit<VEC>(xr, u, C, xv, mean);
+    load_unit<VEC>(dyr, u, C, dv, 0.f);
+    load_unit<VEC>(w, u, C, wv, 0.f);
+    for (int i = 0; i < VEC; ++i) o[i] = rstd * (dv[i] * wv[i] - mg - (xv[i] - mean) * rstd * mgx);
+    store_unit<VEC>(dxr, u, C, o);
+  }
+}
+
+void layernorm_fwd(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
+                   int R, int C, float eps, cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(b));
+  LAUNCH_ROW(layernorm_fwd_kernel, L, R, s, x, w, b, y, mean, rstd, R, C, eps);
+  check_launch("layernorm_fwd");
+}
+
+void layernorm_bwd_dx(const float* x, const float* w, const float* dy, const float* mean,
+                      const float* rstd, float* dx, int R, int C, cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
+  LAUNCH_ROW(layernorm_bwd_dx_kernel, L, R, s, x, w, dy, mean, rstd, dx, R, C);
+  check_launch("layernorm_bwd_dx");
+}
+
+// ------------------------------------------------------------------------------------------------
+// column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm, and the
+// bias gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into
+// a partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
+
+template <bool LN>
+__global__ void colsum_partial_kernel(const float* dy, const float* x, const float* mean,
+                                      const float* rstd, float* part_w, float* part_b, int R, int C,
+                                      int chunk) {
+  __shared__ float sw[8][33], sb[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int r0 = blockIdx.y * chunk, r1 = min(R, r0 + chunk);
+  float aw = 0.f, ab = 0.f;
+  if (c < C) {
+    for (int r = r0 + threadIdx.y; r < r1; r += 8) {
+      float g = dy[(int64_t)r * C + c];
+      ab += g;
+      if (LN) aw += g * (x[(int64_t)r * C + c] - mean[r]) * rstd[r];
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int i = 1; i < 8; ++i) { aw += sw[i][threadIdx.x]; ab += sb[i][threadIdx.x]; }
+    if (LN) part_w[(int64_t)blockIdx.y * C + c] = aw;
+    part_b[(int64_t)blockIdx.y * C + c] = ab;
+  }
+}
+
+__global__ void colsum_finish_kernel(const float* part, float* out, int nchunk, int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float acc = 0.f;
+  for (int i = 0; i < nchunk; ++i) acc += part[(int64_t)i * C + c];
+  out[c] = acc;
+}
+
+// Number of row chunks; the caller allocates nchunk * C floats per partial buffer.
+int colsum_chunks(int R, int C) {
+  int colblocks = ceil_div(C, 32);
+  int want = std::max(1, 4 * num_sms() / colblocks);
+  int nchunk = std::min(std::max(1, ceil_div(R, 32)), want);
+  int chunk = ceil_div(R, nchunk);
+  return std::max(1, ceil_div(R, chunk));
+}
+
+static void colsum_launch(bool ln, const float* dy, const float* x, const float* mean,
+                          const float* rstd, float* part_w, float* part_b, float* dw, float* db,
+                          int R, int C, cudaStream_t s) {
+  if (C == 0) return;
+  int nchunk = colsum_chunks(R, C);
+  int chunk = R == 0 ? 1 : ceil_div(R, nchunk);
+  dim3 grid(ceil_div(C, 32), nchunk), block(32, 8);
+  if (ln) colsum_partial_kernel<true><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  else colsum_partial_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  check_launch("colsum_partial");
+  if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
+  colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
+  check_launch("colsum_finish");
+}
+
+void layernorm_bwd_params(const float* x, const float* dy, const float* mean, const float* rstd,
+                          float* part_w, float* part_b, float* dw, float* db, int R, int C,
+                          cudaStream_t s) {
+  colsum_launch(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
+}
+
+void bias_grad(const float* dy, float* part, float* db, int R, int C, cudaStream_t s) {
+  colsum_launch(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// softmax over the last dim, max-subtracted: y = exp(scale * x - max) / sum. For tiled attention
+// the kernel also applies the causal mask: row r is query (r % sq), which sees keys
+// j <= (r % sq) + offset (offset = Sk - Sq); masked entries get probability 0. sq = 0: no mask.
+// In-place (y == x) is safe: each thread rereads only what it has not yet written.
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const float* x, float* y, int R, int C,
+                                                           float scale, int sq, int offset) {
+  __shared__ float red[32];
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const float* xr = x + (int64_t)r * C;
+  float* yr = y + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  const int limit = sq > 0 ? min(C, r % sq + offset + 1) : C;  // columns >= limit are masked
+  float v[N][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int u = threadIdx.x + j * TX;
+    load_unit<VEC>(xr, u, C, v[j], 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      v[j][i] = (u * VEC + i < limit) ? v[j][i] * scale : -INFINITY;
+      mx = fmaxf(mx, v[j][i]);
+    }
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i)
+      if (u * VEC + i < limit) mx = fmaxf(mx, t[i] * scale);
+  }
+  mx = row_reduce<TX, true>(mx, red);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) { v[j][i] = expf(v[j][i] - mx); sum += v[j][i]; }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i)
+      if (u * VEC + i < limit) sum += expf(t[i] * scale - mx);
+  }
+  const float inv = 1.f / row_reduce<TX, false>(sum, red);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float o[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = v[j][i] * inv;
+    store_unit<VEC>(yr, threadIdx.x + j * TX, C, o);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC], o[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i) o[i] = (u * VEC + i < limit) ? expf(t[i] * scale - mx) * inv : 0.f;
+    store_unit<VEC>(yr, u, C, o);
+  }
+}
+
+// dx = scale * y * (dy - sum(dy * y)); dx may alias dy.
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(const float* y, const float* dy, float* dx,
+                                                           int R, int C, float scale) {
+  __shared__ float red[32];
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const float* yr = y + (int64_t)r * C;
+  const float* dyr = dy + (int64_t)r * C;
+  float* dxr = dx + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  float yv[N][VEC], gv[N][VEC];
+  float dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int u = threadIdx.x + j * TX;
+    load_unit<VEC>(yr, u, C, yv[j], 0.f);
+    load_unit<VEC>(dyr, u, C, gv[j], 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dot += yv[j][i] * gv[j][i];
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float a[VEC], g[VEC];
+    load_unit<VEC>(yr, u, C, a, 0.f);
+    load_unit<VEC>(dyr, u, C, g, 0.f);
+    for (int i = 0; i < VEC; ++i) dot += a[i] * g[i];
+  }
+  dot = row_reduce<TX, false>(dot, red);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float o[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = scale * yv[j][i] * (gv[j][i] - dot);
+    store_unit<VEC>(dxr, threadIdx.x + j * TX, C, o);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float a[VEC], g[VEC], o[VEC];
+    load_unit<VEC>(yr, u, C, a, 0.f);
+    load_unit<VEC>(dyr, u, C, g, 0.f);
+    for (int i = 0; i < VEC; ++i) o[i] = scale * a[i] * (g[i] - dot);
+    store_unit<VEC>(dxr, u, C, o);
+  }
+}
+
+void softmax_fwd(const float* x, float* y, int R, int C, float scale, int sq, int offset,
+                 cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y));
+  LAUNCH_ROW(softmax_fwd_kernel, L, R, s, x, y, R, C, scale, sq, offset);
+  check_launch("softmax_fwd");
+}
+
+void softmax_bwd(const float* y, const float* dy, float* dx, int R, int C, float scale,
+                 cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(y) && aligned16(dy) && aligned16(dx));
+  LAUNCH_ROW(softmax_bwd_kernel, L, R, s, y, dy, dx, R, C, scale);
+  check_launch("softmax_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// cross-entropy over rows of logits (R, V) with int64 targets: per-row loss = lse - x[target],
+// then a single-block mean in a fixed order. Backward: (softmax - onehot) * dloss / R, with dloss
+// read from device memory so no host sync is needed. A target outside [0, V) gives a NaN loss
+// (bindings.cpp rejects it before launch outside graph capture).
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kernel(const float* x, const int64_t* tgt,
+    float* lse_out, float* loss_rows, int R, int C) {
+  __shared__ float red[32];
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const float* xr = x + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  float v[N][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    load_unit<VEC>(xr, threadIdx.x + j * TX, C, v[j], -INFINITY);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) mx = fmaxf(mx, v[j][i]);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, -INFINITY);
+    for (int i = 0; i < VEC; ++i) mx = fmaxf(mx, t[i]);
+  }
+  mx = row_reduce<TX, true>(mx, red);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum += expf(v[j][i] - mx);
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, -INFINITY);
+    for (int i = 0; i < VEC; ++i) sum += expf(t[i] - mx);
+  }
+  sum = row_reduce<TX, false>(sum, red);
+  if (threadIdx.x == 0) {
+    const float lse = mx + logf(sum);
+    const int64_t t = tgt[r];
+    lse_out[r] = lse;
+    loss_rows[r] = (t >= 0 && t < C) ? lse - xr[t] : NAN;
+  }
+}
+
+__global__ void mean_kernel(const float* v, float* out, int n) {
+  __shared__ float red[32];
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < n; i += 1024) acc += v[i];
+  acc = row_reduce<1024, false>(acc, red);
+  if (threadIdx.x == 0) *out = acc / n;
+}
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kernel(const float* x, const int64_t* tgt,
+    const float* lse_in, const float* dloss, float* dx, int R, int C) {
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const float* xr = x + (int64_t)r * C;
+  float* dxr = dx + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  const float lse = lse_in[r], g = *dloss / R;
+  const int64_t t = tgt[r];
+  for (int u = threadIdx.x; u < units; u += TX) {
+    float v[VEC], o[VEC];
+    load_unit<VEC>(xr, u, C, v, 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = g * (expf(v[i] - lse) - (u * VEC + i == t ? 1.f : 0.f));
+    store_unit<VEC>(dxr, u, C, o);
+  }
+}
+
+// loss_rows and lse are R-float workspaces; loss is one float.
+void cross_entropy_fwd(const float* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss,
+                       int R, int C, cudaStream_t s) {
+  RowLaunch L = row_launch(C, aligned16(x));
+  LAUNCH_ROW(cross_entropy_fwd_kernel, L, R, s, x, tgt, lse, loss_rows, R, C);
+  check_launch("cross_entropy_fwd");
+  mean_kernel<<<1, 1024, 0, s>>>(loss_rows, loss, R);
+  check_launch("cross_entropy_mean");
+}
+
+void cross_entropy_bwd(const float* x, const int64_t* tgt, const float* lse, const float* dloss,
+                       float* dx, int R, int C, cudaStream_t s) {
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dx));
+  LAUNCH_ROW(cross_entropy_bwd_kernel, L, R, s, x, tgt, lse, dloss, dx, R, C);
+  check_launch("cross_entropy_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// GELU, elementwise. Formulas follow PyTorch's own (same operation order) so results agree to
+// the last bit or two. 16-byte loads when the pointers allow.
+
+struct GeluErf {
+  __device__ float fwd(float x) const { return x * 0.5f * (1.f + erff(x * (float)M_SQRT1_2)); }
+  __device__ float bwd(float x, float dy) const {
+    const float kAlpha = (float)(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+    const float cdf = 0.5f * (1.f + erff(x * (float)M_SQRT1_2));
+    const float pdf = expf(-0.5f * x * x) * kAlpha;
+    return dy * (cdf + x * pdf);
+  }
+};
+
+struct GeluTanh {
+  static constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  static constexpr float kKappa = 0.044715f;
+  __device__ float fwd(float x) const {
+    const float inner = kBeta * (x + kKappa * x * x * x);
+    return 0.5f * x * (1.f + tanhf(inner));
+  }
+  __device__ float bwd(float x, float dy) const {
+    const float x_sq = x * x;
+    const float inner = kBeta * (x + kKappa * x_sq * x);
+    const float t = tanhf(inner);
+    const float left = 0.5f * x, right = 1.f + t;
+    const float left_derivative = 0.5f * right;
+    const float right_derivative = left * (1.f - t * t) * kBeta * (1.f + 3.f * kKappa * x_sq);
+    return dy * (left_derivative + right_derivative);
+  }
+};
+
+// A 16-byte read-only load that asks L2 to fetch the whole 256-byte block around it: a streaming
+// kernel then reads DRAM in longer bursts.
+__device__ __forceinline__ float4 load_stream4(const float* p, bool hint) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  if (hint) {
+    float4 v;
+    asm volatile("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+  }
+#endif
+  return *reinterpret_cast<const float4*>(p);
+}
+
+// out = f(x) (forward) or f'(x) * dy (backward), PER items of VEC floats per thread, all loads
+// issued before any math so that several are in flight per thread.
+template <class F, int VEC, int PER, bool BWD>
+__global__ void gelu_kernel(const float* x, const float* dy, float* out, int64_t n, bool hint) {
+  const F f;
+  const int64_t items = n / VEC;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x * PER + threadIdx.x;
+  float a[PER][VEC], g[PER][VEC];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int64_t i = first + u * blockDim.x;
+    if (i >= items) continue;
+    if (VEC == 4) {
+      const float4 t = load_stream4(x + 4 * i, hint);
+      a[u][0] = t.x; a[u][1] = t.y; a[u][2] = t.z; a[u][VEC - 1] = t.w;
+      if (BWD) {
+        const float4 d = load_stream4(dy + 4 * i, hint);
+        g[u][0] = d.x; g[u][1] = d.y; g[u][2] = d.z; g[u][VEC - 1] = d.w;
+      }
+    } else {
+      a[u][0] = x[i];
+      if (BWD) g[u][0] = dy[i];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int64_t i = first + u * blockDim.x;
+    if (i >= items) continue;
+    float o[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o[e] = BWD ? f.bwd(a[u][e], g[u][e]) : f.fwd(a[u][e]);
+    if (VEC == 4) reinterpret_cast<float4*>(out)[i] = make_float4(o[0], o[1], o[2], o[VEC - 1]);
+    else out[i] = o[0];
+  }
+}
+
+template <class F, bool BWD>
+static void gelu_launch(const float* x, const float* dy, float* out, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  const bool vec = n % 4 == 0 && aligned16(x) && aligned16(out) && (!BWD || aligned16(dy));
+  const int64_t items = vec ? n / 4 : n;
+  // 2 vectors per thread in blocks of 128: the fastest of the shapes measured on an H200.
+  if (vec) gelu_kernel<F, 4, 2, BWD><<<(unsigned)((items + 255) / 256), 128, 0, s>>>(x, dy, out, n, true);
+  else gelu_kernel<F, 1, 2, BWD><<<(unsigned)((items + 255) / 256), 128, 0, s>>>(x, dy, out, n, false);
+  check_launch("gelu");
+}
+
+void gelu_fwd(const float* x, float* y, int64_t n, bool tanh_approx, cudaStream_t s) {
+  if (tanh_approx) gelu_launch<GeluTanh, false>(x, nullptr, y, n, s);
+  else gelu_launch<GeluErf, false>(x, nullptr, y, n, s);
+}
+
+void gelu_bwd(const float* x, const float* dy, float* dx, int64_t n, bool tanh_approx, cudaStream_t s) {
+  if (tanh_approx) gelu_launch<GeluTanh, true>(x, dy, dx, n, s);
+  else gelu_launch<GeluErf, true>(x, dy, dx, n, s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// matmul: C = alpha * op(A) * op(B) (+ bias[n]), fp32 on CUDA cores, batched over grid.z.
+// op(A) is M x K: stored row-major with leading dim lda (TA = false, A[m][k] = a[m*lda + k]) or
+// as its transpose (TA = true, A[m][k] = a[k*lda + m]); likewise op(B) is K x N (TB = true reads
+// b[n*ldb + k], the layout of a linear layer's weight). A batch stride of 0 broadcasts an operand.
+//
+// Each block computes a BM x BN tile of C with (BM/8)*(BN/8) threads, 8 x 8 outputs per thread as
+// two 4-row groups (BM/2 apart) by two 4-column groups (BN/2 apart), so the per-k fragments are
+// float4 shared-memory reads without bank conflicts. K advances BK at a time; the next tile is
+// fetched into registers while the current one is multiplied (double-buffered shared memory,
+// one barrier per tile). Global loads are scalar and bounds-checked, laid out so consecutive
+// threads read consecutive addresses in either storage order: any M, N, K and any alignment work.
+
+struct MatmulArgs {
+  const float* a; const float* b; const float* bias; float* c;
+  int M, N, K;
+  int64_t lda, ldb, ldc;
+  int64_t sa, sb, sc;  // batch strides in elements
+  float alpha;
+  bool vec_c;  // C rows may be written as float4 (set by the launcher)
+  // split-K: grid.z = batch * splits; split s covers K range [s * kchunk, (s + 1) * kchunk) and
+  // writes its partial C at c + s * split_stride (then matmul_reduce_kernel adds the splits)
+  int batch, splits, kchunk;
+  int64_t split_stride;
+};
+
+template <int BM, int BN, int BK, bool TA, bool TB, int VEC>
+__global__ void __launch_bounds__((BM / 8) * (BN / 8), BM == 128 ? 2 : 4)
+matmul_kernel(MatmulArgs p) {
+  constexpr int NT = (BM / 8) * (BN / 8);
+  constexpr int PA = BM + 4, PB = BN + 4;  // padded rows: 2-way store conflicts at most
+  __shared__ __align__(16) float As[2][BK][PA];
+  __shared__ __align__(16) float Bs[2][BK][PB];
+
+  // Grouped tile order: GROUP consecutive blocks share B's columns while walking rows of A, so
+  // the tiles they read are still in L2.
+  constexpr int GROUP = 8;
+  const int tiles_m = (p.M + BM - 1) / BM, tiles_n = (p.N + BN - 1) / BN;
+  const int pid = blockIdx.x, per_group = GROUP * tiles_n;
+  const int first_m = (pid / per_group) * GROUP;
+  const int group_m = min(tiles_m - first_m, GROUP);
+  const int tile_m = first_m + (pid % per_group) % group_m;
+  const int tile_n = (pid % per_group) / group_m;
+  const int m0 = tile_m * BM, n0 = tile_n * BN;
+
+  const int bz = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
+  const float* a = p.a + bz * p.sa;
+  const float* b = p.b + bz * p.sb;
+  float* c = p.c + bz * p.sc + split * p.split_stride;
+  const int k_lo = split * p.kchunk, k_hi = min(p.K, k_lo + p.kchunk);
+  const int tid = threadIdx.x;
+
+  // Each thread loads VEC consecutive elements along the contiguous ("fast") storage dim of an
+  // operand (VEC = 4: one 16-byte load, when the launcher found sizes and pointers aligned) at
+  // LA (LB) positions that share the fast index and step a fixed number of rows apart.
+  constexpr int A_UNITS = (TA ? BM : BK) / VEC, B_UNITS = (TB ? BK : BN) / VEC;  // vectors per tile row
+  constexpr int LA = BM * BK / NT / VEC, LB = BN * BK / NT / VEC;
+  constexpr int A_STEP = NT / A_UNITS, B_STEP = NT / B_UNITS;
+  const int a_fast = (tid % A_UNITS) * VEC, a_slow = tid / A_UNITS;  // TA: (m, k) = (fast, slow), else (slow, fast)
+  const int b_fast = (tid % B_UNITS) * VEC, b_slow = tid / B_UNITS;  // TB: (n, k) = (slow, fast), else (fast, slow)
+  float ra[LA][VEC], rb[LB][VEC];
+  auto load_vec = [](const float* src, bool in, float (&dst)[VEC]) {
+    if (!in) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dst[j] = 0.f;
+    } else if (VEC == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[VEC - 1] = v.w;
+    } else {
+      dst[0] = *src;
+    }
+  };
+  auto load_tiles = [&](int k0) {
+#pragma unroll
+    for (int i = 0; i < LA; ++i) {
+      const int slow = a_slow + i * A_STEP;
+      const int gm = m0 + (TA ? a_fast : slow), gk = k0 + (TA ? slow : a_fast);
+      load_vec(a + (TA ? (int64_t)gk * p.lda + gm : (int64_t)gm * p.lda + gk), gm < p.M && gk < k_hi, ra[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < LB; ++i) {
+      const int slow = b_slow + i * B_STEP;
+      const int gn = n0 + (TB ? slow : b_fast), gk = k0 + (TB ? b_fast : slow);
+      load_vec(b + (TB ? (int64_t)gn * p.ldb + gk : (int64_t)gk * p.ldb + gn), gn < p.N && gk < k_hi, rb[i]);
+    }
+  };
+  auto store_tiles = [&](int buf) {
+#pragma unroll
+    for (int i = 0; i < LA; ++i)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int slow = a_slow + i * A_STEP, fast = a_fast + j;
+        As[buf][TA ? slow : fast][TA ? fast : slow] = ra[i][j];
+      }
+#pragma unroll
+    for (int i = 0; i < LB; ++i)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const int slow = b_slow + i * B_STEP, fast = b_fast + j;
+        Bs[buf][TB ? fast : slow][TB ? slow : fast] = rb[i][j];
+      }
+  };
+
+  const int tx = tid % (BN / 8), ty = tid / (BN / 8);
+  float acc[8][8] = {};
+  const int ktiles = (k_hi - k_lo + BK - 1) / BK;
+  load_tiles(k_lo);
+  store_tiles(0);
+  __syncthreads();
+  for (int t = 0; t < ktiles; ++t) {
+    const int buf = t & 1;
+    if (t + 1 < ktiles) load_tiles(k_lo + (t + 1) * BK);
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+      float fa[8], fb[8];
+      *reinterpret_cast<float4*>(fa) = *reinterpret_cast<const float4*>(&As[buf][k][ty * 4]);
+      *reinterpret_cast<float4*>(fa + 4) = *reinterpret_cast<const float4*>(&As[buf][k][BM / 2 + ty * 4]);
+      *reinterpret_cast<float4*>(fb) = *reinterpret_cast<const float4*>(&Bs[buf][k][tx * 4]);
+      *reinterpret_cast<float4*>(fb + 4) = *reinterpret_cast<const float4*>(&Bs[buf][k][BN / 2 + tx * 4]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(fa[i], fb[j], acc[i][j]);
+    }
+    if (t + 1 < ktiles) store_tiles(buf ^ 1);
+    __syncthreads();
+  }
+
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int m = m0 + (i < 4 ? ty * 4 + i : BM / 2 + ty * 4 + i - 4);
+    if (m >= p.M) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + h * (BN / 2) + tx * 4;
+      float o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[j] = p.alpha * acc[i][h * 4 + j];
+        if (p.bias && n + j < p.N) o[j] += p.bias[n + j];
+      }
+      float* dst = c + (int64_t)m * p.ldc + n;
+      if (p.vec_c && n + 3 < p.N) {
+        *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (n + j < p.N) dst[j] = o[j];
+      }
+    }
+  }
+}
+
+template <int BM, int BN, int BK, int VEC>
+static void matmul_tiles(const MatmulArgs& p, bool ta, bool tb, cudaStream_t s) {
+  dim3 grid(ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, p.batch * p.splits), block((BM / 8) * (BN / 8));
+  if (!ta && !tb) matmul_kernel<BM, BN, BK, false, false, VEC><<<grid, block, 0, s>>>(p);
+  else if (!ta && tb) matmul_kernel<BM, BN, BK, false, true, VEC><<<grid, block, 0, s>>>(p);
+  else if (ta && !tb) matmul_kernel<BM, BN, BK, true, false, VEC><<<grid, block, 0, s>>>(p);
+  else matmul_kernel<BM, BN, BK, true, true, VEC><<<grid, block, 0, s>>>(p);
+}
+
+// c[b][m][n] = alpha * sum over splits of part[s][b][m][n] + bias[n], in a fixed order.
+__global__ void matmul_reduce_kernel(const float* part, const float* bias, float* c, int splits, int64_t split_stride,
+                                     int M, int N, int64_t ldc, int64_t sc, float alpha) {
+  const int64_t total = split_stride, stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+    float acc = 0.f;
+    for (int sp = 0; sp < splits; ++sp) acc += part[sp * split_stride + i];
+    const int64_t bz = i / ((int64_t)M * N), mn = i % ((int64_t)M * N);
+    const int m = (int)(mn / N), n = (int)(mn % N);
+    c[bz * sc + m * ldc + n] = alpha * acc + (bias ? bias[n] : 0.f);
+  }
+}
+
+// Split K when the output has too few tiles to occupy the GPU (a weight gradient: small M x N,
+// K = all the tokens of a batch): aim at 2 blocks per SM, at least 128 of K per split.
+static int matmul_splits(int batch, int M, int N, int K) {
+  const int64_t tiles = (int64_t)ceil_div(M, 64) * ceil_div(N, 64) * batch;
+  const int sms = num_sms();
+  if (tiles >= sms || K < 256) return 1;
+  const int64_t want = std::min<int64_t>((2 * sms + tiles - 1) / tiles, K / 128);
+  const int kchunk = ceil_div(ceil_div(K, std::max<int64_t>(want, 1)), 16) * 16;
+  return ceil_div(K, kchunk);
+}
+
+// Floats of workspace matmul() wants for these sizes (0: no split-K).
+size_t matmul_workspace_floats(int batch, int M, int N, int K) {
+  const int splits = matmul_splits(batch, M, N, K);
+  return splits > 1 ? (size_t)splits * batch * M * N : 0;
+}
+
+// workspace: matmul_workspace_floats(...) floats, or nullptr to never split K.
+void matmul(const float* a, const float* b, const float* bias, float* c, int batch, int M, int N,
+            int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb,
+            int64_t sc, float alpha, float* workspace, cudaStream_t s) {
+  if (batch == 0 || M == 0 || N == 0) return;
+  MatmulArgs p{a, b, bias, c, M, N, K, lda, ldb, ldc, sa, sb, sc, alpha, false, batch, 1, std::max(K, 1), 0};
+  // 16-byte operand loads need the contiguous extent, leading dims and batch strides in multiples
+  // of 4 floats and aligned base pointers; otherwise every element is loaded on its own.
+  const bool vec = (ta ? M : K) % 4 == 0 && lda % 4 == 0 && sa % 4 == 0 && aligned16(a) &&
+                   (tb ? K : N) % 4 == 0 && ldb % 4 == 0 && sb % 4 == 0 && aligned16(b);
+  const int splits = workspace ? matmul_splits(batch, M, N, K) : 1;
+  if (splits > 1) {  // partial products into the workspace, no alpha or bias yet
+    p.splits = splits;
+    p.kchunk = ceil_div(ceil_div(K, splits), 16) * 16;
+    p.c = workspace; p.ldc = N; p.sc = (int64_t)M * N; p.split_stride = (int64_t)batch * M * N;
+    p.alpha = 1.f; p.bias = nullptr;
+  }
+  p.vec_c = p.ldc % 4 == 0 && p.sc % 4 == 0 && N % 4 == 0 && aligned16(p.c);
+  // Big tiles only when they fill the GPU; otherwise 64 x 64 tiles give 4x more blocks.
+  const bool big = (int64_t)ceil_div(M, 128) * ceil_div(N, 128) * batch >= num_sms();
+  for (int z0 = 0; z0 < batch; z0 += 65535 / splits) {  // grid.z limit
+    MatmulArgs q = p;
+    q.batch = std::min(batch - z0, 65535 / splits);
+    q.a += z0 * sa; q.b += z0 * sb; q.c += z0 * q.sc;
+    if (big && vec) matmul_tiles<128, 128, 16, 4>(q, ta, tb, s);
+    else if (big) matmul_tiles<128, 128, 16, 1>(q, ta, tb, s);
+    else if (vec) matmul_tiles<64, 64, 16, 4>(q, ta, tb, s);
+    else matmul_tiles<64, 64, 16, 1>(q, ta, tb, s);
+    check_launch("matmul");
+  }
+  if (splits > 1) {
+    const int64_t total = p.split_stride;
+    const int blocks = (int)std::min<int64_t>(ceil_div(total, 256), (int64_t)num_sms() * 8);
+    matmul_reduce_kernel<<<blocks, 256, 0, s>>>(workspace, bias, c, splits, p.split_stride, M, N, ldc, sc, alpha);
+    check_launch("matmul_reduce");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GEMV for decoding: y = W x (+ b), W row-major N x K. One warp per row, 16-byte loads when K % 4
+// == 0, loop unrolled so several loads are in flight per lane (the kernel is bound by reading W).
+
+template <bool VEC>
+__global__ void gemv_kernel(const float* W, const float* x, const float* bias, float* y, int N, int K) {
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= N) return;
+  const float* w = W + (int64_t)row * K;
+  float acc = 0.f;
+  if (VEC) {
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < K / 4; i += 32) {
+      const float4 a = __ldcs(w4 + i), b = x4[i];  // W is streamed once: don't keep it in L1/L2
+      acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+  } else {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < K; i += 32) acc += __ldcs(w + i) * x[i];
+  }
+  acc = warp_sum(acc);
+  if (threadIdx.x == 0) y[row] = acc + (bias ? bias[row] : 0.f);
+}
+
+void gemv(const float* W, const float* x, const float* bias, float* y, int N, int K, cudaStream_t s) {
+  if (N == 0) return;
+  dim3 block(32, 8), grid(ceil_div(N, 8));
+  if (K % 4 == 0 && aligned16(W) && aligned16(x)) gemv_kernel<true><<<grid, block, 0, s>>>(W, x, bias, y, N, K);
+  else gemv_kernel<false><<<grid, block, 0, s>>>(W, x, bias, y, N, K);
+  check_launch("gemv");
+}
+
+// ------------------------------------------------------------------------------------------------
+// top-k over the last dim, sorted descending like torch.topk. Order: larger value first, NaN above
+// everything, equal values by lower index first. A warp holds a segment of up to 512 elements in
+// registers and runs k rounds of "warp argmax, remove the winner". Rows longer than 512 go in
+// passes: every segment's top-k become (value, index) candidates, and the candidate rows shrink
+// (by 512 / k each pass) until one segment is left. Index -1 marks padding, below every element.
+
+__device__ __forceinline__ bool topk_before(float av, int ai, float bv, int bi) {
+  if (ai < 0) return false;
+  if (bi < 0) return true;
+  const bool an = isnan(av), bn = isnan(bv);
+  if (an || bn) return an && (!bn || ai < bi);
+  if (av != bv) return av > bv;
+  return ai < bi;
+}
+
+// One warp per (row, segment). in_i == nullptr: indices are positions. Output k entries per
+// (row, segment) to out_v/out_i (candidate pass) or out_v/final_i (last pass, nseg == 1).
+template <int M>
+__global__ void topk_kernel(const float* in_v, const int* in_i, int64_t rows, int L, int nseg, int k,
+                            float* out_v, int* out_i, int64_t* final_i) {
+  const int64_t item = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (item >= rows * nseg) return;
+  const int64_t row = item / nseg;
+  const int seg = (int)(item % nseg), lane = threadIdx.x;
+  float v[M];
+  int id[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const int pos = seg * 32 * M + j * 32 + lane;
+    const bool in = pos < L;
+    v[j] = in ? in_v[row * L + pos] : -INFINITY;
+    id[j] = !in ? -1 : in_i ? in_i[row * L + pos] : pos;
+  }
+  for (int r = 0; r < k; ++r) {
+    float bv = v[0];
+    int bi = id[0];
+#pragma unroll
+    for (int j = 1; j < M; ++j)
+      if (topk_before(v[j], id[j], bv, bi)) { bv = v[j]; bi = id[j]; }
+    float wv = bv;
+    int wi = bi;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, wv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, wi, o);
+      if (topk_before(ov, oi, wv, wi)) { wv = ov; wi = oi; }
+    }
+    if (wi >= 0) {  // the owner retires the winner (indices are unique within a row)
+#pragma unroll
+      for (int j = 0; j < M; ++j)
+        if (id[j] == wi) id[j] = -1;
+    }
+    if (lane == 0) {
+      const int64_t o = item * k + r;
+      out_v[o] = wi >= 0 ? wv : -INFINITY;
+      if (final_i) final_i[o] = wi;
+      else out_i[o] = wi;
+    }
+  }
+}
+
+static void topk_pass(const float* in_v, const int* in_i, int64_t rows, int L, int k, float* out_v,
+                      int* out_i, int64_t* final_i, cudaStream_t s) {
+  const int per_lane = ceil_div(std::min(L, 512), 32);
+  const int M = per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : per_lane <= 8 ? 8 : 16;
+  const int nseg = ceil_div(L, 32 * M);
+  dim3 block(32, 4), grid(ceil_div(rows * nseg, 4));
+  switch (M) {
+    case 1: topk_kernel<1><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
+    case 2: topk_kernel<2><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
+    case 4: topk_kernel<4><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
+    case 8: topk_kernel<8><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
+    default: topk_kernel<16><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i);
+  }
+  check_launch("topk");
+}
+
+// Bytes of workspace topk() needs: two candidate buffers (values + indices) for rows > 512.
+size_t topk_workspace_bytes(int64_t rows, int L, int k) {
+  if (L <= 512) return 0;
+  return 2 * (size_t)rows * ceil_div(L, 512) * k * (sizeof(float) + sizeof(int));
+}
+
+void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
+          cudaStream_t s) {
+  if (rows == 0) return;
+  const size_t cap = (size_t)rows * ceil_div(L, 512) * k;
+  float* buf_v[2] = {static_cast<float*>(workspace), static_cast<float*>(workspace) + cap};
+  int* buf_i[2] = {reinterpret_cast<int*>(buf_v[1] + cap), reinterpret_cast<int*>(buf_v[1] + cap) + cap};
+  const float* in_v = x;
+  const int* in_i = nullptr;
+  int len = L, b = 0;
+  while (len > 512) {  // candidate passes; each leaves ceil(len / 512) * k candidates per row
+    topk_pass(in_v, in_i, rows, len, k, buf_v[b], buf_i[b], nullptr, s);
+    in_v = buf_v[b];
+    in_i = buf_i[b];
+    len = ceil_div(len, 512) * k;
+    b ^= 1;
+  }
+  topk_pass(in_v, in_i, rows, len, k, values, nullptr, indices, s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// attention. q (BH, Sq, D), k and v (BH, Sk, D), contiguous. Causal aligns queries to the end of
+// the keys: query i sees keys j <= i + (Sk - Sq), so Sq = 1 decodes one token against a cache.
+//
+// Tiled attention is composed in bindings.cpp from the pieces above (batched matmul for Q K^T,
+// the masked softmax, matmul for P V, and the same pieces backwards); it stores the S x S scores.
+//
+// Fused attention (FlashAttention-2 style) never stores them. A block owns 64 queries (4 warps x
+// 16 rows); K and V stream through shared memory 64 keys at a time (cp.async, the next K tile
+// loads while the current V tile is used and the other way round); the softmax is online (running
+// max m and sum l per row, the output accumulator rescaled when m grows), computed with exp2 on
+// scores pre-multiplied by scale * log2(e). The block saves lse2 = m + log2(l) per row (log2 units)
+// so the backward can rebuild P = exp2(s * scale * log2(e) - lse2) tile by tile.
+//
+// The products run on tensor cores: mma.sync m16n8k8 TF32. TF32 keeps 10 mantissa bits, so the
+// default PRECISE mode splits each operand x = hi + lo (both TF32) and sums lo*hi + hi*lo + hi*hi:
+// "3xTF32", about fp32 accuracy (the same trick PyTorch's fp32 SDPA kernels use). PRECISE = false
+// does one TF32 product (operands rounded to nearest TF32): faster, errors near 1e-3.
+//
+// Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): A (16 x 8) a0 = (g, t), a1 = (g+8, t),
+// a2 = (g, t+4), a3 = (g+8, t+4); B (8 x 8) b0 = (k=t, n=g), b1 = (k=t+4, n=g); C (16 x 8)
+// c0,c1 = (g, 2t), (g, 2t+1), c2,c3 = (g+8, 2t), (g+8, 2t+1). A score tile from a C fragment feeds
+// the next product as its A operand if the 8 keys of a k-step are taken in the order
+// (0,2,4,6,1,3,5,7): then a = {c0, c2, c1, c3}, and the B operand reads key rows 2t and 2t+1.
+// Shared-memory rows are padded to D + 4 floats, which makes every fragment read conflict-free.
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();  // tensor-core TF32 needs sm_80+; the launchers refuse older GPUs
+#endif
+}
+
+// An operand fragment as hi (and lo, when PRECISE) TF32 parts. PRECISE splits by truncation:
+// hi = x with the 13 mantissa bits TF32 lacks cleared, lo = x - hi (exact in fp32), and the tensor
+// core drops lo's own low bits. Two integer/float ops per value instead of two conversions; the
+// dropped lo*lo term and lo's truncation leave a relative error near 2^-20 per product.
+template <int NR, bool PRECISE>
+struct Frag {
+  uint32_t hi[NR], lo[NR];
+  __device__ __forceinline__ void set(const float (&x)[NR]) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      if (PRECISE) {
+        hi[i] = __float_as_uint(x[i]) & 0xffffe000u;
+        lo[i] = __float_as_uint(x[i] - __uint_as_float(hi[i]));
+      } else {
+        hi[i] = to_tf32(x[i]);
+      }
+    }
+  }
+};
+
+template <bool PRECISE>
+__device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, const Frag<2, PRECISE>& b) {
+  if (PRECISE) {  // small terms first
+    mma_tf32(c, a.lo, b.hi);
+    mma_tf32(c, a.hi, b.lo);
+  }
+  mma_tf32(c, a.hi, b.hi);
+}
+
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// Rows [r0, r0 + ROWS) of a (S, D) matrix into smem rows of D + 4 floats; rows >= S become zeros.
+template <int ROWS, int D>
+__device__ __forceinline__ void load_rows_async(float* sm, const float* g, int r0, int S) {
+  constexpr int CHUNKS = D / 4;
+  for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
+    const int r = e / CHUNKS, c = (e % CHUNKS) * 4;
+    const bool valid = r0 + r < S;
+    cp_async16(sm + r * (D + 4) + c, g + (int64_t)(valid ? r0 + r : 0) * D + c, valid);
+  }
+}
+
+// A fragment (rows row0 + g, row0 + g + 8; columns k0 + t, k0 + t + 4) of a smem matrix.
+template <int D, bool PRECISE>
+__device__ __forceinline__ Frag<4, PRECISE> frag_a(const float* sm, int row0, int k0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float* p = sm + (row0 + g) * (D + 4) + k0 + t;
+  const float x[4] = {p[0], p[8 * (D + 4)], p[4], p[8 * (D + 4) + 4]};
+  Frag<4, PRECISE> f;
+  f.set(x);
+  return f;
+}
+
+// B fragment of M^T for a smem matrix M (row-major, rows = n): b = M[n0 + g][k0 + t], [.. + 4].
+template <int D, bool PRECISE>
+__device__ __forceinline__ Frag<2, PRECISE> frag_bt(const float* sm, int n0, int k0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float* p = sm + (n0 + g) * (D + 4) + k0 + t;
+  const float x[2] = {p[0], p[4]};
+  Frag<2, PRECISE> f;
+  f.set(x);
+  return f;
+}
+
+// B fragment of M itself with the permuted k order: b = M[k0 + 2t][n0 + g], M[k0 + 2t + 1][n0 + g].
+template <int D, bool PRECISE>
+__device__ __forceinline__ Frag<2, PRECISE> frag_b_perm(const float* sm, int k0, int n0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float* p = sm + (k0 + 2 * t) * (D + 4) + n0 + g;
+  const float x[2] = {p[0], p[D + 4]};
+  Frag<2, PRECISE> f;
+  f.set(x);
+  return f;
+}
+
+// A fragment from the C fragment of a score tile (the permuted k order, see above).
+template <bool PRECISE>
+__device__ __forceinline__ Frag<4, PRECISE> frag_a_from_c(const float (&c)[4]) {
+  const float x[4] = {c[0], c[2], c[1], c[3]};
+  Frag<4, PRECISE> f;
+  f.set(x);
+  return f;
+}
+
+// acc (16 x 8*NT per warp) += A (rows row0.., D wide) * B^T (rows of bsm, NT*8 of them).
+template <int D, int NT, bool PRECISE>
+__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const float* asm_, int row0, const float* bsm) {
+#pragma unroll
+  for (int kk = 0; kk < D; kk += 8) {
+    const Frag<4, PRECISE> a = frag_a<D, PRECISE>(asm_, row0, kk);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) mma<PRECISE>(acc[j], a, frag_bt<D, PRECISE>(bsm, j * 8, kk));
+  }
+}
+
+// acc (16 x D per warp) += P (16 x 8*NT, C fragments) * M (rows of msm, D wide).
+template <int D, int NT, bool PRECISE>
+__device__ __forceinline__ void mma_pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const float* msm) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const Frag<4, PRECISE> a = frag_a_from_c<PRECISE>(p[j]);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) mma<PRECISE>(acc[n], a, frag_b_perm<D, PRECISE>(msm, j * 8, n * 8));
+  }
+}
+
+struct AttnArgs {
+  const float *q, *k, *v, *o, *dout;
+  float *out, *lse2, *delta, *dq, *dk, *dv;
+  int Sq, Sk;
+  bool causal;
+  float scale, scale_log2;  // scale, and scale * log2(e)
+};
+
+// Number of 'tile'-key tiles the queries [q0, q1) attend to.
+__device__ __forceinline__ int key_tiles(const AttnArgs& p, int q1, int tile) {
+  const int last = p.causal ? min(p.Sk, q1 + p.Sk - p.Sq) : p.Sk;
+  return (last + tile - 1) / tile;
+}
+
+template <int D, bool PRECISE>
+__global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
+  extern __shared__ __align__(16) float smem[];
+  float* Qs = smem;
+  float* Ks = Qs + 64 * (D + 4);
+  float* Vs = Ks + 64 * (D + 4);
+  const int bh = blockIdx.x;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest causal tiles first
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float* q = p.q + (int64_t)bh * p.Sq * D;
+  const float* k = p.k + (int64_t)bh * p.Sk * D;
+  const float* v = p.v + (int64_t)bh * p.Sk * D;
+  const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+  const int offset = p.Sk - p.Sq;
+
+  float o[D / 8][4] = {};
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  const int ntiles = key_tiles(p, min(q0 + 64, p.Sq), 64);
+
+  load_rows_async<64, D>(Qs, q, q0, p.Sq);
+  load_rows_async<64, D>(Ks, k, 0, p.Sk);
+  cp_async_commit();
+  load_rows_async<64, D>(Vs, v, 0, p.Sk);
+  cp_async_commit();
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const int k0 = kt * 64;
+    cp_async_wait<1>();  // Q and this K tile have landed
+    __syncthreads();
+    float s[8][4] = {};
+    mma_abt<D, 8, PRECISE>(s, Qs, warp * 16, Ks);
+    __syncthreads();  // all warps are done with Ks
+    if (kt + 1 < ntiles) load_rows_async<64, D>(Ks, k, k0 + 64, p.Sk);
+    cp_async_commit();
+
+    // online softmax on this tile, rows row0 (c0, c1) and row1 (c2, c3)
+    const bool mask = k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * p.scale_log2;
+        if (mask) {
+          const int col = k0 + j * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
+          if (col >= p.Sk || (p.causal && col > row + offset)) x = -INFINITY;
+        }
+        s[j][e] = x;
+        if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+      }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
+    const float r0 = n0 == -INFINITY ? 0.f : n0, r1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= a0;  // l stays a per-thread partial sum; the 4 lanes of a row are added at the end
+    l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[j][0] = exp2f(s[j][0] - r0); s[j][1] = exp2f(s[j][1] - r0);
+      s[j][2] = exp2f(s[j][2] - r1); s[j][3] = exp2f(s[j][3] - r1);
+      l0 += s[j][0] + s[j][1];
+      l1 += s[j][2] + s[j][3];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
+
+    cp_async_wait<1>();  // this V tile has landed
+    __syncthreads();
+    mma_pm<D, 8, PRECISE>(o, s, Vs);
+    __syncthreads();  // all warps are done with Vs
+    if (kt + 1 < ntiles) load_rows_async<64, D>(Vs, v, k0 + 64, p.Sk);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+  float* out = p.out + (int64_t)bh * p.Sq * D;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (row0 < p.Sq) *reinterpret_cast<float2*>(out + (int64_t)row0 * D + c) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+    if (row1 < p.Sq) *reinterpret_cast<float2*>(out + (int64_t)row1 * D + c) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
+  }
+  if (t == 0) {
+    float* lse2 = p.lse2 + (int64_t)bh * p.Sq;
+    if (row0 < p.Sq) lse2[row0] = m0 + log2f(l0);
+    if (row1 < p.Sq) lse2[row1] = m1 + log2f(l1);
+  }
+}
+
+// delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. Warp per row.
+__global__ void attention_delta_kernel(const float* out, const float* dout, float* delta, int64_t rows, int D) {
+  const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= rows) return;
+  float acc = 0.f;
+  for (int d = threadIdx.x; d < D; d += 32) acc += out[r * D + d] * dout[r * D + d];
+  acc = warp_sum(acc);
+  if (threadIdx.x == 0) delta[r] = acc;
+}
+
+// P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse2[q]),
+// dp -> dS = P * (dp - delta[q]). The query index of element (j, e) comes from qidx(j, e), the key
+// from kidx(j, e); masked pairs get P = 0.
+template <int NT, class QI, class KI>
+__device__ __forceinline__ void softmax_grad_tile(const AttnArgs& p, float (&s)[NT][4], float (&dp)[NT][4],
+                                                  QI qidx, KI kidx, const float* lse2, const float* delta,
+                                                  bool mask) {
+  const int offset = p.Sk - p.Sq;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int qi = qidx(j, e), ki = kidx(j, e);
+      float pr = exp2f(s[j][e] * p.scale_log2 - lse2[e]);
+      if (mask && (qi >= p.Sq || ki >= p.Sk || (p.causal && ki > qi + offset))) pr = 0.f;
+      s[j][e] = pr;
+      dp[j][e] = pr * (dp[j][e] - delta[e]);
+    }
+}
+
+// dK, dV for 64 keys per block (4 warps x 16 keys), looping over query tiles of BQ. Works in the
+// transposed frame: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block
+// writes its own rows of dK and dV: no atomics, deterministic.
+template <int D, int BQ, bool PRECISE>
+__device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem, int bh, int kblock) {
+  float* Ks = smem;
+  float* Vs = Ks + 64 * (D + 4);
+  float* Qs = Vs + 64 * (D + 4);
+  float* dOs = Qs + BQ * (D + 4);
+  float* Ls = dOs + BQ * (D + 4);
+  float* Ds = Ls + BQ;
+  const int k0 = kblock * 64;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)bh * p.Sk;
+  const int key0 = k0 + warp * 16 + g;
+  const int offset = p.Sk - p.Sq;
+
+  load_rows_async<64, D>(Ks, p.k + kbase * D, k0, p.Sk);
+  load_rows_async<64, D>(Vs, p.v + kbase * D, k0, p.Sk);
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  // Causal: query i reaches key k0 only if i >= k0 - offset.
+  const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
+  for (int q0 = qstart; q0 < p.Sq; q0 += BQ) {
+    load_rows_async<BQ, D>(Qs, p.q + qbase * D, q0, p.Sq);
+    load_rows_async<BQ, D>(dOs, p.dout + qbase * D, q0, p.Sq);
+    cp_async_commit();
+    for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
+      const bool in = q0 + i < p.Sq;
+      Ls[i] = in ? p.lse2[qbase + q0 + i] : INFINITY;
+      Ds[i] = in ? p.delta[qbase + q0 + i] : 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
+    mma_abt<D, BQ / 8, PRECISE>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
+    mma_abt<D, BQ / 8, PRECISE>(dp, Vs, warp * 16, dOs); // dP^T
+    const bool mask = q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+      // lse2 and delta are per query: the column of the element
+      const float lq[4] = {Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1], Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1]};
+      const float dq[4] = {Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1], Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1]};
+      float sj[1][4] = {{s[j][0], s[j][1], s[j][2], s[j][3]}};
+      float dj[1][4] = {{dp[j][0], dp[j][1], dp[j][2], dp[j][3]}};
+      softmax_grad_tile<1>(p, sj, dj,
+          [&](int, int e) { return q0 + j * 8 + 2 * t + (e & 1); },
+          [&](int, int e) { return key0 + (e < 2 ? 0 : 8); }, lq, dq, mask);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e]; dp[j][e] = dj[0][e]; }
+    }
+    mma_pm<D, BQ / 8, PRECISE>(dv, s, dOs);  // dV += P^T dO
+    mma_pm<D, BQ / 8, PRECISE>(dk, dp, Qs);  // dK += dS^T Q
+    __syncthreads();  // before the next tiles overwrite Qs, dOs
+  }
+  cp_async_wait<0>();
+  float* dkp = p.dk + kbase * D;
+  float* dvp = p.dv + kbase * D;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (key0 < p.Sk) {
+      *reinterpret_cast<float2*>(dkp + (int64_t)key0 * D + c) = make_float2(dk[n][0] * p.scale, dk[n][1] * p.scale);
+      *reinterpret_cast<float2*>(dvp + (int64_t)key0 * D + c) = make_float2(dv[n][0], dv[n][1]);
+    }
+    if (key0 + 8 < p.Sk) {
+      *reinterpret_cast<float2*>(dkp + (int64_t)(key0 + 8) * D + c) = make_float2(dk[n][2] * p.scale, dk[n][3] * p.scale);
+      *reinterpret_cast<float2*>(dvp + (int64_t)(key0 + 8) * D + c) = make_float2(dv[n][2], dv[n][3]);
+    }
+  }
+}
+
+// dQ for 64 queries per block over key tiles of BK: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+// Recomputing S and dP here (instead of atomically adding dQ in the dK/dV kernel) keeps dQ
+// deterministic.
+template <int D, int BK, bool PRECISE>
+__device__ __forceinline__ void attention_bwd_dq(const AttnArgs& p, float* smem, int bh, int qblock) {
+  float* Qs = smem;
+  float* dOs = Qs + 64 * (D + 4);
+  float* Ks = dOs + 64 * (D + 4);
+  float* Vs = Ks + BK * (D + 4);
+  const int q0 = qblock * 64;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)bh * p.Sk;
+  const int row0 = q0 + warp * 16 + g;
+  const int offset = p.Sk - p.Sq;
+  const float lq[4] = {row0 < p.Sq ? p.lse2[qbase + row0] : INFINITY, 0.f,
+                       row0 + 8 < p.Sq ? p.lse2[qbase + row0 + 8] : INFINITY, 0.f};
+  const float lse[4] = {lq[0], lq[0], lq[2], lq[2]};
+  const float dl[4] = {row0 < p.Sq ? p.delta[qbase + row0] : 0.f, 0.f,
+                       row0 + 8 < p.Sq ? p.delta[qbase + row0 + 8] : 0.f, 0.f};
+  const float delta[4] = {dl[0], dl[0], dl[2], dl[2]};
+
+  load_rows_async<64, D>(Qs, p.q + qbase * D, q0, p.Sq);
+  load_rows_async<64, D>(dOs, p.dout + qbase * D, q0, p.Sq);
+  float dq[D / 8][4] = {};
+  const int ntiles = key_tiles(p, min(q0 + 64, p.Sq), BK);
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const int k0 = kt * BK;
+    load_rows_async<BK, D>(Ks, p.k + kbase * D, k0, p.Sk);
+    load_rows_async<BK, D>(Vs, p.v + kbase * D, k0, p.Sk);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
+    mma_abt<D, BK / 8, PRECISE>(s, Qs, warp * 16, Ks);
+    mma_abt<D, BK / 8, PRECISE>(dp, dOs, warp * 16, Vs);
+    const bool mask = q0 + 64 > p.Sq || k0 + BK > p.Sk || (p.causal && k0 + BK - 1 > q0 + offset);
+    softmax_grad_tile<BK / 8>(p, s, dp,
+        [&](int, int e) { return row0 + (e < 2 ? 0 : 8); },
+        [&](int j, int e) { return k0 + j * 8 + 2 * t + (e & 1); }, lse, delta, mask);
+    mma_pm<D, BK / 8, PRECISE>(dq, dp, Ks);
+    __syncthreads();  // before the next tiles overwrite Ks, Vs
+  }
+  float* dqp = p.dq + qbase * D;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (row0 < p.Sq) *reinterpret_cast<float2*>(dqp + (int64_t)row0 * D + c) = make_float2(dq[n][0] * p.scale, dq[n][1] * p.scale);
+    if (row0 + 8 < p.Sq) *reinterpret_cast<float2*>(dqp + (int64_t)(row0 + 8) * D + c) = make_float2(dq[n][2] * p.scale, dq[n][3] * p.scale);
+  }
+}
+
+// One launch for both backward halves: blocks y < kv_blocks compute dK/dV for a key block, the
+// rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
+// fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
+template <int D, int BQ, int BK, bool PRECISE>
+__global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs p, int kv_blocks) {
+  extern __shared__ __align__(16) float smem[];
+  const int y = blockIdx.y;
+  if (y < kv_blocks) attention_bwd_dkv<D, BQ, PRECISE>(p, smem, blockIdx.x, y);
+  else attention_bwd_dq<D, BK, PRECISE>(p, smem, blockIdx.x, gridDim.y - 1 - y);
+}
+
+static void require_tensor_cores(const char* what) {
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (major < 8)
+    throw std::runtime_error(std::string(what) + ": fused attention needs a GPU of compute capability 8.0 or newer");
+}
+
+template <class Kernel>
+static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnArgs& p, cudaStream_t s) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  kernel<<<grid, 128, smem, s>>>(p);
+}
+
+static AttnArgs attn_args(int Sq, int Sk, bool causal, float scale) {
+  AttnArgs p{};
+  p.Sq = Sq;
+  p.Sk = Sk;
+  p.causal = causal;
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  return p;
+}
+
+template <int D, bool PRECISE>
+static void attention_fwd_dispatch(const AttnArgs& p, int BH, cudaStream_t s) {
+  const size_t smem = 3 * 64 * (D + 4) * sizeof(float);
+  launch_attention(attention_fwd_kernel<D, PRECISE>, dim3(BH, ceil_div(p.Sq, 64)), smem, p, s);
+}
+
+template <int D, bool PRECISE>
+static void attention_bwd_dispatch(const AttnArgs& p, int BH, cudaStream_t s) {
+  constexpr int BQ = D > 64 ? 32 : 64, BK = D > 64 ? 32 : 64;  // register budget at D = 128
+  // dK/dV blocks hold K, V (64 rows) + Q, dO (BQ rows) + lse2, delta; dQ blocks Q, dO (64) + K, V (BK)
+  constexpr size_t smem_kv = ((128 + 2 * BQ) * (D + 4) + 2 * BQ) * sizeof(float);
+  constexpr size_t smem_q = (128 + 2 * BK) * (D + 4) * sizeof(float);
+  const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
+  cudaFuncSetAttribute(attention_bwd_kernel<D, BQ, BK, PRECISE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       (int)std::max(smem_kv, smem_q));
+  attention_bwd_kernel<D, BQ, BK, PRECISE>
+      <<<dim3(BH, kv_blocks + q_blocks), 128, std::max(smem_kv, smem_q), s>>>(p, kv_blocks);
+  check_launch("attention_bwd");
+}
+
+bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 128; }
+
+#define ATTN_DISPATCH(FN, D, PRECISE, ...)                                             \
+  do {                                                                                 \
+    if (D == 32) { if (PRECISE) FN<32, true>(__VA_ARGS__); else FN<32, false>(__VA_ARGS__); } \
+    else if (D == 64) { if (PRECISE) FN<64, true>(__VA_ARGS__); else FN<64, false>(__VA_ARGS__); } \
+    else if (D == 128) { if (PRECISE) FN<128, true>(__VA_ARGS__); else FN<128, false>(__VA_ARGS__); } \
+    else throw std::invalid_argument("attention: fused mode supports head dim 32, 64, 128"); \
+  } while (0)
+
+// lse2 receives BH * Sq floats (log2 units) for the backward.
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
+                         int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s) {
+  if (BH == 0 || Sq == 0) return;
+  require_tensor_cores("attention_fwd_fused");
+  AttnArgs p = attn_args(Sq, Sk, causal, scale);
+  p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2;
+  ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, BH, s);
+  check_launch("attention_fwd_fused");
+}
+
+// delta is a BH * Sq float workspace.
+void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
+                         const float* dout, const float* lse2, float* delta, float* dq, float* dk,
+                         float* dv, int BH, int Sq, int Sk, int D, bool causal, float scale, bool precise,
+                         cudaStream_t s) {
+  if (BH == 0 || Sq == 0) return;
+  require_tensor_cores("attention_bwd_fused");
+  const int64_t rows = (int64_t)BH * Sq;
+  attention_delta_kernel<<<ceil_div(rows, 8), dim3(32, 8), 0, s>>>(out, dout, delta, rows, D);
+  check_launch("attention_delta");
+  AttnArgs p = attn_args(Sq, Sk, causal, scale);
+  p.q = q; p.k = k; p.v = v; p.o = out; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
+  p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
+  ATTN_DISPATCH(attention_bwd_dispatch, D, precise, p, BH, s);
+}

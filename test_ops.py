@@ -1,0 +1,1061 @@
+"""Every op of the `kernels` extension proven against its PyTorch twin, forward and backward.
+
+    python test_ops.py                          # all cases; GPU cases are skipped without CUDA
+    python test_ops.py --only attention         # the cases whose name contains 'attention'
+    python test_ops.py --bench [--json PATH]    # speed against PyTorch (needs a GPU and the build)
+
+Each case prints one line. A numeric check reads `label max|ours - ref|/tolerance`, where a
+tolerance `a+r|ref|` allows a + r * |ref| per element. References run in float64 where that
+sharpens the check, so the error shown is ours alone. The data.py tests run here too, on CPU.
+"""
+
+import argparse
+import contextlib
+import functools
+import http.server
+import io
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+import data
+
+try:
+    import kernels
+    KERNELS_ERROR = None
+except Exception as e:  # ImportError without a build; a stale build can fail in other ways
+    kernels, KERNELS_ERROR = None, e
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda"
+BUILD_HINT = "build it with: python setup.py build_ext --inplace"
+
+# -----------------------------------------------------------------------------
+# the PyTorch twin of every op, same signatures as `kernels`
+
+
+def _ref_attention(q, k, v, causal=False, scale=None, mode=None, precision=None):
+    Sq, Sk = q.shape[-2], k.shape[-2]
+    if causal and Sq != Sk:
+        # ours aligns the last query with the last key (decoding with a KV cache);
+        # SDPA's is_causal aligns the first ones, so the mask is spelled out
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + (Sk - Sq), scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+REF = types.SimpleNamespace(
+    linear=F.linear,
+    matmul=torch.matmul,
+    layernorm=lambda x, weight, bias, eps=1e-5: F.layer_norm(x, x.shape[-1:], weight, bias, eps),
+    softmax=lambda x: torch.softmax(x, -1),
+    gelu=F.gelu,
+    embedding=F.embedding,
+    cross_entropy=F.cross_entropy,
+    attention=_ref_attention,
+    gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
+    topk=torch.topk,
+)
+
+
+def topk_reference(x, k):
+    """The order the spec promises and torch.topk leaves open: ties by lower index, NaN on top."""
+    values, idx = torch.sort(x.double().cpu(), dim=-1, descending=True, stable=True)
+    return values[..., :k], idx[..., :k]
+
+# -----------------------------------------------------------------------------
+# runner
+
+CASES = []   # (name, fn, needs_gpu)
+CHECKS = []  # "label err/tol" of each check the running case passed
+
+
+class Skip(Exception):
+    pass
+
+
+def add(name, fn, *args, gpu=True, **kwargs):
+    CASES.append((name, functools.partial(fn, *args, **kwargs), gpu))
+
+
+def one_line(e):
+    return " ".join(str(e).split())[:400]
+
+
+def check(label, ours, ref, tol):
+    """|ours - ref| <= atol + rtol * |ref| everywhere; tol is atol or (atol, rtol)."""
+    atol, rtol = tol if isinstance(tol, tuple) else (tol, 0.0)
+    tol_text = f"{atol:.2g}" + (f"+{rtol:.0e}|ref|" if rtol else "")
+    assert ours.shape == ref.shape, f"{label}: shape {tuple(ours.shape)}, reference {tuple(ref.shape)}"
+    ours, ref = ours.detach().double(), ref.detach().double().to(ours.device)
+    diff = (ours - ref).abs()
+    err = diff.max().item() if diff.numel() else 0.0
+    bad = ~(diff <= atol + rtol * ref.abs())  # NaN is bad
+    if bad.any():
+        at = tuple(torch.nonzero(bad)[0].tolist())
+        raise AssertionError(f"{label}: max|err| {err:.2e} > {tol_text}; first at {at}: "
+                             f"ours {ours[at].item():.6g}, reference {ref[at].item():.6g}")
+    CHECKS.append(f"{label} {err:.1e}/{tol_text}")
+
+
+def compare(f, tol, grad_tol=None, **inputs):
+    """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies. Given grad_tol (one for
+    all, or by input name), one random dy goes back through both autograds and every float input's
+    gradient is checked too."""
+    def leaves(dtype):
+        return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None) if t.is_floating_point() else t
+                for n, t in inputs.items()}
+    ours_in, ref_in = leaves(torch.float32), leaves(torch.float64)
+    out, ref = f(kernels, **ours_in), f(REF, **ref_in)
+    assert out.dtype == torch.float32, f"output dtype {out.dtype}, expected float32"
+    check("out", out, ref, tol)
+    if grad_tol is None:
+        return
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    for n, t in ours_in.items():
+        if t.is_floating_point():
+            assert t.grad is not None, f"no gradient reached {n}"
+            check("d" + n, t.grad, ref_in[n].grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
+
+
+def run_case(name, fn, gpu):
+    torch.manual_seed(zlib.crc32(name.encode()))
+    CHECKS.clear()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            note = fn()
+            if gpu:
+                torch.cuda.synchronize()  # a kernel fault belongs to the case that launched it
+    except Skip as e:
+        return "SKIP", str(e)
+    except Exception as e:
+        return "FAIL", "  ".join(CHECKS + [f"{type(e).__name__}: {one_line(e)}"])
+    return "PASS", "  ".join(CHECKS + ([note] if note else []))
+
+
+def run_tests(only):
+    cases = [c for c in CASES if only in c[0]]
+    gpu_verdict = None
+    if not HAS_CUDA:
+        print(f"no CUDA device (torch {torch.__version__}): GPU cases are skipped")
+        gpu_verdict = ("SKIP", "no CUDA device")
+    elif kernels is None:
+        print(f"CUDA device present but `import kernels` failed ({one_line(KERNELS_ERROR)}); {BUILD_HINT}")
+        gpu_verdict = ("FAIL", "kernels not built")
+    else:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    for name, fn, gpu in cases:
+        status, detail = gpu_verdict if gpu and gpu_verdict else run_case(name, fn, gpu)
+        counts[status] += 1
+        print(f"{name:<46} {status}  {detail}", flush=True)
+    if not cases:
+        print(f"no case name contains {only!r}")
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    return 1 if counts["FAIL"] or not cases else 0
+
+# -----------------------------------------------------------------------------
+# data.py (CPU)
+
+BODY = ("The Wonderful Wizard of Oz\n\nby L. Frank Baum\n\n"
+        "Dorothy lived in the midst of the great Kansas prairies.\n“Toto,” she said.")
+SAMPLE = ("\ufeffThe Project Gutenberg eBook of The Wonderful Wizard of Oz\r\n"
+          "This ebook is for the use of anyone anywhere.\r\n\r\n"
+          "Title: The Wonderful Wizard of Oz\r\n\r\n"
+          "*** START OF THE PROJECT GUTENBERG EBOOK THE WONDERFUL WIZARD OF OZ ***\r\n\r\n\r\n"
+          + BODY.replace("\n", "\r\n") +
+          "\r\n\r\n\r\n*** END OF THE PROJECT GUTENBERG EBOOK THE WONDERFUL WIZARD OF OZ ***\r\n\r\n"
+          "Updated editions will replace the previous one.\r\nSTART: FULL LICENSE\r\n")
+CLEAN = BODY + "\n"
+
+
+def _serve(payloads):
+    """Serve {path: bytes} on 127.0.0.1; other paths get 404. Returns (server, port, counter)."""
+    counter = {"n": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            counter["n"] += 1
+            body = payloads.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")  # no charset, as Gutenberg may do
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1], counter
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def data_clean_text_gutenberg():
+    out = data.clean_text(SAMPLE)
+    assert out == CLEAN, f"cleaned sample differs from body:\n{out!r}\nvs\n{CLEAN!r}"
+    assert "\r" not in out and "\ufeff" not in out, "CR or BOM left in cleaned text"
+    lower = SAMPLE.replace("*** START OF THE", "*** start of this").replace("*** END OF THE", "*** End of This")
+    assert data.clean_text(lower) == CLEAN, "THIS / lower-case markers not recognised"
+    return f"gutenberg sample: {len(SAMPLE)} raw -> {len(out)} clean chars"
+
+
+def data_clean_text_no_markers():
+    raw = "\ufeffline one\r\nline two\rline three\n"
+    out = data.clean_text(raw)
+    assert out == "line one\nline two\nline three\n", f"unexpected cleaning: {out!r}"
+    assert data.clean_text("abc") == "abc\n", "missing final newline not added"
+    assert data.clean_text("abc\n\n\n") == "abc\n", "trailing newlines not collapsed to one"
+    return "text without markers kept whole"
+
+
+def data_download_and_cache():
+    server, port, counter = _serve({"/pg55.txt": SAMPLE.encode("utf-8")})
+    try:
+        url = f"http://127.0.0.1:{port}/pg55.txt"
+        with tempfile.TemporaryDirectory() as tmp:
+            text = data.load_text(cache_dir=tmp, url=url, timeout=5)
+            assert text == CLEAN, f"downloaded text differs from cleaned body: {text!r}"
+            cache = os.path.join(tmp, data.CACHE_NAME)
+            assert os.path.isfile(cache), f"cache file not written: {cache}"
+            with open(cache, encoding="utf-8", newline="") as f:
+                assert f.read() == CLEAN, "cache file content differs from cleaned body"
+            assert os.listdir(tmp) == [data.CACHE_NAME], f"stray files in cache: {os.listdir(tmp)}"
+            assert counter["n"] == 1, f"expected 1 request, got {counter['n']}"
+            again = data.load_text(cache_dir=tmp, url=url, timeout=5)
+            assert again == text, "second load returned different text"
+            assert counter["n"] == 1, f"second load hit the network ({counter['n']} requests)"
+    finally:
+        server.shutdown()
+        server.server_close()
+    return f"downloaded {len(text)} chars once, then served from cache"
+
+
+def data_offline_error():
+    url = f"http://127.0.0.1:{_free_port()}/pg55.txt"
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = os.path.join(tmp, data.CACHE_NAME)
+        try:
+            data.load_text(cache_dir=tmp, url=url, timeout=2)
+        except RuntimeError as e:
+            msg = str(e)
+            assert cache in msg, f"message does not name the cache path: {msg}"
+            assert "--data_path" in msg, f"message does not mention --data_path: {msg}"
+            assert url in msg, f"message does not name the URL: {msg}"
+            assert e.__cause__ is not None, "original exception not chained"
+            assert len(msg) < len(url) + len(cache) + 200, f"message too long: {msg}"
+        else:
+            raise AssertionError("no RuntimeError without a server")
+        assert not os.path.exists(cache), "cache written despite failed download"
+    return f"offline: {msg[:msg.index(')') + 1]}"
+
+
+def data_http_404():
+    server, port, counter = _serve({})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                data.load_text(cache_dir=tmp, url=f"http://127.0.0.1:{port}/missing.txt", timeout=2)
+            except RuntimeError as e:
+                assert "404" in str(e), f"404 not mentioned: {e}"
+                assert os.path.join(tmp, data.CACHE_NAME) in str(e), f"cache path missing: {e}"
+            else:
+                raise AssertionError("no RuntimeError on HTTP 404")
+            assert os.listdir(tmp) == [], f"files left after 404: {os.listdir(tmp)}"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert counter["n"] == 1, f"expected 1 request, got {counter['n']}"
+    return "HTTP 404 -> RuntimeError"
+
+
+def data_data_path():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "book.txt")
+        with open(path, "wb") as f:
+            f.write(SAMPLE.encode("utf-8"))
+        text = data.load_text(data_path=path, cache_dir=os.path.join(tmp, "cache"), url="http://127.0.0.1:1/x")
+        assert text == CLEAN, f"data_path text not cleaned: {text!r}"
+        assert not os.path.exists(os.path.join(tmp, "cache")), "data_path load touched the cache"
+        missing = os.path.join(tmp, "nope.txt")
+        try:
+            data.load_text(data_path=missing)
+        except FileNotFoundError as e:
+            assert missing in str(e), f"missing path not named: {e}"
+        else:
+            raise AssertionError("no FileNotFoundError for a missing data_path")
+        empty = os.path.join(tmp, "empty.txt")
+        with open(empty, "w", encoding="utf-8") as f:
+            f.write("\ufeff \r\n\r\n")
+        try:
+            data.load_text(data_path=empty)
+        except ValueError as e:
+            assert empty in str(e), f"empty path not named: {e}"
+        else:
+            raise AssertionError("no ValueError for an empty data_path")
+    return f"data_path: {len(text)} chars; missing and empty files rejected"
+
+
+def data_real_book():
+    root = os.path.dirname(os.path.abspath(data.__file__))
+    path = os.path.join(root, "..", "shared", "data", "wizard_of_oz.txt")
+    if not os.path.isfile(path):
+        raise Skip(f"{os.path.normpath(path)} not present")
+    text = data.load_text(data_path=path)
+    prefix = "The Wonderful Wizard of Oz\n\nby L. Frank Baum\n"
+    assert text.startswith(prefix), f"unexpected start: {text[:60]!r}"
+    assert "\r" not in text and "\ufeff" not in text, "CR or BOM left in the book"
+    assert abs(len(text) - 207_802) <= 5, f"book length {len(text)} far from 207,802"
+    assert text.endswith("glad to be at home again!”\n"), f"unexpected end: {text[-40:]!r}"
+    return f"real book: {len(text):,} chars, {len(set(text))} distinct"
+
+
+def data_tokenizer():
+    text = "hello, Oz! “Toto”\n"
+    tok = data.CharTokenizer(text)
+    assert tok.vocab_size == len(set(text)), f"vocab_size {tok.vocab_size} != {len(set(text))}"
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) for i in ids) and len(ids) == len(text), "encode output malformed"
+    assert tok.decode(ids) == text, "round trip failed"
+    assert tok.decode(torch.tensor(ids)) == text, "decode of a tensor failed"
+    d = tok.to_dict()
+    assert d == {"chars": "".join(sorted(set(text)))}, f"to_dict unexpected: {d}"
+    tok2 = data.CharTokenizer.from_dict(d)
+    assert tok2.encode(text) == ids and tok2.vocab_size == tok.vocab_size, "from_dict changed encoding"
+    odd = data.CharTokenizer.from_dict({"chars": "zyx"})
+    assert odd.encode("xyz") == [2, 1, 0], "from_dict re-sorted the characters"
+    try:
+        tok.encode("hello Q")
+    except ValueError as e:
+        assert "'Q'" in str(e) and "training text" in str(e), f"unhelpful message: {e}"
+    else:
+        raise AssertionError("unknown character did not raise ValueError")
+    return f"tokens round trip: {len(text)} chars ok, vocab {tok.vocab_size}"
+
+
+def data_split():
+    ids = torch.arange(1000, dtype=torch.long)
+    train, val = data.split_data(ids)
+    assert len(train) == 900 and len(val) == 100, f"sizes {len(train)}/{len(val)}"
+    assert torch.equal(torch.cat([train, val]), ids), "split is not contiguous and ordered"
+    try:
+        data.split_data(torch.arange(5))
+    except ValueError as e:
+        assert "5" in str(e), f"token count not in message: {e}"
+    else:
+        raise AssertionError("no ValueError for 5 tokens")
+    return "split 1000 -> 900/100"
+
+
+def data_get_batch():
+    d = torch.arange(500, dtype=torch.long) * 7
+    B, T = 8, 16
+    x, y = data.get_batch(d, B, T, torch.Generator().manual_seed(0))
+    assert x.shape == (B, T) and y.shape == (B, T), f"shapes {x.shape} {y.shape}"
+    assert x.dtype == torch.int64 and y.dtype == torch.int64, f"dtypes {x.dtype} {y.dtype}"
+    for row_x, row_y in zip(x, y):
+        i = int(row_x[0]) // 7
+        assert torch.equal(row_x, d[i:i + T]) and torch.equal(row_y, d[i + 1:i + 1 + T]), "y is not x shifted"
+    x2, y2 = data.get_batch(d, B, T, torch.Generator().manual_seed(0))
+    assert torch.equal(x, x2) and torch.equal(y, y2), "same seed gave different batches"
+    x3, _ = data.get_batch(d, B, T, torch.Generator().manual_seed(1))
+    assert not torch.equal(x, x3), "different seeds gave the same batch"
+    xe, ye = data.get_batch(torch.arange(T + 1), 4, T, torch.Generator().manual_seed(0))
+    assert torch.equal(xe[0], torch.arange(T)) and torch.equal(ye[0], torch.arange(1, T + 1)), "edge window wrong"
+    for n in (T, T - 1):
+        try:
+            data.get_batch(torch.arange(n), B, T, torch.Generator())
+        except ValueError as e:
+            assert str(n) in str(e) and "block_size" in str(e), f"unhelpful message: {e}"
+        else:
+            raise AssertionError(f"no ValueError for {n} tokens with block_size {T}")
+    return f"batches ({B}, {T}) int64, shifted, seeded"
+
+
+for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download_and_cache,
+            data_offline_error, data_http_404, data_data_path, data_real_book, data_tokenizer,
+            data_split, data_get_batch):
+    add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+# -----------------------------------------------------------------------------
+# train.py on the CPU: a one-layer, 32-wide model on a small generated text, a few seconds per run.
+
+_TRAIN_TINY = ["--device=cpu", "--eval_interval=3", "--eval_iters=2", "--log_interval=2", "--batch_size=4",
+               "--block_size=16", "--n_embd=32", "--n_head=2", "--n_layer=1", "--sample_len=20", "--plot=false"]
+
+
+def _train_text_file(folder):
+    """A few thousand characters of varied words, so every split is longer than block_size."""
+    g = torch.Generator().manual_seed(0)
+    words = ["the", "scarecrow", "tin", "woodman", "lion", "dorothy", "road", "of", "yellow", "brick", "and", "oz"]
+    picks = torch.randint(0, len(words), (800,), generator=g).tolist()
+    text = "".join(words[i] + (".\n" if k % 11 == 10 else " ") for k, i in enumerate(picks))
+    path = os.path.join(folder, "tiny.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def _train_run(*args):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                          timeout=120)
+
+
+def _train_check_ok(proc, what):
+    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+def _train_load_ckpt(path):
+    assert os.path.isfile(path), f"no checkpoint at {path}"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def train_cpu_checkpoint_and_resume():
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _train_text_file(tmp)
+        out = os.path.join(tmp, "out")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=6")
+        _train_check_ok(p, "train.py --device=cpu")
+        assert "PyTorch op set only" in p.stdout, f"no torch-only note in:\n{p.stdout}"
+        assert "iter 6/6" in p.stdout and "val" in p.stdout, f"no log/eval lines in:\n{p.stdout}"
+        ck = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
+        for key in ("config", "vocab", "model", "optimizer", "iter", "train_loss", "evals", "batch_rng"):
+            assert key in ck, f"checkpoint lacks {key!r}"
+        assert ck["iter"] == 6 and len(ck["train_loss"]) == 6, (ck["iter"], len(ck["train_loss"]))
+        assert [e["iter"] for e in ck["evals"]] == [3, 6], ck["evals"]
+        assert os.path.isfile(os.path.join(out, "results.json")), "no results.json"
+        assert not [f for f in os.listdir(out) if ".tmp" in f], f"temp files left in {os.listdir(out)}"
+
+        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=8", "--resume=true")
+        _train_check_ok(p, "train.py --resume=true")
+        assert "resuming from iteration 6" in p.stdout, f"no resume line in:\n{p.stdout}"
+        resumed = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
+        assert resumed["iter"] == 8 and len(resumed["train_loss"]) == 8, (resumed["iter"], len(resumed["train_loss"]))
+        assert resumed["train_loss"][:6] == ck["train_loss"], "resume rewrote the loss history"
+
+        # Weights, optimizer state and batch order all restored: 6 + 2 steps equal 8 steps in one go.
+        out8 = os.path.join(tmp, "out8")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out8}", "--max_iters=8")
+        _train_check_ok(p, "train.py --max_iters=8")
+        straight = _train_load_ckpt(os.path.join(out8, "ckpt_torch.pt"))
+        worst = max(abs(a - b) for a, b in zip(straight["train_loss"], resumed["train_loss"]))
+        assert worst < 1e-5, f"resumed losses differ from an uninterrupted run by {worst}"
+
+
+def train_rejects_unknown_key():
+    p = _train_run("--bogus=1")
+    assert p.returncode != 0, "--bogus=1 was accepted"
+    assert "bogus" in p.stderr and "max_iters" in p.stderr and "batch_size" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+
+
+def train_rejects_bad_type():
+    p = _train_run("--max_iters=abc")
+    assert p.returncode != 0, "--max_iters=abc was accepted"
+    assert "max_iters" in p.stderr and "int" in p.stderr and "abc" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    p = _train_run("--plot=maybe")
+    assert p.returncode != 0 and "plot" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def train_cuda_backend_on_cpu_errors():
+    p = _train_run("--backend=cuda", "--device=cpu")
+    assert p.returncode != 0, "--backend=cuda --device=cpu was accepted"
+    assert "backend=cuda" in p.stderr and "build_ext --inplace" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+
+
+for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors):
+    add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+# -----------------------------------------------------------------------------
+# the references themselves (CPU): the GPU cases lean on these two rules
+
+
+def ref_topk_order():
+    nan = float("nan")
+    _, idx = topk_reference(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [1.0, nan, 3.0, nan, -0.0]]), 3)
+    assert idx.tolist() == [[1, 2, 4], [1, 3, 2]], f"unexpected order {idx.tolist()}"
+    return "ties by lower index, NaN first"
+
+
+def ref_causal_alignment():
+    q, k, v = (torch.randn(1, 2, S, 8, dtype=torch.float64) for S in (3, 5, 5))
+    for Sk in (5, 3):
+        i, j = torch.arange(3)[:, None], torch.arange(Sk)[None, :]
+        scores = (q @ k[..., :Sk, :].transpose(-1, -2) / math.sqrt(8)).masked_fill(j > i + Sk - 3, -math.inf)
+        check(f"Sq3_Sk{Sk}", REF.attention(q, k[..., :Sk, :], v[..., :Sk, :], causal=True),
+              torch.softmax(scores, -1) @ v[..., :Sk, :], 1e-12)
+
+
+add("ref/topk_order", ref_topk_order, gpu=False)
+add("ref/causal_alignment", ref_causal_alignment, gpu=False)
+
+# -----------------------------------------------------------------------------
+# GPU cases. Inputs are unit normals unless a case says otherwise; tolerances are absolute
+# against the float64 reference, (atol, rtol) where outputs span many magnitudes.
+
+
+def rand(*shape, scale=1.0):
+    return torch.randn(*shape, device=DEV) * scale
+
+
+def mm_tol(*dims):
+    # rounding in an fp32 dot product grows with its length; 1e-4*sqrt(n) leaves room for any fp32
+    # summation order yet catches TF32 slipping in (~1e-3*sqrt(n)) and any indexing slip (O(1))
+    return 1e-4 * math.sqrt(max(dims))
+
+
+def t_matmul(M, K, N, batch=None, a_t=False, b_step=1):
+    lead = (batch,) if batch else ()
+    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
+    b = rand(*lead, K, N * b_step)[..., ::b_step]
+    compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(M, K, N), mm_tol(M, K, N), a=a, b=b)
+
+
+def t_linear(lead, K, N, bias=True, transposed=False):
+    # transposed: x and weight arrive as transposed views, as after a head split or with a tied weight
+    x = rand(*lead[::-1], K).transpose(0, 1) if transposed else rand(*lead, K)
+    w = rand(K, N).t() if transposed else rand(N, K)
+    tol = mm_tol(math.prod(lead), K, N)
+    if bias:
+        compare(lambda ops, x, w, b: ops.linear(x, w, b), tol, tol, x=x, w=w, b=rand(N))
+    else:
+        compare(lambda ops, x, w: ops.linear(x, w), tol, tol, x=x, w=w)
+
+
+for _dims in ((1, 1, 1), (17, 33, 65), (127, 1, 255), (129, 65, 17), (64, 128, 16), (255, 257, 127),
+              (1000, 1100, 700)):
+    add("matmul/" + "x".join(map(str, _dims)), t_matmul, *_dims)
+add("matmul/3x17x33x65", t_matmul, 17, 33, 65, batch=3)
+add("matmul/2x128x64x200", t_matmul, 128, 64, 200, batch=2)
+add("matmul/33x65x17_aT_bstep2", t_matmul, 33, 65, 17, a_t=True, b_step=2)
+add("matmul/100x300x130_aT", t_matmul, 100, 300, 130, a_t=True)
+add("matmul/3x17x33x65_aT_bstep2", t_matmul, 17, 33, 65, batch=3, a_t=True, b_step=2)
+# few output tiles and a long K: the kernel splits K and adds the partial products
+add("matmul/33x5000x65_splitK", t_matmul, 33, 5000, 65)
+add("matmul/3x40x2001x50_splitK_aT", t_matmul, 40, 2001, 50, batch=3, a_t=True)
+
+for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
+                                  ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
+                                  ((5,), 1000, 17, False, False), ((2, 7), 33, 65, True, True),
+                                  ((4, 1000), 64, 96, True, False)):  # weight grad splits K = 4000
+    add(f"linear/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_transposed" * _tr,
+        t_linear, _lead, _K, _N, bias=_bias, transposed=_tr)
+
+# y = xhat * w + b with |xhat| up to ~4 and |w| up to ~3: a few fp32 ulps of ~10
+LN_TOL, LN_GRAD_TOL = 2e-5, 1e-4
+
+
+def t_layernorm(shape, transposed=False, eps=1e-5):
+    C = shape[-1]
+    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
+    # width 1: var = 0, so rstd = 1/sqrt(eps) ~ 316 multiplies the rounding of dy*w - mean(dy*w),
+    # which is exactly 0 in float64
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    compare(lambda ops, x, w, b: ops.layernorm(x, w, b, eps=eps), LN_TOL, grad_tol, x=x, w=rand(C), b=rand(C))
+
+
+for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097)):
+    add("layernorm/" + "x".join(map(str, _shape)), t_layernorm, _shape)
+add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
+add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
+
+# probabilities run from 1 down to 1e-7 and below, so the bound is mostly relative
+SM_TOL, SM_GRAD_TOL = (1e-7, 1e-5), (1e-6, 1e-5)
+
+
+def t_softmax(shape, scale=1.0, transposed=False):
+    x = rand(*shape[::-1], scale=scale).t() if transposed else rand(*shape, scale=scale)
+    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, x=x)
+
+
+for _shape, _scale in (((1, 1), 1), ((37, 17), 1), ((2, 5, 17), 1), ((37, 1000), 1), ((37, 1000), 100),
+                       ((4, 50304), 1), ((4, 50304), 100)):
+    add("softmax/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1), t_softmax, _shape, _scale)
+add("softmax/37x1000_transposed", t_softmax, (37, 1000), transposed=True)
+
+GELU_TOL, GELU_GRAD_TOL = (1e-6, 1e-5), (2e-6, 2e-5)
+
+
+def t_gelu(shape, approximate, scale=1.0):
+    compare(lambda ops, x: ops.gelu(x, approximate=approximate), GELU_TOL, GELU_GRAD_TOL,
+            x=rand(*shape, scale=scale))
+
+
+for _mode in ("none", "tanh"):
+    for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
+        add(f"gelu/{_mode}/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1),
+            t_gelu, _shape, _mode, _scale)
+
+# forward is a copy: exact. A weight-gradient row sums one dy row per use of its index, in whatever
+# order atomics land: fp32 rounding grows with the count
+EMB_GRAD_TOL_PER_USE = 1e-6
+
+
+def t_embedding(idx_shape, V, C):
+    idx = torch.randint(0, V, idx_shape, device=DEV)
+    flat = idx.view(-1)
+    flat[::3] = V - 1  # one index repeated many times, and the last row
+    flat[-1] = 0
+    uses = torch.bincount(flat).max().item()
+    compare(lambda ops, idx, w: ops.embedding(idx, w), 0.0, EMB_GRAD_TOL_PER_USE * uses, idx=idx, w=rand(V, C))
+
+
+for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((4, 64), 50304, 64)):
+    add(f"embedding/{'x'.join(map(str, _idx_shape))}_of_{_V}x{_C}", t_embedding, _idx_shape, _V, _C)
+
+# the loss is ~log V; gradients are (p - onehot) / N, down to ~1e-9, hence the relative part
+CE_TOL, CE_GRAD_TOL = (1e-5, 1e-5), (1e-8, 1e-5)
+
+
+def t_cross_entropy(N, V, scale=1.0):
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[0], targets[-1] = V - 1, 0
+    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL,
+            logits=rand(N, V, scale=scale), targets=targets)
+
+
+for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (1, 50304, 1), (37, 50304, 1), (37, 65, 30)):
+    add(f"cross_entropy/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy, _N, _V, _scale)
+
+
+def t_gemv(N, K, bias=False, x_step=1):
+    w, x = rand(N, K), rand(K * x_step)[::x_step]
+    if bias:
+        compare(lambda ops, w, x, b: ops.gemv(w, x, b), mm_tol(K), w=w, x=x, b=rand(N))
+    else:
+        compare(lambda ops, w, x: ops.gemv(w, x), mm_tol(K), w=w, x=x)
+
+
+for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, False, 1), (3072, 768, True, 1),
+                             (4096, 4096, False, 1), (4096, 4096, True, 1), (37, 1001, False, 1),
+                             (1000, 1001, True, 1), (3072, 768, True, 2)):
+    add(f"gemv/{_N}x{_K}" + "_bias" * _bias + f"_xstep{_step}" * (_step != 1), t_gemv, _N, _K, _bias, _step)
+
+BIG = 2.0 ** 100  # stands in for NaN in the value comparison; exact in fp32 and fp64
+
+
+def t_topk(shape, k, ints=False, nan=False):
+    # ints: values from -4..4, so rows are full of ties and the index order is the test
+    x = torch.randint(-4, 5, shape, device=DEV).float() if ints else rand(*shape)
+    if nan:
+        x[:, 3] = float("nan")
+        x[::2, -1] = float("nan")
+    values, idx = kernels.topk(x, k)
+    ref_values, ref_idx = topk_reference(x, k)
+    assert values.dtype == torch.float32 and idx.dtype == torch.int64, f"dtypes {values.dtype}, {idx.dtype}"
+    check("values", values.nan_to_num(BIG), ref_values.nan_to_num(BIG), 0.0)
+    check("idx", idx, ref_idx, 0.0)
+
+
+for _shape, _k, _kind in (((4096, 8), 1, ""), ((4096, 8), 2, ""), ((4096, 8), 8, ""), ((1, 50304), 50, ""),
+                          ((37, 1000), 128, ""), ((2, 5, 300), 7, ""), ((5, 1), 1, ""),
+                          ((4096, 8), 2, "ties"), ((64, 1000), 128, "ties"), ((16, 100), 10, "nan")):
+    add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k,
+        ints=_kind == "ties", nan=_kind == "nan")
+
+ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
+              "fused-tf32": dict(mode="fused", precision="tf32"),
+              "tiled": dict(mode="tiled")}
+# (out, grads) for unit-scale inputs; tf32 keeps 10 mantissa bits of q, k, P and v
+ATTN_TOL = {"fused-fp32": (1e-4, 2e-4), "tiled": (1e-4, 2e-4), "fused-tf32": (5e-3, 1e-2)}
+
+
+def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False):
+    def qkv(S, m=1):
+        # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
+        return rand(B, S, H, D, scale=m).transpose(1, 2) if bshd else rand(B, H, S, D, scale=m)
+    tol, g = ATTN_TOL[impl]
+    # q scaled by m: score rounding grows m-fold, and dk = dS^T q is m times larger on top of that
+    grad_tol = dict(q=g * mag, k=g * mag * mag, v=g * mag)
+    compare(lambda ops, q, k, v: ops.attention(q, k, v, causal=causal, scale=scale, **ATTN_IMPLS[impl]),
+            tol * mag, grad_tol, q=qkv(Sq, mag), k=qkv(Sk), v=qkv(Sk))
+
+
+_C = True  # causal
+ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
+    ("fused-fp32", 1, 1, 1, 1, 64, False, {}),
+    ("fused-fp32", 2, 3, 1, 1, 32, _C, {}),
+    ("fused-fp32", 2, 3, 17, 17, 32, False, {}),
+    ("fused-fp32", 2, 3, 17, 17, 64, _C, {}),
+    ("fused-fp32", 2, 3, 17, 17, 128, _C, {}),
+    ("fused-fp32", 2, 3, 64, 64, 64, False, {}),
+    ("fused-fp32", 2, 3, 64, 64, 128, _C, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 32, False, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 128, False, {}),
+    ("fused-fp32", 2, 3, 2048, 2048, 64, _C, {}),
+    ("fused-fp32", 1, 2, 2048, 2048, 128, False, {}),
+    ("fused-fp32", 2, 3, 1, 17, 128, False, {}),
+    ("fused-fp32", 2, 3, 1, 1000, 64, _C, {}),
+    ("fused-fp32", 2, 3, 17, 64, 64, _C, {}),
+    ("fused-fp32", 2, 3, 64, 1000, 32, _C, {}),
+    ("fused-fp32", 2, 3, 17, 2048, 128, _C, {}),
+    ("fused-fp32", 2, 3, 64, 2048, 64, False, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(mag=30)),
+    ("fused-fp32", 2, 3, 64, 64, 128, False, dict(mag=30)),
+    ("fused-fp32", 2, 3, 1, 2048, 64, _C, dict(mag=30)),
+    ("fused-fp32", 2, 3, 64, 64, 64, False, dict(scale=0.3)),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
+    ("tiled", 1, 1, 1, 1, 64, False, {}),
+    ("tiled", 2, 3, 17, 17, 32, _C, dict(scale=0.3)),
+    ("tiled", 2, 3, 17, 17, 48, False, {}),
+    ("tiled", 2, 3, 64, 64, 128, False, {}),
+    ("tiled", 2, 3, 1000, 1000, 64, _C, {}),
+    ("tiled", 2, 3, 2048, 2048, 64, False, {}),
+    ("tiled", 2, 3, 1, 64, 64, _C, {}),
+    ("tiled", 2, 3, 17, 1000, 128, _C, {}),
+    ("tiled", 2, 3, 1000, 1000, 64, False, dict(mag=30)),
+    ("tiled", 2, 3, 17, 64, 32, _C, dict(mag=30)),
+    ("tiled", 2, 3, 64, 64, 64, _C, dict(bshd=True)),
+    ("fused-tf32", 2, 3, 17, 17, 128, False, {}),
+    ("fused-tf32", 2, 3, 64, 64, 64, False, {}),
+    ("fused-tf32", 2, 3, 1000, 1000, 64, _C, {}),
+    ("fused-tf32", 2, 3, 2048, 2048, 128, _C, {}),
+    ("fused-tf32", 2, 3, 1, 1000, 32, _C, {}),
+]
+for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
+    _name = f"attention/{_impl}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
+    _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
+    add(_name, t_attention, _impl, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def expect_error(exc_type, call, *names):
+    """call() raises exc_type whose message names each of names (a tuple: any of them), and the GPU
+    stays usable afterwards."""
+    try:
+        call()
+    except exc_type as e:
+        msg = str(e)
+    else:
+        raise AssertionError(f"no {exc_type.__name__} raised")
+    for alternatives in names:
+        alternatives = alternatives if isinstance(alternatives, tuple) else (alternatives,)
+        assert any(re.search(rf"\b{re.escape(a)}\b", msg) for a in alternatives), \
+            f"message does not name {' or '.join(alternatives)}: {one_line(msg)}"
+    torch.cuda.synchronize()
+    assert (torch.ones(4, device=DEV) * 2).sum().item() == 8, "GPU unusable after the error"
+    return f"{exc_type.__name__}: {one_line(msg)[:120]}"
+
+
+def _qkv(*shapes):
+    return [rand(*s) for s in shapes]
+
+
+BAD_CASES = [  # name, exception, call, words its message must hold
+    ("layernorm_cpu_x", RuntimeError, lambda: kernels.layernorm(torch.randn(4, 8), rand(8), rand(8)),
+     ("layernorm", "x")),
+    ("linear_cpu_weight", RuntimeError, lambda: kernels.linear(rand(4, 8), torch.randn(5, 8)), ("linear", "weight")),
+    ("softmax_float64_x", RuntimeError, lambda: kernels.softmax(rand(4, 8).double()), ("softmax", "x")),
+    ("matmul_float64_b", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(8, 5).double()), ("matmul", "b")),
+    ("linear_K_mismatch", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 9)), ("linear", ("x", "weight"))),
+    ("matmul_inner_dim", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(9, 5)), ("matmul", ("a", "b"))),
+    ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),
+     ("layernorm", "weight")),
+    ("embedding_index_V", ValueError, lambda: kernels.embedding(torch.tensor([0, 10], device=DEV), rand(10, 4)),
+     (("idx", "index", "indices"),)),
+    ("embedding_index_negative", ValueError,
+     lambda: kernels.embedding(torch.tensor([[3, -1]], device=DEV), rand(10, 4)), (("idx", "index", "indices"),)),
+    ("topk_k_above_row", ValueError, lambda: kernels.topk(rand(4, 8), 9), ("k",)),
+    ("topk_k_zero", ValueError, lambda: kernels.topk(rand(4, 8), 0), ("k",)),
+    ("topk_k_above_128", ValueError, lambda: kernels.topk(rand(2, 1000), 129), ("k",)),
+    ("attention_B_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (1, 3, 17, 64), (1, 3, 17, 64))), ("attention", ("q", "k", "v"))),
+    ("attention_H_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 2, 17, 64), (2, 2, 17, 64))), ("attention", ("q", "k", "v"))),
+    ("attention_D_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 32), (2, 3, 17, 32))), ("attention", ("q", "k", "v"))),
+    ("attention_kv_length_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64), (2, 3, 16, 64))), ("attention", ("k", "v"))),
+    ("attention_fused_D48", ValueError,
+     lambda: kernels.attention(*_qkv(*[(2, 3, 17, 48)] * 3), mode="fused"), ("32", "64", "128")),
+    ("attention_float64_v", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).double()),
+     ("attention", "v")),
+    ("attention_cpu_q", RuntimeError,
+     lambda: kernels.attention(torch.randn(2, 3, 17, 64), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
+     ("attention", "q")),
+]
+for _name, _exc, _call, _words in BAD_CASES:
+    add("bad/" + _name, expect_error, _exc, _call, *_words)
+
+# -----------------------------------------------------------------------------
+# benchmark: ours against PyTorch, same inputs, same run
+
+ONLY = ""    # --only: bench ops whose name contains it
+_FLUSH = []  # a 256 MB buffer, several times any L2, written before every timed rep
+
+
+def time_ms(fn, reps=50):
+    """Median ms of fn over reps with a cold L2; the flush sits outside the timed region."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(64 * 2**20, device=DEV))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - t0) * 1e3
+    reps = max(10, min(reps, int(3000 / max(once_ms, 1e-3))))  # keep a slow op to ~3 s
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        _FLUSH[0].zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def rel_check(ours, ref, tol):
+    """max |ours - ref| / max |ref| over the output, or over each gradient."""
+    pairs = zip(ours, ref) if isinstance(ours, (tuple, list)) else [(ours, ref)]
+    errs = [((o - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in pairs]
+    err = math.nan if any(math.isnan(e) for e in errs) else max(errs)
+    ok = err <= tol
+    return ok, f"{'ok' if ok else 'FAIL'} {err:.0e}"
+
+
+def topk_check(x, ours, ref, tol):
+    # indices of equal values may legally differ from torch's; the values and x[idx] may not
+    (values, idx), (ref_values, _) = ours, ref
+    ok = torch.equal(values, ref_values) and torch.equal(x.gather(-1, idx), values)
+    return ok, "ok exact" if ok else "FAIL"
+
+
+def md_row(cells):
+    return "| " + " | ".join(cells) + " |"
+
+
+def fmt(x, spec):
+    return "OOM" if x is None else format(x, spec)
+
+
+def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check):
+    """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
+    torch.autograd.grad on a graph built once and retained, so the forward is not in it."""
+    if ONLY not in op:
+        return
+    if not rows:
+        print(md_row(["op", "shape", "pass", "torch ms", "ours ms", "torch/ours", "ours throughput", "check"]))
+        print(md_row(["---"] * 8))
+    if pas == "fwd":
+        def run_torch():
+            return f(REF, *inputs)
+
+        def run_ours():
+            return f(kernels, *inputs)
+    else:
+        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        wrt = [t for t in leaves if t.requires_grad]
+        y_torch, y_ours = f(REF, *leaves), f(kernels, *leaves)
+        dy = torch.randn_like(y_torch)
+
+        def run_torch():
+            return torch.autograd.grad(y_torch, wrt, dy, retain_graph=True)
+
+        def run_ours():
+            return torch.autograd.grad(y_ours, wrt, dy, retain_graph=True)
+    ok, check_text = check_fn(run_ours(), run_torch(), tol)
+    torch_ms, ours_ms = time_ms(run_torch), time_ms(run_ours)
+    rate = work / (ours_ms * 1e-3) / (1e12 if unit == "TFLOP/s" else 1e9)
+    rows.append(dict(op=op, shape=shape, **{"pass": pas}, torch_ms=torch_ms, ours_ms=ours_ms,
+                     ratio=torch_ms / ours_ms, rate=rate, unit=unit, check_ok=ok, check=check_text))
+    print(md_row([op, shape, pas, f"{torch_ms:.4f}", f"{ours_ms:.4f}", f"{torch_ms / ours_ms:.2f}x",
+                  f"{rate:.1f} {unit}", check_text]), flush=True)
+
+
+def bench_ops(rows):
+    for n in (1024, 4096):
+        bench_op(rows, "matmul", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
+                 [rand(n, n), rand(n, n)], 2 * n**3, "TFLOP/s")
+    for R, C in ((8192, 768), (16384, 4096)):
+        x, w, b = rand(R, C), rand(C), rand(C)
+        nbytes = 4 * R * C
+        # fwd reads x and writes y; bwd reads x (or y) and dy and writes dx
+        for op, f, ins in (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
+                           ("softmax", lambda ops, x: ops.softmax(x), [x]),
+                           ("gelu", lambda ops, x: ops.gelu(x), [x]),
+                           ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x])):
+            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, 2 * nbytes, "GB/s")
+            bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, 3 * nbytes, "GB/s")
+    V, C, T = 50304, 768, 16 * 64
+    idx, w = torch.randint(0, V, (16, 64), device=DEV), rand(V, C)
+    # the weight gradient is a dense V x C table: writing it dominates the backward
+    for pas, nbytes in (("fwd", 4 * 2 * T * C), ("bwd", 4 * (T * C + V * C))):
+        bench_op(rows, "embedding", f"16x64 of {V}x{C}", pas, lambda ops, idx, w: ops.embedding(idx, w),
+                 [idx, w], nbytes, "GB/s")
+    for N, K in ((3072, 768), (4096, 4096)):
+        bench_op(rows, "gemv", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
+                 [rand(N, K), rand(K), rand(N)], 4 * (N * K + K + 2 * N), "GB/s")
+    for shape, k in (((4096, 8), 2), ((1, 50304), 50)):
+        x = rand(*shape)
+        bench_op(rows, "topk", f"{shape[0]}x{shape[1]} k={k}", "fwd", lambda ops, x: ops.topk(x, k), [x],
+                 4 * x.numel(), "GB/s", check_fn=functools.partial(topk_check, x))
+    for N, V in ((8192, 65), (8192, 50304)):
+        ins = [rand(N, V), torch.randint(0, V, (N,), device=DEV)]
+        for pas, nbytes in (("fwd", 4 * N * V), ("bwd", 8 * N * V)):
+            bench_op(rows, "cross_entropy", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
+                     ins, nbytes, "GB/s")
+
+
+def attention_fns(causal):
+    """name -> f(q, k, v) for the four implementations compared."""
+    def ours(**kw):
+        return lambda q, k, v: kernels.attention(q, k, v, causal=causal, **kw)
+    return {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+            "tiled": ours(mode="tiled"),
+            "fused": ours(mode="fused", precision="fp32"),
+            "fused-tf32": ours(mode="fused", precision="tf32")}
+
+
+def fwd_bwd(fn, leaves, dout):
+    return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
+ATTN_BENCH_BHD = (4, 8, 64)
+ATTN_BENCH_S = (128, 512, 1024, 2048, 4096)
+ATTN_MEMORY_S = (1024, 2048, 4096)
+
+
+def bench_attention(rows):
+    B, H, D = ATTN_BENCH_BHD
+    print(f"\nattention fp32, B={B} H={H} D={D}; SDPA = F.scaled_dot_product_attention, default backend")
+    cols = ["S", "causal", "pass", "SDPA ms", "tiled ms", "fused ms", "fused-tf32 ms", "SDPA/fused",
+            "SDPA/fused-tf32", "fused TFLOP/s", "check vs SDPA"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+    for S in ATTN_BENCH_S:
+        for causal in (False, True):
+            q, k, v, dout = (rand(B, H, S, D) for _ in range(4))
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+            for pas, flop_mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):  # backward does 2.5x the forward's matmuls
+                ms, outs = {}, {}
+                for name, fn in attention_fns(causal).items():
+                    if pas == "fwd":
+                        run = functools.partial(fn, q, k, v)
+                    else:
+                        run = functools.partial(fwd_bwd, fn, leaves, dout)
+                    try:
+                        outs[name] = run()
+                        ms[name] = time_ms(run)
+                    except torch.cuda.OutOfMemoryError:
+                        outs.pop(name, None)
+                        ms[name] = None
+                        torch.cuda.empty_cache()
+                checks, all_ok = [], True
+                for name in ("tiled", "fused", "fused-tf32"):
+                    if name in outs and "sdpa" in outs:
+                        ok, text = rel_check(outs[name], outs["sdpa"], 1e-2 if name == "fused-tf32" else 2e-4)
+                        all_ok &= ok
+                        checks.append(f"{name} {text}")
+                    else:
+                        checks.append(f"{name} OOM")
+                ratio = {n: ms["sdpa"] / ms[n] if ms["sdpa"] and ms[n] else None for n in ("fused", "fused-tf32")}
+                tflops = flops * flop_mult / (ms["fused"] * 1e-3) / 1e12 if ms["fused"] else None
+                rows.append(dict(op="attention", shape=f"B{B} H{H} S{S} D{D}", causal=causal, **{"pass": pas},
+                                 sdpa_ms=ms["sdpa"], tiled_ms=ms["tiled"], fused_ms=ms["fused"],
+                                 fused_tf32_ms=ms["fused-tf32"], sdpa_over_fused=ratio["fused"],
+                                 sdpa_over_fused_tf32=ratio["fused-tf32"], fused_tflops=tflops,
+                                 check_ok=all_ok, check=", ".join(checks)))
+                print(md_row([str(S), str(causal), pas,
+                              *(fmt(ms[n], ".4f") for n in ("sdpa", "tiled", "fused", "fused-tf32")),
+                              fmt(ratio["fused"], ".2f") + "x", fmt(ratio["fused-tf32"], ".2f") + "x",
+                              fmt(tflops, ".1f"), ", ".join(checks)]), flush=True)
+
+
+def peak_extra_mb(fn, leaves, dout):
+    """Peak memory of one forward+backward above what was allocated before it (inputs excluded)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        grads = fwd_bwd(fn, leaves, dout)
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+    del grads
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_attention_memory(rows):
+    B, H, D = ATTN_BENCH_BHD
+    names = ("sdpa", "tiled", "fused")
+    print(f"\nattention peak extra memory, forward+backward, B={B} H={H} D={D}, causal=False (MB; inputs excluded)")
+    print(md_row(["S", "SDPA MB", "tiled MB", "fused MB"]))
+    print(md_row(["---"] * 4))
+    for S in ATTN_MEMORY_S:
+        leaves = [rand(B, H, S, D).requires_grad_() for _ in range(3)]
+        dout = rand(B, H, S, D)
+        fns = attention_fns(False)
+        mb = {n: peak_extra_mb(fns[n], leaves, dout) for n in names}
+        rows.append(dict(op="attention memory", shape=f"B{B} H{H} S{S} D{D}", causal=False,
+                         **{f"{n}_mb": mb[n] for n in names}))
+        print(md_row([str(S)] + [fmt(mb[n], ".0f") for n in names]), flush=True)
+
+
+def bench_main(json_path):
+    if not HAS_CUDA or kernels is None:
+        why = "no CUDA device" if not HAS_CUDA else f"`import kernels` failed: {one_line(KERNELS_ERROR)}"
+        print(f"--bench needs a GPU and the built extension ({why}); {BUILD_HINT}")
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32: no TF32 shortcut for cuBLAS
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"median of up to 50 reps, L2 flushed before each\n")
+    rows = []
+    bench_ops(rows)
+    if ONLY in "attention":
+        bench_attention(rows)
+        bench_attention_memory(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"\nwrote {len(rows)} rows to {json_path}")
+    failed = [r for r in rows if r.get("check_ok") is False]
+    if failed:
+        print(f"{len(failed)} rows where ours does not match torch")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", metavar="SUBSTR",
+                        help="run the cases (or bench ops) whose name contains this")
+    parser.add_argument("--bench", action="store_true", help="time every op against PyTorch instead of testing")
+    parser.add_argument("--json", metavar="PATH", help="with --bench: also write the rows as a JSON list")
+    args = parser.parse_args()
+    if args.json and not args.bench:
+        parser.error("--json goes with --bench")
+    ONLY = args.only
+    sys.exit(bench_main(args.json) if args.bench else run_tests(args.only))
