@@ -532,7 +532,8 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
   }
 };
 
-// Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats); exact fp32.
+// Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats), built from the
+// library's matmul and masked softmax; any head dim.
 struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
     const AttnShape s = check_attention(q, k, v, causal);

@@ -1,8 +1,9 @@
-// kernels.cu: every CUDA kernel of the repo and its host launcher, fp32 throughout.
+// kernels.cu: every CUDA kernel of the repo and its host launcher. Tensors are fp32; matmul and
+// fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy.
 //
 // Sections, top to bottom:
-//   helpers -> embedding -> row kernels (layernorm, softmax, cross-entropy) -> column sums
-//   -> GELU -> matmul -> GEMV -> top-k -> attention (tiled helpers, fused forward/backward)
+//   helpers -> embedding -> layernorm -> column sums -> softmax -> cross-entropy -> GELU
+//   -> tensor-core helpers -> matmul -> GEMV -> top-k -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
@@ -39,6 +40,14 @@ static int num_sms() {
     cached[dev] = n > 0 ? n : 1;
   }
   return cached[dev];
+}
+
+static void require_tensor_cores(const char* what) {
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (major < 8)
+    throw std::runtime_error(std::string(what) + ": needs a GPU of compute capability 8.0 or newer (tensor-core TF32)");
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -702,17 +711,77 @@ void gelu_bwd(const float* x, const float* dy, float* dx, int64_t n, bool tanh_a
 }
 
 // ------------------------------------------------------------------------------------------------
-// matmul: C = alpha * op(A) * op(B) (+ bias[n]), fp32 on CUDA cores, batched over grid.z.
-// op(A) is M x K: stored row-major with leading dim lda (TA = false, A[m][k] = a[m*lda + k]) or
-// as its transpose (TA = true, A[m][k] = a[k*lda + m]); likewise op(B) is K x N (TB = true reads
-// b[n*ldb + k], the layout of a linear layer's weight). A batch stride of 0 broadcasts an operand.
+// tensor-core helpers: mma.sync m16n8k8 with TF32 operands, used by matmul and fused attention.
 //
-// Each block computes a BM x BN tile of C with (BM/8)*(BN/8) threads, 8 x 8 outputs per thread as
-// two 4-row groups (BM/2 apart) by two 4-column groups (BN/2 apart), so the per-k fragments are
-// float4 shared-memory reads without bank conflicts. K advances BK at a time; the next tile is
-// fetched into registers while the current one is multiplied (double-buffered shared memory,
-// one barrier per tile). Global loads are scalar and bounds-checked, laid out so consecutive
-// threads read consecutive addresses in either storage order: any M, N, K and any alignment work.
+// TF32 keeps 10 of fp32's 23 mantissa bits. PRECISE mode splits each operand x = hi + lo (both
+// TF32) and sums lo*hi + hi*lo + hi*hi ("3xTF32"): about fp32 accuracy at tensor-core speed, the
+// trick PyTorch's fp32 attention kernels use too. PRECISE = false does one TF32 product.
+//
+// Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): A (16 x 8) a0 = (g, t), a1 = (g+8, t),
+// a2 = (g, t+4), a3 = (g+8, t+4); B (8 x 8) b0 = (k=t, n=g), b1 = (k=t+4, n=g); C (16 x 8)
+// c0,c1 = (g, 2t), (g, 2t+1), c2,c3 = (g+8, 2t), (g+8, 2t+1).
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();  // tensor-core TF32 needs sm_80+; the launchers refuse older GPUs
+#endif
+}
+
+// An operand fragment as hi (and lo, when PRECISE) TF32 parts. PRECISE splits by truncation:
+// hi = x with the 13 mantissa bits TF32 lacks cleared, lo = x - hi (exact in fp32), and the tensor
+// core drops lo's own low bits. Two integer/float ops per value instead of two conversions; the
+// dropped lo*lo term and lo's truncation leave a relative error near 2^-20 per product.
+template <int NR, bool PRECISE>
+struct Frag {
+  uint32_t hi[NR], lo[NR];
+  __device__ __forceinline__ void set(const float (&x)[NR]) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      if (PRECISE) {
+        hi[i] = __float_as_uint(x[i]) & 0xffffe000u;
+        lo[i] = __float_as_uint(x[i] - __uint_as_float(hi[i]));
+      } else {
+        hi[i] = to_tf32(x[i]);
+      }
+    }
+  }
+};
+
+template <bool PRECISE>
+__device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, const Frag<2, PRECISE>& b) {
+  if (PRECISE) {  // small terms first
+    mma_tf32(c, a.lo, b.hi);
+    mma_tf32(c, a.hi, b.lo);
+  }
+  mma_tf32(c, a.hi, b.hi);
+}
+
+// ------------------------------------------------------------------------------------------------
+// matmul: C = alpha * op(A) * op(B) (+ bias[n]) on the tensor cores in 3xTF32 (fp32 accuracy),
+// batched over grid.z. op(A) is M x K: stored row-major with leading dim lda (TA = false,
+// A[m][k] = a[m*lda + k]) or as its transpose (TA = true, A[m][k] = a[k*lda + m]); likewise op(B)
+// is K x N (TB = true reads b[n*ldb + k], the layout of a linear layer's weight). A batch stride of
+// 0 broadcasts an operand.
+//
+// A block computes a BM x BN tile of C with 2 x (warps / 2) warps, each a (BM/2) x (BN/(warps/2))
+// piece made of m16n8 tensor-core tiles. K advances BK = 16 at a time through shared memory, both
+// operands stored k-minor ([m][k] and [n][k], rows padded to 20 floats so fragment reads hit 32
+// different banks); the next K tile is fetched into registers while the current one is multiplied
+// (double-buffered shared memory, one barrier per tile). Global loads are bounds-checked and laid
+// out so consecutive threads read consecutive addresses in either storage order, 16 bytes at a
+// time when sizes and pointers allow: any M, N, K and any alignment work.
 
 struct MatmulArgs {
   const float* a; const float* b; const float* bias; float* c;
@@ -720,20 +789,20 @@ struct MatmulArgs {
   int64_t lda, ldb, ldc;
   int64_t sa, sb, sc;  // batch strides in elements
   float alpha;
-  bool vec_c;  // C rows may be written as float4 (set by the launcher)
+  bool vec_c;  // C rows may be written as float2 (set by the launcher)
   // split-K: grid.z = batch * splits; split s covers K range [s * kchunk, (s + 1) * kchunk) and
   // writes its partial C at c + s * split_stride (then matmul_reduce_kernel adds the splits)
   int batch, splits, kchunk;
   int64_t split_stride;
 };
 
-template <int BM, int BN, int BK, bool TA, bool TB, int VEC>
-__global__ void __launch_bounds__((BM / 8) * (BN / 8), BM == 128 ? 2 : 4)
-matmul_kernel(MatmulArgs p) {
-  constexpr int NT = (BM / 8) * (BN / 8);
-  constexpr int PA = BM + 4, PB = BN + 4;  // padded rows: 2-way store conflicts at most
-  __shared__ __align__(16) float As[2][BK][PA];
-  __shared__ __align__(16) float Bs[2][BK][PB];
+template <int BM, int BN, int NT, bool TA, bool TB, int VEC>
+__global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArgs p) {
+  constexpr int BK = 16, PAD = BK + 4;
+  constexpr int WARPS_N = NT / 64, WTM = BM / 2, WTN = BN / WARPS_N;  // 2 x WARPS_N warps
+  constexpr int MI = WTM / 16, NJ = WTN / 8;                          // m16 x n8 tiles per warp
+  __shared__ __align__(16) float As[2][BM][PAD];
+  __shared__ __align__(16) float Bs[2][BN][PAD];
 
   // Grouped tile order: GROUP consecutive blocks share B's columns while walking rows of A, so
   // the tiles they read are still in L2.
@@ -754,8 +823,8 @@ matmul_kernel(MatmulArgs p) {
   const int tid = threadIdx.x;
 
   // Each thread loads VEC consecutive elements along the contiguous ("fast") storage dim of an
-  // operand (VEC = 4: one 16-byte load, when the launcher found sizes and pointers aligned) at
-  // LA (LB) positions that share the fast index and step a fixed number of rows apart.
+  // operand (VEC = 4: one 16-byte load) at LA (LB) positions that share the fast index and step a
+  // fixed number of rows apart.
   constexpr int A_UNITS = (TA ? BM : BK) / VEC, B_UNITS = (TB ? BK : BN) / VEC;  // vectors per tile row
   constexpr int LA = BM * BK / NT / VEC, LB = BN * BK / NT / VEC;
   constexpr int A_STEP = NT / A_UNITS, B_STEP = NT / B_UNITS;
@@ -793,74 +862,90 @@ matmul_kernel(MatmulArgs p) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const int slow = a_slow + i * A_STEP, fast = a_fast + j;
-        As[buf][TA ? slow : fast][TA ? fast : slow] = ra[i][j];
+        As[buf][TA ? fast : slow][TA ? slow : fast] = ra[i][j];
       }
 #pragma unroll
     for (int i = 0; i < LB; ++i)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const int slow = b_slow + i * B_STEP, fast = b_fast + j;
-        Bs[buf][TB ? fast : slow][TB ? slow : fast] = rb[i][j];
+        Bs[buf][TB ? slow : fast][TB ? fast : slow] = rb[i][j];
       }
   };
 
-  const int tx = tid % (BN / 8), ty = tid / (BN / 8);
-  float acc[8][8] = {};
+  const int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+  const int wm = (warp / WARPS_N) * WTM, wn = (warp % WARPS_N) * WTN;
+  float acc[MI][NJ][4] = {};
   const int ktiles = (k_hi - k_lo + BK - 1) / BK;
   load_tiles(k_lo);
   store_tiles(0);
   __syncthreads();
-  for (int t = 0; t < ktiles; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < ktiles) load_tiles(k_lo + (t + 1) * BK);
+  for (int kt = 0; kt < ktiles; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < ktiles) load_tiles(k_lo + (kt + 1) * BK);
 #pragma unroll
-    for (int k = 0; k < BK; ++k) {
-      float fa[8], fb[8];
-      *reinterpret_cast<float4*>(fa) = *reinterpret_cast<const float4*>(&As[buf][k][ty * 4]);
-      *reinterpret_cast<float4*>(fa + 4) = *reinterpret_cast<const float4*>(&As[buf][k][BM / 2 + ty * 4]);
-      *reinterpret_cast<float4*>(fb) = *reinterpret_cast<const float4*>(&Bs[buf][k][tx * 4]);
-      *reinterpret_cast<float4*>(fb + 4) = *reinterpret_cast<const float4*>(&Bs[buf][k][BN / 2 + tx * 4]);
+    for (int kk = 0; kk < BK; kk += 8) {
+      Frag<4, true> fa[MI];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < MI; ++i) {
+        const float* r = &As[buf][wm + i * 16 + g][kk + t];
+        const float x[4] = {r[0], r[8 * PAD], r[4], r[8 * PAD + 4]};
+        fa[i].set(x);
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(fa[i], fb[j], acc[i][j]);
+      for (int j = 0; j < NJ; ++j) {
+        const float* r = &Bs[buf][wn + j * 8 + g][kk + t];
+        const float x[2] = {r[0], r[4]};
+        Frag<2, true> fb;
+        fb.set(x);
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          // The tensor core adds into its accumulator without rounding to nearest, an error that
+          // grows with K; summing 8 products there and the rest with fp32 adds keeps it fp32-like.
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
+          mma<true>(part, fa[i], fb);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][j][e] += part[e];
+        }
+      }
     }
-    if (t + 1 < ktiles) store_tiles(buf ^ 1);
+    if (kt + 1 < ktiles) store_tiles(buf ^ 1);
     __syncthreads();
   }
 
-  #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int m = m0 + (i < 4 ? ty * 4 + i : BM / 2 + ty * 4 + i - 4);
-    if (m >= p.M) continue;
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = n0 + h * (BN / 2) + tx * 4;
-      float o[4];
+      const int m = m0 + wm + i * 16 + g + 8 * h;
+      if (m >= p.M) continue;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        o[j] = p.alpha * acc[i][h * 4 + j];
-        if (p.bias && n + j < p.N) o[j] += p.bias[n + j];
-      }
-      float* dst = c + (int64_t)m * p.ldc + n;
-      if (p.vec_c && n + 3 < p.N) {
-        *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
-      } else {
+      for (int j = 0; j < NJ; ++j) {
+        const int n = n0 + wn + j * 8 + 2 * t;
+        float o[2];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (n + j < p.N) dst[j] = o[j];
+        for (int e = 0; e < 2; ++e) {
+          o[e] = p.alpha * acc[i][j][2 * h + e];
+          if (p.bias && n + e < p.N) o[e] += p.bias[n + e];
+        }
+        float* dst = c + (int64_t)m * p.ldc + n;
+        if (p.vec_c && n + 1 < p.N) {
+          *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
+        } else {
+          if (n < p.N) dst[0] = o[0];
+          if (n + 1 < p.N) dst[1] = o[1];
+        }
       }
     }
-  }
 }
 
-template <int BM, int BN, int BK, int VEC>
+template <int BM, int BN, int NT, int VEC>
 static void matmul_tiles(const MatmulArgs& p, bool ta, bool tb, cudaStream_t s) {
-  dim3 grid(ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, p.batch * p.splits), block((BM / 8) * (BN / 8));
-  if (!ta && !tb) matmul_kernel<BM, BN, BK, false, false, VEC><<<grid, block, 0, s>>>(p);
-  else if (!ta && tb) matmul_kernel<BM, BN, BK, false, true, VEC><<<grid, block, 0, s>>>(p);
-  else if (ta && !tb) matmul_kernel<BM, BN, BK, true, false, VEC><<<grid, block, 0, s>>>(p);
-  else matmul_kernel<BM, BN, BK, true, true, VEC><<<grid, block, 0, s>>>(p);
+  dim3 grid(ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, p.batch * p.splits);
+  if (!ta && !tb) matmul_kernel<BM, BN, NT, false, false, VEC><<<grid, NT, 0, s>>>(p);
+  else if (!ta && tb) matmul_kernel<BM, BN, NT, false, true, VEC><<<grid, NT, 0, s>>>(p);
+  else if (ta && !tb) matmul_kernel<BM, BN, NT, true, false, VEC><<<grid, NT, 0, s>>>(p);
+  else matmul_kernel<BM, BN, NT, true, true, VEC><<<grid, NT, 0, s>>>(p);
 }
 
 // c[b][m][n] = alpha * sum over splits of part[s][b][m][n] + bias[n], in a fixed order.
@@ -876,13 +961,13 @@ __global__ void matmul_reduce_kernel(const float* part, const float* bias, float
   }
 }
 
-// Split K when the output has too few tiles to occupy the GPU (a weight gradient: small M x N,
-// K = all the tokens of a batch): aim at 2 blocks per SM, at least 128 of K per split.
+// Split K when the output has too few tiles for two waves of blocks (a weight gradient: small
+// M x N, K = all the tokens of a batch): aim at 4 blocks per SM, at least 128 of K per split.
 static int matmul_splits(int batch, int M, int N, int K) {
   const int64_t tiles = (int64_t)ceil_div(M, 64) * ceil_div(N, 64) * batch;
   const int sms = num_sms();
-  if (tiles >= sms || K < 256) return 1;
-  const int64_t want = std::min<int64_t>((2 * sms + tiles - 1) / tiles, K / 128);
+  if (tiles >= 2 * sms || K < 256) return 1;
+  const int64_t want = std::min<int64_t>((4 * sms + tiles - 1) / tiles, K / 128);
   const int kchunk = ceil_div(ceil_div(K, std::max<int64_t>(want, 1)), 16) * 16;
   return ceil_div(K, kchunk);
 }
@@ -898,6 +983,7 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
             int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb,
             int64_t sc, float alpha, float* workspace, cudaStream_t s) {
   if (batch == 0 || M == 0 || N == 0) return;
+  require_tensor_cores("matmul");
   MatmulArgs p{a, b, bias, c, M, N, K, lda, ldb, ldc, sa, sb, sc, alpha, false, batch, 1, std::max(K, 1), 0};
   // 16-byte operand loads need the contiguous extent, leading dims and batch strides in multiples
   // of 4 floats and aligned base pointers; otherwise every element is loaded on its own.
@@ -910,17 +996,17 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
     p.c = workspace; p.ldc = N; p.sc = (int64_t)M * N; p.split_stride = (int64_t)batch * M * N;
     p.alpha = 1.f; p.bias = nullptr;
   }
-  p.vec_c = p.ldc % 4 == 0 && p.sc % 4 == 0 && N % 4 == 0 && aligned16(p.c);
+  p.vec_c = p.ldc % 2 == 0 && p.sc % 2 == 0 && N % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & 7) == 0;
   // Big tiles only when they fill the GPU; otherwise 64 x 64 tiles give 4x more blocks.
   const bool big = (int64_t)ceil_div(M, 128) * ceil_div(N, 128) * batch >= num_sms();
   for (int z0 = 0; z0 < batch; z0 += 65535 / splits) {  // grid.z limit
     MatmulArgs q = p;
     q.batch = std::min(batch - z0, 65535 / splits);
     q.a += z0 * sa; q.b += z0 * sb; q.c += z0 * q.sc;
-    if (big && vec) matmul_tiles<128, 128, 16, 4>(q, ta, tb, s);
-    else if (big) matmul_tiles<128, 128, 16, 1>(q, ta, tb, s);
-    else if (vec) matmul_tiles<64, 64, 16, 4>(q, ta, tb, s);
-    else matmul_tiles<64, 64, 16, 1>(q, ta, tb, s);
+    if (big && vec) matmul_tiles<128, 128, 256, 4>(q, ta, tb, s);
+    else if (big) matmul_tiles<128, 128, 256, 1>(q, ta, tb, s);
+    else if (vec) matmul_tiles<64, 64, 128, 4>(q, ta, tb, s);
+    else matmul_tiles<64, 64, 128, 1>(q, ta, tb, s);
     check_launch("matmul");
   }
   if (splits > 1) {
@@ -1081,64 +1167,11 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // scores pre-multiplied by scale * log2(e). The block saves lse2 = m + log2(l) per row (log2 units)
 // so the backward can rebuild P = exp2(s * scale * log2(e) - lse2) tile by tile.
 //
-// The products run on tensor cores: mma.sync m16n8k8 TF32. TF32 keeps 10 mantissa bits, so the
-// default PRECISE mode splits each operand x = hi + lo (both TF32) and sums lo*hi + hi*lo + hi*hi:
-// "3xTF32", about fp32 accuracy (the same trick PyTorch's fp32 SDPA kernels use). PRECISE = false
-// does one TF32 product (operands rounded to nearest TF32): faster, errors near 1e-3.
-//
-// Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): A (16 x 8) a0 = (g, t), a1 = (g+8, t),
-// a2 = (g, t+4), a3 = (g+8, t+4); B (8 x 8) b0 = (k=t, n=g), b1 = (k=t+4, n=g); C (16 x 8)
-// c0,c1 = (g, 2t), (g, 2t+1), c2,c3 = (g+8, 2t), (g+8, 2t+1). A score tile from a C fragment feeds
-// the next product as its A operand if the 8 keys of a k-step are taken in the order
-// (0,2,4,6,1,3,5,7): then a = {c0, c2, c1, c3}, and the B operand reads key rows 2t and 2t+1.
+// The products run on the tensor cores (helpers above), 3xTF32 by default ('fp32'), one TF32
+// product with precision='tf32'. A score tile from a C fragment feeds the next product as its A
+// operand if the 8 keys of a k-step are taken in the order (0,2,4,6,1,3,5,7): then
+// a = {c0, c2, c1, c3}, and the B operand reads key rows 2t and 2t+1.
 // Shared-memory rows are padded to D + 4 floats, which makes every fragment read conflict-free.
-
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-  __trap();  // tensor-core TF32 needs sm_80+; the launchers refuse older GPUs
-#endif
-}
-
-// An operand fragment as hi (and lo, when PRECISE) TF32 parts. PRECISE splits by truncation:
-// hi = x with the 13 mantissa bits TF32 lacks cleared, lo = x - hi (exact in fp32), and the tensor
-// core drops lo's own low bits. Two integer/float ops per value instead of two conversions; the
-// dropped lo*lo term and lo's truncation leave a relative error near 2^-20 per product.
-template <int NR, bool PRECISE>
-struct Frag {
-  uint32_t hi[NR], lo[NR];
-  __device__ __forceinline__ void set(const float (&x)[NR]) {
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      if (PRECISE) {
-        hi[i] = __float_as_uint(x[i]) & 0xffffe000u;
-        lo[i] = __float_as_uint(x[i] - __uint_as_float(hi[i]));
-      } else {
-        hi[i] = to_tf32(x[i]);
-      }
-    }
-  }
-};
-
-template <bool PRECISE>
-__device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, const Frag<2, PRECISE>& b) {
-  if (PRECISE) {  // small terms first
-    mma_tf32(c, a.lo, b.hi);
-    mma_tf32(c, a.hi, b.lo);
-  }
-  mma_tf32(c, a.hi, b.hi);
-}
 
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -1511,13 +1544,6 @@ __global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs p, int kv_b
   else attention_bwd_dq<D, BK, PRECISE>(p, smem, blockIdx.x, gridDim.y - 1 - y);
 }
 
-static void require_tensor_cores(const char* what) {
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (major < 8)
-    throw std::runtime_error(std::string(what) + ": fused attention needs a GPU of compute capability 8.0 or newer");
-}
 
 template <class Kernel>
 static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnArgs& p, cudaStream_t s) {
