@@ -497,6 +497,12 @@ static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor&
   return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
 }
 
+// The fused kernels copy 16-byte chunks (cp.async): a view starting mid-chunk is copied first.
+static Tensor aligned_contiguous(const Tensor& t) {
+  Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
+}
+
 struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool causal,
                         double scale, bool precise) {
@@ -504,7 +510,7 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D = 32, 64, 128, got D = ",
                       s.D, " (mode='tiled' takes any D)");
     const c10::cuda::CUDAGuard guard(q_in.device());
-    const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
     Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
     const int BH = to_int("attention", s.B * s.H, "B * H");
     attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
@@ -521,8 +527,10 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     const auto t = ctx->get_saved_variables();
     const Tensor &q = t[0], &k = t[1], &v = t[2], &out = t[3], &lse2 = t[4];
     const c10::cuda::CUDAGuard guard(q.device());
-    const Tensor dout = grads[0].contiguous();
-    Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v), delta = at::empty_like(lse2);
+    const Tensor dout = aligned_contiguous(grads[0]);
+    Tensor dq = at::empty_like(q), delta = at::empty_like(lse2);
+    // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
+    Tensor dk = q.size(2) ? at::empty_like(k) : at::zeros_like(k), dv = q.size(2) ? at::empty_like(v) : at::zeros_like(v);
     attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
                         dk.data_ptr<float>(), dv.data_ptr<float>(), (int)(q.size(0) * q.size(1)), (int)q.size(2),

@@ -172,7 +172,7 @@ __global__ void embedding_bwd_kernel(const int64_t* idx, const float* dout, floa
 
 void embedding_fwd(const int64_t* idx, const float* weight, float* out, int64_t T, int64_t V, int C,
                    cudaStream_t s) {
-  if (T == 0) return;
+  if (T == 0 || C == 0) return;
   int threads = C >= 256 ? 256 : ((C + 31) / 32) * 32;
   embedding_fwd_kernel<<<(unsigned)T, threads, 0, s>>>(idx, weight, out, V, C);
   check_launch("embedding_fwd");
@@ -181,7 +181,7 @@ void embedding_fwd(const int64_t* idx, const float* weight, float* out, int64_t 
 // dweight must be zeroed by the caller.
 void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int64_t T, int64_t V, int C,
                    cudaStream_t s) {
-  if (T == 0) return;
+  if (T == 0 || C == 0) return;
   int threads = C >= 256 ? 256 : ((C + 31) / 32) * 32;
   embedding_bwd_kernel<<<(unsigned)T, threads, 0, s>>>(idx, dout, dweight, V, C);
   check_launch("embedding_bwd");
@@ -362,6 +362,7 @@ __global__ void colsum_finish_kernel(const float* part, float* out, int nchunk, 
 
 // Number of row chunks; the caller allocates nchunk * C floats per partial buffer.
 int colsum_chunks(int R, int C) {
+  if (R <= 0 || C <= 0) return 1;
   int colblocks = ceil_div(C, 32);
   int want = std::max(1, 4 * num_sms() / colblocks);
   int nchunk = std::min(std::max(1, ceil_div(R, 32)), want);
@@ -966,7 +967,7 @@ __global__ void matmul_reduce_kernel(const float* part, const float* bias, float
 static int matmul_splits(int batch, int M, int N, int K) {
   const int64_t tiles = (int64_t)ceil_div(M, 64) * ceil_div(N, 64) * batch;
   const int sms = num_sms();
-  if (tiles >= 2 * sms || K < 256) return 1;
+  if (tiles == 0 || tiles >= 2 * sms || K < 256) return 1;
   const int64_t want = std::min<int64_t>((4 * sms + tiles - 1) / tiles, K / 128);
   const int kchunk = ceil_div(ceil_div(K, std::max<int64_t>(want, 1)), 16) * 16;
   return ceil_div(K, kchunk);
@@ -1591,7 +1592,7 @@ bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 128; }
     else throw std::invalid_argument("attention: fused mode supports head dim 32, 64, 128"); \
   } while (0)
 
-// lse2 receives BH * Sq floats (log2 units) for the backward.
+// q, k, v: 16-byte aligned (cp.async). lse2 receives BH * Sq floats (log2 units) for the backward.
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
                          int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;

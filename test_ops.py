@@ -748,6 +748,25 @@ for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
     add(_name, t_attention, _impl, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
 
 
+def t_attention_misaligned(impl):
+    # q and dout start 4 bytes into an allocation: the fused kernels' 16-byte copies must not see that
+    B, H, S, D = 2, 3, 17, 64
+    q = rand(1 + B * H * S * D)[1:].view(B, H, S, D)
+    tol, g = ATTN_TOL[impl]
+    compare(lambda ops, q, k, v: ops.attention(q, k, v, **ATTN_IMPLS[impl]), tol, g, q=q, k=rand(B, H, S, D),
+            v=rand(B, H, S, D))
+
+
+add("attention/fused-fp32/misaligned_q", t_attention_misaligned, "fused-fp32")
+
+
+# Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
+add("empty/linear_0x300_to_64_bias", t_linear, (0,), 300, 64)
+add("empty/matmul_0x256x64", t_matmul, 0, 256, 64)
+add("empty/layernorm_0x768", t_layernorm, (0, 768))
+add("empty/attention_fused_q0k5", t_attention, "fused-fp32", 1, 2, 0, 5, 64, False)
+
+
 def expect_error(exc_type, call, *names):
     """call() raises exc_type whose message names each of names (a tuple: any of them), and the GPU
     stays usable afterwards."""
