@@ -1270,7 +1270,7 @@ __device__ __forceinline__ void mma_pm(float (&acc)[D / 8][4], const float (&p)[
 }
 
 struct AttnArgs {
-  const float *q, *k, *v, *o, *dout;
+  const float *q, *k, *v, *dout;
   float *out, *lse2, *delta, *dq, *dk, *dv;
   int Sq, Sk;
   bool causal;
@@ -1614,7 +1614,7 @@ void attention_bwd_fused(const float* q, const float* k, const float* v, const f
   attention_delta_kernel<<<ceil_div(rows, 8), dim3(32, 8), 0, s>>>(out, dout, delta, rows, D);
   check_launch("attention_delta");
   AttnArgs p = attn_args(Sq, Sk, causal, scale);
-  p.q = q; p.k = k; p.v = v; p.o = out; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
+  p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
   ATTN_DISPATCH(attention_bwd_dispatch, D, precise, p, BH, s);
 }
