@@ -5,7 +5,10 @@ parallel streams mixed by learned matrices, and keep the residual mixing matrix 
 projecting it with Sinkhorn-Knopp. Plain hyper-connections (HC, arXiv 2409.19606) leave it free.
 """
 
+import math
+
 import torch
+import torch.nn as nn
 
 
 def sinkhorn_torch(logits, iters=20):
@@ -23,3 +26,116 @@ def sinkhorn_torch(logits, iters=20):
         a = a - torch.logsumexp(a, dim=-2, keepdim=True)  # columns
         a = a - torch.logsumexp(a, dim=-1, keepdim=True)  # rows
     return torch.exp(a)
+
+
+# -----------------------------------------------------------------------------
+# residual streams: how a block's sublayer output F joins the residual stream x.
+# Written against the op namespace (softmax, sinkhorn, rmsnorm, linear), so each variant runs on both
+# op sets; the stream mixing itself (n x n times n x C per token) is plain PyTorch, shared by both.
+
+VARIANTS = ("baseline", "hc", "mhc", "mhc-dynamic")
+
+
+class PlainResidual(nn.Module):
+    """baseline: x + F(x), one stream."""
+
+    def forward(self, x, f, ops):  # x (B, T, C)
+        return x + f(x)
+
+
+class StaticHyperConnection(nn.Module):
+    """hc / mhc: n streams x (B, T, n, C) mixed by learned matrices that do not depend on the input.
+    The sublayer sees the merged stream H_pre x; then x <- H_res x + H_post^T F(H_pre x).
+    H_pre, H_post = softmax of their logits (1/n each at init); H_res = exp(L) for hc (unconstrained),
+    Sinkhorn(L) for mhc (doubly stochastic); L starts at 2I - 1."""
+
+    def __init__(self, n, constrained, sinkhorn_iters=20):
+        super().__init__()
+        self.constrained, self.iters = constrained, sinkhorn_iters
+        self.pre_logits = nn.Parameter(torch.zeros(n))
+        self.post_logits = nn.Parameter(torch.zeros(n))
+        self.res_logits = nn.Parameter(2 * torch.eye(n) - 1)
+        self.last_res = None  # H_res of the latest forward, detached, for the gain metrics
+
+    def forward(self, x, f, ops):  # x (B, T, n, C)
+        h_pre, h_post = ops.softmax(self.pre_logits), ops.softmax(self.post_logits)  # (n,) each
+        h_res = ops.sinkhorn(self.res_logits, self.iters) if self.constrained else torch.exp(self.res_logits)
+        self.last_res = h_res.detach()  # (n, n)
+        y = f(torch.einsum("i,btic->btc", h_pre, x))  # (B, T, C)
+        return torch.einsum("ij,btjc->btic", h_res, x) + h_post[:, None] * y.unsqueeze(-2)
+
+
+class DynamicHyperConnection(nn.Module):
+    """mhc-dynamic (the paper's form): per-token coefficients from the streams themselves.
+    x' = RMSNorm(flatten(x)) (1 x nC per token); H~ = alpha * (x' phi) + b, one alpha per group;
+    H_pre = sigmoid(H~_pre), H_post = 2 sigmoid(H~_post), H_res = Sinkhorn(H~_res), one n x n per token.
+    alpha starts at 0.01 and b at the static variants' starting point (H_pre = H_post = 1/n,
+    L = 2I - 1), so all three hyper-connection variants begin from the same mixing."""
+
+    def __init__(self, n, n_embd, sinkhorn_iters=20):
+        super().__init__()
+        self.n, self.iters = n, sinkhorn_iters
+        self.norm_w = nn.Parameter(torch.ones(n * n_embd))
+        self.phi_w = nn.Parameter(torch.empty(2 * n + n * n, n * n_embd))  # random init: GPT's weight init
+        self.alpha = nn.Parameter(torch.full((3,), 0.01))  # pre, post, res
+        b_pre = torch.full((n,), math.log(1 / (n - 1))) if n > 1 else torch.full((1,), 30.0)  # sigmoid -> 1/n
+        b_post = torch.full((n,), -math.log(2 * n - 1))  # 2 sigmoid -> 1/n
+        self.bias = nn.Parameter(torch.cat([b_pre, b_post, (2 * torch.eye(n) - 1).flatten()]))
+        self.last_res = None
+
+    def forward(self, x, f, ops):  # x (B, T, n, C)
+        B, T, n, C = x.shape
+        h = ops.linear(ops.rmsnorm(x.reshape(B, T, n * C), self.norm_w), self.phi_w, None)  # (B, T, 2n + n^2)
+        scale = torch.repeat_interleave(self.alpha, torch.tensor([n, n, n * n]), output_size=2 * n + n * n)
+        h = h * scale + self.bias
+        h_pre = torch.sigmoid(h[..., :n])  # (B, T, n)
+        h_post = 2 * torch.sigmoid(h[..., n:2 * n])  # (B, T, n)
+        h_res = ops.sinkhorn(h[..., 2 * n:].reshape(B, T, n, n), self.iters)  # (B, T, n, n)
+        self.last_res = h_res.detach()
+        y = f(torch.einsum("bti,btic->btc", h_pre, x))  # (B, T, C)
+        return torch.einsum("btij,btjc->btic", h_res, x) + h_post.unsqueeze(-1) * y.unsqueeze(-2)
+
+
+class Streams:
+    """One variant's residual streams for a whole model: a factory of per-sublayer residual modules,
+    and the model's entry (the embedding copied to every stream) and exit (the mean over streams)."""
+
+    def __init__(self, variant, n, n_embd, sinkhorn_iters=20):
+        if variant not in VARIANTS:
+            raise ValueError(f"residual variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+        if variant != "baseline" and n < 1:
+            raise ValueError(f"n_streams must be >= 1, got {n}")
+        self.variant, self.n = variant, 1 if variant == "baseline" else n
+        self.n_embd, self.iters = n_embd, sinkhorn_iters
+
+    def residual(self):
+        if self.variant == "baseline":
+            return PlainResidual()
+        if self.variant == "mhc-dynamic":
+            return DynamicHyperConnection(self.n, self.n_embd, self.iters)
+        return StaticHyperConnection(self.n, self.variant == "mhc", self.iters)
+
+    def expand(self, x):  # (B, T, C) -> (B, T, n, C)
+        return x if self.variant == "baseline" else x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+
+    def collapse(self, x):  # (B, T, n, C) -> (B, T, C)
+        return x if self.variant == "baseline" else x.mean(-2)
+
+
+# -----------------------------------------------------------------------------
+# stability metrics of the composite residual map P = H_res[L-1] ... H_res[0]
+
+def composite_gains(residuals):
+    """From the residual modules of a model (in depth order), after a forward: the gains of P, the
+    product of every sublayer's H_res (per token for mhc-dynamic), as log10 values, max over tokens:
+    'proxy' = max |P_ij| (the published runs' measure), 'fwd' = max absolute row sum (the paper's
+    forward Amax gain), 'bwd' = max absolute column sum (backward). None for the baseline."""
+    mats = [r.last_res for r in residuals if getattr(r, "last_res", None) is not None]
+    if not mats:
+        return None
+    p = mats[0].double()
+    for h in mats[1:]:
+        p = h.double() @ p  # broadcasts a static (n, n) against per-token (B, T, n, n)
+    a = p.abs()
+    amax = lambda t: t.max().log10().item()
+    return {"proxy": amax(a), "fwd": amax(a.sum(-1)), "bwd": amax(a.sum(-2))}

@@ -13,6 +13,7 @@ batches, so their loss curves should agree to float32 rounding and the tokens/s 
 Every default below can be overridden with --key=value; python train.py --help lists them.
 """
 
+import functools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mhc
 from data import CharTokenizer, get_batch, load_text, split_data
 
 # -----------------------------------------------------------------------------
@@ -62,7 +64,6 @@ PRESETS = {
 # Model-shape keys: a checkpoint can only be resumed with the same values.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
 LN_EPS = 1e-5
-FUSED_HEAD_SIZES = (32, 64, 128)  # head sizes kernels.attention(mode='fused') supports
 GRAPH_WARMUP = 3                  # eager steps before capture, as in PyTorch's whole-network capture recipe
 # No dropout anywhere: the two op sets must compute the same function for their loss curves to be
 # compared step by step, and random masks drawn by two different implementations would not match.
@@ -140,33 +141,63 @@ def parse_value(key, text, default):
 
 
 # -----------------------------------------------------------------------------
-# op sets: the same names and signatures, one on torch.nn.functional, one on our kernels
+# op sets: the same names, signatures and meaning, one on PyTorch, one on our kernels.
+# The torch op set is also the reference test_ops.py proves every kernel against.
+
+def torch_attention(q, k, v, causal=False, scale=None, kv_len=None):
+    """SDPA with this repo's causal convention: q (B, H, Sq, D), k and v (B, H, Sk, D); with causal,
+    query i sees keys j <= i + Sk - Sq, so the queries line up with the *last* keys (SDPA's is_causal
+    lines them up with the first, which would let one new query against a KV cache see key 0 only).
+    kv_len (a 1-element int64 tensor) says how many leading keys are valid, as in a preallocated KV
+    cache: the others are ignored and the queries line up with the last valid key. It stays on the
+    device, so a decode step that uses it can be captured in a CUDA graph."""
+    Sq, Sk = q.shape[-2], k.shape[-2]
+    if kv_len is None and (not causal or Sq == Sk):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    i = torch.arange(Sq, device=q.device)[:, None]  # (Sq, 1)
+    j = torch.arange(Sk, device=q.device)[None, :]  # (1, Sk)
+    n = Sk if kv_len is None else kv_len  # valid keys
+    mask = j < n
+    if causal:
+        mask = mask & (j <= i + (n - Sq))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def torch_expert_gemv(weight, x, bias, experts):
+    """Row s of the result is weight[experts[s]] @ x[s] + bias[experts[s]]: weight (E, N, K), x (S, K),
+    bias (E, N) or None, experts (S,) int64. Indexing by a device tensor gathers (copies) the chosen
+    experts' weights: plain PyTorch has no way to read them in place without a host sync."""
+    y = torch.bmm(weight[experts], x.unsqueeze(-1)).squeeze(-1)  # (S, N)
+    return y if bias is None else y + bias[experts]
+
 
 TORCH_OPS = SimpleNamespace(
     name="torch",
-    embedding=lambda idx, weight: F.embedding(idx, weight),
-    layernorm=lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=LN_EPS),
-    linear=lambda x, w, b: F.linear(x, w, b),
-    attention=lambda q, k, v, causal=True: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-    gelu=lambda x: F.gelu(x),  # exact (erf) form in both op sets
-    cross_entropy=lambda logits, targets: F.cross_entropy(logits, targets),
+    embedding=F.embedding,
+    layernorm=lambda x, weight, bias, eps=LN_EPS: F.layer_norm(x, x.shape[-1:], weight, bias, eps),
+    rmsnorm=lambda x, weight, eps=LN_EPS: F.rms_norm(x, x.shape[-1:], weight, eps),
+    linear=F.linear,
+    matmul=torch.matmul,
+    attention=torch_attention,
+    gelu=F.gelu,
+    softmax=lambda x: torch.softmax(x, -1),
+    cross_entropy=F.cross_entropy,
+    gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
+    expert_gemv=torch_expert_gemv,
+    topk=lambda x, k: torch.topk(x, k),
+    sinkhorn=mhc.sinkhorn_torch,
 )
+OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k != "name")
 
 
 def cuda_op_set(kernels, head_size):
-    # Every forward and backward of these six ops runs in kernels.cu; autograd pairs them in bindings.cpp.
-    # 'fp32' attention (3xTF32) matches SDPA's fp32 accuracy, which the curve comparison relies on.
-    mode = "fused" if head_size in FUSED_HEAD_SIZES else "tiled"
-    return SimpleNamespace(
-        name="cuda",
-        embedding=lambda idx, weight: kernels.embedding(idx, weight),
-        layernorm=lambda x, w, b: kernels.layernorm(x, w, b, eps=LN_EPS),
-        linear=lambda x, w, b: kernels.linear(x, w, b),
-        attention=lambda q, k, v, causal=True: kernels.attention(q, k, v, causal=causal, mode=mode,
-                                                                 precision="fp32"),
-        gelu=lambda x: kernels.gelu(x),
-        cross_entropy=lambda logits, targets: kernels.cross_entropy(logits, targets),
-    )
+    """Our kernels under the same names. Every forward and backward runs in kernels.cu; autograd pairs
+    them in bindings.cpp. Attention is the fused kernel where it supports the head size, else tiled;
+    'fp32' (3xTF32) matches SDPA's fp32 accuracy, which the curve comparison relies on."""
+    mode = "fused" if head_size in kernels.FUSED_HEAD_SIZES else "tiled"
+    ops = SimpleNamespace(name="cuda", **{n: getattr(kernels, n) for n in OP_NAMES})
+    ops.attention = functools.partial(kernels.attention, mode=mode, precision="fp32")
+    return ops
 
 
 def import_kernels():
@@ -197,8 +228,8 @@ def choose_op_sets(cfg):
                              f"the extension built with `python setup.py build_ext --inplace`"]
     head_size = cfg.n_embd // cfg.n_head
     notes = []
-    if head_size not in FUSED_HEAD_SIZES:
-        notes.append(f"note: head size {head_size} is not one of {FUSED_HEAD_SIZES}; "
+    if head_size not in kernels.FUSED_HEAD_SIZES:
+        notes.append(f"note: head size {head_size} is not one of {kernels.FUSED_HEAD_SIZES}; "
                      f"cuda attention uses mode='tiled' instead of 'fused'")
     cuda = cuda_op_set(kernels, head_size)
     return ([TORCH_OPS, cuda] if cfg.backend == "both" else [cuda]), notes
@@ -208,11 +239,81 @@ def choose_op_sets(cfg):
 # the model, written once against an op namespace.
 # Residual adds, splits, views and transposes are plain PyTorch tensor ops in both op sets: they are
 # memory moves or single elementwise adds, and keeping them shared keeps the model definition single.
+# Three seams let other scripts reuse the one model: the residual connection (mhc.py's streams), the
+# feed-forward (dense MLP or mixture of experts), and the attention's KV cache (inference.py).
+
+class MLP(nn.Module):
+    """The dense feed-forward: proj(gelu(fc(h)))."""
+
+    def __init__(self, n_embd):
+        super().__init__()
+        C = n_embd
+        self.fc_w, self.fc_b = nn.Parameter(torch.empty(4 * C, C)), nn.Parameter(torch.zeros(4 * C))
+        self.proj_w, self.proj_b = nn.Parameter(torch.empty(C, 4 * C)), nn.Parameter(torch.zeros(C))
+
+    def forward(self, h, ops):  # h (..., C)
+        return ops.linear(ops.gelu(ops.linear(h, self.fc_w, self.fc_b)), self.proj_w, self.proj_b)
+
+
+class MoE(nn.Module):
+    """Mixture of experts: a router picks top_k of n_expert GELU MLPs per token, whose outputs are summed
+    with the router's softmax probabilities renormalised over the chosen ones."""
+
+    def __init__(self, n_embd, n_expert, top_k):
+        super().__init__()
+        C, E = n_embd, n_expert
+        self.top_k = top_k
+        self.router_w = nn.Parameter(torch.empty(E, C))
+        self.fc_w, self.fc_b = nn.Parameter(torch.empty(E, 4 * C, C)), nn.Parameter(torch.zeros(E, 4 * C))
+        self.proj_w, self.proj_b = nn.Parameter(torch.empty(E, C, 4 * C)), nn.Parameter(torch.zeros(E, C))
+
+    def forward(self, h, ops):  # h (..., C)
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])  # (N, C)
+        probs = ops.softmax(ops.linear(x, self.router_w, None))  # (N, E)
+        top_p, top_i = ops.topk(probs, self.top_k)  # (N, k) each
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        if x.shape[0] == 1:
+            # One token (decoding): GEMVs that read only the chosen experts' weights, indexed on the
+            # device, so the step has no host sync and can be captured in a CUDA graph.
+            e, xk = top_i[0], x.expand(self.top_k, -1)  # (k,), (k, C)
+            a = ops.gelu(ops.expert_gemv(self.fc_w, xk, self.fc_b, e))  # (k, 4C)
+            y = ops.expert_gemv(self.proj_w, a, self.proj_b, e)  # (k, C)
+            return (top_p[0, :, None] * y).sum(0).view(shape)
+        # Many tokens (prefill, training): each expert runs on the tokens routed to it. nonzero() reads
+        # the routing on the host; every token gets exactly top_k contributions added to a zero.
+        out = torch.zeros_like(x)
+        for e in range(self.router_w.shape[0]):
+            rows, slot = torch.nonzero(top_i == e, as_tuple=True)
+            if rows.numel():
+                a = ops.gelu(ops.linear(x[rows], self.fc_w[e], self.fc_b[e]))
+                y = ops.linear(a, self.proj_w[e], self.proj_b[e])
+                out.index_add_(0, rows, top_p[rows, slot, None] * y)
+        return out.view(shape)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated at the context length: (n_layer, B, nh, T, hs) each.
+    `pos` (a 1-element device tensor) counts the tokens already in the cache. The model writes each
+    step's keys and values at pos.. in place and attention reads the whole buffer with kv_len = pos + T,
+    so a step never copies the cache and its shapes never change (CUDA-graph friendly)."""
+
+    def __init__(self, n_layer, batch, n_head, block_size, head_size, device):
+        shape = (n_layer, batch, n_head, block_size, head_size)
+        self.k = torch.zeros(shape, device=device)
+        self.v = torch.zeros(shape, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.capacity = block_size
+
+    def reset(self):
+        self.pos.zero_()
+
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)), where the '+' is the
+    residual seam (mhc.py) and mlp the feed-forward seam."""
 
-    def __init__(self, n_embd, n_head):
+    def __init__(self, n_embd, n_head, mlp, residual):
         super().__init__()
         C = n_embd
         self.n_head = n_head
@@ -220,23 +321,34 @@ class Block(nn.Module):
         self.attn_w, self.attn_b = nn.Parameter(torch.empty(3 * C, C)), nn.Parameter(torch.zeros(3 * C))
         self.attn_proj_w, self.attn_proj_b = nn.Parameter(torch.empty(C, C)), nn.Parameter(torch.zeros(C))
         self.ln_2_w, self.ln_2_b = nn.Parameter(torch.ones(C)), nn.Parameter(torch.zeros(C))
-        self.mlp_fc_w, self.mlp_fc_b = nn.Parameter(torch.empty(4 * C, C)), nn.Parameter(torch.zeros(4 * C))
-        self.mlp_proj_w, self.mlp_proj_b = nn.Parameter(torch.empty(C, 4 * C)), nn.Parameter(torch.zeros(C))
+        self.mlp = mlp
+        self.res_attn, self.res_mlp = residual(), residual()
 
-    def forward(self, x, ops):  # x (B, T, C)
-        B, T, C = x.shape
+    def attention(self, h, ops, cache, layer, positions):  # h (B, T, C)
+        B, T, C = h.shape
         nh, hs = self.n_head, C // self.n_head
-        h = ops.layernorm(x, self.ln_1_w, self.ln_1_b)
         q, k, v = ops.linear(h, self.attn_w, self.attn_b).split(C, dim=2)  # each (B, T, C)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = ops.attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        kv_len = None
+        if cache is not None:  # write this step's keys and values at their positions, attend to all so far
+            cache.k[layer].index_copy_(2, positions, k)
+            cache.v[layer].index_copy_(2, positions, v)
+            k, v, kv_len = cache.k[layer], cache.v[layer], positions[-1:] + 1  # (B, nh, block_size, hs)
+        y = ops.attention(q, k, v, causal=True, kv_len=kv_len)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
-        x = x + ops.linear(y, self.attn_proj_w, self.attn_proj_b)
-        h = ops.layernorm(x, self.ln_2_w, self.ln_2_b)
-        h = ops.gelu(ops.linear(h, self.mlp_fc_w, self.mlp_fc_b))  # (B, T, 4C)
-        return x + ops.linear(h, self.mlp_proj_w, self.mlp_proj_b)  # (B, T, C)
+        return ops.linear(y, self.attn_proj_w, self.attn_proj_b)
+
+    def forward(self, x, ops, cache=None, layer=0, positions=None):
+        x = self.res_attn(x, lambda s: self.attention(ops.layernorm(s, self.ln_1_w, self.ln_1_b), ops,
+                                                       cache, layer, positions), ops)
+        return self.res_mlp(x, lambda s: self.mlp(ops.layernorm(s, self.ln_2_w, self.ln_2_b), ops), ops)
+
+
+def is_weight_matrix(name, p):
+    """Matrices that get the random init and weight decay (not norms, biases or mHC mixing logits)."""
+    return p.dim() >= 2 and (name.endswith("_w") or name in ("wte", "wpe"))
 
 
 class GPT(nn.Module):
@@ -244,13 +356,17 @@ class GPT(nn.Module):
     # small model, and the embedding weight then gets gradient from both the embedding and the linear
     # backward, so both accumulation paths of each op set are exercised.
 
-    def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, seed, ops):
+    def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, seed, ops,
+                 n_expert=0, top_k=2, residual="baseline", n_streams=4):
         super().__init__()
         self.block_size = block_size
         self.ops = ops  # a plain attribute, not state: swapping op sets never touches the weights
         self.wte = nn.Parameter(torch.empty(vocab_size, n_embd))  # token embedding and output head
         self.wpe = nn.Parameter(torch.empty(block_size, n_embd))  # learned position embedding
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.streams = mhc.Streams(residual, n_streams, n_embd)
+        self.blocks = nn.ModuleList(
+            Block(n_embd, n_head, MoE(n_embd, n_expert, top_k) if n_expert else MLP(n_embd), self.streams.residual)
+            for _ in range(n_layer))
         self.ln_f_w, self.ln_f_b = nn.Parameter(torch.ones(n_embd)), nn.Parameter(torch.zeros(n_embd))
         self.register_buffer("pos", torch.arange(block_size), persistent=False)  # (block_size,)
 
@@ -259,35 +375,41 @@ class GPT(nn.Module):
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if p.dim() == 2:
+                if is_weight_matrix(name, p):
                     # GPT-2: scale the projections into the residual stream by 1/sqrt(number of them).
                     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj_w") else 0.02
                     p.normal_(0.0, std, generator=g)
 
-    def forward(self, idx, targets=None):  # idx (B, T) int64, targets (B, T) int64 or None
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, T) int64. With targets (B, T): (logits (B, T, V), mean loss). Without: the last
+        position's logits (B, 1, V) and None. With a KVCache, idx continues the cached tokens."""
         ops = self.ops
         B, T = idx.shape
-        x = ops.embedding(idx, self.wte) + ops.embedding(self.pos[:T], self.wpe)  # (B, T, C) + (T, C)
-        for block in self.blocks:
-            x = block(x, ops)
-        x = ops.layernorm(x, self.ln_f_w, self.ln_f_b)  # (B, T, C)
+        positions = self.pos[:T] if cache is None else cache.pos + self.pos[:T]  # (T,)
+        x = ops.embedding(idx, self.wte) + ops.embedding(positions, self.wpe)  # (B, T, C) + (T, C)
+        x = self.streams.expand(x)  # (B, T, n, C) with n residual streams, else unchanged
+        for layer, block in enumerate(self.blocks):
+            x = block(x, ops, cache, layer, positions)
+        x = self.streams.collapse(x)  # (B, T, C)
+        if cache is not None:
+            cache.pos += T
         if targets is None:
             # Generation needs the next-character logits only.
-            return ops.linear(x[:, -1:, :], self.wte, None), None  # (B, 1, V)
+            return ops.linear(ops.layernorm(x[:, -1:, :], self.ln_f_w, self.ln_f_b), self.wte, None), None
+        x = ops.layernorm(x, self.ln_f_w, self.ln_f_b)  # (B, T, C)
         logits = ops.linear(x, self.wte, None)  # (B, T, V)
         loss = ops.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
         return logits, loss
 
 
 def make_optimizer(model, cfg, on_cuda, graphed):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for n, p in model.named_parameters() if is_weight_matrix(n, p)]
+    no_decay = [p for n, p in model.named_parameters() if not is_weight_matrix(n, p)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Same optimizer for both op sets on a GPU: fused AdamW. The fused kernel ignores `capturable`
     # (the flag only lets step() pass the graph-capture check), so graphed and eager runs update alike.
     kw = dict(fused=True, capturable=graphed) if on_cuda else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kw)
-
 
 # -----------------------------------------------------------------------------
 # one training step, eager or replayed from a CUDA graph
