@@ -86,7 +86,8 @@ class DynamicHyperConnection(nn.Module):
     def forward(self, x, f, ops):  # x (B, T, n, C)
         B, T, n, C = x.shape
         h = ops.linear(ops.rmsnorm(x.reshape(B, T, n * C), self.norm_w), self.phi_w, None)  # (B, T, 2n + n^2)
-        scale = torch.repeat_interleave(self.alpha, torch.tensor([n, n, n * n]), output_size=2 * n + n * n)
+        a_pre, a_post, a_res = self.alpha
+        scale = torch.cat([a_pre.expand(n), a_post.expand(n), a_res.expand(n * n)])  # (2n + n^2,)
         h = h * scale + self.bias
         h_pre = torch.sigmoid(h[..., :n])  # (B, T, n)
         h_post = 2 * torch.sigmoid(h[..., n:2 * n])  # (B, T, n)
