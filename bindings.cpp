@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <optional>
+#include <vector>
 #include <string>
 
 using torch::autograd::AutogradContext;
@@ -36,12 +37,12 @@ void gelu_bwd(const float*, const float*, float*, int64_t, bool, cudaStream_t);
 void matmul(const float*, const float*, const float*, float*, int, int, int, int, bool, bool, int64_t,
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 size_t matmul_workspace_floats(int, int, int, int);
-void gemv(const float*, const float*, const float*, float*, int, int, cudaStream_t);
+void gemv(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t, cudaStream_t);
 size_t topk_workspace_bytes(int64_t, int, int);
 void topk(const float*, float*, int64_t*, int64_t, int, int, void*, cudaStream_t);
 bool attention_fused_supports(int);
 void attention_fwd_fused(const float*, const float*, const float*, float*, float*, int, int, int, int, bool,
-                         float, bool, cudaStream_t);
+                         float, bool, const int64_t*, cudaStream_t);
 void attention_bwd_fused(const float*, const float*, const float*, const float*, const float*, const float*,
                          float*, float*, float*, float*, int, int, int, int, bool, float, bool, cudaStream_t);
 
@@ -149,23 +150,26 @@ static Tensor mm_new(const Tensor& a, const Tensor& b, float alpha = 1.f) {
 
 // ---- linear -----------------------------------------------------------------------------------
 
+// Checks x (..., K), weight (N, K) and bias (N,) of linear; returns the bias, contiguous, or undefined.
+static Tensor check_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  const char* op = "linear";
+  check_float_cuda(op, x, "x");
+  check_float_cuda(op, w, "weight");
+  check_dim(op, w, "weight", 2, "(out_features, in_features)");
+  check_same_device(op, x, "x", w, "weight");
+  REQUIRE(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dim must equal weight.shape[1] = ",
+              w.size(1), ", got x of shape ", x.sizes());
+  if (!b.has_value() || !b->defined()) return Tensor();
+  check_float_cuda(op, *b, "bias");
+  check_same_device(op, x, "x", *b, "bias");
+  REQUIRE(b->dim() == 1 && b->size(0) == w.size(0), op, ": bias must have shape (", w.size(0), ",), got ",
+              b->sizes());
+  return b->contiguous();
+}
+
 struct LinearFn : torch::autograd::Function<LinearFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
-    const char* op = "linear";
-    check_float_cuda(op, x, "x");
-    check_float_cuda(op, w, "weight");
-    check_dim(op, w, "weight", 2, "(out_features, in_features)");
-    check_same_device(op, x, "x", w, "weight");
-    REQUIRE(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dim must equal weight.shape[1] = ",
-                w.size(1), ", got x of shape ", x.sizes());
-    Tensor bias = b.has_value() ? *b : Tensor();
-    if (bias.defined()) {
-      check_float_cuda(op, bias, "bias");
-      check_same_device(op, x, "x", bias, "bias");
-      REQUIRE(bias.dim() == 1 && bias.size(0) == w.size(0), op, ": bias must have shape (",
-                  w.size(0), ",), got ", bias.sizes());
-      bias = bias.contiguous();
-    }
+    const Tensor bias = check_linear(x, w, b);
     const c10::cuda::CUDAGuard guard(x.device());
     const Tensor x2 = x.reshape({1, -1, w.size(1)});
     auto out_shape = x.sizes().vec();
@@ -197,7 +201,20 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
   }
 };
 
+static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, const Tensor& b, const Tensor& experts);
+
+// One row and no gradient wanted (batch-1 decoding): the GEMV kernel, which streams the weight once at
+// memory speed, where the tensor-core matmul would fill one row of a 64-row tile.
 Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
+                          (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+  if (!wants_grad && x.defined() && x.dim() >= 1 && x.numel() == x.size(-1) && x.numel() > 0) {
+    const Tensor b = check_linear(x, weight, bias);
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = weight.size(0);
+    return gemv_launch("linear", weight.contiguous(), x.reshape({1, -1}).contiguous(), b, Tensor()).view(out_shape);
+  }
   return LinearFn::apply(x, weight, bias);
 }
 
@@ -427,6 +444,24 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets) { return Cross
 
 // ---- GEMV (inference only, no autograd) --------------------------------------------------------
 
+// y (S, N) = w[e_s] @ x[s] + b[e_s] with w (E, N, K), or w (N, K) and no experts. Inputs checked.
+static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, const Tensor& b, const Tensor& experts) {
+  const int64_t N = w.size(-2), K = w.size(-1), S = x.size(0);
+  Tensor y = at::empty({S, N}, w.options());
+  gemv(w.data_ptr<float>(), x.data_ptr<float>(), fptr(b), y.data_ptr<float>(), to_int(op, N, "N"), to_int(op, K, "K"),
+       to_int(op, S, "rows of x"), experts.defined() ? experts.data_ptr<int64_t>() : nullptr,
+       w.dim() == 3 ? w.size(0) : 1, stream());
+  return y;
+}
+
+static Tensor checked_bias(const char* op, const Tensor& w, const std::optional<Tensor>& b_in, at::IntArrayRef shape) {
+  if (!b_in.has_value() || !b_in->defined()) return Tensor();
+  check_float_cuda(op, *b_in, "bias");
+  check_same_device(op, w, "weight", *b_in, "bias");
+  REQUIRE(b_in->sizes() == shape, op, ": bias must have shape ", shape, ", got ", b_in->sizes());
+  return b_in->contiguous();
+}
+
 Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in) {
   const char* op = "gemv";
   check_float_cuda(op, w_in, "weight");
@@ -435,20 +470,28 @@ Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tenso
   check_dim(op, w_in, "weight", 2, "(N, K)");
   REQUIRE(x_in.dim() == 1 && x_in.size(0) == w_in.size(1), op, ": x must have shape (", w_in.size(1),
               ",), got ", x_in.sizes());
-  Tensor b;
-  if (b_in.has_value() && b_in->defined()) {
-    check_float_cuda(op, *b_in, "bias");
-    check_same_device(op, w_in, "weight", *b_in, "bias");
-    REQUIRE(b_in->dim() == 1 && b_in->size(0) == w_in.size(0), op, ": bias must have shape (", w_in.size(0),
-                ",), got ", b_in->sizes());
-    b = b_in->contiguous();
-  }
+  const Tensor b = checked_bias(op, w_in, b_in, {w_in.size(0)});
   const c10::cuda::CUDAGuard guard(w_in.device());
-  const Tensor w = w_in.contiguous(), x = x_in.contiguous();
-  Tensor y = at::empty({w.size(0)}, w.options());
-  gemv(w.data_ptr<float>(), x.data_ptr<float>(), fptr(b), y.data_ptr<float>(), to_int(op, w.size(0), "N"),
-       to_int(op, w.size(1), "K"), stream());
-  return y;
+  return gemv_launch(op, w_in.contiguous(), x_in.reshape({1, -1}).contiguous(), b, Tensor()).view({w_in.size(0)});
+}
+
+Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in,
+                      const Tensor& experts_in) {
+  const char* op = "expert_gemv";
+  check_float_cuda(op, w_in, "weight");
+  check_float_cuda(op, x_in, "x");
+  check_index_cuda(op, experts_in, "experts");
+  check_same_device(op, w_in, "weight", x_in, "x");
+  check_same_device(op, w_in, "weight", experts_in, "experts");
+  check_dim(op, w_in, "weight", 3, "(E, N, K)");
+  check_dim(op, x_in, "x", 2, "(S, K)");
+  REQUIRE(x_in.size(1) == w_in.size(2), op, ": x must have shape (S, ", w_in.size(2), "), got ", x_in.sizes());
+  REQUIRE(experts_in.dim() == 1 && experts_in.size(0) == x_in.size(0), op, ": experts must have shape (",
+              x_in.size(0), ",), one per row of x, got ", experts_in.sizes());
+  const Tensor b = checked_bias(op, w_in, b_in, {w_in.size(0), w_in.size(1)});
+  const c10::cuda::CUDAGuard guard(w_in.device());
+  check_index_range(op, experts_in, "experts", w_in.size(0));
+  return gemv_launch(op, w_in.contiguous(), x_in.contiguous(), b, experts_in.contiguous());
 }
 
 // ---- top-k (no autograd) ----------------------------------------------------------------------
@@ -503,19 +546,35 @@ static Tensor aligned_contiguous(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
 }
 
+// The head sizes the fused kernels support, asked of kernels.cu (the one place the list lives).
+static std::vector<int64_t> fused_head_sizes() {
+  std::vector<int64_t> sizes;
+  for (int d = 1; d <= 1024; ++d)
+    if (attention_fused_supports(d)) sizes.push_back(d);
+  return sizes;
+}
+
+// The fused forward; kv_len (undefined, or a 1-element int64 tensor on q's device) counts the valid keys.
+static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Tensor& q_in, const Tensor& k_in,
+                                                                        const Tensor& v_in, bool causal, double scale,
+                                                                        bool precise, const Tensor& kv_len) {
+  const AttnShape s = check_attention(q_in, k_in, v_in, causal);
+  REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ", at::IntArrayRef(fused_head_sizes()),
+                ", got D = ", s.D, " (mode='tiled' takes any D)");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
+  Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
+  const int BH = to_int("attention", s.B * s.H, "B * H");
+  attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                      lse2.data_ptr<float>(), BH, (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, precise,
+                      kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr, stream());
+  return {q, k, v, out, lse2};
+}
+
 struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool causal,
                         double scale, bool precise) {
-    const AttnShape s = check_attention(q_in, k_in, v_in, causal);
-    REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D = 32, 64, 128, got D = ",
-                      s.D, " (mode='tiled' takes any D)");
-    const c10::cuda::CUDAGuard guard(q_in.device());
-    const Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
-    Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
-    const int BH = to_int("attention", s.B * s.H, "B * H");
-    attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        lse2.data_ptr<float>(), BH, (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, precise,
-                        stream());
+    auto [q, k, v, out, lse2] = fused_forward(q_in, k_in, v_in, causal, scale, precise, Tensor());
     ctx->save_for_backward({q, k, v, out, lse2});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
@@ -577,12 +636,25 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
 };
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                 const std::string& mode, const std::string& precision) {
+                 const std::string& mode, const std::string& precision, const std::optional<Tensor>& kv_len) {
   REQUIRE_VALUE(mode == "fused" || mode == "tiled", "attention: mode must be 'fused' or 'tiled', got '", mode, "'");
   REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
                     "attention: precision must be 'fp32' (3xTF32) or 'tf32', got '", precision, "'");
   REQUIRE(q.dim() == 4, "attention: q must be 4-D (B, H, Sq, D), got shape ", q.sizes());
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
+  if (kv_len.has_value() && kv_len->defined()) {
+    // Decoding against a preallocated cache: forward only, and kv_len stays on the device (no host read:
+    // it is clamped to [0, Sk] in the kernel), so the call can be captured in a CUDA graph.
+    REQUIRE(kv_len->is_cuda() && kv_len->scalar_type() == at::kLong && kv_len->numel() == 1,
+            "attention: kv_len must be a 1-element int64 CUDA tensor, got ", kv_len->scalar_type(), " of shape ",
+            kv_len->sizes(), " on ", kv_len->device());
+    check_same_device("attention", q, "q", *kv_len, "kv_len");
+    REQUIRE_VALUE(mode == "fused", "attention: kv_len needs mode='fused', got mode='", mode, "'");
+    const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
+                            (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    REQUIRE(!wants_grad, "attention: kv_len is for inference and has no backward; call it under torch.no_grad()");
+    return std::get<3>(fused_forward(q, k, v, causal, sc, precision == "fp32", kv_len->contiguous()));
+  }
   if (mode == "tiled") return TiledAttentionFn::apply(q, k, v, causal, sc);
   return FusedAttentionFn::apply(q, k, v, causal, sc, precision == "fp32");
 }
@@ -606,11 +678,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("targets"));
   m.def("gemv", &gemv_op, "y = weight @ x + bias for one vector x (decoding)", py::arg("weight"), py::arg("x"),
         py::arg("bias") = py::none());
+  m.def("expert_gemv", &expert_gemv_op,
+        "row s = weight[experts[s]] @ x[s] + bias[experts[s]]: weight (E, N, K), x (S, K), experts (S,) int64",
+        py::arg("weight"), py::arg("x"), py::arg("bias"), py::arg("experts"));
   m.def("topk", &topk_op, "k largest over the last dim, sorted; ties -> lower index first, NaN largest", py::arg("x"),
         py::arg("k"));
   m.def("attention", &attention,
         "attention over q (B, H, Sq, D), k, v (B, H, Sk, D), like F.scaled_dot_product_attention; causal aligns "
         "queries to the last keys",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = false, py::arg("scale") = py::none(),
-        py::arg("mode") = "fused", py::arg("precision") = "fp32");
+        py::arg("mode") = "fused", py::arg("precision") = "fp32", py::arg("kv_len") = py::none());
+  m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

@@ -1020,12 +1020,24 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
 // ------------------------------------------------------------------------------------------------
 // GEMV for decoding: y = W x (+ b), W row-major N x K. One warp per row, 16-byte loads when K % 4
 // == 0, loop unrolled so several loads are in flight per lane (the kernel is bound by reading W).
+// Batched for mixture-of-experts decoding: grid.y = S vectors, vector s multiplied by expert
+// experts[s] of a stack W (E, N, K), b (E, N). The index is read on the device, so a decode step
+// needs no host sync to pick its experts; an index outside [0, E) gives zeros (bindings.cpp rejects
+// it before launch outside CUDA-graph capture).
 
 template <bool VEC>
-__global__ void gemv_kernel(const float* W, const float* x, const float* bias, float* y, int N, int K) {
+__global__ void gemv_kernel(const float* W, const float* x, const float* bias, float* y, int N, int K,
+                            const int64_t* experts, int64_t E) {
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   if (row >= N) return;
-  const float* w = W + (int64_t)row * K;
+  const int s = blockIdx.y;
+  const int64_t e = experts ? experts[s] : 0;
+  if (e < 0 || e >= E) {
+    if (threadIdx.x == 0) y[(int64_t)s * N + row] = 0.f;
+    return;
+  }
+  const float* w = W + (e * N + row) * (int64_t)K;
+  x += (int64_t)s * K;
   float acc = 0.f;
   if (VEC) {
     const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -1040,14 +1052,18 @@ __global__ void gemv_kernel(const float* W, const float* x, const float* bias, f
     for (int i = threadIdx.x; i < K; i += 32) acc += __ldcs(w + i) * x[i];
   }
   acc = warp_sum(acc);
-  if (threadIdx.x == 0) y[row] = acc + (bias ? bias[row] : 0.f);
+  if (threadIdx.x == 0) y[(int64_t)s * N + row] = acc + (bias ? bias[e * N + row] : 0.f);
 }
 
-void gemv(const float* W, const float* x, const float* bias, float* y, int N, int K, cudaStream_t s) {
-  if (N == 0) return;
-  dim3 block(32, 8), grid(ceil_div(N, 8));
-  if (K % 4 == 0 && aligned16(W) && aligned16(x)) gemv_kernel<true><<<grid, block, 0, s>>>(W, x, bias, y, N, K);
-  else gemv_kernel<false><<<grid, block, 0, s>>>(W, x, bias, y, N, K);
+// y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
+void gemv(const float* W, const float* x, const float* bias, float* y, int N, int K, int S,
+          const int64_t* experts, int64_t E, cudaStream_t s) {
+  if (N == 0 || S == 0) return;
+  dim3 block(32, 8), grid(ceil_div(N, 8), S);
+  if (K % 4 == 0 && aligned16(W) && aligned16(x))
+    gemv_kernel<true><<<grid, block, 0, s>>>(W, x, bias, y, N, K, experts, E);
+  else
+    gemv_kernel<false><<<grid, block, 0, s>>>(W, x, bias, y, N, K, experts, E);
   check_launch("gemv");
 }
 
@@ -1156,6 +1172,10 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // ------------------------------------------------------------------------------------------------
 // attention. q (BH, Sq, D), k and v (BH, Sk, D), contiguous. Causal aligns queries to the end of
 // the keys: query i sees keys j <= i + (Sk - Sq), so Sq = 1 decodes one token against a cache.
+// For a preallocated KV cache, the forward can take kv_len, a device pointer to the number of valid
+// leading keys (Sk is then the cache's capacity, which sets the stride between heads): the kernel
+// reads it at run time, so one CUDA graph serves every position of a decode loop. A query that sees
+// no key (only possible with kv_len < Sq) gets zeros.
 //
 // Tiled attention is composed in bindings.cpp from the pieces above (batched matmul for Q K^T,
 // the masked softmax, matmul for P V, and the same pieces backwards); it stores the S x S scores.
@@ -1271,15 +1291,16 @@ __device__ __forceinline__ void mma_pm(float (&acc)[D / 8][4], const float (&p)[
 struct AttnArgs {
   const float *q, *k, *v, *dout;
   float *out, *lse2, *delta, *dq, *dk, *dv;
+  const int64_t* kv_len;  // forward only: valid keys, read on the device; nullptr: all Sk
   int Sq, Sk;
   bool causal;
   float scale, scale_log2;  // scale, and scale * log2(e)
 };
 
-// Number of 'tile'-key tiles the queries [q0, q1) attend to.
-__device__ __forceinline__ int key_tiles(const AttnArgs& p, int q1, int tile) {
-  const int last = p.causal ? min(p.Sk, q1 + p.Sk - p.Sq) : p.Sk;
-  return (last + tile - 1) / tile;
+// Number of 'tile'-key tiles the queries [q0, q1) attend to, of Sk valid keys.
+__device__ __forceinline__ int key_tiles(const AttnArgs& p, int Sk, int q1, int tile) {
+  const int last = p.causal ? min(Sk, q1 + Sk - p.Sq) : Sk;
+  return last > 0 ? (last + tile - 1) / tile : 0;
 }
 
 template <int D, bool PRECISE>
@@ -1295,16 +1316,17 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   const float* k = p.k + (int64_t)bh * p.Sk * D;
   const float* v = p.v + (int64_t)bh * p.Sk * D;
   const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
-  const int offset = p.Sk - p.Sq;
+  const int Sk = p.kv_len ? (int)max((int64_t)0, min(*p.kv_len, (int64_t)p.Sk)) : p.Sk;  // valid keys
+  const int offset = Sk - p.Sq;
 
   float o[D / 8][4] = {};
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  const int ntiles = key_tiles(p, min(q0 + 64, p.Sq), 64);
+  const int ntiles = key_tiles(p, Sk, min(q0 + 64, p.Sq), 64);
 
   load_rows_async<64, D>(Qs, q, q0, p.Sq);
-  load_rows_async<64, D>(Ks, k, 0, p.Sk);
+  load_rows_async<64, D>(Ks, k, 0, Sk);
   cp_async_commit();
-  load_rows_async<64, D>(Vs, v, 0, p.Sk);
+  load_rows_async<64, D>(Vs, v, 0, Sk);
   cp_async_commit();
   for (int kt = 0; kt < ntiles; ++kt) {
     const int k0 = kt * 64;
@@ -1313,11 +1335,11 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
     float s[8][4] = {};
     mma_abt<D, 8, PRECISE>(s, Qs, warp * 16, Ks);
     __syncthreads();  // all warps are done with Ks
-    if (kt + 1 < ntiles) load_rows_async<64, D>(Ks, k, k0 + 64, p.Sk);
+    if (kt + 1 < ntiles) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
     cp_async_commit();
 
     // online softmax on this tile, rows row0 (c0, c1) and row1 (c2, c3)
-    const bool mask = k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
+    const bool mask = k0 + 64 > Sk || (p.causal && k0 + 63 > q0 + offset);
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -1326,7 +1348,7 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
         float x = s[j][e] * p.scale_log2;
         if (mask) {
           const int col = k0 + j * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-          if (col >= p.Sk || (p.causal && col > row + offset)) x = -INFINITY;
+          if (col >= Sk || (p.causal && col > row + offset)) x = -INFINITY;
         }
         s[j][e] = x;
         if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
@@ -1357,7 +1379,7 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
     __syncthreads();
     mma_pm<D, 8, PRECISE>(o, s, Vs);
     __syncthreads();  // all warps are done with Vs
-    if (kt + 1 < ntiles) load_rows_async<64, D>(Vs, v, k0 + 64, p.Sk);
+    if (kt + 1 < ntiles) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -1366,7 +1388,7 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;  // no key seen: zeros
   float* out = p.out + (int64_t)bh * p.Sq * D;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -1506,7 +1528,7 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs& p, float* smem,
   load_rows_async<64, D>(Qs, p.q + qbase * D, q0, p.Sq);
   load_rows_async<64, D>(dOs, p.dout + qbase * D, q0, p.Sq);
   float dq[D / 8][4] = {};
-  const int ntiles = key_tiles(p, min(q0 + 64, p.Sq), BK);
+  const int ntiles = key_tiles(p, p.Sk, min(q0 + 64, p.Sq), BK);
   for (int kt = 0; kt < ntiles; ++kt) {
     const int k0 = kt * BK;
     load_rows_async<BK, D>(Ks, p.k + kbase * D, k0, p.Sk);
@@ -1581,23 +1603,28 @@ static void attention_bwd_dispatch(const AttnArgs& p, int BH, cudaStream_t s) {
   check_launch("attention_bwd");
 }
 
-bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 128; }
+// The head sizes the fused kernels are built for (96: a 768-wide model with 8 heads). The one place
+// this list lives: bindings.cpp exposes it to Python as kernels.FUSED_HEAD_SIZES.
+bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 96 || D == 128; }
 
 #define ATTN_DISPATCH(FN, D, PRECISE, ...)                                             \
   do {                                                                                 \
     if (D == 32) { if (PRECISE) FN<32, true>(__VA_ARGS__); else FN<32, false>(__VA_ARGS__); } \
     else if (D == 64) { if (PRECISE) FN<64, true>(__VA_ARGS__); else FN<64, false>(__VA_ARGS__); } \
+    else if (D == 96) { if (PRECISE) FN<96, true>(__VA_ARGS__); else FN<96, false>(__VA_ARGS__); } \
     else if (D == 128) { if (PRECISE) FN<128, true>(__VA_ARGS__); else FN<128, false>(__VA_ARGS__); } \
-    else throw std::invalid_argument("attention: fused mode supports head dim 32, 64, 128"); \
+    else throw std::invalid_argument("attention: fused mode does not support this head dim"); \
   } while (0)
 
 // q, k, v: 16-byte aligned (cp.async). lse2 receives BH * Sq floats (log2 units) for the backward.
+// kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
-                         int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s) {
+                         int Sq, int Sk, int D, bool causal, float scale, bool precise, const int64_t* kv_len,
+                         cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_fwd_fused");
   AttnArgs p = attn_args(Sq, Sk, causal, scale);
-  p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2;
+  p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
   ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, BH, s);
   check_launch("attention_fwd_fused");
 }

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import train
 
 try:
     import kernels
@@ -47,29 +48,10 @@ BUILD_HINT = "build it with: python setup.py build_ext --inplace"
 # the PyTorch twin of every op, same signatures as `kernels`
 
 
-def _ref_attention(q, k, v, causal=False, scale=None, mode=None, precision=None):
-    Sq, Sk = q.shape[-2], k.shape[-2]
-    if causal and Sq != Sk:
-        # ours aligns the last query with the last key (decoding with a KV cache);
-        # SDPA's is_causal aligns the first ones, so the mask is spelled out
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + (Sk - Sq), scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-
-
-REF = types.SimpleNamespace(
-    linear=F.linear,
-    matmul=torch.matmul,
-    layernorm=lambda x, weight, bias, eps=1e-5: F.layer_norm(x, x.shape[-1:], weight, bias, eps),
-    softmax=lambda x: torch.softmax(x, -1),
-    gelu=F.gelu,
-    embedding=F.embedding,
-    cross_entropy=F.cross_entropy,
-    attention=_ref_attention,
-    gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
-    topk=torch.topk,
-)
+# The torch op set of train.py, the one the model trains with, is the reference. The tests pass
+# kernels-only options (mode, precision) to both sides; the twin has nothing to choose there.
+REF = types.SimpleNamespace(**vars(train.TORCH_OPS))
+REF.attention = lambda q, k, v, mode=None, precision=None, **kw: train.torch_attention(q, k, v, **kw)
 
 
 def topk_reference(x, k):
@@ -117,8 +99,8 @@ def compare(f, tol, grad_tol=None, **inputs):
     all, or by input name), one random dy goes back through both autograds and every float input's
     gradient is checked too."""
     def leaves(dtype):
-        return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None) if t.is_floating_point() else t
-                for n, t in inputs.items()}
+        return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None)
+                if t is not None and t.is_floating_point() else t for n, t in inputs.items()}
     ours_in, ref_in = leaves(torch.float32), leaves(torch.float64)
     out, ref = f(kernels, **ours_in), f(REF, **ref_in)
     assert out.dtype == torch.float32, f"output dtype {out.dtype}, expected float32"
@@ -129,7 +111,7 @@ def compare(f, tol, grad_tol=None, **inputs):
     out.backward(dy)
     ref.backward(dy.double())
     for n, t in ours_in.items():
-        if t.is_floating_point():
+        if t is not None and t.is_floating_point():
             assert t.grad is not None, f"no gradient reached {n}"
             check("d" + n, t.grad, ref_in[n].grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
 
@@ -660,6 +642,30 @@ for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, Fals
                              (1000, 1001, True, 1), (3072, 768, True, 2)):
     add(f"gemv/{_N}x{_K}" + "_bias" * _bias + f"_xstep{_step}" * (_step != 1), t_gemv, _N, _K, _bias, _step)
 
+
+
+def t_linear_one_row(K, N, bias):
+    # one row without autograd (decoding) takes the GEMV kernel inside kernels.linear
+    with torch.no_grad():
+        compare(lambda ops, x, w, b: ops.linear(x, w, b), mm_tol(K), x=rand(1, 1, K), w=rand(N, K),
+                b=rand(N) if bias else None)
+
+
+for _K, _N, _bias in ((768, 2304, True), (768, 95, False), (1001, 37, True)):
+    add(f"linear/one_row_gemv_{_K}_to_{_N}" + "_bias" * _bias, t_linear_one_row, _K, _N, _bias)
+
+
+def t_expert_gemv(E, N, K, experts, bias=True):
+    e = torch.tensor(experts, device=DEV)
+    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(len(experts), K),
+            b=rand(E, N) if bias else None, e=e)
+
+
+for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 0], True), (1, 1, 1, [0], False),
+                               (4, 37, 1001, [3, 3, 1], True)):
+    add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
+        _E, _N, _K, _ex, _bias)
+
 BIG = 2.0 ** 100  # stands in for NaN in the value comparison; exact in fp32 and fp64
 
 
@@ -707,6 +713,9 @@ ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
     ("fused-fp32", 2, 3, 17, 17, 32, False, {}),
     ("fused-fp32", 2, 3, 17, 17, 64, _C, {}),
     ("fused-fp32", 2, 3, 17, 17, 128, _C, {}),
+    ("fused-fp32", 2, 3, 17, 17, 96, _C, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 96, _C, {}),
+    ("fused-fp32", 1, 8, 1, 256, 96, _C, {}),
     ("fused-fp32", 2, 3, 64, 64, 64, False, {}),
     ("fused-fp32", 2, 3, 64, 64, 128, _C, {}),
     ("fused-fp32", 2, 3, 1000, 1000, 32, False, {}),
@@ -758,6 +767,34 @@ def t_attention_misaligned(impl):
 
 
 add("attention/fused-fp32/misaligned_q", t_attention_misaligned, "fused-fp32")
+
+
+def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True):
+    # A preallocated cache: keys past kv_len hold garbage (large values) that must not leak in.
+    k, v = rand(1, H, capacity, D), rand(1, H, capacity, D)
+    k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
+    kv_len = torch.tensor([n_valid], device=DEV)
+    with torch.no_grad():
+        compare(lambda ops, q, k, v, n: ops.attention(q, k, v, causal=causal, kv_len=n), ATTN_TOL["fused-fp32"][0],
+                q=rand(1, H, Sq, D), k=k, v=v, n=kv_len)
+
+
+for _H, _Sq, _cap, _n, _D in ((8, 1, 256, 1, 96), (8, 1, 256, 37, 96), (8, 1, 256, 256, 96), (8, 5, 256, 70, 96),
+                              (3, 17, 100, 17, 64), (2, 1, 64, 64, 32), (2, 64, 300, 129, 128)):
+    add(f"attention/kv_len/h{_H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D)
+add("attention/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_kv_len, 3, 17, 100, 40, 64, causal=False)
+
+
+def op_sets_same_names():
+    # both op sets of train.py expose exactly the kernels module's ops, under the same names
+    ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)))
+    assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
+    cuda = train.cuda_op_set(kernels, 64)
+    assert sorted(vars(cuda)) == sorted(vars(train.TORCH_OPS)), "cuda and torch op sets differ in names"
+    return f"{len(ours)} ops: {', '.join(ours)}"
+
+
+add("opsets/same_names", op_sets_same_names)
 
 
 # Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
