@@ -1,0 +1,406 @@
+"""Generate text with the one GPT of train.py, dense and mixture-of-experts, on both op sets.
+
+The model is train.py's GPT with its KV-cache seam: the prompt is prefilled in one pass, then one token
+per step is decoded against a cache preallocated at the context length. The same weights run on the
+PyTorch op set and on our kernels (GEMV for every projection, fused attention of one query against the
+cache, layernorm, GELU, embedding, softmax and top-k for the router and the sampler), eagerly and with
+the decode step captured in a CUDA graph; the generated tokens are compared one by one.
+
+    python inference.py                              # dense and MoE, random weights, seeds 0-4
+    python inference.py --ckpt=out/ckpt_torch.pt     # a train.py checkpoint: its config, vocabulary, text
+    python inference.py --temperature=0.8 --sample_top_k=20
+    python inference.py --device=cpu --seeds=0       # PyTorch path only
+
+Every default below can be overridden with --key=value; python inference.py --help lists them.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+import train
+from data import CharTokenizer
+
+# -----------------------------------------------------------------------------
+DEFAULTS = dict(
+    n_layer=12,             # transformer blocks (random weights; --ckpt brings its own shape)
+    n_head=8,               # attention heads
+    n_embd=768,             # model width
+    block_size=256,         # context length; the KV cache holds this many positions
+    n_expert=8,             # experts of the MoE model
+    top_k=2,                # experts per token
+    models="dense,moe",     # which models to run: dense, moe or both (comma-separated)
+    seeds="0,1,2,3,4",      # random-weight seeds, one generation per seed and path (comma-separated)
+    ckpt=None,              # a train.py checkpoint instead of random weights (dense only)
+    prompt="Dorothy lived in the midst of the great Kansas prairies, with Uncle Henry",
+    max_new_tokens=200,     # tokens generated per run
+    temperature=0.0,        # 0: greedy argmax; > 0: sample from softmax(logits / temperature)
+    sample_top_k=0,         # with temperature > 0: sample among the k most likely tokens (0: all, at most 128)
+    device="cuda" if torch.cuda.is_available() else "cpu",  # 'cpu' runs the PyTorch path only
+    backend="both",         # 'both' | 'torch' | 'cuda': which op sets decode
+    cuda_graph=True,        # on a GPU, also run each path with its decode step captured in a CUDA graph
+    out_dir="out",          # inference.json goes here
+)
+PRINTABLE = "".join(chr(c) for c in range(32, 127))  # the random-weight vocabulary: 95 printable ASCII
+
+
+def fail(msg):
+    sys.exit(f"inference.py: error: {msg}")
+
+
+def parse_config(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python inference.py [--key=value ...]\ndefaults:")
+        for k, v in DEFAULTS.items():
+            print(f"  --{k}={v}")
+        sys.exit(0)
+    cfg = dict(DEFAULTS)
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            fail(f"expected --key=value, got {arg!r}")
+        key, val = arg[2:].split("=", 1)
+        if key not in DEFAULTS:
+            fail(f"unknown option --{key}; valid keys: {', '.join(DEFAULTS)}")
+        cfg[key] = train.parse_value(key, val, DEFAULTS[key])
+    cfg = SimpleNamespace(**cfg)
+    cfg.models = [m.strip() for m in cfg.models.split(",") if m.strip()]
+    if not cfg.models or any(m not in ("dense", "moe") for m in cfg.models):
+        fail(f"--models must be dense, moe or dense,moe, got {','.join(cfg.models)!r}")
+    try:
+        cfg.seeds = [int(s) for s in cfg.seeds.split(",")]
+    except ValueError:
+        fail(f"--seeds must be comma-separated integers, got {cfg.seeds!r}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "top_k", "max_new_tokens"):
+        if getattr(cfg, key) < 1:
+            fail(f"--{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.top_k > cfg.n_expert:
+        fail(f"--top_k ({cfg.top_k}) must be <= --n_expert ({cfg.n_expert})")
+    if cfg.temperature < 0:
+        fail(f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}")
+    if not 0 <= cfg.sample_top_k <= 128:
+        fail(f"--sample_top_k must be in [0, 128] (0: all tokens), got {cfg.sample_top_k}")
+    if cfg.backend not in ("both", "torch", "cuda"):
+        fail(f"--backend must be both, torch or cuda, got {cfg.backend!r}")
+    if cfg.device.split(":")[0] not in ("cuda", "cpu"):
+        fail(f"--device must be cuda, cuda:N or cpu, got {cfg.device!r}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
+    if cfg.ckpt is not None and "moe" in cfg.models:
+        cfg.models = ["dense"]
+        print("note: --ckpt holds a dense model: running --models=dense")
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# models
+
+def random_model(kind, seed, cfg, tok):
+    n_expert = cfg.n_expert if kind == "moe" else 0
+    return train.GPT(tok.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer, seed, train.TORCH_OPS,
+                     n_expert=n_expert, top_k=cfg.top_k)
+
+
+def checkpoint_model(cfg):
+    """The model and tokenizer of a train.py checkpoint; any problem with the file is one clear line."""
+    ckpt = torch.load(cfg.ckpt, map_location="cpu", weights_only=True)
+    c = SimpleNamespace(**ckpt["config"])
+    tok = CharTokenizer.from_dict(ckpt["vocab"])
+    model = train.GPT(tok.vocab_size, c.block_size, c.n_embd, c.n_head, c.n_layer, 0, train.TORCH_OPS,
+                      residual=getattr(c, "residual", "baseline"), n_streams=getattr(c, "n_streams", 4))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        fail(f"{cfg.ckpt}: its weights do not fit the model its config describes ({str(e)[:200]})")
+    return model, tok, c
+
+
+def weight_bytes_per_token(model):
+    """Bytes of weights one decode step reads: every block's parameters, the top_k chosen experts of each
+    MoE layer, the output head (the tied token embedding), and one row of each embedding."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name in ("wte", "wpe"):
+            total += p[0].numel() * p.element_size()
+            if name == "wte":
+                total += p.numel() * p.element_size()  # the head reads all of it
+        elif ".mlp." in name and isinstance(model.blocks[0].mlp, train.MoE) and "router" not in name:
+            total += p[0].numel() * p.element_size() * model.blocks[0].mlp.top_k
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+# -----------------------------------------------------------------------------
+# decoding
+
+class Decoder:
+    """Prefill and one-token decode steps of one model on one op set, with every buffer preallocated: the
+    KV cache, the current token, the generated tokens, the margin between the two largest logits at each
+    step and, for sampling, the uniform draws. A step reads and writes only these, so it can be captured
+    in a CUDA graph once and replayed for every position."""
+
+    def __init__(self, model, n_new, temperature, sample_top_k, uniforms, graphed):
+        dev = model.wte.device
+        C, nh = model.wte.shape[1], model.blocks[0].n_head
+        self.model, self.graphed = model, graphed
+        self.cache = train.KVCache(len(model.blocks), 1, nh, model.block_size, C // nh, dev)
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # the last token, input of the next step
+        self.tokens = torch.zeros(n_new, dtype=torch.long, device=dev)  # generated tokens
+        self.margins = torch.zeros(n_new, device=dev)  # top-1 minus top-2 logit at each step
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # index of the next generated token
+        self.temperature = temperature
+        self.k = min(sample_top_k or model.wte.shape[0], model.wte.shape[0])
+        self.uniforms = uniforms.to(dev)  # (n_new,) one draw per step, the same for both paths
+        self.graph = None
+
+    def pick(self, logits):  # logits (V,): choose the next token, record it, advance the step counter
+        ops = self.model.ops
+        if self.temperature == 0:
+            vals, idx = ops.topk(logits, 2)  # greedy; the runner-up gives the margin
+            nxt, margin = idx[0], vals[0] - vals[1]
+        else:
+            vals, idx = ops.topk(logits / self.temperature, max(self.k, 2))
+            probs = ops.softmax(vals[:self.k])
+            u = self.uniforms[self.step]  # (1,)
+            choice = (probs.cumsum(0) < u).sum().clamp(max=self.k - 1)  # inverse CDF
+            nxt, margin = idx[choice], (vals[0] - vals[1]) * self.temperature
+        self.tokens.index_copy_(0, self.step, nxt.view(1))
+        self.margins.index_copy_(0, self.step, margin.view(1))
+        self.tok.copy_(nxt.view(1, 1))
+        self.step += 1
+
+    def prefill(self, ids):  # ids (1, T) int64 on the device
+        self.cache.reset()
+        logits, _ = self.model(ids, cache=self.cache)  # (1, 1, V)
+        self.pick(logits[0, 0])
+
+    def _decode(self):
+        logits, _ = self.model(self.tok, cache=self.cache)  # (1, 1, V)
+        self.pick(logits[0, 0])
+
+    def decode(self):
+        if not self.graphed:
+            return self._decode()
+        if self.graph is None:
+            # One eager step on a side stream first (library handles, workspaces), as capture requires;
+            # its effects are undone below, then the step is recorded and replayed from here on.
+            saved = (self.cache.pos.clone(), self.step.clone(), self.tok.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._decode()
+            torch.cuda.current_stream().wait_stream(side)
+            for buf, val in zip((self.cache.pos, self.step, self.tok), saved):
+                buf.copy_(val)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._decode()
+        self.graph.replay()
+
+
+def generate(dec, prompt_ids, n_new):
+    """prompt_ids (T,) int64 on the device. Returns (prefill seconds, decode seconds). When the cache is
+    full, the newest half of the context is prefilled again and decoding goes on from there."""
+    capacity = dec.cache.capacity
+    keep = capacity // 2
+    dec.step.zero_()
+    sync(prompt_ids.device)
+    t0 = time.perf_counter()
+    dec.prefill(prompt_ids[None])
+    sync(prompt_ids.device)
+    t1 = time.perf_counter()
+    in_cache = len(prompt_ids)
+    for i in range(1, n_new):
+        if in_cache == capacity:  # slide: re-prefill the newest `keep` tokens (known on the host)
+            context = torch.cat([prompt_ids, dec.tokens[:i]])[-keep:]
+            dec.prefill(context[None])
+            in_cache = keep
+        else:
+            dec.decode()
+            in_cache += 1
+    sync(prompt_ids.device)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, nbytes=256 * 2**20, reps=20):
+    """Device-to-device copy rate in bytes/s (bytes read + written), the memory limit decoding works against."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def run_path(model, ops, graphed, prompt_ids, cfg, uniforms):
+    """One path: a short warm-up generation (and the graph capture), then the timed one."""
+    model.ops = ops
+    dec = Decoder(model, cfg.max_new_tokens, cfg.temperature, cfg.sample_top_k, uniforms, graphed)
+    with torch.no_grad():
+        generate(dec, prompt_ids, min(cfg.max_new_tokens, 8))
+        t_prefill, t_decode = generate(dec, prompt_ids, cfg.max_new_tokens)
+    return {
+        "tokens": dec.tokens.tolist(),
+        "margins": dec.margins.tolist(),
+        "prefill_tok_s": len(prompt_ids) / t_prefill,
+        "decode_tok_s": (cfg.max_new_tokens - 1) / t_decode if cfg.max_new_tokens > 1 else None,
+    }
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+# -----------------------------------------------------------------------------
+
+def choose_paths(cfg):
+    """[(op set name, ops, graphed)], and notes to print."""
+    dev = torch.device(cfg.device)
+    modes = [False, True] if dev.type == "cuda" and cfg.cuda_graph else [False]
+    names = ["torch", "cuda"] if cfg.backend == "both" else [cfg.backend]
+    notes, kernels = [], None
+    if "cuda" in names:
+        why = None
+        if dev.type != "cuda":
+            why = f"device is {cfg.device}" + ("" if torch.cuda.is_available() else " (no GPU visible to PyTorch)")
+        else:
+            kernels, err = train.import_kernels()
+            if kernels is None:
+                why = f"`import kernels` failed ({err})"
+        if why:
+            if cfg.backend == "cuda":
+                fail(f"--backend=cuda cannot run: {why}; it needs a GPU and `python setup.py build_ext --inplace`")
+            notes.append(f"note: decoding with the PyTorch op set only: {why}")
+            names = ["torch"]
+    paths = []
+    for name in names:
+        ops = train.TORCH_OPS
+        if name == "cuda":
+            head = cfg.n_embd // cfg.n_head
+            if head not in kernels.FUSED_HEAD_SIZES:
+                fail(f"head size {head} (n_embd / n_head): the cuda path decodes with the fused attention, which "
+                     f"supports head sizes {kernels.FUSED_HEAD_SIZES}")
+            ops = train.cuda_op_set(kernels, head)
+        paths += [(name, ops, g) for g in modes]
+    return paths, notes
+
+
+def main(argv):
+    cfg = parse_config(argv)
+    dev = torch.device(cfg.device)
+    if cfg.ckpt is not None:
+        base_model, tok, c = checkpoint_model(cfg)
+        for key in ("n_layer", "n_head", "n_embd", "block_size"):
+            setattr(cfg, key, getattr(c, key))
+        cfg.seeds = [None]
+    else:
+        tok = CharTokenizer.from_dict({"chars": PRINTABLE})
+    try:
+        prompt = tok.encode(cfg.prompt)
+    except ValueError as e:
+        fail(f"--prompt: {e}")
+    if not prompt:
+        fail("--prompt is empty; give at least one character")
+    if len(prompt) >= cfg.block_size:
+        fail(f"--prompt has {len(prompt)} characters, the context holds {cfg.block_size}: shorten it")
+    paths, notes = choose_paths(cfg)
+    for note in notes:
+        print(note)
+    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    sampling = "greedy" if cfg.temperature == 0 else \
+        f"temperature {cfg.temperature}, top-k {cfg.sample_top_k or 'all'}"
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else None
+    print(f"device: {hw}" + (f", device-to-device copy {bw / 1e9:,.0f} GB/s" if bw else "")
+          + f" | {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads, context {cfg.block_size}"
+          + f" | {sampling}"
+          + f" | {cfg.max_new_tokens} new tokens; when the context fills, the newest {cfg.block_size // 2} tokens are"
+          + " prefilled again")
+    prompt_ids = torch.tensor(prompt, dtype=torch.long, device=dev)
+    uniforms = torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(1234))
+
+    results = {"device": hw, "copy_bytes_per_s": bw, "config": vars(cfg), "models": {}}
+    for kind in cfg.models:
+        runs = []
+        for seed in cfg.seeds:
+            model = base_model if cfg.ckpt else random_model(kind, seed, cfg, tok)
+            model = model.to(dev).eval()
+            nbytes = weight_bytes_per_token(model)
+            for name, ops, graphed in paths:
+                r = run_path(model, ops, graphed, prompt_ids, cfg, uniforms)
+                r.update(op_set=name, mode="graph" if graphed else "eager", seed=seed)
+                runs.append(r)
+                print(f"{kind} | seed {seed} | {name:<5} {r['mode']:<5} | prefill {r['prefill_tok_s']:>9,.0f} tok/s"
+                      f" | decode {r['decode_tok_s'] or 0:>8,.0f} tok/s", flush=True)
+            del model
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        results["models"][kind] = report(kind, runs, nbytes, bw, tok, cfg)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "inference.json")
+    train.atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
+    print(f"\nwrote {path}")
+
+
+def report(kind, runs, nbytes, bw, tok, cfg):
+    """Print the speed table (medians over seeds), the speedups, exact match and the text; return a summary."""
+    rows = {}
+    for r in runs:
+        rows.setdefault((r["op_set"], r["mode"]), []).append(r)
+    print(f"\n{kind}: {nbytes / 1e6:,.0f} MB of weights read per decoded token; medians over {len(cfg.seeds)} seed(s)")
+    print(f"{'op set':<7} {'mode':<6} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>8} {'of copy bw':>11}")
+    speed = {}
+    for (name, mode), rs in rows.items():
+        pre = statistics.median(r["prefill_tok_s"] for r in rs)
+        dec = statistics.median(r["decode_tok_s"] for r in rs) if rs[0]["decode_tok_s"] else None
+        gbs = dec * nbytes / 1e9 if dec else None
+        frac = f"{dec * nbytes / bw:.0%}" if dec and bw else "n/a"
+        speed[f"{name} {mode}"] = {"prefill_tok_s": pre, "decode_tok_s": dec, "GB_s": gbs}
+        print(f"{name:<7} {mode:<6} {pre:>14,.0f} {dec or 0:>13,.0f} {gbs or 0:>8,.0f} {frac:>11}")
+    summary = {"weight_bytes_per_token": nbytes, "speed": speed, "match": {}}
+    d = {k: v["decode_tok_s"] for k, v in speed.items()}
+    for ours, theirs in (("cuda eager", "torch eager"), ("cuda graph", "torch graph"), ("cuda graph", "torch eager")):
+        if d.get(ours) and d.get(theirs):
+            summary[f"{ours} / {theirs}"] = d[ours] / d[theirs]
+            print(f"decode speedup {ours} / {theirs}: {d[ours] / d[theirs]:.2f}x")
+    # exact match: our path against the PyTorch path in the same mode, seed by seed
+    for mode in ("eager", "graph"):
+        ts, cs = rows.get(("torch", mode)), rows.get(("cuda", mode))
+        if not ts or not cs:
+            continue
+        same, total, notes = 0, 0, []
+        for t, c in zip(ts, cs):
+            i = first_difference(t["tokens"], c["tokens"])
+            n = len(t["tokens"])
+            same += n if i is None else i
+            total += n
+            if i is not None:
+                notes.append(f"seed {t['seed']}: first difference at new token {i}, top-1 minus top-2 logit there "
+                             f"{t['margins'][i]:.2e} (torch), {c['margins'][i]:.2e} (cuda)")
+        summary["match"][mode] = {"equal_prefix_tokens": same, "tokens": total, "notes": notes}
+        print(f"exact match ({mode}): {same}/{total} tokens ({same / total:.1%}) equal over {len(ts)} seed(s)"
+              + ("" if not notes else "; " + "; ".join(notes)))
+    best = rows.get(("cuda", "graph")) or rows.get(("cuda", "eager")) or next(iter(rows.values()))
+    print(f"--- {kind}, seed {best[0]['seed']}, {best[0]['op_set']} {best[0]['mode']} ---\n"
+          f"{cfg.prompt}|{tok.decode(best[0]['tokens'])}\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
