@@ -478,6 +478,172 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
+# inference.py: the KV cache, the MoE feed-forward and the command line, on the CPU at tiny sizes
+
+import inference  # noqa: E402  (after train: inference imports it)
+
+_INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=4",
+             "--seeds=0", "--max_new_tokens=12", "--prompt=Oz"]
+
+
+def _tiny_gpt(n_expert=0, device="cpu", ops=None):
+    return train.GPT(95, 24, 32, 2, 2, 0, ops or train.TORCH_OPS, n_expert=n_expert, top_k=2).to(device).eval()
+
+
+def _greedy_without_cache(model, prompt, n_new):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n_new):
+            logits, _ = model(torch.tensor([ids], device=model.wte.device))
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def inference_cache_matches_full_forward():
+    # the cached decode (prefill, then one token a step) picks the tokens a full forward of the whole
+    # context picks at every step, for the dense and the MoE feed-forward
+    for n_expert in (0, 4):
+        model = _tiny_gpt(n_expert)
+        prompt, n_new = [5, 17, 42], 15  # 3 + 15 < 24: no slide
+        dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
+        with torch.no_grad():
+            inference.generate(dec, torch.tensor(prompt), n_new)
+        ref = _greedy_without_cache(model, prompt, n_new)
+        assert dec.tokens.tolist() == ref, f"n_expert={n_expert}: cache {dec.tokens.tolist()} vs full {ref}"
+        assert (dec.margins >= 0).all(), "top-1 minus top-2 margin must be >= 0"
+    return "dense and MoE: 15 cached tokens equal the full-context argmax"
+
+
+def inference_slides_when_full():
+    # past the context, the newest half is prefilled again: the run goes on and equals a full forward
+    # over that window
+    model, n_new = _tiny_gpt(), 30
+    prompt = [1, 2, 3]
+    dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
+    with torch.no_grad():
+        inference.generate(dec, torch.tensor(prompt), n_new)
+    toks = dec.tokens.tolist()
+    assert toks[:21] == _greedy_without_cache(model, prompt, 21), "tokens before the slide differ"
+    # token 21 is the first after the slide: 24 tokens in context, the newest 12 prefilled again
+    window = (prompt + toks)[3 + 21 - 12:3 + 21]
+    assert toks[21] == _greedy_without_cache(model, window, 1)[0], "first token after the slide differs"
+    return f"{n_new} tokens through a context of 24"
+
+
+def inference_sampling_is_seeded():
+    model, n_new = _tiny_gpt(), 10
+    runs = []
+    for _ in range(2):
+        dec = inference.Decoder(model, n_new, 0.8, 5, torch.rand(n_new, generator=torch.Generator().manual_seed(3)),
+                                graphed=False)
+        with torch.no_grad():
+            inference.generate(dec, torch.tensor([4, 5]), n_new)
+        runs.append(dec.tokens.tolist())
+    assert runs[0] == runs[1], f"same draws, different tokens: {runs}"
+    return "temperature 0.8, top-5: same uniforms, same tokens"
+
+
+def inference_moe_weights_sum_to_one():
+    moe = _tiny_gpt(4).blocks[0].mlp
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        probs = torch.softmax(F.linear(x, moe.router_w), -1)
+        top_p, top_i = torch.topk(probs, 2)
+        w = top_p / top_p.sum(-1, keepdim=True)
+        assert torch.allclose(w.sum(-1), torch.ones(7)), "renormalised weights do not sum to 1"
+        ref = torch.stack([sum(w[t, s] * moe_expert(moe, int(top_i[t, s]), x[t]) for s in range(2)) for t in range(7)])
+        many = moe(x, train.TORCH_OPS)  # all tokens at once: grouped by expert
+        one = torch.stack([moe(x[t:t + 1], train.TORCH_OPS)[0] for t in range(7)])  # one token: expert GEMVs
+    check("grouped", many, ref, 1e-6)
+    check("one_token", one, ref, 1e-6)
+
+
+def moe_expert(moe, e, x):
+    return F.linear(F.gelu(F.linear(x, moe.fc_w[e], moe.fc_b[e])), moe.proj_w[e], moe.proj_b[e])
+
+
+def _inference_run(*args):
+    return subprocess.run([sys.executable, "inference.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                          capture_output=True, text=True, timeout=300)
+
+
+def inference_cli_cpu():
+    with tempfile.TemporaryDirectory() as tmp:
+        p = _inference_run(*_INF_TINY, f"--out_dir={tmp}")
+        _train_check_ok(p, "inference.py on CPU")
+        assert "PyTorch op set only" in p.stdout, p.stdout
+        for kind in ("dense", "moe"):
+            assert f"--- {kind}, seed 0, torch eager ---" in p.stdout, p.stdout
+        with open(os.path.join(tmp, "inference.json")) as f:
+            assert set(json.load(f)["models"]) == {"dense", "moe"}
+    return "dense and MoE generate on the PyTorch op set; inference.json written"
+
+
+def _expect_inference_error(args, *words):
+    p = _inference_run(*args)
+    assert p.returncode != 0, f"{args} was accepted:\n{p.stdout[-1000:]}"
+    last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert last.startswith("inference.py: error:"), p.stderr[-1000:]
+    for w in words:
+        assert w in last, f"message does not name {w!r}: {last}"
+    return last
+
+
+def inference_bad_inputs():
+    seen = []
+    with tempfile.TemporaryDirectory() as tmp:
+        seen.append(_expect_inference_error([*_INF_TINY, "--prompt=Oz \u20ac"], "--prompt", "\u20ac"))
+        seen.append(_expect_inference_error([*_INF_TINY, "--prompt=" + "o" * 30], "--prompt", "24"))
+        missing = os.path.join(tmp, "nothere.pt")
+        seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={missing}"], missing))
+        # a real checkpoint, then damaged copies of it
+        data = _train_text_file(tmp)
+        out = os.path.join(tmp, "out")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=3")
+        _train_check_ok(p, "train.py for a checkpoint")
+        good = os.path.join(out, "ckpt_torch.pt")
+        p = _inference_run("--device=cpu", f"--ckpt={good}", "--max_new_tokens=10", "--prompt=the", f"--out_dir={tmp}")
+        _train_check_ok(p, "inference.py --ckpt")
+        assert "--- dense, seed None, torch eager ---" in p.stdout, p.stdout
+        raw = open(good, "rb").read()
+        truncated = os.path.join(tmp, "truncated.pt")
+        open(truncated, "wb").write(raw[:len(raw) // 2])
+        seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={truncated}"], truncated))
+        foreign = os.path.join(tmp, "foreign.pt")
+        torch.save({"weights": torch.zeros(3)}, foreign)
+        seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={foreign}"], foreign))
+    return " | ".join(s.replace("inference.py: error: ", "")[:70] for s in seen)
+
+
+for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
+            inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs):
+    add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+
+def inference_gpu_paths_agree():
+    # both op sets, eager and graphed, decode the same tokens with nearly the same margins
+    kernels_ops = train.cuda_op_set(kernels, 16)
+    for n_expert in (0, 4):
+        model = _tiny_gpt(n_expert, DEV)
+        toks, margins = {}, {}
+        for name, ops in (("torch", train.TORCH_OPS), ("cuda", kernels_ops)):
+            for graphed in (False, True):
+                model.ops = ops
+                dec = inference.Decoder(model, 20, 0.0, 0, torch.rand(20), graphed)
+                with torch.no_grad():
+                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins
+        ref = toks["torch", False]
+        assert all(t == ref for t in toks.values()), f"n_expert={n_expert}: {toks}"
+        for key in margins:
+            check(f"margins_{n_expert}_{key[0]}_{'graph' if key[1] else 'eager'}", margins[key],
+                  margins["torch", False], 1e-5)
+
+
+add("inference/gpu_paths_agree", inference_gpu_paths_agree)
+
+# -----------------------------------------------------------------------------
 # the references themselves (CPU): the GPU cases lean on these two rules
 
 

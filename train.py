@@ -304,6 +304,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.capacity = block_size
+        self.positions = self.kv_len = None  # of the tokens in flight, set by GPT.forward
 
     def reset(self):
         self.pos.zero_()
@@ -324,7 +325,7 @@ class Block(nn.Module):
         self.mlp = mlp
         self.res_attn, self.res_mlp = residual(), residual()
 
-    def attention(self, h, ops, cache, layer, positions):  # h (B, T, C)
+    def attention(self, h, ops, cache, layer):  # h (B, T, C)
         B, T, C = h.shape
         nh, hs = self.n_head, C // self.n_head
         q, k, v = ops.linear(h, self.attn_w, self.attn_b).split(C, dim=2)  # each (B, T, C)
@@ -333,16 +334,16 @@ class Block(nn.Module):
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         kv_len = None
         if cache is not None:  # write this step's keys and values at their positions, attend to all so far
-            cache.k[layer].index_copy_(2, positions, k)
-            cache.v[layer].index_copy_(2, positions, v)
-            k, v, kv_len = cache.k[layer], cache.v[layer], positions[-1:] + 1  # (B, nh, block_size, hs)
+            cache.k[layer].index_copy_(2, cache.positions, k)
+            cache.v[layer].index_copy_(2, cache.positions, v)
+            k, v, kv_len = cache.k[layer], cache.v[layer], cache.kv_len  # (B, nh, block_size, hs)
         y = ops.attention(q, k, v, causal=True, kv_len=kv_len)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return ops.linear(y, self.attn_proj_w, self.attn_proj_b)
 
-    def forward(self, x, ops, cache=None, layer=0, positions=None):
-        x = self.res_attn(x, lambda s: self.attention(ops.layernorm(s, self.ln_1_w, self.ln_1_b), ops,
-                                                       cache, layer, positions), ops)
+    def forward(self, x, ops, cache=None, layer=0):
+        x = self.res_attn(x, lambda s: self.attention(ops.layernorm(s, self.ln_1_w, self.ln_1_b), ops, cache, layer),
+                          ops)
         return self.res_mlp(x, lambda s: self.mlp(ops.layernorm(s, self.ln_2_w, self.ln_2_b), ops), ops)
 
 
@@ -385,11 +386,14 @@ class GPT(nn.Module):
         position's logits (B, 1, V) and None. With a KVCache, idx continues the cached tokens."""
         ops = self.ops
         B, T = idx.shape
-        positions = self.pos[:T] if cache is None else cache.pos + self.pos[:T]  # (T,)
+        positions = self.pos[:T]  # (T,)
+        if cache is not None:
+            positions = cache.positions = cache.pos + positions
+            cache.kv_len = positions[-1:] + 1  # once per step, read by every layer's attention
         x = ops.embedding(idx, self.wte) + ops.embedding(positions, self.wpe)  # (B, T, C) + (T, C)
         x = self.streams.expand(x)  # (B, T, n, C) with n residual streams, else unchanged
         for layer, block in enumerate(self.blocks):
-            x = block(x, ops, cache, layer, positions)
+            x = block(x, ops, cache, layer)
         x = self.streams.collapse(x)  # (B, T, C)
         if cache is not None:
             cache.pos += T
