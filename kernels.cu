@@ -1018,52 +1018,93 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
 }
 
 // ------------------------------------------------------------------------------------------------
-// GEMV for decoding: y = W x (+ b), W row-major N x K. One warp per row, 16-byte loads when K % 4
-// == 0, loop unrolled so several loads are in flight per lane (the kernel is bound by reading W).
+// GEMV for decoding: y = W x (+ b), W row-major N x K. Bound by reading W once, so the kernel is
+// about keeping enough loads in flight: a warp reads a K-slice of one row with 16-byte loads (when
+// K % 4 == 0), eight per lane issued before they are used; a row is cut into KSPLIT slices when the
+// matrix has too few rows to give every SM ~32 warps (a 768 x 768 projection has 768 rows for 132
+// SMs), and the slices' partial sums are added in shared memory in a fixed order.
 // Batched for mixture-of-experts decoding: grid.y = S vectors, vector s multiplied by expert
 // experts[s] of a stack W (E, N, K), b (E, N). The index is read on the device, so a decode step
 // needs no host sync to pick its experts; an index outside [0, E) gives zeros (bindings.cpp rejects
 // it before launch outside CUDA-graph capture).
 
-template <bool VEC>
-__global__ void gemv_kernel(const float* W, const float* x, const float* bias, float* y, int N, int K,
-                            const int64_t* experts, int64_t E) {
-  const int row = blockIdx.x * blockDim.y + threadIdx.y;
-  if (row >= N) return;
+constexpr int GEMV_WARPS = 8;
+
+template <bool VEC, int KSPLIT>
+__global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, const float* x, const float* bias,
+                                                                float* y, int N, int K, const int64_t* experts,
+                                                                int64_t E) {
+  __shared__ float part[GEMV_WARPS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
   const int s = blockIdx.y;
   const int64_t e = experts ? experts[s] : 0;
-  if (e < 0 || e >= E) {
-    if (threadIdx.x == 0) y[(int64_t)s * N + row] = 0.f;
-    return;
-  }
-  const float* w = W + (e * N + row) * (int64_t)K;
-  x += (int64_t)s * K;
+  const bool ok = row < N && e >= 0 && e < E;
   float acc = 0.f;
-  if (VEC) {
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    const float4* x4 = reinterpret_cast<const float4*>(x);
+  if (ok) {
+    const float* w = W + (e * N + row) * (int64_t)K;
+    const float* xs = x + (int64_t)s * K;
+    const int units = VEC ? K / 4 : K;  // 16-byte units (VEC) or floats
+    const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
+    int u = u0 + lane;
+    if (VEC) {
+      const float4* w4 = reinterpret_cast<const float4*>(w);
+      const float4* x4 = reinterpret_cast<const float4*>(xs);
+      for (; u + 32 * 7 < u1; u += 32 * 8) {
+        float4 a[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] = __ldcs(w4 + u + 32 * j);  // all loads first: eight in flight per lane
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float4 b = x4[u + 32 * j];
+          acc += a[j].x * b.x + a[j].y * b.y + a[j].z * b.z + a[j].w * b.w;
+        }
+      }
 #pragma unroll 4
-    for (int i = threadIdx.x; i < K / 4; i += 32) {
-      const float4 a = __ldcs(w4 + i), b = x4[i];  // W is streamed once: don't keep it in L1/L2
-      acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+      for (; u < u1; u += 32) {
+        const float4 a = __ldcs(w4 + u), b = x4[u];
+        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+      }
+    } else {
+#pragma unroll 8
+      for (; u < u1; u += 32) acc += __ldcs(w + u) * xs[u];  // W is streamed once: keep it out of L1/L2
     }
-  } else {
-#pragma unroll 4
-    for (int i = threadIdx.x; i < K; i += 32) acc += __ldcs(w + i) * x[i];
   }
   acc = warp_sum(acc);
-  if (threadIdx.x == 0) y[(int64_t)s * N + row] = acc + (bias ? bias[e * N + row] : 0.f);
+  if (KSPLIT > 1) {
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    if (slice != 0) return;
+    acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < KSPLIT; ++j) acc += part[warp + j];
+  }
+  if (lane == 0 && row < N)
+    y[(int64_t)s * N + row] = ok ? acc + (bias ? bias[e * N + row] : 0.f) : 0.f;
+}
+
+template <bool VEC, int KSPLIT>
+static void gemv_launch(const float* W, const float* x, const float* bias, float* y, int N, int K, int S,
+                        const int64_t* experts, int64_t E, cudaStream_t s) {
+  dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), S);
+  gemv_kernel<VEC, KSPLIT><<<grid, 32 * GEMV_WARPS, 0, s>>>(W, x, bias, y, N, K, experts, E);
 }
 
 // y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
 void gemv(const float* W, const float* x, const float* bias, float* y, int N, int K, int S,
           const int64_t* experts, int64_t E, cudaStream_t s) {
   if (N == 0 || S == 0) return;
-  dim3 block(32, 8), grid(ceil_div(N, 8), S);
-  if (K % 4 == 0 && aligned16(W) && aligned16(x))
-    gemv_kernel<true><<<grid, block, 0, s>>>(W, x, bias, y, N, K, experts, E);
-  else
-    gemv_kernel<false><<<grid, block, 0, s>>>(W, x, bias, y, N, K, experts, E);
+  const bool vec = K % 4 == 0 && aligned16(W) && aligned16(x);
+  // Slices per row: enough warps for ~32 per SM, each slice still at least a full warp of 16-byte loads.
+  int ksplit = 1;
+  while (ksplit < GEMV_WARPS && (int64_t)N * S * ksplit < 32 * num_sms() && K / (ksplit * 2) >= 128) ksplit *= 2;
+#define GEMV_CASE(KS)                                                                   \
+  case KS:                                                                              \
+    if (vec) gemv_launch<true, KS>(W, x, bias, y, N, K, S, experts, E, s);             \
+    else gemv_launch<false, KS>(W, x, bias, y, N, K, S, experts, E, s);                \
+    break;
+  switch (ksplit) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(4) GEMV_CASE(8) }
+#undef GEMV_CASE
   check_launch("gemv");
 }
 
