@@ -126,17 +126,27 @@ class Streams:
 # -----------------------------------------------------------------------------
 # stability metrics of the composite residual map P = H_res[L-1] ... H_res[0]
 
-def composite_gains(residuals):
+GAINS = ("proxy", "fwd", "bwd")  # the order of composite_gain_tensor's entries
+
+
+def composite_gain_tensor(residuals):
     """From the residual modules of a model (in depth order), after a forward: the gains of P, the
-    product of every sublayer's H_res (per token for mhc-dynamic), as log10 values, max over tokens:
-    'proxy' = max |P_ij| (the published runs' measure), 'fwd' = max absolute row sum (the paper's
-    forward Amax gain), 'bwd' = max absolute column sum (backward). None for the baseline."""
+    product of every sublayer's H_res (per token for mhc-dynamic), as log10 values, max over tokens,
+    in GAINS order: 'proxy' = max |P_ij| (the published runs' measure), 'fwd' = max absolute row sum
+    (the paper's forward Amax gain), 'bwd' = max absolute column sum (backward). A (3,) float64 tensor
+    on the matrices' device, or None for the baseline. Device ops only: reading nothing back, it can
+    run every training step (inside a CUDA graph too) without a host sync."""
     mats = [r.last_res for r in residuals if getattr(r, "last_res", None) is not None]
     if not mats:
         return None
-    p = mats[0].double()
+    p = mats[0].double()  # float64: HC's product can pass float32's range long before it is inf
     for h in mats[1:]:
         p = h.double() @ p  # broadcasts a static (n, n) against per-token (B, T, n, n)
     a = p.abs()
-    amax = lambda t: t.max().log10().item()
-    return {"proxy": amax(a), "fwd": amax(a.sum(-1)), "bwd": amax(a.sum(-2))}
+    return torch.stack([a.amax(), a.sum(-1).amax(), a.sum(-2).amax()]).log10()
+
+
+def composite_gains(residuals):
+    """composite_gain_tensor read back as {'proxy': float, 'fwd': float, 'bwd': float}, or None."""
+    g = composite_gain_tensor(residuals)
+    return None if g is None else dict(zip(GAINS, g.tolist()))
