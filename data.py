@@ -4,6 +4,7 @@ The training text is The Wonderful Wizard of Oz (Project Gutenberg eBook #55). I
 and cached next to this file, or read from any UTF-8 file given with --data_path. Gutenberg's header
 and license footer are stripped, the characters of the text become the vocabulary, and training
 batches are random windows drawn with a CPU generator so every backend sees the same batches.
+The synthetic incrementing-token task of the mHC depth sweep lives here too (increment_batch).
 """
 
 import os
@@ -146,3 +147,20 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
     y = torch.stack([data[i + 1:i + 1 + block_size] for i in starts.tolist()]).long()
     non_blocking = torch.device(device).type == "cuda"
     return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+
+
+# -----------------------------------------------------------------------------
+# the incrementing-token task (the mHC depth sweep): no text, a fresh batch every step
+
+INCREMENT_VOCAB = 256  # token ids 0..255
+
+
+def increment_batch(batch_size: int, block_size: int, generator: torch.Generator, device="cpu",
+                    vocab_size: int = INCREMENT_VOCAB):
+    """Each row counts up from a random start, (s, s+1, s+2, ...) mod vocab_size; y is x one token
+    ahead. Only the starts come from the generator (on the CPU, so a seed gives the same batches on
+    every device); the rows are built where they are used."""
+    starts = torch.randint(0, vocab_size, (batch_size, 1), generator=generator)  # (B, 1)
+    starts = starts.to(device, non_blocking=torch.device(device).type == "cuda")
+    x = (starts + torch.arange(block_size, device=device)) % vocab_size  # (B, T)
+    return x, (x + 1) % vocab_size

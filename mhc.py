@@ -36,6 +36,16 @@ def sinkhorn_torch(logits, iters=20):
 VARIANTS = ("baseline", "hc", "mhc", "mhc-dynamic")
 
 
+def pre_logits_init(n, index):
+    """H_pre's starting logits for the index-th sublayer: 2 on stream index mod n, 0 elsewhere, so it reads
+    mostly that stream (softmax 0.71, the others 0.10 each for n = 4), as hyper-connections start each
+    layer on its own stream. With every stream a copy of the embedding and the same H_pre for every
+    sublayer, the streams would be symmetric: equal gradients keep them equal, H_res x = x for any
+    row-stochastic H_res, so the mixing would learn only from rounding noise. Reading different
+    streams gives them different gradients from the first step."""
+    return 2 * torch.eye(n)[index % n]
+
+
 class PlainResidual(nn.Module):
     """baseline: x + F(x), one stream."""
 
@@ -46,13 +56,14 @@ class PlainResidual(nn.Module):
 class StaticHyperConnection(nn.Module):
     """hc / mhc: n streams x (B, T, n, C) mixed by learned matrices that do not depend on the input.
     The sublayer sees the merged stream H_pre x; then x <- H_res x + H_post^T F(H_pre x).
-    H_pre, H_post = softmax of their logits (1/n each at init); H_res = exp(L) for hc (unconstrained),
-    Sinkhorn(L) for mhc (doubly stochastic); L starts at 2I - 1."""
+    H_pre, H_post = softmax of their logits (H_pre: mostly stream index mod n at init, pre_logits_init;
+    H_post: 1/n each); H_res = exp(L) for hc (unconstrained), Sinkhorn(L) for mhc (doubly stochastic);
+    L starts at 2I - 1."""
 
-    def __init__(self, n, constrained, sinkhorn_iters=20):
+    def __init__(self, n, constrained, sinkhorn_iters=20, index=0):
         super().__init__()
         self.constrained, self.iters = constrained, sinkhorn_iters
-        self.pre_logits = nn.Parameter(torch.zeros(n))
+        self.pre_logits = nn.Parameter(pre_logits_init(n, index))
         self.post_logits = nn.Parameter(torch.zeros(n))
         self.res_logits = nn.Parameter(2 * torch.eye(n) - 1)
         self.last_res = None  # H_res of the latest forward, detached, for the gain metrics
@@ -69,16 +80,17 @@ class DynamicHyperConnection(nn.Module):
     """mhc-dynamic (the paper's form): per-token coefficients from the streams themselves.
     x' = RMSNorm(flatten(x)) (1 x nC per token); H~ = alpha * (x' phi) + b, one alpha per group;
     H_pre = sigmoid(H~_pre), H_post = 2 sigmoid(H~_post), H_res = Sinkhorn(H~_res), one n x n per token.
-    alpha starts at 0.01 and b at the static variants' starting point (H_pre = H_post = 1/n,
-    L = 2I - 1), so all three hyper-connection variants begin from the same mixing."""
+    alpha starts at 0.01 and b at the static variants' starting point (H_pre = softmax(pre_logits_init),
+    H_post = 1/n, L = 2I - 1), so all three hyper-connection variants begin from the same H_pre and
+    H_post, and both mhc variants from the same H_res."""
 
-    def __init__(self, n, n_embd, sinkhorn_iters=20):
+    def __init__(self, n, n_embd, sinkhorn_iters=20, index=0):
         super().__init__()
         self.n, self.iters = n, sinkhorn_iters
         self.norm_w = nn.Parameter(torch.ones(n * n_embd))
         self.phi_w = nn.Parameter(torch.empty(2 * n + n * n, n * n_embd))  # random init: GPT's weight init
         self.alpha = nn.Parameter(torch.full((3,), 0.01))  # pre, post, res
-        b_pre = torch.full((n,), math.log(1 / (n - 1))) if n > 1 else torch.full((1,), 30.0)  # sigmoid -> 1/n
+        b_pre = torch.logit(torch.softmax(pre_logits_init(n, index), -1), eps=1e-6)  # sigmoid -> the static H_pre
         b_post = torch.full((n,), -math.log(2 * n - 1))  # 2 sigmoid -> 1/n
         self.bias = nn.Parameter(torch.cat([b_pre, b_post, (2 * torch.eye(n) - 1).flatten()]))
         self.last_res = None
@@ -108,13 +120,16 @@ class Streams:
             raise ValueError(f"n_streams must be >= 1, got {n}")
         self.variant, self.n = variant, 1 if variant == "baseline" else n
         self.n_embd, self.iters = n_embd, sinkhorn_iters
+        self.made = 0  # residual modules made so far: the next one's sublayer index
 
     def residual(self):
+        """The next sublayer's residual module; the model asks for them in depth order."""
+        index, self.made = self.made, self.made + 1
         if self.variant == "baseline":
             return PlainResidual()
         if self.variant == "mhc-dynamic":
-            return DynamicHyperConnection(self.n, self.n_embd, self.iters)
-        return StaticHyperConnection(self.n, self.variant == "mhc", self.iters)
+            return DynamicHyperConnection(self.n, self.n_embd, self.iters, index)
+        return StaticHyperConnection(self.n, self.variant == "mhc", self.iters, index)
 
     def expand(self, x):  # (B, T, C) -> (B, T, n, C)
         return x if self.variant == "baseline" else x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
@@ -126,17 +141,27 @@ class Streams:
 # -----------------------------------------------------------------------------
 # stability metrics of the composite residual map P = H_res[L-1] ... H_res[0]
 
-def composite_gains(residuals):
+GAINS = ("proxy", "fwd", "bwd")  # the order of composite_gain_tensor's entries
+
+
+def composite_gain_tensor(residuals):
     """From the residual modules of a model (in depth order), after a forward: the gains of P, the
-    product of every sublayer's H_res (per token for mhc-dynamic), as log10 values, max over tokens:
-    'proxy' = max |P_ij| (the published runs' measure), 'fwd' = max absolute row sum (the paper's
-    forward Amax gain), 'bwd' = max absolute column sum (backward). None for the baseline."""
+    product of every sublayer's H_res (per token for mhc-dynamic), as log10 values, max over tokens,
+    in GAINS order: 'proxy' = max |P_ij| (the published runs' measure), 'fwd' = max absolute row sum
+    (the paper's forward Amax gain), 'bwd' = max absolute column sum (backward). A (3,) float64 tensor
+    on the matrices' device, or None for the baseline. Device ops only: reading nothing back, it can
+    run every training step (inside a CUDA graph too) without a host sync."""
     mats = [r.last_res for r in residuals if getattr(r, "last_res", None) is not None]
     if not mats:
         return None
-    p = mats[0].double()
+    p = mats[0].double()  # float64: HC's product can pass float32's range long before it is inf
     for h in mats[1:]:
         p = h.double() @ p  # broadcasts a static (n, n) against per-token (B, T, n, n)
     a = p.abs()
-    amax = lambda t: t.max().log10().item()
-    return {"proxy": amax(a), "fwd": amax(a.sum(-1)), "bwd": amax(a.sum(-2))}
+    return torch.stack([a.amax(), a.sum(-1).amax(), a.sum(-2).amax()]).log10()
+
+
+def composite_gains(residuals):
+    """composite_gain_tensor read back as {'proxy': float, 'fwd': float, 'bwd': float}, or None."""
+    g = composite_gain_tensor(residuals)
+    return None if g is None else dict(zip(GAINS, g.tolist()))

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import mhc
 import train
 
 try:
@@ -486,7 +487,7 @@ _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--bloc
              "--seeds=0", "--max_new_tokens=12", "--prompt=Oz"]
 
 
-def _tiny_gpt(n_expert=0, device="cpu", ops=None):
+def _decoder_gpt(n_expert=0, device="cpu", ops=None):
     return train.GPT(95, 24, 32, 2, 2, 0, ops or train.TORCH_OPS, n_expert=n_expert, top_k=2).to(device).eval()
 
 
@@ -503,7 +504,7 @@ def inference_cache_matches_full_forward():
     # the cached decode (prefill, then one token a step) picks the tokens a full forward of the whole
     # context picks at every step, for the dense and the MoE feed-forward
     for n_expert in (0, 4):
-        model = _tiny_gpt(n_expert)
+        model = _decoder_gpt(n_expert)
         prompt, n_new = [5, 17, 42], 15  # 3 + 15 < 24: no slide
         dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
         with torch.no_grad():
@@ -517,7 +518,7 @@ def inference_cache_matches_full_forward():
 def inference_slides_when_full():
     # past the context, the newest half is prefilled again: the run goes on and equals a full forward
     # over that window
-    model, n_new = _tiny_gpt(), 30
+    model, n_new = _decoder_gpt(), 30
     prompt = [1, 2, 3]
     dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
     with torch.no_grad():
@@ -531,7 +532,7 @@ def inference_slides_when_full():
 
 
 def inference_sampling_is_seeded():
-    model, n_new = _tiny_gpt(), 10
+    model, n_new = _decoder_gpt(), 10
     runs = []
     for _ in range(2):
         dec = inference.Decoder(model, n_new, 0.8, 5, torch.rand(n_new, generator=torch.Generator().manual_seed(3)),
@@ -544,7 +545,7 @@ def inference_sampling_is_seeded():
 
 
 def inference_moe_weights_sum_to_one():
-    moe = _tiny_gpt(4).blocks[0].mlp
+    moe = _decoder_gpt(4).blocks[0].mlp
     x = torch.randn(7, 32)
     with torch.no_grad():
         probs = torch.softmax(F.linear(x, moe.router_w), -1)
@@ -625,7 +626,7 @@ def inference_gpu_paths_agree():
     # both op sets, eager and graphed, decode the same tokens with nearly the same margins
     kernels_ops = train.cuda_op_set(kernels, 16)
     for n_expert in (0, 4):
-        model = _tiny_gpt(n_expert, DEV)
+        model = _decoder_gpt(n_expert, DEV)
         toks, margins = {}, {}
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", kernels_ops)):
             for graphed in (False, True):
@@ -642,6 +643,194 @@ def inference_gpu_paths_agree():
 
 
 add("inference/gpu_paths_agree", inference_gpu_paths_agree)
+
+# -----------------------------------------------------------------------------
+# mHC on the CPU: the incrementing-token task, the composite gains, the residual variants, the depth sweep
+
+
+def data_increment_batch():
+    B, T, V = 64, 200, data.INCREMENT_VOCAB
+    x, y = data.increment_batch(B, T, torch.Generator().manual_seed(0))
+    assert x.shape == (B, T) and y.shape == (B, T), f"shapes {x.shape} {y.shape}"
+    assert x.dtype == torch.int64 and y.dtype == torch.int64, f"dtypes {x.dtype} {y.dtype}"
+    assert torch.equal(x, (x[:, :1] + torch.arange(T)) % V), "rows do not count up by one mod 256"
+    assert torch.equal(y, (x + 1) % V), "y is not x one token ahead"
+    assert int(x.min()) >= 0 and int(x.max()) <= V - 1, "ids outside 0..255"
+    assert ((x[:, :-1] == V - 1) & (x[:, 1:] == 0)).any(), "no row wraps from 255 to 0"
+    assert len(set(x[:, 0].tolist())) > B // 2, "starts are not spread"
+    x2, _ = data.increment_batch(B, T, torch.Generator().manual_seed(0))
+    x3, _ = data.increment_batch(B, T, torch.Generator().manual_seed(1))
+    assert torch.equal(x, x2) and not torch.equal(x, x3), "batches do not follow the seed"
+    return f"({B}, {T}) rows (s, s+1, ...) mod {V}, seeded"
+
+
+def _fake_residuals(*mats):
+    return [types.SimpleNamespace(last_res=m) for m in mats]
+
+
+def mhc_composite_gains_known():
+    eye = torch.eye(4)
+    g = mhc.composite_gains(_fake_residuals(eye, eye, eye))
+    assert all(abs(v) < 1e-12 for v in g.values()), f"identity: {g}"
+    # P = H1 @ H0 = [[1, 2], [3, 7]] (H0 applies first): max entry 7, row sums 3 and 10, column sums 4 and 9
+    h0, h1 = torch.tensor([[1.0, 2.0], [0.0, 1.0]]), torch.tensor([[1.0, 0.0], [3.0, 1.0]])
+    g = mhc.composite_gains(_fake_residuals(h0, h1))
+    want = {"proxy": math.log10(7), "fwd": 1.0, "bwd": math.log10(9)}
+    assert all(abs(g[k] - want[k]) < 1e-12 for k in want), f"2x2 product: {g}, expected {want}"
+    # absolute values, and per token (B, T, n, n) against a static (n, n): the max over tokens
+    tok = eye.expand(2, 3, 4, 4).clone()
+    tok[1, 2] = torch.diag(torch.tensor([-5.0, 1.0, 1.0, 1.0]))
+    g = mhc.composite_gains(_fake_residuals(2 * eye, tok))
+    assert all(abs(g[k] - 1.0) < 1e-12 for k in g), f"per token: {g}, expected log10(10) = 1"
+    assert mhc.composite_gains([mhc.PlainResidual()]) is None, "baseline has no gains"
+    t = mhc.composite_gain_tensor(_fake_residuals(h0, h1))
+    assert t.shape == (3,) and t.dtype == torch.float64, f"{t.shape} {t.dtype}"
+    return "identity 0, [[1,2],[3,7]] -> proxy log10 7, fwd 1, bwd log10 9; per-token max"
+
+
+def _tiny_gpt(variant, layers=2):
+    return train.GPT(data.INCREMENT_VOCAB, 16, 32, 2, layers, 0, train.TORCH_OPS, residual=variant, n_streams=4)
+
+
+def _opt(model, lr):
+    return train.make_optimizer(model, types.SimpleNamespace(lr=lr, weight_decay=0.0, beta1=0.9, beta2=0.99),
+                                False, False)
+
+
+def mhc_doubly_stochastic_after_step():
+    g = torch.Generator().manual_seed(0)
+    for variant in ("mhc", "mhc-dynamic"):
+        model = _tiny_gpt(variant)
+        opt = _opt(model, 1e-1)  # large steps move the mixing far from its start
+        for _ in range(2):
+            train.train_step(model, opt, *data.increment_batch(4, 16, g))
+        with torch.no_grad():
+            model(*data.increment_batch(4, 16, g))  # H_res of the updated weights
+        h = torch.stack([r.last_res for r in train.residual_modules(model)]).double()  # (2L, [B, T,] 4, 4)
+        assert (h >= 0).all(), f"{variant}: negative entry"
+        check(f"{variant}_rows", h.sum(-1), torch.ones_like(h.sum(-1)), 1e-6)
+        check(f"{variant}_cols", h.sum(-2), torch.ones_like(h.sum(-2)), 1e-4)
+        if variant == "mhc":
+            moved = (train.residual_modules(model)[1].res_logits - (2 * torch.eye(4) - 1)).abs().max().item()
+            assert moved > 1e-2, f"H_res logits moved only {moved:.1e}: nothing was tested"
+
+
+def train_variants_few_steps():
+    g = torch.Generator().manual_seed(0)
+    losses = {}
+    for variant in mhc.VARIANTS:
+        model = _tiny_gpt(variant)
+        opt = _opt(model, 2e-3)
+        losses[variant] = [train.train_step(model, opt, *data.increment_batch(4, 16, g)).item()]
+        if variant != "baseline":
+            # The streams start as copies of the embedding; unless the sublayers read them differently, the
+            # first gradient of the mixing is rounding noise (~1e-11) and the streams stay alike.
+            res = train.residual_modules(model)[0]
+            mix = res.post_logits if variant != "mhc-dynamic" else res.bias
+            assert mix.grad.abs().max() > 1e-8, f"{variant}: first mixing gradient {mix.grad.abs().max():.1e}"
+        losses[variant] += [train.train_step(model, opt, *data.increment_batch(4, 16, g)).item() for _ in range(2)]
+        assert all(math.isfinite(v) for v in losses[variant]), f"{variant}: {losses[variant]}"
+    return " ".join(f"{v} {ls[-1]:.3f}" for v, ls in losses.items())
+
+
+def _train_main(*args):
+    """train.main(args) in this process (no second PyTorch import): its output, or AssertionError if it exits."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            train.main(list(args))
+    except SystemExit as e:
+        raise AssertionError(f"train.py {' '.join(args)} exited: {e}\n{out.getvalue()[-2000:]}") from None
+    return out.getvalue()
+
+
+_SWEEP_TINY = ["--preset=mhc", "--device=cpu", "--sweep_depths=2", "--n_embd=32", "--n_head=2", "--block_size=16",
+               "--batch_size=4", "--max_iters=6", "--log_interval=3", "--timing_warmup=0"]
+
+
+def train_mhc_sweep_cpu():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = _train_main(*_SWEEP_TINY, f"--out_dir={tmp}")
+        rows = [line for line in out.splitlines() if line.startswith("| ")]
+        assert len(rows) == 1 + len(mhc.VARIANTS), f"table:\n{out}"
+        assert "final loss" in rows[0] and "gain fwd" in rows[0] and "ms/step" in rows[0], rows[0]
+        assert [r.split("|")[1].strip() for r in rows[1:]] == list(mhc.VARIANTS), rows
+        assert "step 3/6" in out and "eta" in out, f"no progress lines in:\n{out}"
+        with open(os.path.join(tmp, "results.json")) as f:
+            cells = json.load(f)["cells"]
+        assert sorted(cells) == sorted(f"{v}/2" for v in mhc.VARIANTS), sorted(cells)
+        for v in mhc.VARIANTS:
+            c = cells[f"{v}/2"]
+            assert c["steps"] == 6 and c["diverged_at"] is None and c["nonfinite_steps"] == 0, (v, c["steps"])
+            assert all(math.isfinite(x) for x in c["per_step"]["loss"]), f"{v}: {c['per_step']['loss']}"
+            assert c["ms_per_step"] and c["timed_steps"] == 2, f"{v}: {c['ms_per_step']} {c['timed_steps']}"
+            gains = [c["final"][f"gain_{g}"] for g in mhc.GAINS]
+            if v == "baseline":
+                assert gains == [None] * 3 and "gain_fwd" not in c["per_step"], f"baseline gains {gains}"
+            else:
+                assert all(x is not None and math.isfinite(x) for x in gains), f"{v} gains {gains}"
+                assert len(c["per_step"]["gain_fwd"]) == 6, f"{v}: gains per step"
+        for v in ("mhc", "mhc-dynamic"):  # doubly stochastic: row sums 1, so the forward gain is log10 1
+            assert abs(cells[f"{v}/2"]["final"]["gain_fwd"]) < 1e-4, cells[f"{v}/2"]["final"]
+        # hc starts from exp(2I - 1), rows summing to e + 3/e: 4 sublayers give log10 (e + 3/e)^4 = 2.33
+        assert cells["hc/2"]["final"]["gain_fwd"] > 1.5, cells["hc/2"]["final"]
+        for png in ("loss_per_step.png", "gain_vs_depth.png", "gain_per_step.png"):
+            assert os.path.getsize(os.path.join(tmp, png)) > 1000, f"no {png}"
+
+        out = _train_main(*_SWEEP_TINY, f"--out_dir={tmp}", "--plot=false")
+        assert out.count("skipping") == len(mhc.VARIANTS) and "L2: training" not in out, out
+        assert [line for line in out.splitlines() if line.startswith("| ")] == rows, "rerun table differs"
+        with open(os.path.join(tmp, "results.json")) as f:
+            assert json.load(f)["cells"] == cells, "the rerun changed results.json"
+    return f"{len(cells)} cells, rerun skipped them all"
+
+
+def train_mhc_sweep_diverging_cell():
+    """A cell whose loss turns NaN stops at the next log point and is marked; a rerun with other settings
+    is refused rather than mixed into the same results.json."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        cfg = train.parse_config(_SWEEP_TINY + ["--lr=1e4"])  # exp(res_logits) of hc overflows after step 1
+    task = train.sweep_task(cfg, torch.device("cpu"))
+    c = train.sweep_cell(cfg, train.TORCH_OPS, task, "hc", 2, 4)
+    assert c["diverged_at"] == 2 and c["steps"] == 3 and c["final"]["loss"] is None, (c["diverged_at"], c["steps"])
+    assert c["per_step"]["nonfinite"][0] == 0 and c["per_step"]["nonfinite"][1] > 0, c["per_step"]["nonfinite"]
+    table = train.sweep_table({"hc/2": c})
+    assert "stopped at 3" in table[2] and "nan" in table[2], table[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "results.json")
+        with open(path, "w") as f:
+            json.dump({"settings": {"lr": 0.002}, "cells": {}}, f)
+        try:
+            train.load_sweep(path, {"lr": 10000.0})
+        except SystemExit as e:
+            assert "other settings" in str(e) and "lr" in str(e), str(e)
+        else:
+            raise AssertionError("results made with other settings were accepted")
+    return f"hc at lr 1e4: NaN from step 2, stopped at 3"
+
+
+def train_residual_option():
+    with tempfile.TemporaryDirectory() as tmp:
+        data_file, out = _train_text_file(tmp), os.path.join(tmp, "out")
+        _train_main(*_TRAIN_TINY, f"--data_path={data_file}", f"--out_dir={out}", "--max_iters=2",
+                    "--residual=mhc-dynamic", "--n_streams=3")
+        ck = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
+        assert ck["config"]["residual"] == "mhc-dynamic" and ck["config"]["n_streams"] == 3, ck["config"]
+        assert any("phi_w" in k for k in ck["model"]), "the checkpoint has no mhc-dynamic weights"
+    for bad, words in ((["--residual=mhx"], ("--residual", "mhc-dynamic")), (["--sweep_depths=12,x"], ("depth",)),
+                       (["--sweep_variants=mhc,mhc"], ("distinct",))):
+        try:
+            train.check_mhc_config(train.parse_config(bad))
+        except SystemExit as e:
+            assert all(w in str(e) for w in words), str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    return "--residual=mhc-dynamic --n_streams=3 trains and is checkpointed; bad residual and sweep keys rejected"
+
+
+for _fn in (data_increment_batch, mhc_composite_gains_known, mhc_doubly_stochastic_after_step,
+            train_variants_few_steps, train_mhc_sweep_cpu, train_mhc_sweep_diverging_cell, train_residual_option):
+    add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
 # the references themselves (CPU): the GPU cases lean on these two rules
