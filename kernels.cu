@@ -188,12 +188,18 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int64_
 }
 
 // ------------------------------------------------------------------------------------------------
-// layernorm over the last dim: y = (x - mean) * rstd * w + b, saving mean and rstd per row.
-// The variance is computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
+// layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row,
+// norm_bwd_dx_row) in one of two modes, the compile-time flag RMS, picked by thin kernels:
+//   layernorm (RMS = false): y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+//   RMSNorm   (RMS = true):  y = x * rstd * w,               rstd = 1 / sqrt(mean(x^2) + eps)
+// RMSNorm is layernorm with the mean fixed at 0 and no bias: every formula reads the same with
+// mean = 0, and the mean's loads and reductions drop out at compile time (a run-time flag made
+// layernorm's 1024-thread backward spill). rstd (and the mean) are saved per row. The variance is
+// computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const float* x, const float* w,
-    const float* b, float* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
+template <int TX, int N, int VEC, bool RMS>
+__device__ __forceinline__ void norm_fwd_row(const float* x, const float* w, const float* b, float* y,
+                                             float* mean_out, float* rstd_out, int R, int C, float eps) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -208,12 +214,15 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(c
 #pragma unroll
     for (int i = 0; i < VEC; ++i) sum += v[j][i];
   }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC];
-    load_unit<VEC>(xr, u, C, t, 0.f);
-    for (int i = 0; i < VEC; ++i) sum += t[i];
+  float mean = 0.f;
+  if (!RMS) {
+    for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+      float t[VEC];
+      load_unit<VEC>(xr, u, C, t, 0.f);
+      for (int i = 0; i < VEC; ++i) sum += t[i];
+    }
+    mean = row_reduce<TX, false>(sum, red) / C;
   }
-  const float mean = row_reduce<TX, false>(sum, red) / C;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j)
@@ -226,38 +235,55 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(c
     for (int i = 0; i < VEC; ++i) { float d = t[i] - mean; sq += d * d; }
   }
   const float rstd = rsqrtf(row_reduce<TX, false>(sq, red) / C + eps);
-  if (threadIdx.x == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
+  if (threadIdx.x == 0) {
+    if (!RMS) mean_out[r] = mean;
+    rstd_out[r] = rstd;
+  }
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int u = threadIdx.x + j * TX;
-    float wv[VEC], bv[VEC], o[VEC];
+    float wv[VEC], bv[VEC] = {}, o[VEC];
     load_unit<VEC>(w, u, C, wv, 0.f);
-    load_unit<VEC>(b, u, C, bv, 0.f);
+    if (!RMS) load_unit<VEC>(b, u, C, bv, 0.f);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) o[i] = (v[j][i] - mean) * rstd * wv[i] + bv[i];
     store_unit<VEC>(yr, u, C, o);
   }
   for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC], wv[VEC], bv[VEC], o[VEC];
+    float t[VEC], wv[VEC], bv[VEC] = {}, o[VEC];
     load_unit<VEC>(xr, u, C, t, 0.f);
     load_unit<VEC>(w, u, C, wv, 0.f);
-    load_unit<VEC>(b, u, C, bv, 0.f);
+    if (!RMS) load_unit<VEC>(b, u, C, bv, 0.f);
     for (int i = 0; i < VEC; ++i) o[i] = (t[i] - mean) * rstd * wv[i] + bv[i];
     store_unit<VEC>(yr, u, C, o);
   }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
 template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const float* x, const float* w,
-    const float* dy, const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const float* x, const float* w,
+    const float* b, float* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, false>(x, w, b, y, mean_out, rstd_out, R, C, eps);
+}
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const float* x, const float* w,
+    float* y, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, true>(x, w, nullptr, y, nullptr, rstd_out, R, C, eps);
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
+// RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd (the mean(g) term comes from
+// the subtracted mean, which RMSNorm does not have).
+template <int TX, int N, int VEC, bool RMS>
+__device__ __forceinline__ void norm_bwd_dx_row(const float* x, const float* w, const float* dy,
+                                                const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
   const float* xr = x + (int64_t)r * C;
   const float* dyr = dy + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
-  const float mean = mean_in[r], rstd = rstd_in[r];
+  const float mean = RMS ? 0.f : mean_in[r], rstd = rstd_in[r];
   float xh[N][VEC], g[N][VEC];
   float sg = 0.f, sgx = 0.f;
 #pragma unroll
@@ -286,7 +312,7 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kerne
       sgx += gi * (xv[i] - mean) * rstd;
     }
   }
-  const float mg = row_reduce<TX, false>(sg, red) / C;
+  const float mg = RMS ? 0.f : row_reduce<TX, false>(sg, red) / C;
   const float mgx = row_reduce<TX, false>(sgx, red) / C;
   float* dxr = dx + (int64_t)r * C;
 #pragma unroll
@@ -306,6 +332,18 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kerne
   }
 }
 
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const float* x, const float* w,
+    const float* dy, const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+  norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dx, R, C);
+}
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const float* x, const float* w,
+    const float* dy, const float* rstd_in, float* dx, int R, int C) {
+  norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dx, R, C);
+}
+
 void layernorm_fwd(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
                    int R, int C, float eps, cudaStream_t s) {
   if (R == 0) return;
@@ -322,10 +360,26 @@ void layernorm_bwd_dx(const float* x, const float* w, const float* dy, const flo
   check_launch("layernorm_bwd_dx");
 }
 
+void rmsnorm_fwd(const float* x, const float* w, float* y, float* rstd, int R, int C, float eps, cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w));
+  LAUNCH_ROW(rmsnorm_fwd_kernel, L, R, s, x, w, y, rstd, R, C, eps);
+  check_launch("rmsnorm_fwd");
+}
+
+void rmsnorm_bwd_dx(const float* x, const float* w, const float* dy, const float* rstd, float* dx, int R, int C,
+                    cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
+  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, L, R, s, x, w, dy, rstd, dx, R, C);
+  check_launch("rmsnorm_bwd_dx");
+}
+
 // ------------------------------------------------------------------------------------------------
-// column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm, and the
-// bias gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into
-// a partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
+// column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm; dw alone
+// for RMSNorm (mean == nullptr: xhat = x * rstd; db == nullptr: no bias); db alone for the bias
+// gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into a
+// partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
 
 template <bool LN>
 __global__ void colsum_partial_kernel(const float* dy, const float* x, const float* mean,
@@ -339,7 +393,7 @@ __global__ void colsum_partial_kernel(const float* dy, const float* x, const flo
     for (int r = r0 + threadIdx.y; r < r1; r += 8) {
       float g = dy[(int64_t)r * C + c];
       ab += g;
-      if (LN) aw += g * (x[(int64_t)r * C + c] - mean[r]) * rstd[r];
+      if (LN) aw += g * (x[(int64_t)r * C + c] - (mean ? mean[r] : 0.f)) * rstd[r];
     }
   }
   sw[threadIdx.y][threadIdx.x] = aw;
@@ -348,7 +402,7 @@ __global__ void colsum_partial_kernel(const float* dy, const float* x, const flo
   if (threadIdx.y == 0 && c < C) {
     for (int i = 1; i < 8; ++i) { aw += sw[i][threadIdx.x]; ab += sb[i][threadIdx.x]; }
     if (LN) part_w[(int64_t)blockIdx.y * C + c] = aw;
-    part_b[(int64_t)blockIdx.y * C + c] = ab;
+    if (part_b) part_b[(int64_t)blockIdx.y * C + c] = ab;
   }
 }
 
@@ -381,7 +435,7 @@ static void colsum_launch(bool ln, const float* dy, const float* x, const float*
   else colsum_partial_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
   if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
-  colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
+  if (db) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
   check_launch("colsum_finish");
 }
 
@@ -389,6 +443,12 @@ void layernorm_bwd_params(const float* x, const float* dy, const float* mean, co
                           float* part_w, float* part_b, float* dw, float* db, int R, int C,
                           cudaStream_t s) {
   colsum_launch(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
+}
+
+// part: colsum_chunks(R, C) * C floats.
+void rmsnorm_bwd_weight(const float* x, const float* dy, const float* rstd, float* part, float* dw, int R, int C,
+                        cudaStream_t s) {
+  colsum_launch(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
 }
 
 void bias_grad(const float* dy, float* part, float* db, int R, int C, cudaStream_t s) {

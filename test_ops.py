@@ -69,6 +69,7 @@ REF = types.SimpleNamespace(
     attention=_ref_attention,
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
     topk=torch.topk,
+    rmsnorm=lambda x, weight, eps=1e-5: F.rms_norm(x, x.shape[-1:], weight, eps),
 )
 
 
@@ -588,6 +589,23 @@ for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7,
 add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
 add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
 
+
+def t_rmsnorm(shape, transposed=False, eps=1e-5):
+    # y = xhat * w as in layernorm (xhat = x * rstd), so the same tolerances, and the same x10 for
+    # width 1, where dx = rstd * g * (1 - xhat^2) cancels
+    C = shape[-1]
+    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    compare(lambda ops, x, w: ops.rmsnorm(x, w, eps=eps), LN_TOL, grad_tol, x=x, w=rand(C))
+
+
+for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
+               (4, 65536)):
+    add("rmsnorm/" + "x".join(map(str, _shape)), t_rmsnorm, _shape)
+add("rmsnorm/37x768_transposed", t_rmsnorm, (37, 768), transposed=True)
+add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
+add("empty/rmsnorm_0x768", t_rmsnorm, (0, 768))
+
 # probabilities run from 1 down to 1e-7 and below, so the bound is mostly relative
 SM_TOL, SM_GRAD_TOL = (1e-7, 1e-5), (1e-6, 1e-5)
 
@@ -799,6 +817,8 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("matmul_inner_dim", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(9, 5)), ("matmul", ("a", "b"))),
     ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),
      ("layernorm", "weight")),
+    ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
+    ("rmsnorm_cpu_x", RuntimeError, lambda: kernels.rmsnorm(torch.randn(4, 8), rand(8)), ("rmsnorm", "x")),
     ("embedding_index_V", ValueError, lambda: kernels.embedding(torch.tensor([0, 10], device=DEV), rand(10, 4)),
      (("idx", "index", "indices"),)),
     ("embedding_index_negative", ValueError,
@@ -922,6 +942,7 @@ def bench_ops(rows):
         nbytes = 4 * R * C
         # fwd reads x and writes y; bwd reads x (or y) and dy and writes dx
         for op, f, ins in (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
+                           ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), [x, w]),
                            ("softmax", lambda ops, x: ops.softmax(x), [x]),
                            ("gelu", lambda ops, x: ops.gelu(x), [x]),
                            ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x])):
