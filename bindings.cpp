@@ -28,6 +28,9 @@ void layernorm_bwd_params(const float*, const float*, const float*, const float*
 void rmsnorm_fwd(const float*, const float*, float*, float*, int, int, float, cudaStream_t);
 void rmsnorm_bwd_dx(const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
 void rmsnorm_bwd_weight(const float*, const float*, const float*, float*, float*, int, int, cudaStream_t);
+int64_t sinkhorn_workspace_floats(int, int, int);
+void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
+void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
 int colsum_chunks(int, int);
 void bias_grad(const float*, float*, float*, int, int, cudaStream_t);
 void softmax_fwd(const float*, float*, int, int, float, int, int, cudaStream_t);
@@ -330,6 +333,41 @@ struct RMSNormFn : torch::autograd::Function<RMSNormFn> {
 };
 
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) { return RMSNormFn::apply(x, weight, eps); }
+
+// ---- Sinkhorn ---------------------------------------------------------------------------------
+
+struct SinkhornFn : torch::autograd::Function<SinkhornFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, int64_t iters) {
+    const char* op = "sinkhorn";
+    check_float_cuda(op, logits_in, "logits");
+    REQUIRE(logits_in.dim() >= 2 && logits_in.size(-1) == logits_in.size(-2), op,
+            ": logits must have shape (..., n, n), square in its last two dims, got ", logits_in.sizes());
+    const int64_t n = logits_in.size(-1);
+    REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = logits.shape[-1] must be in [1, 8], got n = ", n);
+    REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
+    const c10::cuda::CUDAGuard guard(logits_in.device());
+    const Tensor x = logits_in.contiguous();
+    Tensor p = at::empty_like(x);
+    const int M = to_int(op, x.numel() / (n * n), "number of matrices"), it = to_int(op, iters, "iters");
+    sinkhorn_fwd(x.data_ptr<float>(), p.data_ptr<float>(), M, (int)n, it, stream());
+    ctx->save_for_backward({x});
+    ctx->saved_data["iters"] = iters;
+    return p;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dp = grads[0].contiguous();
+    const int n = (int)x.size(-1), M = (int)(x.numel() / (n * n)), iters = (int)ctx->saved_data["iters"].toInt();
+    Tensor dx = at::empty_like(x), ws = at::empty({sinkhorn_workspace_floats(M, n, iters)}, x.options());
+    sinkhorn_bwd(x.data_ptr<float>(), dp.data_ptr<float>(), dx.data_ptr<float>(), ws.data_ptr<float>(), M, n, iters,
+                 stream());
+    return {dx, Tensor()};
+  }
+};
+
+Tensor sinkhorn(const Tensor& logits, int64_t iters) { return SinkhornFn::apply(logits, iters); }
 
 // ---- softmax ----------------------------------------------------------------------------------
 
@@ -660,4 +698,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mode") = "fused", py::arg("precision") = "fp32");
   m.def("rmsnorm", &rmsnorm, "RMS norm over the last dim, like F.rms_norm", py::arg("x"), py::arg("weight"),
         py::arg("eps") = 1e-5);
+  m.def("sinkhorn", &sinkhorn,
+        "Sinkhorn-Knopp in the log domain: logits (..., n, n), n <= 8 -> doubly stochastic, like "
+        "mhc.sinkhorn_torch (each iteration normalises columns, then rows)",
+        py::arg("logits"), py::arg("iters") = 20);
 }

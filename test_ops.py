@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import mhc
 
 try:
     import kernels
@@ -70,6 +71,7 @@ REF = types.SimpleNamespace(
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
     topk=torch.topk,
     rmsnorm=lambda x, weight, eps=1e-5: F.rms_norm(x, x.shape[-1:], weight, eps),
+    sinkhorn=mhc.sinkhorn_torch,
 )
 
 
@@ -700,6 +702,49 @@ for _shape, _k, _kind in (((4096, 8), 1, ""), ((4096, 8), 2, ""), ((4096, 8), 8,
     add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k,
         ints=_kind == "ties", nan=_kind == "nan")
 
+
+def sinkhorn_tol(scale):
+    """(atol, rtol) for P and dlogits when the logits are randn * scale. fp32 holds a logit of size s
+    to about s * 6e-8, and Sinkhorn carries that resolution into P and into the gradient. An fp32 CPU
+    emulation of the kernel's arithmetic, against float64, erred by up to 2e-6 at s = 30 and 2.2e-5
+    at s = 1e3 (M = 4096, n <= 8, iters 1 to 20), in P and in dlogits alike; a wrong half-step order
+    or a slip in the backward errs by ~0.1."""
+    return (1e-6 + scale * 1e-7, 1e-5)
+
+
+def t_sinkhorn(shape, scale, iters=20, transposed=False):
+    # transposed: the logits arrive as a non-contiguous view
+    logits = rand(*shape, scale=scale)
+    logits = logits.transpose(-1, -2) if transposed else logits
+    tol = sinkhorn_tol(scale)
+    compare(lambda ops, logits: ops.sinkhorn(logits, iters=iters), tol, tol, logits=logits)
+
+
+def t_sinkhorn_rows_sum_to_one(M):
+    # the last half-step normalises the rows: they sum to 1 up to a few fp32 ulps per entry, even
+    # where |logits| ~ 1e3 (the kernel subtracts each row's max before its log-sum-exp)
+    for n in (1, 2, 4, 8):
+        for scale in (1, 30, 1e3):
+            p = kernels.sinkhorn(rand(M, n, n, scale=scale))
+            check(f"n{n}_x{scale:g}", p.double().sum(-1), torch.ones(M, n, dtype=torch.float64, device=DEV), 2e-6)
+
+
+for _M in (1, 24, 4096):
+    for _n in (1, 2, 4, 8):
+        for _scale in (30, 1e3):
+            add(f"sinkhorn/{_M}x{_n}x{_n}_x{_scale:g}", t_sinkhorn, (_M, _n, _n), _scale)
+for _iters in (1, 7):
+    for _n in (1, 2, 4, 8):
+        for _scale in (30, 1e3):
+            add(f"sinkhorn/24x{_n}x{_n}_x{_scale:g}_iters{_iters}", t_sinkhorn, (24, _n, _n), _scale, iters=_iters)
+for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for
+    add(f"sinkhorn/24x{_n}x{_n}_x30", t_sinkhorn, (24, _n, _n), 30)
+add("sinkhorn/2x12x4x4", t_sinkhorn, (2, 12, 4, 4), 1)
+add("sinkhorn/2x12x4x4_x30_transposed", t_sinkhorn, (2, 12, 4, 4), 30, transposed=True)
+add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
+add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
+add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
+
 ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
               "fused-tf32": dict(mode="fused", precision="tf32"),
               "tiled": dict(mode="tiled")}
@@ -819,6 +864,11 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      ("layernorm", "weight")),
     ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
     ("rmsnorm_cpu_x", RuntimeError, lambda: kernels.rmsnorm(torch.randn(4, 8), rand(8)), ("rmsnorm", "x")),
+    ("sinkhorn_n9", ValueError, lambda: kernels.sinkhorn(rand(4, 9, 9)), ("sinkhorn", "n")),
+    ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
+    ("sinkhorn_iters0", ValueError, lambda: kernels.sinkhorn(rand(2, 4, 4), iters=0), ("sinkhorn", "iters")),
+    ("sinkhorn_float64", RuntimeError, lambda: kernels.sinkhorn(rand(2, 4, 4).double()), ("sinkhorn", "logits")),
+    ("sinkhorn_cpu", RuntimeError, lambda: kernels.sinkhorn(torch.randn(2, 4, 4)), ("sinkhorn", "logits")),
     ("embedding_index_V", ValueError, lambda: kernels.embedding(torch.tensor([0, 10], device=DEV), rand(10, 4)),
      (("idx", "index", "indices"),)),
     ("embedding_index_negative", ValueError,
