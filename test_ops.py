@@ -949,9 +949,13 @@ def fmt(x, spec):
     return "OOM" if x is None else format(x, spec)
 
 
+UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6}
+
+
 def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check):
     """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
-    torch.autograd.grad on a graph built once and retained, so the forward is not in it."""
+    torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
+    times a fresh forward and its torch.autograd.grad together (for ops whose cost is launches)."""
     if ONLY not in op:
         return
     if not rows:
@@ -963,7 +967,7 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
 
         def run_ours():
             return f(kernels, *inputs)
-    else:
+    elif pas == "bwd":
         leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
         wrt = [t for t in leaves if t.requires_grad]
         y_torch, y_ours = f(REF, *leaves), f(kernels, *leaves)
@@ -974,9 +978,20 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
 
         def run_ours():
             return torch.autograd.grad(y_ours, wrt, dy, retain_graph=True)
+    else:
+        assert pas == "fwd+bwd", f"unknown pass {pas!r}"
+        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        wrt = [t for t in leaves if t.requires_grad]
+        dy = torch.randn_like(f(REF, *leaves))
+
+        def run_torch():
+            return torch.autograd.grad(f(REF, *leaves), wrt, dy)
+
+        def run_ours():
+            return torch.autograd.grad(f(kernels, *leaves), wrt, dy)
     ok, check_text = check_fn(run_ours(), run_torch(), tol)
     torch_ms, ours_ms = time_ms(run_torch), time_ms(run_ours)
-    rate = work / (ours_ms * 1e-3) / (1e12 if unit == "TFLOP/s" else 1e9)
+    rate = work / (ours_ms * 1e-3) / UNIT_SCALE[unit]
     rows.append(dict(op=op, shape=shape, **{"pass": pas}, torch_ms=torch_ms, ours_ms=ours_ms,
                      ratio=torch_ms / ours_ms, rate=rate, unit=unit, check_ok=ok, check=check_text))
     print(md_row([op, shape, pas, f"{torch_ms:.4f}", f"{ours_ms:.4f}", f"{torch_ms / ours_ms:.2f}x",
@@ -1016,6 +1031,11 @@ def bench_ops(rows):
         for pas, nbytes in (("fwd", 4 * N * V), ("bwd", 8 * N * V)):
             bench_op(rows, "cross_entropy", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
                      ins, nbytes, "GB/s")
+    # mHC's residual mixing: one 4x4 matrix per token (M tokens), 20 iterations; eager PyTorch
+    # launches over ten small kernels per iteration in each direction, ours one kernel per pass
+    for M in (24, 4096):
+        bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
+                 [rand(M, 4, 4)], M, "M matrices/s")
 
 
 def attention_fns(causal):
