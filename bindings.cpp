@@ -26,6 +26,12 @@ void embedding_bwd(const int64_t*, const float*, float*, int64_t, int64_t, int, 
 void layernorm_fwd(const float*, const float*, const float*, float*, float*, float*, int, int, float, cudaStream_t);
 void layernorm_bwd_dx(const float*, const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
 void layernorm_bwd_params(const float*, const float*, const float*, const float*, float*, float*, float*, float*, int, int, cudaStream_t);
+void rmsnorm_fwd(const float*, const float*, float*, float*, int, int, float, cudaStream_t);
+void rmsnorm_bwd_dx(const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
+void rmsnorm_bwd_weight(const float*, const float*, const float*, float*, float*, int, int, cudaStream_t);
+int64_t sinkhorn_workspace_floats(int, int, int);
+void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
+void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
 int colsum_chunks(int, int);
 void bias_grad(const float*, float*, float*, int, int, cudaStream_t);
 void softmax_fwd(const float*, float*, int, int, float, int, int, cudaStream_t);
@@ -302,6 +308,83 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
   return LayerNormFn::apply(x, weight, bias, eps);
 }
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+
+struct RMSNormFn : torch::autograd::Function<RMSNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, double eps) {
+    const char* op = "rmsnorm";
+    check_float_cuda(op, x_in, "x");
+    check_float_cuda(op, w_in, "weight");
+    check_same_device(op, x_in, "x", w_in, "weight");
+    REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
+    const int64_t C = x_in.size(-1);
+    REQUIRE(w_in.dim() == 1 && w_in.size(0) == C, op, ": weight must have shape (", C, ",), got ", w_in.sizes());
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous(), w = w_in.contiguous();
+    const int R = to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), Ci = to_int(op, C, "C");
+    Tensor y = at::empty_like(x), rstd = at::empty({R}, x.options());
+    if (C > 0)
+      rmsnorm_fwd(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rstd.data_ptr<float>(), R, Ci,
+                  (float)eps, stream());
+    ctx->save_for_backward({x, w, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &w = s[1], &rstd = s[2];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dy = grads[0].contiguous();
+    const int C = (int)w.size(0), R = (int)rstd.size(0);
+    Tensor dx = at::empty_like(x), dw = at::empty_like(w);
+    if (C > 0) {
+      rmsnorm_bwd_dx(x.data_ptr<float>(), w.data_ptr<float>(), dy.data_ptr<float>(), rstd.data_ptr<float>(),
+                     dx.data_ptr<float>(), R, C, stream());
+      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, x.options());
+      rmsnorm_bwd_weight(x.data_ptr<float>(), dy.data_ptr<float>(), rstd.data_ptr<float>(), part.data_ptr<float>(),
+                         dw.data_ptr<float>(), R, C, stream());
+    }
+    return {dx, dw, Tensor()};
+  }
+};
+
+Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) { return RMSNormFn::apply(x, weight, eps); }
+
+// ---- Sinkhorn ---------------------------------------------------------------------------------
+
+struct SinkhornFn : torch::autograd::Function<SinkhornFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, int64_t iters) {
+    const char* op = "sinkhorn";
+    check_float_cuda(op, logits_in, "logits");
+    REQUIRE(logits_in.dim() >= 2 && logits_in.size(-1) == logits_in.size(-2), op,
+            ": logits must have shape (..., n, n), square in its last two dims, got ", logits_in.sizes());
+    const int64_t n = logits_in.size(-1);
+    REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = logits.shape[-1] must be in [1, 8], got n = ", n);
+    REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
+    const c10::cuda::CUDAGuard guard(logits_in.device());
+    const Tensor x = logits_in.contiguous();
+    Tensor p = at::empty_like(x);
+    const int M = to_int(op, x.numel() / (n * n), "number of matrices"), it = to_int(op, iters, "iters");
+    sinkhorn_fwd(x.data_ptr<float>(), p.data_ptr<float>(), M, (int)n, it, stream());
+    ctx->save_for_backward({x});
+    ctx->saved_data["iters"] = iters;
+    return p;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dp = grads[0].contiguous();
+    const int n = (int)x.size(-1), M = (int)(x.numel() / (n * n)), iters = (int)ctx->saved_data["iters"].toInt();
+    Tensor dx = at::empty_like(x), ws = at::empty({sinkhorn_workspace_floats(M, n, iters)}, x.options());
+    sinkhorn_bwd(x.data_ptr<float>(), dp.data_ptr<float>(), dx.data_ptr<float>(), ws.data_ptr<float>(), M, n, iters,
+                 stream());
+    return {dx, Tensor()};
+  }
+};
+
+Tensor sinkhorn(const Tensor& logits, int64_t iters) { return SinkhornFn::apply(logits, iters); }
 
 // ---- softmax ----------------------------------------------------------------------------------
 
@@ -688,5 +771,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "queries to the last keys",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = false, py::arg("scale") = py::none(),
         py::arg("mode") = "fused", py::arg("precision") = "fp32", py::arg("kv_len") = py::none());
+  m.def("rmsnorm", &rmsnorm, "RMS norm over the last dim, like F.rms_norm", py::arg("x"), py::arg("weight"),
+        py::arg("eps") = 1e-5);
+  m.def("sinkhorn", &sinkhorn,
+        "Sinkhorn-Knopp in the log domain: logits (..., n, n), n <= 8 -> doubly stochastic, like "
+        "mhc.sinkhorn_torch (each iteration normalises columns, then rows)",
+        py::arg("logits"), py::arg("iters") = 20);
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

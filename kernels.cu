@@ -3,7 +3,7 @@
 //
 // Sections, top to bottom:
 //   helpers -> embedding -> layernorm -> column sums -> softmax -> cross-entropy -> GELU
-//   -> tensor-core helpers -> matmul -> GEMV -> top-k -> attention (fused forward/backward)
+//   -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
@@ -188,12 +188,18 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int64_
 }
 
 // ------------------------------------------------------------------------------------------------
-// layernorm over the last dim: y = (x - mean) * rstd * w + b, saving mean and rstd per row.
-// The variance is computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
+// layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row,
+// norm_bwd_dx_row) in one of two modes, the compile-time flag RMS, picked by thin kernels:
+//   layernorm (RMS = false): y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+//   RMSNorm   (RMS = true):  y = x * rstd * w,               rstd = 1 / sqrt(mean(x^2) + eps)
+// RMSNorm is layernorm with the mean fixed at 0 and no bias: every formula reads the same with
+// mean = 0, and the mean's loads and reductions drop out at compile time (a run-time flag made
+// layernorm's 1024-thread backward spill). rstd (and the mean) are saved per row. The variance is
+// computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const float* x, const float* w,
-    const float* b, float* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
+template <int TX, int N, int VEC, bool RMS>
+__device__ __forceinline__ void norm_fwd_row(const float* x, const float* w, const float* b, float* y,
+                                             float* mean_out, float* rstd_out, int R, int C, float eps) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -208,12 +214,15 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(c
 #pragma unroll
     for (int i = 0; i < VEC; ++i) sum += v[j][i];
   }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC];
-    load_unit<VEC>(xr, u, C, t, 0.f);
-    for (int i = 0; i < VEC; ++i) sum += t[i];
+  float mean = 0.f;
+  if (!RMS) {
+    for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+      float t[VEC];
+      load_unit<VEC>(xr, u, C, t, 0.f);
+      for (int i = 0; i < VEC; ++i) sum += t[i];
+    }
+    mean = row_reduce<TX, false>(sum, red) / C;
   }
-  const float mean = row_reduce<TX, false>(sum, red) / C;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j)
@@ -226,38 +235,55 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(c
     for (int i = 0; i < VEC; ++i) { float d = t[i] - mean; sq += d * d; }
   }
   const float rstd = rsqrtf(row_reduce<TX, false>(sq, red) / C + eps);
-  if (threadIdx.x == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
+  if (threadIdx.x == 0) {
+    if (!RMS) mean_out[r] = mean;
+    rstd_out[r] = rstd;
+  }
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int u = threadIdx.x + j * TX;
-    float wv[VEC], bv[VEC], o[VEC];
+    float wv[VEC], bv[VEC] = {}, o[VEC];
     load_unit<VEC>(w, u, C, wv, 0.f);
-    load_unit<VEC>(b, u, C, bv, 0.f);
+    if (!RMS) load_unit<VEC>(b, u, C, bv, 0.f);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) o[i] = (v[j][i] - mean) * rstd * wv[i] + bv[i];
     store_unit<VEC>(yr, u, C, o);
   }
   for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC], wv[VEC], bv[VEC], o[VEC];
+    float t[VEC], wv[VEC], bv[VEC] = {}, o[VEC];
     load_unit<VEC>(xr, u, C, t, 0.f);
     load_unit<VEC>(w, u, C, wv, 0.f);
-    load_unit<VEC>(b, u, C, bv, 0.f);
+    if (!RMS) load_unit<VEC>(b, u, C, bv, 0.f);
     for (int i = 0; i < VEC; ++i) o[i] = (t[i] - mean) * rstd * wv[i] + bv[i];
     store_unit<VEC>(yr, u, C, o);
   }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
 template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const float* x, const float* w,
-    const float* dy, const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const float* x, const float* w,
+    const float* b, float* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, false>(x, w, b, y, mean_out, rstd_out, R, C, eps);
+}
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const float* x, const float* w,
+    float* y, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, true>(x, w, nullptr, y, nullptr, rstd_out, R, C, eps);
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
+// RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd (the mean(g) term comes from
+// the subtracted mean, which RMSNorm does not have).
+template <int TX, int N, int VEC, bool RMS>
+__device__ __forceinline__ void norm_bwd_dx_row(const float* x, const float* w, const float* dy,
+                                                const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
   const float* xr = x + (int64_t)r * C;
   const float* dyr = dy + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
-  const float mean = mean_in[r], rstd = rstd_in[r];
+  const float mean = RMS ? 0.f : mean_in[r], rstd = rstd_in[r];
   float xh[N][VEC], g[N][VEC];
   float sg = 0.f, sgx = 0.f;
 #pragma unroll
@@ -286,7 +312,7 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kerne
       sgx += gi * (xv[i] - mean) * rstd;
     }
   }
-  const float mg = row_reduce<TX, false>(sg, red) / C;
+  const float mg = RMS ? 0.f : row_reduce<TX, false>(sg, red) / C;
   const float mgx = row_reduce<TX, false>(sgx, red) / C;
   float* dxr = dx + (int64_t)r * C;
 #pragma unroll
@@ -306,6 +332,18 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kerne
   }
 }
 
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const float* x, const float* w,
+    const float* dy, const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+  norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dx, R, C);
+}
+
+template <int TX, int N, int VEC>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const float* x, const float* w,
+    const float* dy, const float* rstd_in, float* dx, int R, int C) {
+  norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dx, R, C);
+}
+
 void layernorm_fwd(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
                    int R, int C, float eps, cudaStream_t s) {
   if (R == 0) return;
@@ -322,10 +360,26 @@ void layernorm_bwd_dx(const float* x, const float* w, const float* dy, const flo
   check_launch("layernorm_bwd_dx");
 }
 
+void rmsnorm_fwd(const float* x, const float* w, float* y, float* rstd, int R, int C, float eps, cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w));
+  LAUNCH_ROW(rmsnorm_fwd_kernel, L, R, s, x, w, y, rstd, R, C, eps);
+  check_launch("rmsnorm_fwd");
+}
+
+void rmsnorm_bwd_dx(const float* x, const float* w, const float* dy, const float* rstd, float* dx, int R, int C,
+                    cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
+  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, L, R, s, x, w, dy, rstd, dx, R, C);
+  check_launch("rmsnorm_bwd_dx");
+}
+
 // ------------------------------------------------------------------------------------------------
-// column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm, and the
-// bias gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into
-// a partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
+// column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm; dw alone
+// for RMSNorm (mean == nullptr: xhat = x * rstd; db == nullptr: no bias); db alone for the bias
+// gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into a
+// partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
 
 template <bool LN>
 __global__ void colsum_partial_kernel(const float* dy, const float* x, const float* mean,
@@ -339,7 +393,7 @@ __global__ void colsum_partial_kernel(const float* dy, const float* x, const flo
     for (int r = r0 + threadIdx.y; r < r1; r += 8) {
       float g = dy[(int64_t)r * C + c];
       ab += g;
-      if (LN) aw += g * (x[(int64_t)r * C + c] - mean[r]) * rstd[r];
+      if (LN) aw += g * (x[(int64_t)r * C + c] - (mean ? mean[r] : 0.f)) * rstd[r];
     }
   }
   sw[threadIdx.y][threadIdx.x] = aw;
@@ -348,7 +402,7 @@ __global__ void colsum_partial_kernel(const float* dy, const float* x, const flo
   if (threadIdx.y == 0 && c < C) {
     for (int i = 1; i < 8; ++i) { aw += sw[i][threadIdx.x]; ab += sb[i][threadIdx.x]; }
     if (LN) part_w[(int64_t)blockIdx.y * C + c] = aw;
-    part_b[(int64_t)blockIdx.y * C + c] = ab;
+    if (part_b) part_b[(int64_t)blockIdx.y * C + c] = ab;
   }
 }
 
@@ -381,7 +435,7 @@ static void colsum_launch(bool ln, const float* dy, const float* x, const float*
   else colsum_partial_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
   if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
-  colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
+  if (db) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
   check_launch("colsum_finish");
 }
 
@@ -389,6 +443,12 @@ void layernorm_bwd_params(const float* x, const float* dy, const float* mean, co
                           float* part_w, float* part_b, float* dw, float* db, int R, int C,
                           cudaStream_t s) {
   colsum_launch(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
+}
+
+// part: colsum_chunks(R, C) * C floats.
+void rmsnorm_bwd_weight(const float* x, const float* dy, const float* rstd, float* part, float* dw, int R, int C,
+                        cudaStream_t s) {
+  colsum_launch(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
 }
 
 void bias_grad(const float* dy, float* part, float* db, int R, int C, cudaStream_t s) {
@@ -1208,6 +1268,184 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
     b ^= 1;
   }
   topk_pass(in_v, in_i, rows, len, k, values, nullptr, indices, s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sinkhorn-Knopp for mHC: logits (M, n, n), n <= 8 -> doubly stochastic P (M, n, n), the same
+// iteration as mhc.sinkhorn_torch. Each of `iters` iterations normalises the columns, then the
+// rows (the paper's order, P <- T_r(T_c(P))), so P's rows sum to 1 and its columns nearly so.
+//
+// Log domain: the state A starts as the logits and each half-step subtracts a log-sum-exp,
+// A <- A - lse over each column (over i), then over each row (over j); P = exp(A). In exact
+// arithmetic that is exp() followed by divisions by column and row sums, but the exp domain fails on
+// ordinary inputs: with logits of a few hundred, a whole column of exp(logits) underflows to 0 and
+// the division gives 0/0 = NaN. Here each lse subtracts its max first (max + log(sum exp(a - max)),
+// the sum in [1, n]), so any finite logits give finite results. The new state is formed as
+// (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
+// |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps.
+//
+// One thread per matrix, its n x n state in registers: n is a template parameter (dispatched 1..8)
+// and every loop over i, j is unrolled, so all indices are compile-time and nothing goes to local
+// memory (-Xptxas -v: no stack, no spills). Each thread reads and writes its own n * n contiguous
+// floats (not coalesced across the warp; L1 serves the rest of each line): n^2 loads against 2 n^2
+// exp() per iteration, so staging through shared memory would buy nothing measurable.
+//
+// Backward, one launch: recompute the forward, storing every half-step's lse (n floats) in a
+// workspace laid out (2 * iters, n, M), M fastest, so a warp's stores are coalesced; then the exact
+// reverse pass. Start with dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian
+// of a log-softmax along that axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j
+// for each row i after a row step, over i for each column j after a column step), since exp(A') is
+// the softmax of A along it. The state before the step is A = A' + lse, from the stored lse (it
+// differs from the forward's by the rounding of lse, which matters only where exp(A) is tiny). The
+// gradient w.r.t. the logits is dA after undoing the first column step.
+
+// One half-step on a[N][N]: ROWS normalises each row (over j), else each column (over i). lse[k]
+// receives the k-th row's (column's) log-sum-exp.
+template <int N, bool ROWS>
+__device__ __forceinline__ void sinkhorn_normalize(float (&a)[N][N], float (&lse)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    auto e = [&](int l) -> float& { return ROWS ? a[k][l] : a[l][k]; };  // l-th entry of line k
+    float mx = e(0);
+#pragma unroll
+    for (int l = 1; l < N; ++l) mx = fmaxf(mx, e(l));
+    float sum = 0.f;
+#pragma unroll
+    for (int l = 0; l < N; ++l) sum += expf(e(l) - mx);
+    const float log_sum = logf(sum);
+#pragma unroll
+    for (int l = 0; l < N; ++l) e(l) = (e(l) - mx) - log_sum;
+    lse[k] = mx + log_sum;
+  }
+}
+
+// Undo one half-step: a holds A' (after it), g holds dA'. Leaves A (before it) and dA. lse points
+// at the step's n stored values, k-th at lse[k * M].
+template <int N, bool ROWS>
+__device__ __forceinline__ void sinkhorn_unnormalize(float (&a)[N][N], float (&g)[N][N], const float* lse,
+                                                     int M) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    auto ea = [&](int l) -> float& { return ROWS ? a[k][l] : a[l][k]; };
+    auto eg = [&](int l) -> float& { return ROWS ? g[k][l] : g[l][k]; };
+    float sum = 0.f;
+#pragma unroll
+    for (int l = 0; l < N; ++l) sum += eg(l);
+    const float shift = lse[(int64_t)k * M];
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+      eg(l) -= expf(ea(l)) * sum;
+      ea(l) += shift;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void sinkhorn_load(const float* src, float (&a)[N][N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) a[i][j] = src[i * N + j];
+}
+
+// The forward's iterations on a; ws != nullptr stores each half-step's lse at ws[(step, k, m)].
+template <int N>
+__device__ __forceinline__ void sinkhorn_iterate(float (&a)[N][N], int iters, float* ws, int M, int m) {
+  float lse[N];
+  for (int it = 0; it < iters; ++it) {
+    sinkhorn_normalize<N, false>(a, lse);  // columns
+    if (ws) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) ws[((int64_t)(2 * it) * N + k) * M + m] = lse[k];
+    }
+    sinkhorn_normalize<N, true>(a, lse);  // rows
+    if (ws) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) ws[((int64_t)(2 * it + 1) * N + k) * M + m] = lse[k];
+    }
+  }
+}
+
+// Small blocks, so that a few thousand matrices (one thread each) spread over all SMs: 4096 are 64
+// blocks of 2 warps. Time then hardly depends on M up to ~100 matrices per SM.
+constexpr int SINKHORN_THREADS = 64;
+constexpr int SINKHORN_MAX_N = 8;
+
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const float* logits, float* out, int M,
+                                                                         int iters) {
+  const int m = blockIdx.x * SINKHORN_THREADS + threadIdx.x;
+  if (m >= M) return;
+  float a[N][N];
+  sinkhorn_load<N>(logits + (int64_t)m * N * N, a);
+  sinkhorn_iterate<N>(a, iters, nullptr, M, m);
+  float* dst = out + (int64_t)m * N * N;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) dst[i * N + j] = expf(a[i][j]);
+}
+
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
+    float* dlogits, float* ws, int M, int iters) {
+  const int m = blockIdx.x * SINKHORN_THREADS + threadIdx.x;
+  if (m >= M) return;
+  float a[N][N], g[N][N];
+  sinkhorn_load<N>(logits + (int64_t)m * N * N, a);
+  sinkhorn_iterate<N>(a, iters, ws, M, m);
+  sinkhorn_load<N>(dout + (int64_t)m * N * N, g);
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) g[i][j] *= expf(a[i][j]);  // dA = dP * P
+  for (int it = iters - 1; it >= 0; --it) {
+    sinkhorn_unnormalize<N, true>(a, g, ws + (int64_t)(2 * it + 1) * N * M + m, M);  // rows
+    sinkhorn_unnormalize<N, false>(a, g, ws + (int64_t)(2 * it) * N * M + m, M);     // columns
+  }
+  float* dst = dlogits + (int64_t)m * N * N;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) dst[i * N + j] = g[i][j];
+}
+
+// Floats of workspace sinkhorn_bwd needs.
+int64_t sinkhorn_workspace_floats(int M, int n, int iters) { return (int64_t)M * 2 * iters * n; }
+
+#define SINKHORN_DISPATCH(KERNEL, n, grid, stream, ...)                                           \
+  switch (n) {                                                                                 \
+    case 1: KERNEL<1><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    case 2: KERNEL<2><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    case 3: KERNEL<3><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    case 4: KERNEL<4><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    case 5: KERNEL<5><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    case 6: KERNEL<6><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    case 7: KERNEL<7><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
+    default: KERNEL<8><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__);                    \
+  }
+
+static void sinkhorn_check_args(const char* what, int n, int iters) {
+  if (n < 1 || n > SINKHORN_MAX_N || iters < 1)
+    throw std::runtime_error(std::string(what) + ": needs 1 <= n <= " + std::to_string(SINKHORN_MAX_N) +
+                             " and iters >= 1, got n = " + std::to_string(n) + ", iters = " + std::to_string(iters));
+}
+
+// logits, out: M matrices of n x n, contiguous.
+void sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("sinkhorn_fwd", n, iters);
+  if (M == 0) return;
+  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, ceil_div(M, SINKHORN_THREADS), s, logits, out, M, iters);
+  check_launch("sinkhorn_fwd");
+}
+
+// dout = dL/dP, dlogits = dL/dlogits; ws: sinkhorn_workspace_floats(M, n, iters) floats.
+void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float* ws, int M, int n, int iters,
+                  cudaStream_t s) {
+  sinkhorn_check_args("sinkhorn_bwd", n, iters);
+  if (M == 0) return;
+  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, ceil_div(M, SINKHORN_THREADS), s, logits, dout, dlogits, ws, M, iters);
+  check_launch("sinkhorn_bwd");
 }
 
 // ------------------------------------------------------------------------------------------------

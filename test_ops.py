@@ -925,6 +925,23 @@ for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7,
 add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
 add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
 
+
+def t_rmsnorm(shape, transposed=False, eps=1e-5):
+    # y = xhat * w as in layernorm (xhat = x * rstd), so the same tolerances, and the same x10 for
+    # width 1, where dx = rstd * g * (1 - xhat^2) cancels
+    C = shape[-1]
+    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    compare(lambda ops, x, w: ops.rmsnorm(x, w, eps=eps), LN_TOL, grad_tol, x=x, w=rand(C))
+
+
+for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
+               (4, 65536)):
+    add("rmsnorm/" + "x".join(map(str, _shape)), t_rmsnorm, _shape)
+add("rmsnorm/37x768_transposed", t_rmsnorm, (37, 768), transposed=True)
+add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
+add("empty/rmsnorm_0x768", t_rmsnorm, (0, 768))
+
 # probabilities run from 1 down to 1e-7 and below, so the bound is mostly relative
 SM_TOL, SM_GRAD_TOL = (1e-7, 1e-5), (1e-6, 1e-5)
 
@@ -1042,6 +1059,49 @@ for _shape, _k, _kind in (((4096, 8), 1, ""), ((4096, 8), 2, ""), ((4096, 8), 8,
                           ((4096, 8), 2, "ties"), ((64, 1000), 128, "ties"), ((16, 100), 10, "nan")):
     add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k,
         ints=_kind == "ties", nan=_kind == "nan")
+
+
+def sinkhorn_tol(scale):
+    """(atol, rtol) for P and dlogits when the logits are randn * scale. fp32 holds a logit of size s
+    to about s * 6e-8, and Sinkhorn carries that resolution into P and into the gradient. An fp32 CPU
+    emulation of the kernel's arithmetic, against float64, erred by up to 2e-6 at s = 30 and 2.2e-5
+    at s = 1e3 (M = 4096, n <= 8, iters 1 to 20), in P and in dlogits alike; a wrong half-step order
+    or a slip in the backward errs by ~0.1."""
+    return (1e-6 + scale * 1e-7, 1e-5)
+
+
+def t_sinkhorn(shape, scale, iters=20, transposed=False):
+    # transposed: the logits arrive as a non-contiguous view
+    logits = rand(*shape, scale=scale)
+    logits = logits.transpose(-1, -2) if transposed else logits
+    tol = sinkhorn_tol(scale)
+    compare(lambda ops, logits: ops.sinkhorn(logits, iters=iters), tol, tol, logits=logits)
+
+
+def t_sinkhorn_rows_sum_to_one(M):
+    # the last half-step normalises the rows: they sum to 1 up to a few fp32 ulps per entry, even
+    # where |logits| ~ 1e3 (the kernel subtracts each row's max before its log-sum-exp)
+    for n in (1, 2, 4, 8):
+        for scale in (1, 30, 1e3):
+            p = kernels.sinkhorn(rand(M, n, n, scale=scale))
+            check(f"n{n}_x{scale:g}", p.double().sum(-1), torch.ones(M, n, dtype=torch.float64, device=DEV), 2e-6)
+
+
+for _M in (1, 24, 4096):
+    for _n in (1, 2, 4, 8):
+        for _scale in (30, 1e3):
+            add(f"sinkhorn/{_M}x{_n}x{_n}_x{_scale:g}", t_sinkhorn, (_M, _n, _n), _scale)
+for _iters in (1, 7):
+    for _n in (1, 2, 4, 8):
+        for _scale in (30, 1e3):
+            add(f"sinkhorn/24x{_n}x{_n}_x{_scale:g}_iters{_iters}", t_sinkhorn, (24, _n, _n), _scale, iters=_iters)
+for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for
+    add(f"sinkhorn/24x{_n}x{_n}_x30", t_sinkhorn, (24, _n, _n), 30)
+add("sinkhorn/2x12x4x4", t_sinkhorn, (2, 12, 4, 4), 1)
+add("sinkhorn/2x12x4x4_x30_transposed", t_sinkhorn, (2, 12, 4, 4), 30, transposed=True)
+add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
+add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
+add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
 
 ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
               "fused-tf32": dict(mode="fused", precision="tf32"),
@@ -1191,6 +1251,13 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("matmul_inner_dim", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(9, 5)), ("matmul", ("a", "b"))),
     ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),
      ("layernorm", "weight")),
+    ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
+    ("rmsnorm_cpu_x", RuntimeError, lambda: kernels.rmsnorm(torch.randn(4, 8), rand(8)), ("rmsnorm", "x")),
+    ("sinkhorn_n9", ValueError, lambda: kernels.sinkhorn(rand(4, 9, 9)), ("sinkhorn", "n")),
+    ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
+    ("sinkhorn_iters0", ValueError, lambda: kernels.sinkhorn(rand(2, 4, 4), iters=0), ("sinkhorn", "iters")),
+    ("sinkhorn_float64", RuntimeError, lambda: kernels.sinkhorn(rand(2, 4, 4).double()), ("sinkhorn", "logits")),
+    ("sinkhorn_cpu", RuntimeError, lambda: kernels.sinkhorn(torch.randn(2, 4, 4)), ("sinkhorn", "logits")),
     ("embedding_index_V", ValueError, lambda: kernels.embedding(torch.tensor([0, 10], device=DEV), rand(10, 4)),
      (("idx", "index", "indices"),)),
     ("embedding_index_negative", ValueError,
@@ -1271,9 +1338,13 @@ def fmt(x, spec):
     return "OOM" if x is None else format(x, spec)
 
 
+UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6}
+
+
 def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check):
     """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
-    torch.autograd.grad on a graph built once and retained, so the forward is not in it."""
+    torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
+    times a fresh forward and its torch.autograd.grad together (for ops whose cost is launches)."""
     if ONLY not in op:
         return
     if not rows:
@@ -1285,7 +1356,7 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
 
         def run_ours():
             return f(kernels, *inputs)
-    else:
+    elif pas == "bwd":
         leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
         wrt = [t for t in leaves if t.requires_grad]
         y_torch, y_ours = f(REF, *leaves), f(kernels, *leaves)
@@ -1296,9 +1367,20 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
 
         def run_ours():
             return torch.autograd.grad(y_ours, wrt, dy, retain_graph=True)
+    else:
+        assert pas == "fwd+bwd", f"unknown pass {pas!r}"
+        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        wrt = [t for t in leaves if t.requires_grad]
+        dy = torch.randn_like(f(REF, *leaves))
+
+        def run_torch():
+            return torch.autograd.grad(f(REF, *leaves), wrt, dy)
+
+        def run_ours():
+            return torch.autograd.grad(f(kernels, *leaves), wrt, dy)
     ok, check_text = check_fn(run_ours(), run_torch(), tol)
     torch_ms, ours_ms = time_ms(run_torch), time_ms(run_ours)
-    rate = work / (ours_ms * 1e-3) / (1e12 if unit == "TFLOP/s" else 1e9)
+    rate = work / (ours_ms * 1e-3) / UNIT_SCALE[unit]
     rows.append(dict(op=op, shape=shape, **{"pass": pas}, torch_ms=torch_ms, ours_ms=ours_ms,
                      ratio=torch_ms / ours_ms, rate=rate, unit=unit, check_ok=ok, check=check_text))
     print(md_row([op, shape, pas, f"{torch_ms:.4f}", f"{ours_ms:.4f}", f"{torch_ms / ours_ms:.2f}x",
@@ -1314,6 +1396,7 @@ def bench_ops(rows):
         nbytes = 4 * R * C
         # fwd reads x and writes y; bwd reads x (or y) and dy and writes dx
         for op, f, ins in (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
+                           ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), [x, w]),
                            ("softmax", lambda ops, x: ops.softmax(x), [x]),
                            ("gelu", lambda ops, x: ops.gelu(x), [x]),
                            ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x])):
@@ -1337,6 +1420,11 @@ def bench_ops(rows):
         for pas, nbytes in (("fwd", 4 * N * V), ("bwd", 8 * N * V)):
             bench_op(rows, "cross_entropy", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
                      ins, nbytes, "GB/s")
+    # mHC's residual mixing: one 4x4 matrix per token (M tokens), 20 iterations; eager PyTorch
+    # launches over ten small kernels per iteration in each direction, ours one kernel per pass
+    for M in (24, 4096):
+        bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
+                 [rand(M, 4, 4)], M, "M matrices/s")
 
 
 def attention_fns(causal):
