@@ -323,12 +323,51 @@ def data_data_path():
     return f"data_path: {len(text)} chars; missing and empty files rejected"
 
 
+def data_cache_cleaned():
+    # A book put into the cache by hand, BOM, CRLF, Gutenberg header and all (as the README suggests
+    # for offline use), gives the same text and vocabulary as the same file through --data_path.
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, data.CACHE_NAME), "wb") as f:
+            f.write(SAMPLE.encode("utf-8"))
+        cached = data.load_text(cache_dir=tmp, url="http://127.0.0.1:1/unused")
+        via_path = data.load_text(data_path=os.path.join(tmp, data.CACHE_NAME))
+    assert cached == CLEAN, f"cached book not cleaned: {cached!r}"
+    assert cached == via_path, "cache and --data_path give different texts"
+    return f"raw cache file -> {len(cached)} clean chars, vocab {len(set(cached))} either way"
+
+
+def data_bad_files():
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "program")
+        with open(binary, "wb") as f:
+            f.write(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))  # like /bin/ls: not UTF-8
+        for path, words in ((binary, ("not UTF-8", binary, "offset 8")), (tmp, ("directory", tmp))):
+            try:
+                data.load_text(data_path=path)
+            except (OSError, ValueError) as e:
+                assert all(w in str(e) for w in words), f"expected {words} in: {e}"
+                assert "not found" not in str(e), f"a directory reported as missing: {e}"
+            else:
+                raise AssertionError(f"no error for data_path={path}")
+        cache_dir = os.path.join(tmp, "cache")
+        os.makedirs(cache_dir)
+        os.rename(binary, os.path.join(cache_dir, data.CACHE_NAME))
+        try:
+            data.load_text(cache_dir=cache_dir, url="http://127.0.0.1:1/unused")
+        except ValueError as e:
+            assert "not UTF-8" in str(e) and os.path.join(cache_dir, data.CACHE_NAME) in str(e), str(e)
+        else:
+            raise AssertionError("no error for a cached book that is not UTF-8")
+    return "binary file, directory and binary cache named in their errors"
+
+
 def data_real_book():
-    root = os.path.dirname(os.path.abspath(data.__file__))
-    path = os.path.join(root, "..", "shared", "data", "wizard_of_oz.txt")
+    # The book as a newcomer places it for offline use (CI copies it there when it has a copy).
+    path = os.path.join(data.CACHE_DIR, data.CACHE_NAME)
     if not os.path.isfile(path):
-        raise Skip(f"{os.path.normpath(path)} not present")
-    text = data.load_text(data_path=path)
+        raise Skip(f"data_cache/{data.CACHE_NAME} not present: put the book there to test the real text")
+    text = data.load_text()
+    assert text == data.load_text(data_path=path), "cache and --data_path give different texts"
     prefix = "The Wonderful Wizard of Oz\n\nby L. Frank Baum\n"
     assert text.startswith(prefix), f"unexpected start: {text[:60]!r}"
     assert "\r" not in text and "\ufeff" not in text, "CR or BOM left in the book"
@@ -400,8 +439,8 @@ def data_get_batch():
 
 
 for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download_and_cache,
-            data_offline_error, data_http_404, data_data_path, data_real_book, data_tokenizer,
-            data_split, data_get_batch):
+            data_offline_error, data_http_404, data_data_path, data_cache_cleaned, data_bad_files, data_real_book,
+            data_tokenizer, data_split, data_get_batch):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
