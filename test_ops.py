@@ -531,7 +531,66 @@ def train_cuda_backend_on_cpu_errors():
     assert "Traceback" not in p.stderr, p.stderr
 
 
-for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors):
+def _train_main(*args):
+    """train.main in this process: (exit code or error line, output). For runs that stop early or train a
+    few steps, without the ~2 s of `import torch` a subprocess costs. Any exception other than SystemExit
+    propagates and fails the case: it is the traceback a user would see."""
+    import train
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            train.main(list(args))
+        except SystemExit as e:
+            return e.code, out.getvalue()
+    return 0, out.getvalue()
+
+
+def _train_fails(what, words, *args):
+    """train.main(args) ends in one `train.py: error:` line that holds every word of words."""
+    code, out = _train_main(*args)
+    assert isinstance(code, str) and code.startswith("train.py: error: ") and "\n" not in code, \
+        f"{what}: expected one error line, got exit {code!r}\n{out[-1500:]}"
+    missing = [w for w in words if w not in code]
+    assert not missing, f"{what}: {missing} not in: {code}"
+    return code
+
+
+def _train_tiny_args(folder, *more):
+    """The tiny config on a generated text, writing to folder/out."""
+    return (*_TRAIN_TINY, f"--data_path={_train_text_file(folder)}", f"--out_dir={os.path.join(folder, 'out')}", *more)
+
+
+def train_help():
+    import train
+    missing = [k for k in train.DEFAULTS if not train.HELP.get(k)]
+    assert not missing, f"keys without a --help description: {missing}"
+    code, out = _train_main("--help")
+    assert code == 0, f"--help exited {code!r}"
+    lines = out.splitlines()
+    for k, v in train.DEFAULTS.items():
+        line = next((ln for ln in lines if ln.strip().startswith(f"--{k}=")), "")
+        assert f"--{k}={v}" in line and train.HELP[k] in line, f"--help line of {k}: {line!r}"
+    for title, choices in (("--preset choices", train.PRESETS), ("--backend choices", train.BACKENDS)):
+        at = next((i for i, ln in enumerate(lines) if ln.startswith(title)), None)
+        assert at is not None, f"--help has no {title!r} section"
+        assert all(any(ln.split()[:1] == [c] for ln in lines[at + 1:]) for c in choices), f"{title}: {choices}"
+    return f"{len(train.DEFAULTS)} keys described, preset and backend choices listed"
+
+
+def train_rejects_bad_values():
+    p = _train_run("--lr=-1", "--max_iters=1", "--device=cpu")  # end to end: this was a traceback from AdamW
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip() == "train.py: error: --lr must be > 0, got -1.0", p.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        for arg, words in (("--lr=nan", ("--lr", "finite", "nan")), ("--lr=inf", ("--lr", "finite")),
+                           ("--beta1=1", ("--beta1", "[0, 1)")), ("--beta2=-0.5", ("--beta2", "[0, 1)")),
+                           ("--weight_decay=-1", ("--weight_decay", ">= 0"))):
+            _train_fails(arg, words, *_train_tiny_args(tmp, "--max_iters=1", arg))
+    return "--lr=-1: one line, no traceback; nan, inf, betas and decay checked"
+
+
+for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
+            train_help, train_rejects_bad_values):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
