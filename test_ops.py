@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 import types
+import zipfile
 import zlib
 
 import torch
@@ -589,8 +591,165 @@ def train_rejects_bad_values():
     return "--lr=-1: one line, no traceback; nan, inf, betas and decay checked"
 
 
+def train_rejects_bad_paths():
+    with tempfile.TemporaryDirectory() as tmp:
+        text = _train_text_file(tmp)
+        binary = os.path.join(tmp, "program")
+        with open(binary, "wb") as f:
+            f.write(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+        out = os.path.join(tmp, "out")
+        base = (*_TRAIN_TINY, "--max_iters=1")
+        _train_fails("--out_dir=FILE", ("--out_dir", text, "is a file"),
+                     *base, f"--data_path={text}", f"--out_dir={text}")
+        _train_fails("binary --data_path", ("not UTF-8", binary), *base, f"--data_path={binary}", f"--out_dir={out}")
+        msg = _train_fails("directory --data_path", ("directory", tmp), *base, f"--data_path={tmp}", f"--out_dir={out}")
+        assert "not found" not in msg, msg
+        assert os.listdir(out) == [], f"files written before the error: {os.listdir(out)}"
+    return "out_dir that is a file, binary and directory data_path: one line each, before training"
+
+
+def _png_title(path):
+    from PIL import Image  # matplotlib's own dependency
+    with Image.open(path) as im:
+        return im.text.get("Title")
+
+
+def train_max_iters_zero():
+    # Also the report of a run of one op set (the torch one, on a CPU): named as such, not "both".
+    with tempfile.TemporaryDirectory() as tmp:
+        code, out = _train_main(*_train_tiny_args(tmp, "--max_iters=0", "--plot=true"))
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        assert "checkpoint is at iteration" not in out, out
+        assert "nothing to train: max_iters=0" in out, out
+        out_dir = os.path.join(tmp, "out")
+        assert sorted(os.listdir(out_dir)) == ["loss.png", "results.json"], os.listdir(out_dir)
+        with open(os.path.join(out_dir, "results.json")) as f:
+            r = json.load(f)
+        assert r["config"]["backend"] == "torch" and list(r["op_sets"]) == ["torch"], (r["config"], list(r["op_sets"]))
+        title = _png_title(os.path.join(out_dir, "loss.png"))
+        assert title == "char GPT: PyTorch op set", f"loss.png title {title!r}"
+    return f"untrained model evaluated, no checkpoint claimed; backend torch, plot {title!r}"
+
+
+def train_fresh_run_keeps_checkpoint():
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        os.makedirs(os.path.dirname(ckpt))
+        with open(ckpt, "wb") as f:
+            f.write(b"an earlier run")
+        _train_fails("fresh run", (ckpt, "already exists", "--resume=true", "--overwrite=true", "--out_dir"),
+                     *_train_tiny_args(tmp, "--max_iters=1"))
+        with open(ckpt, "rb") as f:
+            assert f.read() == b"an earlier run", "the existing checkpoint was touched"
+        code, out = _train_main(*_train_tiny_args(tmp, "--max_iters=0", "--overwrite=true"))
+        assert code == 0, f"--overwrite=true refused: {code!r}\n{out[-1500:]}"
+    return "refused without --resume=true or --overwrite=true"
+
+
+def _flip_weight_bytes(blob):
+    """blob (a checkpoint) with 8 bytes of its first tensor, the token embedding, set to 0xff (NaN): the zip
+    stays valid, since torch.load does not check the CRCs."""
+    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+        info = zf.getinfo(next(n for n in zf.namelist() if n.endswith("/data/0")))
+    at = info.header_offset
+    name_len = int.from_bytes(blob[at + 26:at + 28], "little")
+    extra_len = int.from_bytes(blob[at + 28:at + 30], "little")
+    start = at + 30 + name_len + extra_len + 16  # past the local file header, into the tensor's bytes
+    return blob[:start] + b"\xff" * 8 + blob[start + 8:]
+
+
+def train_bad_checkpoints():
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp)
+        code, out = _train_main(*args, "--max_iters=3")
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        with open(ckpt, "rb") as f:
+            good = f.read()
+        foreign = io.BytesIO()
+        torch.save({"weights": torch.ones(3)}, foreign)
+        cases = (("truncated", good[:len(good) // 2], ("truncated",)),
+                 ("empty", b"", ("empty",)),
+                 ("not torch", bytes(range(256)) * 8, ("not a PyTorch checkpoint",)),
+                 ("another torch file", foreign.getvalue(), ("not a train.py checkpoint", "weights")),
+                 ("flipped bytes", _flip_weight_bytes(good), ("weights are corrupted",)))
+        for what, blob, words in cases:
+            with open(ckpt, "wb") as f:
+                f.write(blob)
+            _train_fails(what, ("cannot resume from", ckpt, *words), *args, "--max_iters=4", "--resume=true")
+    return ", ".join(c[0] for c in cases) + ": one line each"
+
+
+def train_diverged_run_keeps_checkpoint():
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp)
+        code, out = _train_main(*args, "--max_iters=3")
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        out_dir = os.path.join(tmp, "out")
+        ckpt = os.path.join(out_dir, "ckpt_torch.pt")
+        with open(ckpt, "rb") as f:
+            good = f.read()
+        # end to end, as reported: a resume with a learning rate that blows up (and another batch size)
+        p = _train_run(*args, "--max_iters=40", "--resume=true", "--lr=1e6", "--batch_size=8", "--plot=true")
+        assert p.returncode != 0 and "Traceback" not in p.stderr, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+        assert "batch_size=4, lr=0.0003" in p.stdout and "batch_size=8, lr=1000000.0" in p.stdout, \
+            f"changed hyperparameters not reported:\n{p.stdout}"
+        last = p.stderr.strip().splitlines()[-1]
+        m = re.fullmatch(r"train\.py: error: the torch op set diverged: loss is (nan|inf) at iteration (\d+); "
+                         r"training stopped, (\S+) still holds iteration 3; try a smaller --lr", last)
+        assert m and m.group(3) == ckpt, f"unexpected last line: {last}"
+        with open(ckpt, "rb") as f:
+            assert f.read() == good, "the good checkpoint was overwritten"
+        with open(os.path.join(out_dir, "results.json")) as f:
+            r = json.load(f)
+        assert r["status"] == "diverged" and r["op_sets"]["torch"]["stopped_at"] == int(m.group(2)), r
+        title = _png_title(os.path.join(out_dir, "loss.png"))
+        expected = f"char GPT: PyTorch op set (torch diverged at iteration {m.group(2)})"
+        assert title == expected, f"loss.png title {title!r}, expected {expected!r}"
+        assert "no sample from the torch model: it diverged" in p.stdout, p.stdout
+    return f"loss {m.group(1)} at iteration {m.group(2)}: stopped, checkpoint of iteration 3 kept, results written"
+
+
+def train_interrupt_saves_checkpoint():
+    with tempfile.TemporaryDirectory() as tmp:
+        # No evaluation before the interrupt: a checkpoint on disk afterwards comes from the interrupt.
+        args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
+        proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        watchdog = threading.Timer(120, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                if re.search(r"\| iter +\d+/100000 \|", line):  # the training loop is running
+                    break
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 130 and "Traceback" not in err, f"exit {proc.returncode}\n{err[-2000:]}"
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        last = err.strip().splitlines()[-1]
+        m = re.fullmatch(r"train\.py: interrupted at iteration (\d+) of the torch op set, saved (\S+); "
+                         r"resume with: python train\.py (.*) --resume=true", last)
+        assert m and m.group(2) == ckpt, f"unexpected last line: {last}"
+        k = int(m.group(1))
+        ck = _train_load_ckpt(ckpt)
+        assert ck["iter"] == k and len(ck["train_loss"]) == k, (k, ck["iter"], len(ck["train_loss"]))
+        assert not [f for f in os.listdir(os.path.join(tmp, "out")) if ".tmp" in f], "temp files left"
+        with open(os.path.join(tmp, "out", "results.json")) as f:
+            assert json.load(f)["status"] == "interrupted", "results.json does not say the run was interrupted"
+        code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
+        assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
+    return f"Ctrl-C at iteration {k}: checkpoint saved, resumed"
+
+
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
-            train_help, train_rejects_bad_values):
+            train_help, train_rejects_bad_values, train_rejects_bad_paths, train_max_iters_zero,
+            train_fresh_run_keeps_checkpoint, train_bad_checkpoints, train_diverged_run_keeps_checkpoint,
+            train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
