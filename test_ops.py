@@ -164,9 +164,12 @@ def run_tests(only):
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
     for name, fn, gpu in cases:
+        print(f"{name:<46} ", end="", flush=True)  # before the case: a slow one shows what is running
+        t0 = time.perf_counter()
         status, detail = gpu_verdict if gpu and gpu_verdict else run_case(name, fn, gpu)
+        seconds = time.perf_counter() - t0
         counts[status] += 1
-        print(f"{name:<46} {status}  {detail}", flush=True)
+        print(f"{status}  {detail}" + (f"  ({seconds:.1f} s)" if seconds >= 1 else ""), flush=True)
     if not cases:
         print(f"no case name contains {only!r}")
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
@@ -753,6 +756,30 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
+# test_ops.py --bench without a GPU (CPU): the advice must fit the machine
+
+
+def bench_without_gpu():
+    g = globals()
+    saved = {k: g[k] for k in ("HAS_CUDA", "kernels", "KERNELS_ERROR")}
+    try:
+        for has_cuda, words, not_words in ((False, ("needs an NVIDIA GPU",), ("build_ext",)),
+                                           (True, ("needs the built extension", "build_ext --inplace"), ())):
+            g.update(HAS_CUDA=has_cuda, kernels=None, KERNELS_ERROR=ImportError("No module named 'kernels'"))
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = bench_main(None)
+            text = out.getvalue()
+            assert code == 1, f"--bench exited {code} (GPU: {has_cuda})"
+            assert all(w in text for w in words) and not any(w in text for w in not_words), text
+    finally:
+        g.update(saved)
+    return "no GPU: says a GPU is needed; GPU without build: says to build"
+
+
+add("bench/without_gpu", bench_without_gpu, gpu=False)
+
+# -----------------------------------------------------------------------------
 # the references themselves (CPU): the GPU cases lean on these two rules
 
 
@@ -1302,9 +1329,12 @@ def bench_attention_memory(rows):
 
 
 def bench_main(json_path):
-    if not HAS_CUDA or kernels is None:
-        why = "no CUDA device" if not HAS_CUDA else f"`import kernels` failed: {one_line(KERNELS_ERROR)}"
-        print(f"--bench needs a GPU and the built extension ({why}); {BUILD_HINT}")
+    if not HAS_CUDA:  # building the extension cannot help here
+        print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
+              f"it times our kernels against PyTorch's on the GPU")
+        return 1
+    if kernels is None:
+        print(f"--bench needs the built extension: `import kernels` failed ({one_line(KERNELS_ERROR)}); {BUILD_HINT}")
         return 1
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32: no TF32 shortcut for cuBLAS
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
