@@ -44,21 +44,35 @@ def _short_reason(e: requests.RequestException) -> str:
     return m.group(1).strip() if m else type(e).__name__
 
 
+def read_text_file(path: str, what: str = "data file") -> str:
+    """The cleaned text of a UTF-8 file; errors name the file and say what is wrong with it."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{what} is a directory, expected a UTF-8 text file: {path}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = clean_text(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text: {path} (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"{what} is empty after cleaning: {path}")
+    return text
+
+
 def load_text(data_path=None, cache_dir=CACHE_DIR, url=BOOK_URL, timeout=30.0) -> str:
-    """Return the training text: from data_path, else the cache, else a one-time download."""
+    """Return the training text: from data_path, else the cache, else a one-time download.
+
+    Every route goes through clean_text: a copy of the book placed in the cache by hand (BOM, CRLF,
+    Gutenberg header) gives the same text, and so the same vocabulary, as the download or --data_path.
+    """
     if data_path is not None:
-        if not os.path.isfile(data_path):
-            raise FileNotFoundError(f"data file not found: {data_path}")
-        with open(data_path, encoding="utf-8") as f:
-            text = clean_text(f.read())
-        if not text.strip():
-            raise ValueError(f"data file is empty after cleaning: {data_path}")
-        return text
+        return read_text_file(data_path)
 
     cache_path = os.path.join(cache_dir, CACHE_NAME)
-    if os.path.isfile(cache_path):
-        with open(cache_path, encoding="utf-8") as f:
-            return f.read()
+    if os.path.exists(cache_path):
+        return read_text_file(cache_path, "cached book")
 
     try:
         resp = requests.get(url, timeout=timeout)

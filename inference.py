@@ -66,7 +66,10 @@ def parse_config(argv):
         key, val = arg[2:].split("=", 1)
         if key not in DEFAULTS:
             fail(f"unknown option --{key}; valid keys: {', '.join(DEFAULTS)}")
-        cfg[key] = train.parse_value(key, val, DEFAULTS[key])
+        try:
+            cfg[key] = train.parse_value(key, val, DEFAULTS[key])
+        except ValueError as e:
+            fail(str(e))
     cfg = SimpleNamespace(**cfg)
     cfg.models = [m.strip() for m in cfg.models.split(",") if m.strip()]
     if not cfg.models or any(m not in ("dense", "moe") for m in cfg.models):
@@ -107,7 +110,10 @@ def random_model(kind, seed, cfg, tok):
 
 def checkpoint_model(cfg):
     """The model and tokenizer of a train.py checkpoint; any problem with the file is one clear line."""
-    ckpt = torch.load(cfg.ckpt, map_location="cpu", weights_only=True)
+    try:
+        ckpt = train.read_checkpoint(cfg.ckpt)
+    except ValueError as e:
+        fail(f"--ckpt={cfg.ckpt}: {e}")
     c = SimpleNamespace(**ckpt["config"])
     tok = CharTokenizer.from_dict(ckpt["vocab"])
     model = train.GPT(tok.vocab_size, c.block_size, c.n_embd, c.n_head, c.n_layer, 0, train.TORCH_OPS,
@@ -115,7 +121,7 @@ def checkpoint_model(cfg):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        fail(f"{cfg.ckpt}: its weights do not fit the model its config describes ({str(e)[:200]})")
+        fail(f"--ckpt={cfg.ckpt}: its weights do not fit the model its config describes ({train.one_line(e)})")
     return model, tok, c
 
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 import types
+import zipfile
 import zlib
 
 import torch
@@ -145,9 +147,12 @@ def run_tests(only):
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
     for name, fn, gpu in cases:
+        print(f"{name:<46} ", end="", flush=True)  # before the case: a slow one shows what is running
+        t0 = time.perf_counter()
         status, detail = gpu_verdict if gpu and gpu_verdict else run_case(name, fn, gpu)
+        seconds = time.perf_counter() - t0
         counts[status] += 1
-        print(f"{name:<46} {status}  {detail}", flush=True)
+        print(f"{status}  {detail}" + (f"  ({seconds:.1f} s)" if seconds >= 1 else ""), flush=True)
     if not cases:
         print(f"no case name contains {only!r}")
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
@@ -306,12 +311,51 @@ def data_data_path():
     return f"data_path: {len(text)} chars; missing and empty files rejected"
 
 
+def data_cache_cleaned():
+    # A book put into the cache by hand, BOM, CRLF, Gutenberg header and all (as the README suggests
+    # for offline use), gives the same text and vocabulary as the same file through --data_path.
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, data.CACHE_NAME), "wb") as f:
+            f.write(SAMPLE.encode("utf-8"))
+        cached = data.load_text(cache_dir=tmp, url="http://127.0.0.1:1/unused")
+        via_path = data.load_text(data_path=os.path.join(tmp, data.CACHE_NAME))
+    assert cached == CLEAN, f"cached book not cleaned: {cached!r}"
+    assert cached == via_path, "cache and --data_path give different texts"
+    return f"raw cache file -> {len(cached)} clean chars, vocab {len(set(cached))} either way"
+
+
+def data_bad_files():
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "program")
+        with open(binary, "wb") as f:
+            f.write(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))  # like /bin/ls: not UTF-8
+        for path, words in ((binary, ("not UTF-8", binary, "offset 8")), (tmp, ("directory", tmp))):
+            try:
+                data.load_text(data_path=path)
+            except (OSError, ValueError) as e:
+                assert all(w in str(e) for w in words), f"expected {words} in: {e}"
+                assert "not found" not in str(e), f"a directory reported as missing: {e}"
+            else:
+                raise AssertionError(f"no error for data_path={path}")
+        cache_dir = os.path.join(tmp, "cache")
+        os.makedirs(cache_dir)
+        os.rename(binary, os.path.join(cache_dir, data.CACHE_NAME))
+        try:
+            data.load_text(cache_dir=cache_dir, url="http://127.0.0.1:1/unused")
+        except ValueError as e:
+            assert "not UTF-8" in str(e) and os.path.join(cache_dir, data.CACHE_NAME) in str(e), str(e)
+        else:
+            raise AssertionError("no error for a cached book that is not UTF-8")
+    return "binary file, directory and binary cache named in their errors"
+
+
 def data_real_book():
-    root = os.path.dirname(os.path.abspath(data.__file__))
-    path = os.path.join(root, "..", "shared", "data", "wizard_of_oz.txt")
+    # The book as a newcomer places it for offline use (CI copies it there when it has a copy).
+    path = os.path.join(data.CACHE_DIR, data.CACHE_NAME)
     if not os.path.isfile(path):
-        raise Skip(f"{os.path.normpath(path)} not present")
-    text = data.load_text(data_path=path)
+        raise Skip(f"data_cache/{data.CACHE_NAME} not present: put the book there to test the real text")
+    text = data.load_text()
+    assert text == data.load_text(data_path=path), "cache and --data_path give different texts"
     prefix = "The Wonderful Wizard of Oz\n\nby L. Frank Baum\n"
     assert text.startswith(prefix), f"unexpected start: {text[:60]!r}"
     assert "\r" not in text and "\ufeff" not in text, "CR or BOM left in the book"
@@ -383,8 +427,8 @@ def data_get_batch():
 
 
 for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download_and_cache,
-            data_offline_error, data_http_404, data_data_path, data_real_book, data_tokenizer,
-            data_split, data_get_batch):
+            data_offline_error, data_http_404, data_data_path, data_cache_cleaned, data_bad_files, data_real_book,
+            data_tokenizer, data_split, data_get_batch):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -475,7 +519,223 @@ def train_cuda_backend_on_cpu_errors():
     assert "Traceback" not in p.stderr, p.stderr
 
 
-for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors):
+def _train_main(*args):
+    """train.main in this process: (exit code or error line, output). For runs that stop early or train a
+    few steps, without the ~2 s of `import torch` a subprocess costs. Any exception other than SystemExit
+    propagates and fails the case: it is the traceback a user would see."""
+    import train
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            train.main(list(args))
+        except SystemExit as e:
+            return e.code, out.getvalue()
+    return 0, out.getvalue()
+
+
+def _train_fails(what, words, *args):
+    """train.main(args) ends in one `train.py: error:` line that holds every word of words."""
+    code, out = _train_main(*args)
+    assert isinstance(code, str) and code.startswith("train.py: error: ") and "\n" not in code, \
+        f"{what}: expected one error line, got exit {code!r}\n{out[-1500:]}"
+    missing = [w for w in words if w not in code]
+    assert not missing, f"{what}: {missing} not in: {code}"
+    return code
+
+
+def _train_tiny_args(folder, *more):
+    """The tiny config on a generated text, writing to folder/out."""
+    return (*_TRAIN_TINY, f"--data_path={_train_text_file(folder)}", f"--out_dir={os.path.join(folder, 'out')}", *more)
+
+
+def train_help():
+    import train
+    missing = [k for k in train.DEFAULTS if not train.HELP.get(k)]
+    assert not missing, f"keys without a --help description: {missing}"
+    code, out = _train_main("--help")
+    assert code == 0, f"--help exited {code!r}"
+    lines = out.splitlines()
+    for k, v in train.DEFAULTS.items():
+        line = next((ln for ln in lines if ln.strip().startswith(f"--{k}=")), "")
+        assert f"--{k}={v}" in line and train.HELP[k] in line, f"--help line of {k}: {line!r}"
+    for title, choices in (("--preset choices", train.PRESETS), ("--backend choices", train.BACKENDS)):
+        at = next((i for i, ln in enumerate(lines) if ln.startswith(title)), None)
+        assert at is not None, f"--help has no {title!r} section"
+        assert all(any(ln.split()[:1] == [c] for ln in lines[at + 1:]) for c in choices), f"{title}: {choices}"
+    return f"{len(train.DEFAULTS)} keys described, preset and backend choices listed"
+
+
+def train_rejects_bad_values():
+    p = _train_run("--lr=-1", "--max_iters=1", "--device=cpu")  # end to end: this was a traceback from AdamW
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip() == "train.py: error: --lr must be > 0, got -1.0", p.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        for arg, words in (("--lr=nan", ("--lr", "finite", "nan")), ("--lr=inf", ("--lr", "finite")),
+                           ("--beta1=1", ("--beta1", "[0, 1)")), ("--beta2=-0.5", ("--beta2", "[0, 1)")),
+                           ("--weight_decay=-1", ("--weight_decay", ">= 0"))):
+            _train_fails(arg, words, *_train_tiny_args(tmp, "--max_iters=1", arg))
+    return "--lr=-1: one line, no traceback; nan, inf, betas and decay checked"
+
+
+def train_rejects_bad_paths():
+    with tempfile.TemporaryDirectory() as tmp:
+        text = _train_text_file(tmp)
+        binary = os.path.join(tmp, "program")
+        with open(binary, "wb") as f:
+            f.write(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+        out = os.path.join(tmp, "out")
+        base = (*_TRAIN_TINY, "--max_iters=1")
+        _train_fails("--out_dir=FILE", ("--out_dir", text, "is a file"),
+                     *base, f"--data_path={text}", f"--out_dir={text}")
+        _train_fails("binary --data_path", ("not UTF-8", binary), *base, f"--data_path={binary}", f"--out_dir={out}")
+        msg = _train_fails("directory --data_path", ("directory", tmp), *base, f"--data_path={tmp}", f"--out_dir={out}")
+        assert "not found" not in msg, msg
+        assert os.listdir(out) == [], f"files written before the error: {os.listdir(out)}"
+    return "out_dir that is a file, binary and directory data_path: one line each, before training"
+
+
+def _png_title(path):
+    from PIL import Image  # matplotlib's own dependency
+    with Image.open(path) as im:
+        return im.text.get("Title")
+
+
+def train_max_iters_zero():
+    # Also the report of a run of one op set (the torch one, on a CPU): named as such, not "both".
+    with tempfile.TemporaryDirectory() as tmp:
+        code, out = _train_main(*_train_tiny_args(tmp, "--max_iters=0", "--plot=true"))
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        assert "checkpoint is at iteration" not in out, out
+        assert "nothing to train: max_iters=0" in out, out
+        out_dir = os.path.join(tmp, "out")
+        assert sorted(os.listdir(out_dir)) == ["loss.png", "results.json"], os.listdir(out_dir)
+        with open(os.path.join(out_dir, "results.json")) as f:
+            r = json.load(f)
+        assert r["config"]["backend"] == "torch" and list(r["op_sets"]) == ["torch"], (r["config"], list(r["op_sets"]))
+        title = _png_title(os.path.join(out_dir, "loss.png"))
+        assert title == "char GPT: PyTorch op set", f"loss.png title {title!r}"
+    return f"untrained model evaluated, no checkpoint claimed; backend torch, plot {title!r}"
+
+
+def train_fresh_run_keeps_checkpoint():
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        os.makedirs(os.path.dirname(ckpt))
+        with open(ckpt, "wb") as f:
+            f.write(b"an earlier run")
+        _train_fails("fresh run", (ckpt, "already exists", "--resume=true", "--overwrite=true", "--out_dir"),
+                     *_train_tiny_args(tmp, "--max_iters=1"))
+        with open(ckpt, "rb") as f:
+            assert f.read() == b"an earlier run", "the existing checkpoint was touched"
+        code, out = _train_main(*_train_tiny_args(tmp, "--max_iters=0", "--overwrite=true"))
+        assert code == 0, f"--overwrite=true refused: {code!r}\n{out[-1500:]}"
+    return "refused without --resume=true or --overwrite=true"
+
+
+def _flip_weight_bytes(blob):
+    """blob (a checkpoint) with 8 bytes of its first tensor, the token embedding, set to 0xff (NaN): the zip
+    stays valid, since torch.load does not check the CRCs."""
+    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+        info = zf.getinfo(next(n for n in zf.namelist() if n.endswith("/data/0")))
+    at = info.header_offset
+    name_len = int.from_bytes(blob[at + 26:at + 28], "little")
+    extra_len = int.from_bytes(blob[at + 28:at + 30], "little")
+    start = at + 30 + name_len + extra_len + 16  # past the local file header, into the tensor's bytes
+    return blob[:start] + b"\xff" * 8 + blob[start + 8:]
+
+
+def train_bad_checkpoints():
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp)
+        code, out = _train_main(*args, "--max_iters=3")
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        with open(ckpt, "rb") as f:
+            good = f.read()
+        foreign = io.BytesIO()
+        torch.save({"weights": torch.ones(3)}, foreign)
+        cases = (("truncated", good[:len(good) // 2], ("truncated",)),
+                 ("empty", b"", ("empty",)),
+                 ("not torch", bytes(range(256)) * 8, ("not a PyTorch checkpoint",)),
+                 ("another torch file", foreign.getvalue(), ("not a train.py checkpoint", "weights")),
+                 ("flipped bytes", _flip_weight_bytes(good), ("weights are corrupted",)))
+        for what, blob, words in cases:
+            with open(ckpt, "wb") as f:
+                f.write(blob)
+            _train_fails(what, ("cannot resume from", ckpt, *words), *args, "--max_iters=4", "--resume=true")
+    return ", ".join(c[0] for c in cases) + ": one line each"
+
+
+def train_diverged_run_keeps_checkpoint():
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp)
+        code, out = _train_main(*args, "--max_iters=3")
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        out_dir = os.path.join(tmp, "out")
+        ckpt = os.path.join(out_dir, "ckpt_torch.pt")
+        with open(ckpt, "rb") as f:
+            good = f.read()
+        # end to end, as reported: a resume with a learning rate that blows up (and another batch size)
+        p = _train_run(*args, "--max_iters=40", "--resume=true", "--lr=1e6", "--batch_size=8", "--plot=true")
+        assert p.returncode != 0 and "Traceback" not in p.stderr, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+        assert "batch_size=4, lr=0.0003" in p.stdout and "batch_size=8, lr=1000000.0" in p.stdout, \
+            f"changed hyperparameters not reported:\n{p.stdout}"
+        last = p.stderr.strip().splitlines()[-1]
+        m = re.fullmatch(r"train\.py: error: the torch op set diverged: loss is (nan|inf) at iteration (\d+); "
+                         r"training stopped, (\S+) still holds iteration 3; try a smaller --lr", last)
+        assert m and m.group(3) == ckpt, f"unexpected last line: {last}"
+        with open(ckpt, "rb") as f:
+            assert f.read() == good, "the good checkpoint was overwritten"
+        with open(os.path.join(out_dir, "results.json")) as f:
+            r = json.load(f)
+        assert r["status"] == "diverged" and r["op_sets"]["torch"]["stopped_at"] == int(m.group(2)), r
+        title = _png_title(os.path.join(out_dir, "loss.png"))
+        expected = f"char GPT: PyTorch op set (torch diverged at iteration {m.group(2)})"
+        assert title == expected, f"loss.png title {title!r}, expected {expected!r}"
+        assert "no sample from the torch model: it diverged" in p.stdout, p.stdout
+    return f"loss {m.group(1)} at iteration {m.group(2)}: stopped, checkpoint of iteration 3 kept, results written"
+
+
+def train_interrupt_saves_checkpoint():
+    with tempfile.TemporaryDirectory() as tmp:
+        # No evaluation before the interrupt: a checkpoint on disk afterwards comes from the interrupt.
+        args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
+        proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        watchdog = threading.Timer(120, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                if re.search(r"\| iter +\d+/100000 \|", line):  # the training loop is running
+                    break
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 130 and "Traceback" not in err, f"exit {proc.returncode}\n{err[-2000:]}"
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        last = err.strip().splitlines()[-1]
+        m = re.fullmatch(r"train\.py: interrupted at iteration (\d+) of the torch op set, saved (\S+); "
+                         r"resume with: python train\.py (.*) --resume=true", last)
+        assert m and m.group(2) == ckpt, f"unexpected last line: {last}"
+        k = int(m.group(1))
+        ck = _train_load_ckpt(ckpt)
+        assert ck["iter"] == k and len(ck["train_loss"]) == k, (k, ck["iter"], len(ck["train_loss"]))
+        assert not [f for f in os.listdir(os.path.join(tmp, "out")) if ".tmp" in f], "temp files left"
+        with open(os.path.join(tmp, "out", "results.json")) as f:
+            assert json.load(f)["status"] == "interrupted", "results.json does not say the run was interrupted"
+        code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
+        assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
+    return f"Ctrl-C at iteration {k}: checkpoint saved, resumed"
+
+
+for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
+            train_help, train_rejects_bad_values, train_rejects_bad_paths, train_max_iters_zero,
+            train_fresh_run_keeps_checkpoint, train_bad_checkpoints, train_diverged_run_keeps_checkpoint,
+            train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -487,8 +747,8 @@ _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--bloc
              "--seeds=0", "--max_new_tokens=12", "--prompt=Oz"]
 
 
-def _decoder_gpt(n_expert=0, device="cpu", ops=None):
-    return train.GPT(95, 24, 32, 2, 2, 0, ops or train.TORCH_OPS, n_expert=n_expert, top_k=2).to(device).eval()
+def _decoder_gpt(n_expert=0, device="cpu", n_embd=32):
+    return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, n_expert=n_expert, top_k=2).to(device).eval()
 
 
 def _greedy_without_cache(model, prompt, n_new):
@@ -614,6 +874,11 @@ def inference_bad_inputs():
         foreign = os.path.join(tmp, "foreign.pt")
         torch.save({"weights": torch.zeros(3)}, foreign)
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={foreign}"], foreign))
+        other = os.path.join(tmp, "other_config.pt")  # weights intact, config of another model
+        ck = torch.load(good, weights_only=True)
+        ck["config"]["n_embd"] *= 2
+        torch.save(ck, other)
+        seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={other}"], other, "do not fit"))
     return " | ".join(s.replace("inference.py: error: ", "")[:70] for s in seen)
 
 
@@ -624,9 +889,9 @@ for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, in
 
 def inference_gpu_paths_agree():
     # both op sets, eager and graphed, decode the same tokens with nearly the same margins
-    kernels_ops = train.cuda_op_set(kernels, 16)
+    kernels_ops = train.cuda_op_set(kernels, 32)
     for n_expert in (0, 4):
-        model = _decoder_gpt(n_expert, DEV)
+        model = _decoder_gpt(n_expert, DEV, n_embd=64)  # head size 32: the fused attention's
         toks, margins = {}, {}
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", kernels_ops)):
             for graphed in (False, True):
@@ -733,7 +998,7 @@ def train_variants_few_steps():
     return " ".join(f"{v} {ls[-1]:.3f}" for v, ls in losses.items())
 
 
-def _train_main(*args):
+def _train_main_ok(*args):
     """train.main(args) in this process (no second PyTorch import): its output, or AssertionError if it exits."""
     out = io.StringIO()
     try:
@@ -750,7 +1015,7 @@ _SWEEP_TINY = ["--preset=mhc", "--device=cpu", "--sweep_depths=2", "--n_embd=32"
 
 def train_mhc_sweep_cpu():
     with tempfile.TemporaryDirectory() as tmp:
-        out = _train_main(*_SWEEP_TINY, f"--out_dir={tmp}")
+        out = _train_main_ok(*_SWEEP_TINY, f"--out_dir={tmp}")
         rows = [line for line in out.splitlines() if line.startswith("| ")]
         assert len(rows) == 1 + len(mhc.VARIANTS), f"table:\n{out}"
         assert "final loss" in rows[0] and "gain fwd" in rows[0] and "ms/step" in rows[0], rows[0]
@@ -777,7 +1042,7 @@ def train_mhc_sweep_cpu():
         for png in ("loss_per_step.png", "gain_vs_depth.png", "gain_per_step.png"):
             assert os.path.getsize(os.path.join(tmp, png)) > 1000, f"no {png}"
 
-        out = _train_main(*_SWEEP_TINY, f"--out_dir={tmp}", "--plot=false")
+        out = _train_main_ok(*_SWEEP_TINY, f"--out_dir={tmp}", "--plot=false")
         assert out.count("skipping") == len(mhc.VARIANTS) and "L2: training" not in out, out
         assert [line for line in out.splitlines() if line.startswith("| ")] == rows, "rerun table differs"
         with open(os.path.join(tmp, "results.json")) as f:
@@ -812,7 +1077,7 @@ def train_mhc_sweep_diverging_cell():
 def train_residual_option():
     with tempfile.TemporaryDirectory() as tmp:
         data_file, out = _train_text_file(tmp), os.path.join(tmp, "out")
-        _train_main(*_TRAIN_TINY, f"--data_path={data_file}", f"--out_dir={out}", "--max_iters=2",
+        _train_main_ok(*_TRAIN_TINY, f"--data_path={data_file}", f"--out_dir={out}", "--max_iters=2",
                     "--residual=mhc-dynamic", "--n_streams=3")
         ck = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
         assert ck["config"]["residual"] == "mhc-dynamic" and ck["config"]["n_streams"] == 3, ck["config"]
@@ -831,6 +1096,30 @@ def train_residual_option():
 for _fn in (data_increment_batch, mhc_composite_gains_known, mhc_doubly_stochastic_after_step,
             train_variants_few_steps, train_mhc_sweep_cpu, train_mhc_sweep_diverging_cell, train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+# -----------------------------------------------------------------------------
+# test_ops.py --bench without a GPU (CPU): the advice must fit the machine
+
+
+def bench_without_gpu():
+    g = globals()
+    saved = {k: g[k] for k in ("HAS_CUDA", "kernels", "KERNELS_ERROR")}
+    try:
+        for has_cuda, words, not_words in ((False, ("needs an NVIDIA GPU",), ("build_ext",)),
+                                           (True, ("needs the built extension", "build_ext --inplace"), ())):
+            g.update(HAS_CUDA=has_cuda, kernels=None, KERNELS_ERROR=ImportError("No module named 'kernels'"))
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = bench_main(None)
+            text = out.getvalue()
+            assert code == 1, f"--bench exited {code} (GPU: {has_cuda})"
+            assert all(w in text for w in words) and not any(w in text for w in not_words), text
+    finally:
+        g.update(saved)
+    return "no GPU: says a GPU is needed; GPU without build: says to build"
+
+
+add("bench/without_gpu", bench_without_gpu, gpu=False)
 
 # -----------------------------------------------------------------------------
 # the references themselves (CPU): the GPU cases lean on these two rules
@@ -1525,9 +1814,12 @@ def bench_attention_memory(rows):
 
 
 def bench_main(json_path):
-    if not HAS_CUDA or kernels is None:
-        why = "no CUDA device" if not HAS_CUDA else f"`import kernels` failed: {one_line(KERNELS_ERROR)}"
-        print(f"--bench needs a GPU and the built extension ({why}); {BUILD_HINT}")
+    if not HAS_CUDA:  # building the extension cannot help here
+        print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
+              f"it times our kernels against PyTorch's on the GPU")
+        return 1
+    if kernels is None:
+        print(f"--bench needs the built extension: `import kernels` failed ({one_line(KERNELS_ERROR)}); {BUILD_HINT}")
         return 1
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32: no TF32 shortcut for cuBLAS
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
