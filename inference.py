@@ -27,25 +27,27 @@ import train
 from data import CharTokenizer
 
 # -----------------------------------------------------------------------------
-DEFAULTS = dict(
-    n_layer=12,             # transformer blocks (random weights; --ckpt brings its own shape)
-    n_head=8,               # attention heads
-    n_embd=768,             # model width
-    block_size=256,         # context length; the KV cache holds this many positions
-    n_expert=8,             # experts of the MoE model
-    top_k=2,                # experts per token
-    models="dense,moe",     # which models to run: dense, moe or both (comma-separated)
-    seeds="0,1,2,3,4",      # random-weight seeds, one generation per seed and path (comma-separated)
-    ckpt=None,              # a train.py checkpoint instead of random weights (dense only)
-    prompt="Dorothy lived in the midst of the great Kansas prairies, with Uncle Henry",
-    max_new_tokens=200,     # tokens generated per run
-    temperature=0.0,        # 0: greedy argmax; > 0: sample from softmax(logits / temperature)
-    sample_top_k=0,         # with temperature > 0: sample among the k most likely tokens (0: all, at most 128)
-    device="cuda" if torch.cuda.is_available() else "cpu",  # 'cpu' runs the PyTorch path only
-    backend="both",         # 'both' | 'torch' | 'cuda': which op sets decode
-    cuda_graph=True,        # on a GPU, also run each path with its decode step captured in a CUDA graph
-    out_dir="out",          # inference.json goes here
+# options: key=(default, what it means); override with --key=value
+OPTIONS = dict(
+    n_layer=(12, "transformer blocks (random weights; --ckpt brings its own shape)"),
+    n_head=(8, "attention heads; the cuda path needs n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
+    n_embd=(768, "model width"),
+    block_size=(256, "context length; the KV cache holds this many positions"),
+    n_expert=(8, "experts of the MoE model"),
+    top_k=(2, "experts per token"),
+    models=("dense,moe", "which models to run: dense, moe or both, comma-separated"),
+    seeds=("0,1,2,3,4", "random-weight seeds, one generation per seed and path, comma-separated"),
+    ckpt=(None, "a train.py checkpoint instead of random weights: its config, vocabulary and weights (dense)"),
+    prompt=("Dorothy lived in the midst of the great Kansas prairies, with Uncle Henry", "the text to continue"),
+    max_new_tokens=(200, "tokens generated per run"),
+    temperature=(0.0, "0: greedy argmax; > 0: sample from softmax(logits / temperature)"),
+    sample_top_k=(0, "with temperature > 0: sample among the k most likely tokens (0: all, at most 128)"),
+    device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu; cpu runs the PyTorch path only"),
+    backend=("both", "which op sets decode: both, torch or cuda"),
+    cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
+    out_dir=("out", "folder for inference.json"),
 )
+DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # the random-weight vocabulary: 95 printable ASCII
 
 
@@ -55,9 +57,8 @@ def fail(msg):
 
 def parse_config(argv):
     if any(a in ("-h", "--help") for a in argv):
-        print("usage: python inference.py [--key=value ...]\ndefaults:")
-        for k, v in DEFAULTS.items():
-            print(f"  --{k}={v}")
+        train.print_options("inference.py", "Decode with the GPT of train.py on both op sets and compare them.",
+                            OPTIONS)
         sys.exit(0)
     cfg = dict(DEFAULTS)
     for arg in argv:

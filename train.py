@@ -102,14 +102,18 @@ def one_line(e, limit=200):
     return " ".join(str(e).split())[:limit]
 
 
-def print_help():
-    print("usage: python train.py [--key=value ...]\n\n"
-          "Train the char GPT on each op set and compare the runs. Each key below is shown with its\n"
+def print_options(prog, what, options):
+    """--help: what the script does, then each option with its default and its meaning."""
+    print(f"usage: python {prog} [--key=value ...]\n\n{what} Each key below is shown with its\n"
           "default; --key=value overrides it, parsed as the default's type (bools: true/false/1/0).\n")
     width = 24
-    for k, v in DEFAULTS.items():
+    for k, (v, meaning) in options.items():
         opt = f"--{k}={v}"
-        print(f"  {opt:<{width}}{HELP[k]}" if len(opt) < width else f"  {opt}\n  {'':<{width}}{HELP[k]}")
+        print(f"  {opt:<{width}}{meaning}" if len(opt) < width else f"  {opt}\n  {'':<{width}}{meaning}")
+
+
+def print_help():
+    print_options("train.py", "Train the char GPT on each op set and compare the runs.", OPTIONS)
     print("\n--preset choices:\n  ''     the defaults above")
     for name, values in PRESETS.items():
         print(f"  {name:<6} " + ", ".join(f"{k}={v}" for k, v in values.items()))
