@@ -556,8 +556,9 @@ def train_help():
     assert code == 0, f"--help exited {code!r}"
     lines = out.splitlines()
     for k, v in train.DEFAULTS.items():
-        line = next((ln for ln in lines if ln.strip().startswith(f"--{k}=")), "")
-        assert f"--{k}={v}" in line and train.HELP[k] in line, f"--help line of {k}: {line!r}"
+        at = next((i for i, ln in enumerate(lines) if ln.strip().startswith(f"--{k}=")), None)
+        shown = " ".join(lines[at:at + 2]) if at is not None else ""  # a long default puts its meaning below
+        assert f"--{k}={v}" in shown and train.HELP[k] in shown, f"--help line of {k}: {shown!r}"
     for title, choices in (("--preset choices", train.PRESETS), ("--backend choices", train.BACKENDS)):
         at = next((i for i, ln in enumerate(lines) if ln.startswith(title)), None)
         assert at is not None, f"--help has no {title!r} section"
