@@ -909,13 +909,21 @@ def report(runs, cfg):
         plot_losses(runs, os.path.join(cfg.out_dir, "loss.png"))
 
 
-def plot_losses(runs, path):
+def pyplot():
+    """matplotlib.pyplot drawing to files only (no display needed), or None with a note if missing."""
     try:
         import matplotlib
-        matplotlib.use("Agg")  # files only; works without a display
+        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed, so no loss plot (pip install matplotlib)")
+        print("note: matplotlib is not installed, so no plots (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot_losses(runs, path):
+    plt = pyplot()
+    if plt is None:
         return
     both = len(runs) == 2
     fig, axes = plt.subplots(2 if both else 1, 1, figsize=(8, 7 if both else 4.5), sharex=True, squeeze=False)
@@ -1195,12 +1203,8 @@ def sweep_table(cells):
 
 def plot_sweep(cells, out_dir):
     """loss_per_step.png (a panel per depth), gain_vs_depth.png and gain_per_step.png (log-scale gains)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only; works without a display
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed, so no plots (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     cells = sweep_cells_in_order(cells)
     depths = sorted({c["depth"] for c in cells})
