@@ -1,4 +1,5 @@
-"""Hyper-connections: Sinkhorn-Knopp, and the HC / mHC residual streams with their stability metrics.
+"""Hyper-connections: Sinkhorn-Knopp, the stream mixing, and the HC / mHC residual streams with their
+stability metrics.
 
 Manifold-constrained hyper-connections (mHC, arXiv 2512.24880) widen the residual stream into n
 parallel streams mixed by learned matrices, and keep the residual mixing matrix doubly stochastic by
@@ -26,6 +27,20 @@ def sinkhorn_torch(logits, iters=20):
         a = a - torch.logsumexp(a, dim=-2, keepdim=True)  # columns
         a = a - torch.logsumexp(a, dim=-1, keepdim=True)  # rows
     return torch.exp(a)
+
+
+def stream_merge_torch(x, h):
+    """The PyTorch twin of kernels.stream_merge: x (..., n, C) merged into one stream (..., C),
+    out[..., c] = sum_i h[i] x[..., i, c]. h is (n,), the same for every token, or (..., n), one set
+    per token (x's leading dims)."""
+    return (h.unsqueeze(-1) * x).sum(-2)
+
+
+def stream_mix_torch(x, h_res, h_post, y):
+    """The PyTorch twin of kernels.stream_mix: the streams x (..., n, C) mixed by h_res, plus y (..., C)
+    spread over them by h_post: out[..., i, c] = sum_j h_res[i, j] x[..., j, c] + h_post[i] y[..., c].
+    h_res (n, n) and h_post (n,) for every token, or (..., n, n) and (..., n) per token."""
+    return h_res @ x + h_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
 # -----------------------------------------------------------------------------
