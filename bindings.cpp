@@ -32,6 +32,15 @@ void rmsnorm_bwd_weight(const float*, const float*, const float*, float*, float*
 int64_t sinkhorn_workspace_floats(int, int, int);
 void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
 void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
+void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
+                      cudaStream_t s);
+void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
+                      float* part, int M, int n, int C, bool per_token, cudaStream_t s);
+void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const float* y, float* out, int M,
+                    int n, int C, bool per_token, cudaStream_t s);
+void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const float* y, const float* dout,
+                    float* dx, float* dy, float* dh_res, float* dh_post, float* ws, float* part, int M, int n,
+                    int C, bool per_token, cudaStream_t s);
 int colsum_chunks(int, int);
 void bias_grad(const float*, float*, float*, int, int, cudaStream_t);
 void softmax_fwd(const float*, float*, int, int, float, int, int, cudaStream_t);
@@ -114,6 +123,7 @@ static int to_int(const char* op, int64_t v, const char* what) {
 
 static cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
 static const float* fptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+static float* ws_ptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }  // optional workspace
 
 // ---- matmul on strided views ------------------------------------------------------------------
 
@@ -385,6 +395,137 @@ struct SinkhornFn : torch::autograd::Function<SinkhornFn> {
 };
 
 Tensor sinkhorn(const Tensor& logits, int64_t iters) { return SinkhornFn::apply(logits, iters); }
+
+// ---- stream mixing (hyper-connections) --------------------------------------------------------
+// x (..., n, C): n residual streams per token; the coefficients are static (the same for every
+// token) or per token (x's leading dims first). Static ones get the sum over all tokens as gradient.
+
+// Checks x of a stream op; returns its leading dims (the tokens).
+static std::vector<int64_t> check_streams(const char* op, const Tensor& x) {
+  check_float_cuda(op, x, "x");
+  REQUIRE(x.dim() >= 2, op, ": x must have shape (..., n, C), got ", x.sizes());
+  const int64_t n = x.size(-2);
+  REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = x.shape[-2], the number of streams, must be in [1, 8], got n = ", n);
+  return x.sizes().slice(0, x.dim() - 2).vec();
+}
+
+// Coefficients h (name) of shape `base` (static) or x.shape[:-2] + base (per token); returns per token.
+static bool check_coefs(const char* op, const Tensor& x, const Tensor& h, const char* name,
+                        const std::vector<int64_t>& base, const char* base_text) {
+  check_float_cuda(op, h, name);
+  check_same_device(op, x, "x", h, name);
+  std::vector<int64_t> per_token = x.sizes().slice(0, x.dim() - 2).vec();
+  per_token.insert(per_token.end(), base.begin(), base.end());
+  const bool is_static = h.sizes().equals(base);
+  REQUIRE(is_static || h.sizes().equals(per_token), op, ": ", name, " must have shape ", base_text, " = ",
+          at::IntArrayRef(base), " (static) or x.shape[:-2] + ", base_text, " = ", at::IntArrayRef(per_token),
+          " (per token), got ", h.sizes());
+  return !is_static;
+}
+
+static int64_t count_tokens(const std::vector<int64_t>& lead) {
+  int64_t M = 1;
+  for (int64_t d : lead) M *= d;
+  return M;
+}
+
+struct StreamMergeFn : torch::autograd::Function<StreamMergeFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& h_in) {
+    const char* op = "stream_merge";
+    std::vector<int64_t> shape = check_streams(op, x_in);
+    const int64_t n = x_in.size(-2);
+    const bool per_token = check_coefs(op, x_in, h_in, "h", {n}, "(n,)");
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous(), h = h_in.contiguous();
+    const int M = to_int(op, count_tokens(shape), "number of tokens"), C = to_int(op, x.size(-1), "C");
+    shape.push_back(C);
+    Tensor out = at::empty(shape, x.options());
+    stream_merge_fwd(x.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(), M, (int)n, C, per_token,
+                     stream());
+    ctx->save_for_backward({x, h});
+    ctx->saved_data["per_token"] = per_token;
+    ctx->saved_data["M"] = (int64_t)M;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &h = s[1];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dout = grads[0].contiguous();
+    const bool per_token = ctx->saved_data["per_token"].toBool();
+    const int M = (int)ctx->saved_data["M"].toInt(), n = (int)x.size(-2), C = (int)x.size(-1);
+    Tensor dx = at::empty_like(x), dh = at::empty_like(h), ws, part;
+    if (!per_token) {  // per-token sums, then their sum over the tokens
+      ws = at::empty({(int64_t)M * n}, x.options());
+      part = at::empty({(int64_t)colsum_chunks(M, n) * n}, x.options());
+    }
+    stream_merge_bwd(x.data_ptr<float>(), h.data_ptr<float>(), dout.data_ptr<float>(), dx.data_ptr<float>(),
+                     dh.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, per_token, stream());
+    return {dx, dh};
+  }
+};
+
+Tensor stream_merge(const Tensor& x, const Tensor& h) { return StreamMergeFn::apply(x, h); }
+
+struct StreamMixFn : torch::autograd::Function<StreamMixFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in,
+                        const Tensor& y_in) {
+    const char* op = "stream_mix";
+    std::vector<int64_t> y_shape = check_streams(op, x_in);
+    const int64_t n = x_in.size(-2), C64 = x_in.size(-1);
+    const bool res_per_token = check_coefs(op, x_in, h_res_in, "h_res", {n, n}, "(n, n)");
+    const bool post_per_token = check_coefs(op, x_in, h_post_in, "h_post", {n}, "(n,)");
+    REQUIRE(res_per_token == post_per_token, op, ": h_res and h_post must be both static ((n, n) and (n,)) or ",
+            "both per token, got h_res ", h_res_in.sizes(), " and h_post ", h_post_in.sizes(), " for x ",
+            x_in.sizes());
+    check_float_cuda(op, y_in, "y");
+    check_same_device(op, x_in, "x", y_in, "y");
+    const int M = to_int(op, count_tokens(y_shape), "number of tokens"), C = to_int(op, C64, "C");
+    y_shape.push_back(C64);
+    REQUIRE(y_in.sizes().equals(y_shape), op, ": y must have shape x.shape[:-2] + (C,) = ", at::IntArrayRef(y_shape),
+            ", got ", y_in.sizes());
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
+                 y = y_in.contiguous();
+    Tensor out = at::empty(x.sizes(), x.options());
+    stream_mix_fwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
+                   out.data_ptr<float>(), M, (int)n, C, res_per_token, stream());
+    ctx->save_for_backward({x, h_res, h_post, y});
+    ctx->saved_data["per_token"] = res_per_token;
+    ctx->saved_data["M"] = (int64_t)M;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &h_res = s[1], &h_post = s[2], &y = s[3];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dout = grads[0].contiguous();
+    const bool per_token = ctx->saved_data["per_token"].toBool();
+    const int M = (int)ctx->saved_data["M"].toInt(), n = (int)x.size(-2), C = (int)x.size(-1);
+    Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res, dh_post, ws, part;
+    if (per_token) {
+      dh_res = at::empty_like(h_res);
+      dh_post = at::empty_like(h_post);
+    } else {  // per-token sums, then their sum over the tokens, h_res's and h_post's in one row
+      const int64_t K = (int64_t)n * n + n;
+      const Tensor dcoef = at::empty({K}, x.options());
+      dh_res = dcoef.narrow(0, 0, (int64_t)n * n).view({n, n});
+      dh_post = dcoef.narrow(0, (int64_t)n * n, n);
+      ws = at::empty({M * K}, x.options());
+      part = at::empty({colsum_chunks(M, (int)K) * K}, x.options());
+    }
+    stream_mix_bwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
+                   dout.data_ptr<float>(), dx.data_ptr<float>(), dy.data_ptr<float>(), dh_res.data_ptr<float>(),
+                   dh_post.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, per_token, stream());
+    return {dx, dh_res, dh_post, dy};
+  }
+};
+
+Tensor stream_mix(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  return StreamMixFn::apply(x, h_res, h_post, y);
+}
 
 // ---- softmax ----------------------------------------------------------------------------------
 
@@ -777,5 +918,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sinkhorn-Knopp in the log domain: logits (..., n, n), n <= 8 -> doubly stochastic, like "
         "mhc.sinkhorn_torch (each iteration normalises columns, then rows)",
         py::arg("logits"), py::arg("iters") = 20);
+  m.def("stream_merge", &stream_merge,
+        "hyper-connection streams merged: x (..., n, C), h (n,) or per token (..., n) -> (..., C), "
+        "out[..., c] = sum_i h[i] x[..., i, c], like mhc.stream_merge_torch; n <= 8",
+        py::arg("x"), py::arg("h"));
+  m.def("stream_mix", &stream_mix,
+        "hyper-connection streams mixed: x (..., n, C), h_res (n, n), h_post (n,) (or per token (..., n, n), "
+        "(..., n)), y (..., C) -> (..., n, C), out[..., i, c] = sum_j h_res[i, j] x[..., j, c] + h_post[i] y[..., c], "
+        "like mhc.stream_mix_torch; n <= 8",
+        py::arg("x"), py::arg("h_res"), py::arg("h_post"), py::arg("y"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

@@ -3,7 +3,8 @@
 //
 // Sections, top to bottom:
 //   helpers -> embedding -> layernorm -> column sums -> softmax -> cross-entropy -> GELU
-//   -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn -> attention (fused forward/backward)
+//   -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn -> stream mixing (hyper-connections)
+//   -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
@@ -1446,6 +1447,325 @@ void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float*
   if (M == 0) return;
   SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, ceil_div(M, SINKHORN_THREADS), s, logits, dout, dlogits, ws, M, iters);
   check_launch("sinkhorn_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// stream mixing for hyper-connections (mhc.py). x (M, n, C) holds the n residual streams of M
+// tokens, n <= 8; the PyTorch twins are mhc.stream_merge_torch and mhc.stream_mix_torch:
+//   stream_merge: out[m, c]    = sum_i h[i] x[m, i, c]                               (M, C)
+//   stream_mix:   out[m, i, c] = sum_j h_res[i, j] x[m, j, c] + h_post[i] y[m, c]    (M, n, C)
+// The coefficients are static (one set for all tokens) or per token; a kernel reads token m's at
+// m * stride, so a stride of 0 makes them static and one kernel serves both.
+//
+// A few FMAs per byte: the floor is reading every input once and writing every output once, which
+// unfused PyTorch misses by far (permute copies, tiny batched matmuls, separate elementwise kernels,
+// each a pass over memory). A thread owns a "unit" of one token: VEC columns (4, as 16-byte loads,
+// when C % 4 == 0 and every pointer is 16-byte aligned, else 1) in all n streams, so the n x n
+// mixing of the unit happens in registers and each element is loaded once. Blocks are
+// 32 x STREAM_TOKENS, a warp per token, lanes on consecutive units (coalesced); the token's
+// coefficients sit in registers, loaded once per thread from warp-uniform addresses (one L1
+// broadcast each). -Xptxas -v: no stack, no spills (n = 8 backward: 247 registers, 128 threads).
+//
+// Forward: a token's units are also spread over grid.y, so each thread has one unit when C allows.
+// Backward: dx (and dy) are per unit like the forward, but the coefficient gradients are sums over
+// C (dh[i] = sum_c dout[c] x[i, c], ...), so a token stays in one warp: each lane sums its units,
+// a shuffle butterfly sums the lanes (a fixed order, no shared memory, no barrier) and lane 0
+// writes the token's n (merge) or n * n + n (mix) values. For per-token coefficients those are the
+// gradient; for static ones they go to a workspace (M, K) and the column-sum kernels (bias_grad) add
+// the tokens up in a fixed order: no atomics, the same bits every run.
+
+constexpr int STREAM_MAX_N = 8;
+constexpr int STREAM_TOKENS = 4;  // tokens (warps) per block
+
+// What a stream kernel reads and writes (unused pointers stay nullptr). Strides: floats per token.
+struct StreamArgs {
+  const float* x;       // (M, n, C)
+  const float* h;       // merge: h; mix: h_res
+  const float* h_post;  // mix
+  const float* y;       // mix: (M, C)
+  const float* dout;    // backward: merge (M, C), mix (M, n, C)
+  float* out;           // forward
+  float* dx;            // backward, like x
+  float* dy;            // mix backward, like y
+  float* dh;            // backward: merge's dh or mix's dh_res, token m's at m * dh_stride
+  float* dh_post;       // mix backward, token m's at m * dpost_stride
+  int64_t h_stride, post_stride, dh_stride, dpost_stride;
+  int M, C;
+};
+
+template <int VEC>
+__device__ __forceinline__ void stream_load(const float* row, int u, float (&v)[VEC]) {
+  if constexpr (VEC == 4) {
+    const float4 t = load_stream4(row + 4 * u);
+    v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+  } else {
+    v[0] = __ldg(row + u);
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void stream_store(float* row, int u, const float (&v)[VEC]) {
+  if constexpr (VEC == 4) reinterpret_cast<float4*>(row)[u] = make_float4(v[0], v[1], v[2], v[3]);
+  else row[u] = v[0];
+}
+
+template <int K>
+__device__ __forceinline__ void stream_coefs(const float* p, float (&c)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) c[k] = __ldg(p + k);
+}
+
+template <int N, int VEC>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_fwd_kernel(StreamArgs a) {
+  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
+  if (m >= a.M) return;
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  float* out = a.out + (int64_t)m * a.C;
+  float h[N];
+  stream_coefs<N>(a.h + m * a.h_stride, h);
+  for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
+    float xv[N][VEC], o[VEC];
+#pragma unroll
+    for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      o[k] = h[0] * xv[0][k];
+#pragma unroll
+      for (int i = 1; i < N; ++i) o[k] = fmaf(h[i], xv[i][k], o[k]);
+    }
+    stream_store<VEC>(out, u, o);
+  }
+}
+
+template <int N, int VEC>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_fwd_kernel(StreamArgs a) {
+  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
+  if (m >= a.M) return;
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  const float* y = a.y + (int64_t)m * a.C;
+  float* out = a.out + (int64_t)m * N * a.C;
+  float r[N * N], p[N];  // h_res row-major, h_post
+  stream_coefs<N * N>(a.h + m * a.h_stride, r);
+  stream_coefs<N>(a.h_post + m * a.post_stride, p);
+  for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
+    float xv[N][VEC], yv[VEC];
+#pragma unroll
+    for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
+    stream_load<VEC>(y, u, yv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float o[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        o[k] = p[i] * yv[k];
+#pragma unroll
+        for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
+      }
+      stream_store<VEC>(out + (int64_t)i * a.C, u, o);
+    }
+  }
+}
+
+// dx[i] = h[i] dout; dh[i] = sum_c dout[c] x[i, c] for the warp's token.
+template <int N, int VEC>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(StreamArgs a) {
+  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y, lane = threadIdx.x;
+  if (m >= a.M) return;  // the whole warp (m is the same for its lanes), so the shuffles below stay full
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  const float* g = a.dout + (int64_t)m * a.C;
+  float* dx = a.dx + (int64_t)m * N * a.C;
+  float h[N], acc[N] = {};
+  stream_coefs<N>(a.h + m * a.h_stride, h);
+  for (int u = lane; u < units; u += 32) {
+    float gv[VEC], xv[N][VEC];
+    stream_load<VEC>(g, u, gv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float d[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        d[k] = h[i] * gv[k];
+        acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
+      }
+      stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = warp_sum(acc[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) a.dh[m * a.dh_stride + i] = acc[i];
+  }
+}
+
+// dx[j] = sum_i h_res[i, j] dout[i]; dy = sum_i h_post[i] dout[i]; for the warp's token
+// dh_res[i, j] = sum_c dout[i, c] x[j, c] and dh_post[i] = sum_c dout[i, c] y[c].
+template <int N, int VEC>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(StreamArgs a) {
+  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y, lane = threadIdx.x;
+  if (m >= a.M) return;  // the whole warp, as in stream_merge_bwd_kernel
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  const float* y = a.y + (int64_t)m * a.C;
+  const float* g = a.dout + (int64_t)m * N * a.C;
+  float* dx = a.dx + (int64_t)m * N * a.C;
+  float* dy = a.dy + (int64_t)m * a.C;
+  float r[N * N], p[N], acc_r[N * N] = {}, acc_p[N] = {};
+  stream_coefs<N * N>(a.h + m * a.h_stride, r);
+  stream_coefs<N>(a.h_post + m * a.post_stride, p);
+  for (int u = lane; u < units; u += 32) {
+    float gv[N][VEC], xv[N][VEC], yv[VEC];
+#pragma unroll
+    for (int i = 0; i < N; ++i) stream_load<VEC>(g + (int64_t)i * a.C, u, gv[i]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
+    stream_load<VEC>(y, u, yv);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float d[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        d[k] = r[j] * gv[0][k];
+#pragma unroll
+        for (int i = 1; i < N; ++i) d[k] = fmaf(r[i * N + j], gv[i][k], d[k]);
+      }
+      stream_store<VEC>(dx + (int64_t)j * a.C, u, d);
+    }
+    float d[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      d[k] = p[0] * gv[0][k];
+#pragma unroll
+      for (int i = 1; i < N; ++i) d[k] = fmaf(p[i], gv[i][k], d[k]);
+    }
+    stream_store<VEC>(dy, u, d);
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        acc_p[i] = fmaf(gv[i][k], yv[k], acc_p[i]);
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc_r[i * N + j] = fmaf(gv[i][k], xv[j][k], acc_r[i * N + j]);
+      }
+  }
+#pragma unroll
+  for (int k = 0; k < N * N; ++k) acc_r[k] = warp_sum(acc_r[k]);
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc_p[i] = warp_sum(acc_p[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < N * N; ++k) a.dh[m * a.dh_stride + k] = acc_r[k];
+#pragma unroll
+    for (int i = 0; i < N; ++i) a.dh_post[m * a.dpost_stride + i] = acc_p[i];
+  }
+}
+
+#define STREAM_LAUNCH_VEC(KERNEL, N, vec4, grid, s, args)                                        \
+  if (vec4) KERNEL<N, 4><<<grid, dim3(32, STREAM_TOKENS), 0, s>>>(args);                        \
+  else KERNEL<N, 1><<<grid, dim3(32, STREAM_TOKENS), 0, s>>>(args);
+#define STREAM_LAUNCH(KERNEL, n, vec4, grid, s, args)                                            \
+  switch (n) {                                                                                 \
+    case 1: STREAM_LAUNCH_VEC(KERNEL, 1, vec4, grid, s, args) break;                            \
+    case 2: STREAM_LAUNCH_VEC(KERNEL, 2, vec4, grid, s, args) break;                            \
+    case 3: STREAM_LAUNCH_VEC(KERNEL, 3, vec4, grid, s, args) break;                            \
+    case 4: STREAM_LAUNCH_VEC(KERNEL, 4, vec4, grid, s, args) break;                            \
+    case 5: STREAM_LAUNCH_VEC(KERNEL, 5, vec4, grid, s, args) break;                            \
+    case 6: STREAM_LAUNCH_VEC(KERNEL, 6, vec4, grid, s, args) break;                            \
+    case 7: STREAM_LAUNCH_VEC(KERNEL, 7, vec4, grid, s, args) break;                            \
+    default: STREAM_LAUNCH_VEC(KERNEL, 8, vec4, grid, s, args)                                  \
+  }
+
+static void stream_check_n(const char* what, int n) {
+  if (n < 1 || n > STREAM_MAX_N)
+    throw std::runtime_error(std::string(what) + ": needs 1 <= n <= " + std::to_string(STREAM_MAX_N) +
+                             ", got n = " + std::to_string(n));
+}
+
+// 16-byte units: C % 4 == 0 and every pointer aligned (nullptr passes).
+template <class... P>
+static bool stream_vec4(int C, P... ptrs) {
+  return C % 4 == 0 && (aligned16(ptrs) && ...);
+}
+
+// Forward grid: STREAM_TOKENS tokens per block in x, a token's units over y (32 per block).
+static dim3 stream_fwd_grid(int M, int C, bool vec4) {
+  return dim3(ceil_div(M, STREAM_TOKENS), std::min(ceil_div(vec4 ? C / 4 : C, 32), 65535));
+}
+
+// x (M, n, C) -> out (M, C); h: n floats, or n per token when per_token. All contiguous.
+void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
+                      cudaStream_t s) {
+  stream_check_n("stream_merge_fwd", n);
+  if (M == 0 || C == 0) return;
+  StreamArgs a{};
+  a.x = x; a.h = h; a.out = out; a.h_stride = per_token ? n : 0; a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, out);
+  const dim3 grid = stream_fwd_grid(M, C, vec4);
+  STREAM_LAUNCH(stream_merge_fwd_kernel, n, vec4, grid, s, a);
+  check_launch("stream_merge_fwd");
+}
+
+// dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the
+// workspaces ws (M * n floats) and part (colsum_chunks(M, n) * n floats). Zeros where C or M is 0.
+void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
+                      float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
+  stream_check_n("stream_merge_bwd", n);
+  if (M > 0) {
+    StreamArgs a{};
+    a.x = x; a.h = h; a.dout = dout; a.dx = dx; a.dh = per_token ? dh : ws;
+    a.h_stride = per_token ? n : 0; a.dh_stride = n; a.M = M; a.C = C;
+    const bool vec4 = stream_vec4(C, x, dout, dx);
+    const dim3 grid(ceil_div(M, STREAM_TOKENS));
+    STREAM_LAUNCH(stream_merge_bwd_kernel, n, vec4, grid, s, a);
+    check_launch("stream_merge_bwd");
+  }
+  if (!per_token) bias_grad(ws, part, dh, M, n, s);
+}
+
+// x (M, n, C), y (M, C) -> out (M, n, C); h_res n * n floats (row-major) and h_post n, or that
+// many per token when per_token. All contiguous.
+void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const float* y, float* out, int M,
+                    int n, int C, bool per_token, cudaStream_t s) {
+  stream_check_n("stream_mix_fwd", n);
+  if (M == 0 || C == 0) return;
+  StreamArgs a{};
+  a.x = x; a.h = h_res; a.h_post = h_post; a.y = y; a.out = out;
+  a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0; a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, y, out);
+  const dim3 grid = stream_fwd_grid(M, C, vec4);
+  STREAM_LAUNCH(stream_mix_fwd_kernel, n, vec4, grid, s, a);
+  check_launch("stream_mix_fwd");
+}
+
+// dout (M, n, C) -> dx (M, n, C), dy (M, C), and the coefficient gradients: per token dh_res
+// (M, n, n) and dh_post (M, n); static, the token sums of both through the workspaces ws
+// (M * (n * n + n) floats) and part (colsum_chunks(M, n * n + n) * (n * n + n) floats), written as
+// one row of n * n + n floats, so dh_post must be dh_res + n * n. Zeros where C or M is 0.
+void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const float* y, const float* dout,
+                    float* dx, float* dy, float* dh_res, float* dh_post, float* ws, float* part, int M, int n,
+                    int C, bool per_token, cudaStream_t s) {
+  stream_check_n("stream_mix_bwd", n);
+  const int K = n * n + n;
+  if (!per_token && dh_post != dh_res + n * n)
+    throw std::runtime_error("stream_mix_bwd: static coefficients need dh_post == dh_res + n * n");
+  if (M > 0) {
+    StreamArgs a{};
+    a.x = x; a.h = h_res; a.h_post = h_post; a.y = y; a.dout = dout; a.dx = dx; a.dy = dy;
+    a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
+    a.dh = per_token ? dh_res : ws; a.dh_stride = per_token ? n * n : K;
+    a.dh_post = per_token ? dh_post : ws + n * n; a.dpost_stride = per_token ? n : K;
+    a.M = M; a.C = C;
+    const bool vec4 = stream_vec4(C, x, y, dout, dx, dy);
+    const dim3 grid(ceil_div(M, STREAM_TOKENS));
+    STREAM_LAUNCH(stream_mix_bwd_kernel, n, vec4, grid, s, a);
+    check_launch("stream_mix_bwd");
+  }
+  if (!per_token) bias_grad(ws, part, dh_res, M, K, s);
 }
 
 // ------------------------------------------------------------------------------------------------

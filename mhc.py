@@ -1,4 +1,5 @@
-"""Hyper-connections: Sinkhorn-Knopp, and the HC / mHC residual streams with their stability metrics.
+"""Hyper-connections: Sinkhorn-Knopp, the stream mixing, and the HC / mHC residual streams with their
+stability metrics.
 
 Manifold-constrained hyper-connections (mHC, arXiv 2512.24880) widen the residual stream into n
 parallel streams mixed by learned matrices, and keep the residual mixing matrix doubly stochastic by
@@ -28,10 +29,25 @@ def sinkhorn_torch(logits, iters=20):
     return torch.exp(a)
 
 
+def stream_merge_torch(x, h):
+    """The PyTorch twin of kernels.stream_merge: x (..., n, C) merged into one stream (..., C),
+    out[..., c] = sum_i h[i] x[..., i, c]. h is (n,), the same for every token, or (..., n), one set
+    per token (x's leading dims)."""
+    return (h.unsqueeze(-1) * x).sum(-2)
+
+
+def stream_mix_torch(x, h_res, h_post, y):
+    """The PyTorch twin of kernels.stream_mix: the streams x (..., n, C) mixed by h_res, plus y (..., C)
+    spread over them by h_post: out[..., i, c] = sum_j h_res[i, j] x[..., j, c] + h_post[i] y[..., c].
+    h_res (n, n) and h_post (n,) for every token, or (..., n, n) and (..., n) per token."""
+    return h_res @ x + h_post.unsqueeze(-1) * y.unsqueeze(-2)
+
+
 # -----------------------------------------------------------------------------
 # residual streams: how a block's sublayer output F joins the residual stream x.
-# Written against the op namespace (softmax, sinkhorn, rmsnorm, linear), so each variant runs on both
-# op sets; the stream mixing itself (n x n times n x C per token) is plain PyTorch, shared by both.
+# Written against the op namespace (softmax, sinkhorn, rmsnorm, linear; stream_merge and stream_mix
+# for the mixing), so each variant runs on both op sets. On the cuda op set each mixing step is one
+# fused kernel per direction that reads the streams once, instead of PyTorch's chain of kernels.
 
 VARIANTS = ("baseline", "hc", "mhc", "mhc-dynamic")
 
@@ -72,8 +88,8 @@ class StaticHyperConnection(nn.Module):
         h_pre, h_post = ops.softmax(self.pre_logits), ops.softmax(self.post_logits)  # (n,) each
         h_res = ops.sinkhorn(self.res_logits, self.iters) if self.constrained else torch.exp(self.res_logits)
         self.last_res = h_res.detach()  # (n, n)
-        y = f(torch.einsum("i,btic->btc", h_pre, x))  # (B, T, C)
-        return torch.einsum("ij,btjc->btic", h_res, x) + h_post[:, None] * y.unsqueeze(-2)
+        y = f(ops.stream_merge(x, h_pre))  # H_pre x: (B, T, C)
+        return ops.stream_mix(x, h_res, h_post, y)  # H_res x + H_post^T y: (B, T, n, C)
 
 
 class DynamicHyperConnection(nn.Module):
@@ -105,8 +121,8 @@ class DynamicHyperConnection(nn.Module):
         h_post = 2 * torch.sigmoid(h[..., n:2 * n])  # (B, T, n)
         h_res = ops.sinkhorn(h[..., 2 * n:].reshape(B, T, n, n), self.iters)  # (B, T, n, n)
         self.last_res = h_res.detach()
-        y = f(torch.einsum("bti,btic->btc", h_pre, x))  # (B, T, C)
-        return torch.einsum("btij,btjc->btic", h_res, x) + h_post.unsqueeze(-1) * y.unsqueeze(-2)
+        y = f(ops.stream_merge(x, h_pre))  # (B, T, C)
+        return ops.stream_mix(x, h_res, h_post, y)  # (B, T, n, C)
 
 
 class Streams:

@@ -1393,6 +1393,59 @@ add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
 add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
 add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
 
+# Stream mixing (mhc.py's hyper-connections). out, dx and dy sum at most n + 1 <= 9 products: a few
+# fp32 ulps of values up to ~20. The coefficient gradients sum `terms` products (C of them per token,
+# times the tokens when static); an fp32 CPU emulation of the kernels' summation order erred by up to
+# 5e-4 at 1M terms (|ref| ~ 2e3), 2e-5 at 1000; an indexing slip errs by O(|ref|).
+STREAM_TOL = (1e-5, 1e-5)
+
+
+def stream_coef_tol(terms):
+    return (1e-5 * math.sqrt(max(terms, 1)), 1e-5)
+
+
+def stream_x(lead, n, C, layout):
+    """x (*lead, n, C): contiguous; 'transposed', a (..., C, n) tensor's view (copied by the op);
+    'misaligned', contiguous at an offset of one float (not 16-byte aligned: the scalar path)."""
+    if layout == "transposed":
+        return rand(*lead, C, n).transpose(-1, -2)
+    if layout == "misaligned":
+        return rand(math.prod(lead) * n * C + 1)[1:].view(*lead, n, C)
+    return rand(*lead, n, C)
+
+
+def t_stream_merge(lead, n, C, per_token, layout="contiguous"):
+    coef = lead if per_token else ()
+    terms = C * (1 if per_token else math.prod(lead))
+    compare(lambda ops, x, h: ops.stream_merge(x, h), STREAM_TOL, dict(x=STREAM_TOL, h=stream_coef_tol(terms)),
+            x=stream_x(lead, n, C, layout), h=rand(*coef, n))
+
+
+def t_stream_mix(lead, n, C, per_token, layout="contiguous"):
+    coef = lead if per_token else ()
+    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
+    compare(lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y), STREAM_TOL,
+            dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol),
+            x=stream_x(lead, n, C, layout), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=rand(*lead, C))
+
+
+# (leading dims, n, C, per-token coefficients): n = 1, 2, 4, 8 (and 3, 5, 6, 7 once), C = 1, 7, 256,
+# 1000, tokens = 1, 37, 4096, each static and per token somewhere
+STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True), ((37,), 2, 7, False),
+                ((37,), 4, 1000, False), ((37,), 8, 7, True), ((1, 37), 4, 256, True), ((1, 37), 8, 256, False),
+                ((32, 128), 4, 256, False), ((32, 128), 4, 256, True), ((4096,), 2, 1000, True),
+                ((4096,), 8, 7, False), ((32, 128), 1, 1, True), ((37,), 3, 20, True), ((37,), 5, 12, False),
+                ((37,), 6, 1000, True), ((37,), 7, 256, False)]
+for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix)):
+    for _lead, _n, _C, _tok in STREAM_CASES:
+        add(f"{_op}/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"), _t, _lead, _n, _C,
+            _tok)
+    for _tok in (False, True):
+        for _layout in ("transposed", "misaligned"):
+            add(f"{_op}/37x4x256_{'per_token' if _tok else 'static'}_{_layout}", _t, (37,), 4, 256, _tok, _layout)
+        add(f"empty/{_op}_0x4x256_{'per_token' if _tok else 'static'}", _t, (0,), 4, 256, _tok)
+    add(f"empty/{_op}_5x4x0_static", _t, (5,), 4, 0, False)  # C = 0: zero coefficient gradients
+
 ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
               "fused-tf32": dict(mode="fused", precision="tf32"),
               "tiled": dict(mode="tiled")}
@@ -1548,6 +1601,26 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("sinkhorn_iters0", ValueError, lambda: kernels.sinkhorn(rand(2, 4, 4), iters=0), ("sinkhorn", "iters")),
     ("sinkhorn_float64", RuntimeError, lambda: kernels.sinkhorn(rand(2, 4, 4).double()), ("sinkhorn", "logits")),
     ("sinkhorn_cpu", RuntimeError, lambda: kernels.sinkhorn(torch.randn(2, 4, 4)), ("sinkhorn", "logits")),
+    ("stream_merge_n9", ValueError, lambda: kernels.stream_merge(rand(4, 9, 8), rand(9)), ("stream_merge", "n")),
+    ("stream_mix_n9", ValueError, lambda: kernels.stream_mix(rand(4, 9, 8), rand(9, 9), rand(9), rand(4, 8)),
+     ("stream_mix", "n")),
+    ("stream_mix_y_C", RuntimeError, lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(2), rand(4, 7)),
+     ("stream_mix", "y")),
+    ("stream_merge_h_n", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(3)), ("stream_merge", "h")),
+    ("stream_merge_h_tokens", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(5, 2)),
+     ("stream_merge", "h")),
+    ("stream_mix_h_res_shape", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 3), rand(2), rand(4, 8)), ("stream_mix", "h_res")),
+    ("stream_mix_static_res_per_token_post", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(4, 2), rand(4, 8)), ("stream_mix", "h_res", "h_post")),
+    ("stream_merge_cpu_x", RuntimeError, lambda: kernels.stream_merge(torch.randn(4, 2, 8), rand(2)),
+     ("stream_merge", "x")),
+    ("stream_mix_cpu_y", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(2), torch.randn(4, 8)), ("stream_mix", "y")),
+    ("stream_merge_float64_h", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(2).double()),
+     ("stream_merge", "h")),
+    ("stream_mix_float64_x", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8).double(), rand(2, 2), rand(2), rand(4, 8)), ("stream_mix", "x")),
     ("embedding_index_V", ValueError, lambda: kernels.embedding(torch.tensor([0, 10], device=DEV), rand(10, 4)),
      (("idx", "index", "indices"),)),
     ("embedding_index_negative", ValueError,
@@ -1715,6 +1788,23 @@ def bench_ops(rows):
     for M in (24, 4096):
         bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
                  [rand(M, 4, 4)], M, "M matrices/s")
+    # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
+    # must move: merge fwd reads x, writes out; its bwd reads dout and x, writes dx. mix fwd reads x
+    # and y, writes out; its bwd reads dout, x and y, writes dx and dy. Plus the coefficients: read by
+    # each pass, their gradient written.
+    B, T, n, C = 32, 128, 4, 256
+    M = B * T
+    for per_token in (False, True):
+        lead, kind = ((B, T), "per-token") if per_token else ((), "static")
+        x, y, h, h_res, h_post = rand(B, T, n, C), rand(B, T, C), rand(*lead, n), rand(*lead, n, n), rand(*lead, n)
+        k_merge, k_mix = n * (M if per_token else 1), (n * n + n) * (M if per_token else 1)
+        shape = f"{B}x{T}x{n}x{C} {kind}"
+        for pas, nbytes in (("fwd", M * (n * C + C) + k_merge), ("fwd+bwd", M * (3 * n * C + 2 * C) + 3 * k_merge)):
+            bench_op(rows, "stream_merge", shape, pas, lambda ops, x, h: ops.stream_merge(x, h), [x, h], 4 * nbytes,
+                     "GB/s")
+        for pas, nbytes in (("fwd", M * (2 * n * C + C) + k_mix), ("fwd+bwd", M * (5 * n * C + 3 * C) + 3 * k_mix)):
+            bench_op(rows, "stream_mix", shape, pas, lambda ops, *ins: ops.stream_mix(*ins), [x, h_res, h_post, y],
+                     4 * nbytes, "GB/s")
 
 
 def attention_fns(causal):

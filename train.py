@@ -248,6 +248,8 @@ TORCH_OPS = SimpleNamespace(
     expert_gemv=torch_expert_gemv,
     topk=lambda x, k: torch.topk(x, k),
     sinkhorn=mhc.sinkhorn_torch,
+    stream_merge=mhc.stream_merge_torch,
+    stream_mix=mhc.stream_mix_torch,
 )
 OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k != "name")
 
