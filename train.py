@@ -705,6 +705,17 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen):
     return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"])
 
 
+def read_text_splits(cfg):
+    """The tokenizer of the training text and its (train, validation) token ids; one line if it can't."""
+    try:
+        text = load_text(cfg.data_path)
+        tok = CharTokenizer(text)
+        train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
+    except (OSError, ValueError, RuntimeError) as e:
+        fail(str(e))
+    return tok, train_ids, val_ids
+
+
 # -----------------------------------------------------------------------------
 # training one op set
 
@@ -1029,12 +1040,7 @@ def sweep_task(cfg, device):
     if cfg.sweep == "increment":
         return SimpleNamespace(vocab_size=INCREMENT_VOCAB, splits=None,
                                batch=lambda B, g: increment_batch(B, cfg.block_size, g, device))
-    try:
-        text = load_text(cfg.data_path)
-        tok = CharTokenizer(text)
-        train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
-    except (OSError, ValueError, RuntimeError) as e:
-        fail(str(e))
+    tok, train_ids, val_ids = read_text_splits(cfg)
     train_ids, val_ids = train_ids.to(device), val_ids.to(device)
     return SimpleNamespace(vocab_size=tok.vocab_size, splits={"train": train_ids, "val": val_ids},
                            batch=lambda B, g: get_batch(train_ids, B, cfg.block_size, g, device))
@@ -1310,12 +1316,7 @@ def main(argv):
         fail(f"{', '.join(found)} already exists and a fresh run would replace it; pass --resume=true to "
              f"continue it, --overwrite=true to start over, or another --out_dir")
 
-    try:
-        text = load_text(cfg.data_path)
-        tok = CharTokenizer(text)
-        train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
-    except (OSError, ValueError, RuntimeError) as e:
-        fail(str(e))
+    tok, train_ids, val_ids = read_text_splits(cfg)
     for name, part in (("training", train_ids), ("validation", val_ids)):
         if len(part) <= cfg.block_size:
             fail(f"the {name} split has {len(part)} tokens, not more than block_size={cfg.block_size}; "
