@@ -82,6 +82,8 @@ def parse_config(argv):
     for key in ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "top_k", "max_new_tokens"):
         if getattr(cfg, key) < 1:
             fail(f"--{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.n_embd % cfg.n_head:
+        fail(f"--n_embd ({cfg.n_embd}) must be a multiple of --n_head ({cfg.n_head})")
     if cfg.top_k > cfg.n_expert:
         fail(f"--top_k ({cfg.top_k}) must be <= --n_expert ({cfg.n_expert})")
     if cfg.temperature < 0:
@@ -90,10 +92,16 @@ def parse_config(argv):
         fail(f"--sample_top_k must be in [0, 128] (0: all tokens), got {cfg.sample_top_k}")
     if cfg.backend not in ("both", "torch", "cuda"):
         fail(f"--backend must be both, torch or cuda, got {cfg.backend!r}")
-    if cfg.device.split(":")[0] not in ("cuda", "cpu"):
+    try:
+        dev = torch.device(cfg.device)
+    except RuntimeError:
+        fail(f"--device={cfg.device!r} is not a torch device; use cuda, cuda:N or cpu")
+    if dev.type not in ("cuda", "cpu"):
         fail(f"--device must be cuda, cuda:N or cpu, got {cfg.device!r}")
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available():
         fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        fail(f"--device={cfg.device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
     if cfg.ckpt is not None and "moe" in cfg.models:
         cfg.models = ["dense"]
         print("note: --ckpt holds a dense model: running --models=dense")
@@ -174,8 +182,9 @@ class Decoder:
             vals, idx = ops.topk(logits / self.temperature, max(self.k, 2))
             probs = ops.softmax(vals[:self.k])
             u = self.uniforms[self.step]  # (1,)
-            choice = (probs.cumsum(0) < u).sum().clamp(max=self.k - 1)  # inverse CDF
-            nxt, margin = idx[choice], (vals[0] - vals[1]) * self.temperature
+            choice = (probs.cumsum(0) < u).sum().clamp(max=self.k - 1).view(1)  # inverse CDF
+            # gather, not idx[choice]: indexing with a tensor scalar reads it on the host (no graph)
+            nxt, margin = idx.gather(0, choice)[0], (vals[0] - vals[1]) * self.temperature
         self.tokens.index_copy_(0, self.step, nxt.view(1))
         self.margins.index_copy_(0, self.step, margin.view(1))
         self.tok.copy_(nxt.view(1, 1))
@@ -223,7 +232,7 @@ def generate(dec, prompt_ids, n_new):
     t1 = time.perf_counter()
     in_cache = len(prompt_ids)
     for i in range(1, n_new):
-        if in_cache == capacity:  # slide: re-prefill the newest `keep` tokens (known on the host)
+        if in_cache == capacity:  # slide: re-prefill the newest `keep` tokens (the count is the host's)
             context = torch.cat([prompt_ids, dec.tokens[:i]])[-keep:]
             dec.prefill(context[None])
             in_cache = keep
@@ -327,6 +336,8 @@ def main(argv):
         fail("--prompt is empty; give at least one character")
     if len(prompt) >= cfg.block_size:
         fail(f"--prompt has {len(prompt)} characters, the context holds {cfg.block_size}: shorten it")
+    if cfg.temperature > 0 and (cfg.sample_top_k or tok.vocab_size) > 128:
+        fail(f"sampling over all {tok.vocab_size} tokens: top-k takes at most 128; pass --sample_top_k=128 or less")
     paths, notes = choose_paths(cfg)
     for note in notes:
         print(note)

@@ -2,7 +2,7 @@
 // fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy.
 //
 // Sections, top to bottom:
-//   helpers -> embedding -> layernorm -> column sums -> softmax -> cross-entropy -> GELU
+//   helpers -> embedding -> layernorm and RMSNorm -> column sums -> softmax -> cross-entropy -> GELU
 //   -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn -> stream mixing (hyper-connections)
 //   -> attention (fused forward/backward)
 //

@@ -4,7 +4,7 @@
 
 Targets sm_90 (H100/H200) unless TORCH_CUDA_ARCH_LIST says otherwise, e.g.
 TORCH_CUDA_ARCH_LIST="8.0;9.0". Where PyTorch has no CUDA or nvcc is missing, nothing is built,
-the command exits 0, and the PyTorch paths of train.py and test_ops.py still work.
+the command exits 0, and the PyTorch paths of train.py, inference.py and test_ops.py still work.
 """
 import os
 import sys

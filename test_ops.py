@@ -889,22 +889,24 @@ for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, in
 
 
 def inference_gpu_paths_agree():
-    # both op sets, eager and graphed, decode the same tokens with nearly the same margins
+    # both op sets, eager and graphed, decode the same tokens with nearly the same margins: greedy for
+    # the dense and the MoE model, and sampling (temperature, top-k, the same uniforms) for the dense one
     kernels_ops = train.cuda_op_set(kernels, 32)
-    for n_expert in (0, 4):
+    uniforms = torch.rand(20)
+    for n_expert, temperature, k in ((0, 0.0, 0), (4, 0.0, 0), (0, 0.8, 5)):
         model = _decoder_gpt(n_expert, DEV, n_embd=64)  # head size 32: the fused attention's
         toks, margins = {}, {}
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", kernels_ops)):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, 20, 0.0, 0, torch.rand(20), graphed)
+                dec = inference.Decoder(model, 20, temperature, k, uniforms, graphed)
                 with torch.no_grad():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins
         ref = toks["torch", False]
-        assert all(t == ref for t in toks.values()), f"n_expert={n_expert}: {toks}"
+        assert all(t == ref for t in toks.values()), f"n_expert={n_expert}, temperature {temperature}: {toks}"
         for key in margins:
-            check(f"margins_{n_expert}_{key[0]}_{'graph' if key[1] else 'eager'}", margins[key],
+            check(f"margins_{n_expert}_t{temperature}_{key[0]}_{'graph' if key[1] else 'eager'}", margins[key],
                   margins["torch", False], 1e-5)
 
 
@@ -1774,6 +1776,10 @@ def bench_ops(rows):
     for N, K in ((3072, 768), (4096, 4096)):
         bench_op(rows, "gemv", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
                  [rand(N, K), rand(K), rand(N)], 4 * (N * K + K + 2 * N), "GB/s")
+    # MoE decoding: 2 of 8 experts' (3072, 768) weights; only those two are read (PyTorch gathers a copy)
+    E, N, K, chosen = 8, 3072, 768, torch.tensor([5, 2], device=DEV)
+    bench_op(rows, "expert_gemv", f"2 of {E}x{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.expert_gemv(w, x, b, chosen),
+             [rand(E, N, K), rand(2, K), rand(E, N)], 4 * 2 * (N * K + K + 2 * N), "GB/s")
     for shape, k in (((4096, 8), 2), ((1, 50304), 50)):
         x = rand(*shape)
         bench_op(rows, "topk", f"{shape[0]}x{shape[1]} k={k}", "fwd", lambda ops, x: ops.topk(x, k), [x],

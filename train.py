@@ -1,8 +1,9 @@
 """Train a character-level GPT twice, once per op set, and compare the runs.
 
-The model is written once against a small op namespace (embedding, layernorm, linear, attention, gelu,
-cross_entropy). The "torch" op set maps those names to torch.nn.functional; the "cuda" op set maps them
-to this repo's kernels (forward and backward). Both runs start from the same weights and see the same
+The model is written once against an op namespace (embedding, layernorm, linear, attention, gelu,
+cross_entropy, and for the other uses of the model rmsnorm, softmax, topk, gemv, expert_gemv, sinkhorn,
+stream_merge, stream_mix: OP_NAMES). The "torch" op set maps those names to PyTorch; the "cuda" op set
+maps them to this repo's kernels (forward and backward). Both runs start from the same weights and see the same
 batches, so their loss curves should agree to float32 rounding and the tokens/s ratio is the speedup.
 
     python train.py                                   # both op sets, default tiny config
@@ -89,6 +90,7 @@ HELP = {k: h for k, (_, h) in OPTIONS.items()}
 # Model-shape keys: a checkpoint can only be resumed with the same values.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "residual", "n_streams")
 LN_EPS = 1e-5
+MAX_STREAMS = 8  # the n of kernels.sinkhorn, stream_merge and stream_mix: n x n state in registers
 GRAPH_WARMUP = 3                  # eager steps before capture, as in PyTorch's whole-network capture recipe
 # No dropout anywhere: the two op sets must compute the same function for their loss curves to be
 # compared step by step, and random masks drawn by two different implementations would not match.
@@ -335,7 +337,8 @@ class MoE(nn.Module):
         shape = h.shape
         x = h.reshape(-1, shape[-1])  # (N, C)
         probs = ops.softmax(ops.linear(x, self.router_w, None))  # (N, E)
-        top_p, top_i = ops.topk(probs, self.top_k)  # (N, k) each
+        top_i = ops.topk(probs, self.top_k)[1]  # (N, k)
+        top_p = probs.gather(-1, top_i)  # (N, k): gathered, so the router gets gradient on both op sets
         top_p = top_p / top_p.sum(-1, keepdim=True)
         if x.shape[0] == 1:
             # One token (decoding): GEMVs that read only the chosen experts' weights, indexed on the
@@ -984,6 +987,8 @@ def check_mhc_config(cfg):
         fail(f"--n_streams must be >= 1, got {cfg.n_streams}")
     if cfg.sweep not in ("", "increment", "text"):
         fail(f"--sweep must be '', increment or text, got {cfg.sweep!r}")
+    if cfg.sweep and cfg.max_iters < 1:
+        fail(f"--max_iters must be >= 1 for a sweep, got {cfg.max_iters}")
     sweep_depths(cfg)
     sweep_variants(cfg)
 
@@ -1296,6 +1301,9 @@ def main(argv):
     op_sets, notes = choose_op_sets(cfg)
     for note in notes:
         print(note)
+    if cfg.n_streams > MAX_STREAMS and (cfg.residual != "baseline" or cfg.sweep) and any(o.name == "cuda" for o in op_sets):
+        fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {MAX_STREAMS} "
+             f"streams; use --n_streams<={MAX_STREAMS} or --backend=torch")
     cfg.backend = "both" if len(op_sets) == 2 else op_sets[0].name  # what runs, for results.json and checkpoints
     # Every check of out_dir happens before any training rather than at the first save.
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
