@@ -90,18 +90,7 @@ def parse_config(argv):
         fail(f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}")
     if not 0 <= cfg.sample_top_k <= 128:
         fail(f"--sample_top_k must be in [0, 128] (0: all tokens), got {cfg.sample_top_k}")
-    if cfg.backend not in ("both", "torch", "cuda"):
-        fail(f"--backend must be both, torch or cuda, got {cfg.backend!r}")
-    try:
-        dev = torch.device(cfg.device)
-    except RuntimeError:
-        fail(f"--device={cfg.device!r} is not a torch device; use cuda, cuda:N or cpu")
-    if dev.type not in ("cuda", "cpu"):
-        fail(f"--device must be cuda, cuda:N or cpu, got {cfg.device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        fail(f"--device={cfg.device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
+    train.check_backend_and_device(cfg, fail)
     if cfg.ckpt is not None and "moe" in cfg.models:
         cfg.models = ["dense"]
         print("note: --ckpt holds a dense model: running --models=dense")

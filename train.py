@@ -167,6 +167,14 @@ def parse_config(argv):
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, key) < 1:
             fail(f"--{key} must be in [0, 1), got {getattr(cfg, key)}")
+    check_backend_and_device(cfg, fail)
+    if overrides:
+        print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in overrides))
+    return cfg
+
+
+def check_backend_and_device(cfg, fail):
+    """--backend and --device, shared by train.py and inference.py: fail(msg) on the first bad one."""
     if cfg.backend not in BACKENDS:
         fail(f"--backend must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}, got {cfg.backend!r}")
     try:
@@ -174,12 +182,11 @@ def parse_config(argv):
     except RuntimeError:
         fail(f"--device={cfg.device!r} is not a torch device; use cuda, cuda:N or cpu")
     if dev.type not in ("cuda", "cpu"):
-        fail(f"--device must be cuda or cpu, got {cfg.device!r}")
+        fail(f"--device must be cuda, cuda:N or cpu, got {cfg.device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
-    if overrides:
-        print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in overrides))
-    return cfg
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        fail(f"--device={cfg.device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
 
 
 def parse_value(key, text, default):
