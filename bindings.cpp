@@ -49,6 +49,12 @@ void cross_entropy_fwd(const float*, const int64_t*, float*, float*, float*, int
 void cross_entropy_bwd(const float*, const int64_t*, const float*, const float*, float*, int, int, cudaStream_t);
 void gelu_fwd(const float*, float*, int64_t, bool, cudaStream_t);
 void gelu_bwd(const float*, const float*, float*, int64_t, bool, cudaStream_t);
+void silu_fwd(const float* x, float* y, int64_t n, cudaStream_t s);
+void silu_bwd(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t s);
+void swiglu_fwd(const float* a, const float* b, float* y, int64_t n, cudaStream_t s);
+void swiglu_bwd(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n, cudaStream_t s);
+void rope(const float* x, const float* cos, const float* sin, float* out, int B, int H, int T, int D, int64_t sb,
+          int64_t sh, int64_t st, bool backward, cudaStream_t s);
 void matmul(const float*, const float*, const float*, float*, int, int, int, int, bool, bool, int64_t,
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 size_t matmul_workspace_floats(int, int, int, int);
@@ -56,10 +62,12 @@ void gemv(const float*, const float*, const float*, float*, int, int, int, const
 size_t topk_workspace_bytes(int64_t, int, int);
 void topk(const float*, float*, int64_t*, int64_t, int, int, void*, cudaStream_t);
 bool attention_fused_supports(int);
-void attention_fwd_fused(const float*, const float*, const float*, float*, float*, int, int, int, int, bool,
-                         float, bool, const int64_t*, cudaStream_t);
-void attention_bwd_fused(const float*, const float*, const float*, const float*, const float*, const float*,
-                         float*, float*, float*, float*, int, int, int, int, bool, float, bool, cudaStream_t);
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
+                         int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
+                         const int64_t* kv_len, cudaStream_t s);
+void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
+                         const float* lse2, float* delta, float* dq, float* dk, float* dv, int BH, int group,
+                         int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s);
 
 // ---- checks -----------------------------------------------------------------------------------
 
@@ -593,6 +601,107 @@ struct GeluFn : torch::autograd::Function<GeluFn> {
 
 Tensor gelu(const Tensor& x, const std::string& approximate) { return GeluFn::apply(x, approximate); }
 
+// ---- SiLU and SwiGLU --------------------------------------------------------------------------
+
+struct SiluFn : torch::autograd::Function<SiluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in) {
+    check_float_cuda("silu", x_in, "x");
+    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Tensor x = x_in.contiguous();
+    Tensor y = at::empty_like(x);
+    silu_fwd(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), stream());
+    ctx->save_for_backward({x});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor dy = grads[0].contiguous();
+    Tensor dx = at::empty_like(x);
+    silu_bwd(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), x.numel(), stream());
+    return {dx};
+  }
+};
+
+Tensor silu(const Tensor& x) { return SiluFn::apply(x); }
+
+// silu(a) * b in one pass (forward: read a, b, write y; backward: read a, b, dy, write da, db), where
+// F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward.
+struct SwigluFn : torch::autograd::Function<SwigluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& a_in, const Tensor& b_in) {
+    const char* op = "swiglu";
+    check_float_cuda(op, a_in, "a");
+    check_float_cuda(op, b_in, "b");
+    check_same_device(op, a_in, "a", b_in, "b");
+    REQUIRE(a_in.sizes() == b_in.sizes(), op, ": a and b must have the same shape, got ", a_in.sizes(), " and ",
+            b_in.sizes());
+    const c10::cuda::CUDAGuard guard(a_in.device());
+    const Tensor a = a_in.contiguous(), b = b_in.contiguous();
+    Tensor y = at::empty_like(a);
+    swiglu_fwd(a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), a.numel(), stream());
+    ctx->save_for_backward({a, b});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto t = ctx->get_saved_variables();
+    const Tensor &a = t[0], &b = t[1];
+    const c10::cuda::CUDAGuard guard(a.device());
+    const Tensor dy = grads[0].contiguous();
+    Tensor da = at::empty_like(a), db = at::empty_like(b);
+    swiglu_bwd(a.data_ptr<float>(), b.data_ptr<float>(), dy.data_ptr<float>(), da.data_ptr<float>(),
+               db.data_ptr<float>(), a.numel(), stream());
+    return {da, db};
+  }
+};
+
+Tensor swiglu(const Tensor& a, const Tensor& b) { return SwigluFn::apply(a, b); }
+
+// ---- RoPE -------------------------------------------------------------------------------------
+
+// x (B, H, T, D) rotated into a new contiguous tensor; x is read in place when its last dim is contiguous.
+static Tensor rope_launch(const Tensor& x_in, const Tensor& cos, const Tensor& sin, bool backward) {
+  const Tensor x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
+  Tensor out = at::empty(x.sizes(), x.options());
+  rope(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(),
+       to_int("rope", x.size(0), "B"), to_int("rope", x.size(1), "H"), to_int("rope", x.size(2), "T"),
+       (int)x.size(3), x.stride(0), x.stride(1), x.stride(2), backward, stream());
+  return out;
+}
+
+struct RopeFn : torch::autograd::Function<RopeFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos_in, const Tensor& sin_in) {
+    const char* op = "rope";
+    check_float_cuda(op, x, "x");
+    check_float_cuda(op, cos_in, "cos");
+    check_float_cuda(op, sin_in, "sin");
+    check_same_device(op, x, "x", cos_in, "cos");
+    check_same_device(op, x, "x", sin_in, "sin");
+    check_dim(op, x, "x", 4, "(B, H, T, D)");
+    REQUIRE_VALUE(x.size(3) % 2 == 0, op, ": the head dim D must be even (element i pairs with i + D/2), got D = ",
+                  x.size(3));
+    const std::vector<int64_t> table{x.size(2), x.size(3) / 2};
+    REQUIRE(cos_in.sizes() == at::IntArrayRef(table) && sin_in.sizes() == at::IntArrayRef(table), op,
+            ": cos and sin must be (T, D/2) = ", at::IntArrayRef(table), " for x of shape ", x.sizes(), ", got ",
+            cos_in.sizes(), " and ", sin_in.sizes());
+    REQUIRE(!cos_in.requires_grad() && !sin_in.requires_grad(), op,
+            ": cos and sin are constant tables and get no gradient; pass them without requires_grad");
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+    ctx->save_for_backward({cos, sin});
+    return rope_launch(x, cos, sin, false);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto t = ctx->get_saved_variables();
+    const c10::cuda::CUDAGuard guard(t[0].device());
+    return {rope_launch(grads[0], t[0], t[1], true), Tensor(), Tensor()};
+  }
+};
+
+Tensor rope_op(const Tensor& x, const Tensor& cos, const Tensor& sin) { return RopeFn::apply(x, cos, sin); }
+
 // ---- embedding --------------------------------------------------------------------------------
 
 struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
@@ -742,7 +851,8 @@ std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
 // ---- attention --------------------------------------------------------------------------------
 
 struct AttnShape {
-  int64_t B, H, Sq, Sk, D;
+  int64_t B, H, Hkv, Sq, Sk, D;  // H query heads share Hkv key/value heads, H / Hkv each
+  int group() const { return (int)(H / Hkv); }
 };
 
 static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal) {
@@ -753,15 +863,17 @@ static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor&
   check_same_device(op, q, "q", k, "k");
   check_same_device(op, q, "q", v, "v");
   check_dim(op, q, "q", 4, "(B, H, Sq, D)");
-  check_dim(op, k, "k", 4, "(B, H, Sk, D)");
-  check_dim(op, v, "v", 4, "(B, H, Sk, D)");
+  check_dim(op, k, "k", 4, "(B, H_kv, Sk, D)");
+  check_dim(op, v, "v", 4, "(B, H_kv, Sk, D)");
   REQUIRE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
-  REQUIRE(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), op,
-              ": q and k must agree in B, H and D, got q ", q.sizes(), " and k ", k.sizes());
+  REQUIRE(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q and k must agree in B and D, got q ",
+          q.sizes(), " and k ", k.sizes());
+  REQUIRE(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, op, ": q's heads (", q.size(1),
+          ") must be a multiple of k's and v's (", k.size(1), "): each K/V head serves H / H_kv query heads");
   REQUIRE(k.size(2) >= 1, op, ": k and v need at least one key, got Sk = 0");
   REQUIRE_VALUE(!causal || q.size(2) <= k.size(2), op, ": causal attention needs Sq <= Sk (queries align to the ",
                     "last keys), got Sq = ", q.size(2), ", Sk = ", k.size(2));
-  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  return {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
 }
 
 // The fused kernels copy 16-byte chunks (cp.async): a view starting mid-chunk is copied first.
@@ -790,7 +902,8 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
   Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
   const int BH = to_int("attention", s.B * s.H, "B * H");
   attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                      lse2.data_ptr<float>(), BH, (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, precise,
+                      lse2.data_ptr<float>(), BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
+                      precise,
                       kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr, stream());
   return {q, k, v, out, lse2};
 }
@@ -816,20 +929,24 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     Tensor dk = q.size(2) ? at::empty_like(k) : at::zeros_like(k), dv = q.size(2) ? at::empty_like(v) : at::zeros_like(v);
     attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
-                        dk.data_ptr<float>(), dv.data_ptr<float>(), (int)(q.size(0) * q.size(1)), (int)q.size(2),
-                        (int)k.size(2), (int)q.size(3), ctx->saved_data["causal"].toBool(),
+                        dk.data_ptr<float>(), dv.data_ptr<float>(), (int)(q.size(0) * q.size(1)),
+                        (int)(q.size(1) / k.size(1)), (int)q.size(2), (int)k.size(2), (int)q.size(3),
+                        ctx->saved_data["causal"].toBool(),
                         (float)ctx->saved_data["scale"].toDouble(), ctx->saved_data["precise"].toBool(), stream());
     return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
   }
 };
 
 // Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats), built from the
-// library's matmul and masked softmax; any head dim.
+// library's matmul and masked softmax; any head dim. Grouped K/V heads cost nothing extra: the query
+// heads sharing one K/V head are stacked as the rows of one matrix (a reshape of contiguous q), and
+// the masked softmax takes row r as query r % Sq; dK and dV then sum over the group inside the matmul.
 struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
     const AttnShape s = check_attention(q, k, v, causal);
     const c10::cuda::CUDAGuard guard(q.device());
-    const Tensor q3 = q.reshape({-1, s.Sq, s.D}), k3 = k.reshape({-1, s.Sk, s.D}), v3 = v.reshape({-1, s.Sk, s.D});
+    const Tensor q3 = q.reshape({s.B * s.Hkv, s.group() * s.Sq, s.D});  // (B * H_kv, group * Sq, D)
+    const Tensor k3 = k.reshape({-1, s.Sk, s.D}), v3 = v.reshape({-1, s.Sk, s.D});
     Tensor p = mm_new(q3, k3.transpose(1, 2), (float)scale);  // (BH, Sq, Sk)
     if (p.numel() > 0)
       softmax_fwd(p.data_ptr<float>(), p.data_ptr<float>(), to_int("attention", p.numel() / s.Sk, "B * H * Sq"),
@@ -837,6 +954,7 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
     Tensor out = mm_new(p, v3);
     ctx->save_for_backward({q3, k3, v3, p});
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["k_shape"] = k.sizes();
     return out.view({s.B, s.H, s.Sq, s.D});
   }
 
@@ -852,10 +970,8 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
                   (int)p.size(2), (float)ctx->saved_data["scale"].toDouble(), stream());
     Tensor dq = mm_new(ds, k3);
     Tensor dk = mm_new(ds.transpose(1, 2), q3);
-    const auto shape = grads[0].sizes();
-    const int64_t B = shape[0], H = shape[1];
-    return {dq.view(shape), dk.view({B, H, k3.size(1), k3.size(2)}), dv.view({B, H, v3.size(1), v3.size(2)}),
-            Tensor(), Tensor()};
+    const auto k_shape = ctx->saved_data["k_shape"].toIntVector();
+    return {dq.view(grads[0].sizes()), dk.view(k_shape), dv.view(k_shape), Tensor(), Tensor()};
   }
 };
 
@@ -908,10 +1024,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk", &topk_op, "k largest over the last dim, sorted; ties -> lower index first, NaN largest", py::arg("x"),
         py::arg("k"));
   m.def("attention", &attention,
-        "attention over q (B, H, Sq, D), k, v (B, H, Sk, D), like F.scaled_dot_product_attention; causal aligns "
-        "queries to the last keys",
+        "attention over q (B, H, Sq, D), k, v (B, H_kv, Sk, D), like F.scaled_dot_product_attention; causal "
+        "aligns queries to the last keys; H_kv < H (a divisor) is grouped-query attention",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = false, py::arg("scale") = py::none(),
         py::arg("mode") = "fused", py::arg("precision") = "fp32", py::arg("kv_len") = py::none());
+  m.def("silu", &silu, "SiLU, x * sigmoid(x), like F.silu", py::arg("x"));
+  m.def("swiglu", &swiglu, "silu(a) * b in one kernel, forward and backward (the SwiGLU feed-forward's gate)",
+        py::arg("a"), py::arg("b"));
+  m.def("rope", &rope_op,
+        "rotary position embedding of x (B, H, T, D), 'rotate half' pairing (element i with i + D/2): "
+        "out_i = x_i cos - x_{i+D/2} sin, out_{i+D/2} = x_{i+D/2} cos + x_i sin, with cos, sin (T, D/2) the "
+        "angles of the T tokens' positions; returns a contiguous tensor",
+        py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("rmsnorm", &rmsnorm, "RMS norm over the last dim, like F.rms_norm", py::arg("x"), py::arg("weight"),
         py::arg("eps") = 1e-5);
   m.def("sinkhorn", &sinkhorn,

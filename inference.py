@@ -32,6 +32,9 @@ OPTIONS = dict(
     n_layer=(12, "transformer blocks (random weights; --ckpt brings its own shape)"),
     n_head=(8, "attention heads; the cuda path needs n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
     n_embd=(768, "model width"),
+    arch=("gpt", "gpt (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU, no biases)"),
+    n_kv_head=(0, "key/value heads, dividing n_head: the KV cache holds only these; 0: n_head for gpt, "
+                  "n_head // 2 for llama"),
     block_size=(256, "context length; the KV cache holds this many positions"),
     n_expert=(8, "experts of the MoE model"),
     top_k=(2, "experts per token"),
@@ -82,8 +85,7 @@ def parse_config(argv):
     for key in ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "top_k", "max_new_tokens"):
         if getattr(cfg, key) < 1:
             fail(f"--{key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.n_embd % cfg.n_head:
-        fail(f"--n_embd ({cfg.n_embd}) must be a multiple of --n_head ({cfg.n_head})")
+    train.check_arch(cfg, fail)
     if cfg.top_k > cfg.n_expert:
         fail(f"--top_k ({cfg.top_k}) must be <= --n_expert ({cfg.n_expert})")
     if cfg.temperature < 0:
@@ -102,8 +104,8 @@ def parse_config(argv):
 
 def random_model(kind, seed, cfg, tok):
     n_expert = cfg.n_expert if kind == "moe" else 0
-    return train.GPT(tok.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer, seed, train.TORCH_OPS,
-                     n_expert=n_expert, top_k=cfg.top_k)
+    return train.model_from_config(cfg, tok.vocab_size, train.TORCH_OPS, seed=seed, n_expert=n_expert,
+                                   top_k=cfg.top_k)
 
 
 def checkpoint_model(cfg):
@@ -114,13 +116,20 @@ def checkpoint_model(cfg):
         fail(f"--ckpt={cfg.ckpt}: {e}")
     c = SimpleNamespace(**ckpt["config"])
     tok = CharTokenizer.from_dict(ckpt["vocab"])
-    model = train.GPT(tok.vocab_size, c.block_size, c.n_embd, c.n_head, c.n_layer, 0, train.TORCH_OPS,
-                      residual=getattr(c, "residual", "baseline"), n_streams=getattr(c, "n_streams", 4))
+    c.n_kv_head = getattr(c, "n_kv_head", c.n_head)  # older checkpoints: one K/V head per query head
+    model = train.model_from_config(c, tok.vocab_size, train.TORCH_OPS, residual=getattr(c, "residual", "baseline"))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         fail(f"--ckpt={cfg.ckpt}: its weights do not fit the model its config describes ({train.one_line(e)})")
     return model, tok, c
+
+
+def kv_cache(model, device):
+    """An empty KV cache of one sequence for the model: its K/V heads only, at the full context."""
+    block = model.blocks[0]
+    head_size = model.wte.shape[1] // block.n_head
+    return train.KVCache(len(model.blocks), 1, block.n_kv_head, model.block_size, head_size, device)
 
 
 def weight_bytes_per_token(model):
@@ -150,9 +159,8 @@ class Decoder:
 
     def __init__(self, model, n_new, temperature, sample_top_k, uniforms, graphed):
         dev = model.wte.device
-        C, nh = model.wte.shape[1], model.blocks[0].n_head
         self.model, self.graphed = model, graphed
-        self.cache = train.KVCache(len(model.blocks), 1, nh, model.block_size, C // nh, dev)
+        self.cache = kv_cache(model, dev)
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # the last token, input of the next step
         self.tokens = torch.zeros(n_new, dtype=torch.long, device=dev)  # generated tokens
         self.margins = torch.zeros(n_new, device=dev)  # top-1 minus top-2 logit at each step
@@ -312,7 +320,7 @@ def main(argv):
     dev = torch.device(cfg.device)
     if cfg.ckpt is not None:
         base_model, tok, c = checkpoint_model(cfg)
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        for key in ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size"):
             setattr(cfg, key, getattr(c, key))
         cfg.seeds = [None]
     else:
@@ -335,7 +343,8 @@ def main(argv):
         f"temperature {cfg.temperature}, top-k {cfg.sample_top_k or 'all'}"
     bw = copy_bandwidth(dev) if dev.type == "cuda" else None
     print(f"device: {hw}" + (f", device-to-device copy {bw / 1e9:,.0f} GB/s" if bw else "")
-          + f" | {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads, context {cfg.block_size}"
+          + f" | {cfg.arch}, {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads ({cfg.n_kv_head} K/V),"
+          + f" context {cfg.block_size}"
           + f" | {sampling}"
           + f" | {cfg.max_new_tokens} new tokens; when the context fills, the newest {cfg.block_size // 2} tokens are"
           + " prefilled again")
@@ -349,6 +358,7 @@ def main(argv):
             model = base_model if cfg.ckpt else random_model(kind, seed, cfg, tok)
             model = model.to(dev).eval()
             nbytes = weight_bytes_per_token(model)
+            cache_bytes = kv_cache(model, "meta").nbytes
             for name, ops, graphed in paths:
                 r = run_path(model, ops, graphed, prompt_ids, cfg, uniforms)
                 r.update(op_set=name, mode="graph" if graphed else "eager", seed=seed)
@@ -358,19 +368,20 @@ def main(argv):
             del model
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        results["models"][kind] = report(kind, runs, nbytes, bw, tok, cfg)
+        results["models"][kind] = report(kind, runs, nbytes, cache_bytes, bw, tok, cfg)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "inference.json")
     train.atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
     print(f"\nwrote {path}")
 
 
-def report(kind, runs, nbytes, bw, tok, cfg):
+def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
     """Print the speed table (medians over seeds), the speedups, exact match and the text; return a summary."""
     rows = {}
     for r in runs:
         rows.setdefault((r["op_set"], r["mode"]), []).append(r)
-    print(f"\n{kind}: {nbytes / 1e6:,.0f} MB of weights read per decoded token; medians over {len(cfg.seeds)} seed(s)")
+    print(f"\n{kind}: {nbytes / 1e6:,.0f} MB of weights read per decoded token; KV cache {cache_bytes / 1e6:,.1f} MB "
+          f"({cfg.n_kv_head} of {cfg.n_head} heads, {cfg.block_size} positions); medians over {len(cfg.seeds)} seed(s)")
     print(f"{'op set':<7} {'mode':<6} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>8} {'of copy bw':>11}")
     speed = {}
     for (name, mode), rs in rows.items():
@@ -380,7 +391,7 @@ def report(kind, runs, nbytes, bw, tok, cfg):
         frac = f"{dec * nbytes / bw:.0%}" if dec and bw else "n/a"
         speed[f"{name} {mode}"] = {"prefill_tok_s": pre, "decode_tok_s": dec, "GB_s": gbs}
         print(f"{name:<7} {mode:<6} {pre:>14,.0f} {dec or 0:>13,.0f} {gbs or 0:>8,.0f} {frac:>11}")
-    summary = {"weight_bytes_per_token": nbytes, "speed": speed, "match": {}}
+    summary = {"weight_bytes_per_token": nbytes, "kv_cache_bytes": cache_bytes, "speed": speed, "match": {}}
     d = {k: v["decode_tok_s"] for k, v in speed.items()}
     for ours, theirs in (("cuda eager", "torch eager"), ("cuda graph", "torch graph"), ("cuda graph", "torch eager")):
         if d.get(ours) and d.get(theirs):

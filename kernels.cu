@@ -670,8 +670,10 @@ void cross_entropy_bwd(const float* x, const int64_t* tgt, const float* lse, con
 }
 
 // ------------------------------------------------------------------------------------------------
-// GELU, elementwise. Formulas follow PyTorch's own (same operation order) so results agree to
-// the last bit or two. 16-byte loads when the pointers allow.
+// activations, elementwise: GELU (erf and tanh), SiLU, and SwiGLU's silu(a) * b. Formulas follow
+// PyTorch's own (same operation order) so results agree to the last bit or two. One kernel serves
+// them all: a functor maps NIN input values to NOUT outputs (GELU forward 1 -> 1, SwiGLU backward
+// a, b, dy -> da, db). 16-byte loads when every pointer allows.
 
 struct GeluErf {
   __device__ float fwd(float x) const { return x * 0.5f * (1.f + erff(x * (float)M_SQRT1_2)); }
@@ -701,6 +703,39 @@ struct GeluTanh {
   }
 };
 
+// SiLU(x) = x * sigmoid(x), written as PyTorch writes it: x / (1 + exp(-x)).
+struct Silu {
+  __device__ float fwd(float x) const { return x / (1.f + expf(-x)); }
+  __device__ float bwd(float x, float dy) const {
+    const float s = 1.f / (1.f + expf(-x));
+    return dy * s * (1.f + x * (1.f - s));
+  }
+};
+
+// The functors the kernel runs: an activation's forward and backward, and SwiGLU's.
+template <class A>
+struct ActFwd {
+  __device__ void operator()(const float (&in)[1], float (&out)[1]) const { out[0] = A().fwd(in[0]); }
+};
+template <class A>
+struct ActBwd {  // in: x, dy
+  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = A().bwd(in[0], in[1]); }
+};
+struct SwigluFwd {  // in: a, b -> silu(a) * b
+  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = Silu().fwd(in[0]) * in[1]; }
+};
+struct SwigluBwd {  // in: a, b, dy -> da = silu'(a) * b * dy, db = silu(a) * dy
+  __device__ void operator()(const float (&in)[3], float (&out)[2]) const {
+    out[0] = Silu().bwd(in[0], in[2] * in[1]);
+    out[1] = Silu().fwd(in[0]) * in[2];
+  }
+};
+
+template <int N>
+struct Ptrs { const float* p[N]; };
+template <int N>
+struct OutPtrs { float* p[N]; };
+
 // A 16-byte read-only load that asks L2 to fetch the whole 256-byte block around it: a streaming
 // kernel then reads DRAM in longer bursts.
 __device__ __forceinline__ float4 load_stream4(const float* p) {
@@ -714,61 +749,137 @@ __device__ __forceinline__ float4 load_stream4(const float* p) {
 #endif
 }
 
-// out = f(x) (forward) or f'(x) * dy (backward), PER items of VEC floats per thread, all loads
-// issued before any math so that several are in flight per thread.
-template <class F, int VEC, int PER, bool BWD>
-__global__ void gelu_kernel(const float* x, const float* dy, float* out, int64_t n) {
+// PER items of VEC floats per thread, all loads issued before any math so that several are in
+// flight per thread.
+template <class F, int NIN, int NOUT, int VEC, int PER>
+__global__ void elementwise_kernel(Ptrs<NIN> in, OutPtrs<NOUT> out, int64_t n) {
   const F f;
   const int64_t items = n / VEC;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x * PER + threadIdx.x;
-  float a[PER][VEC], g[PER][VEC];
+  float a[PER][NIN][VEC];
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
     const int64_t i = first + u * blockDim.x;
     if (i >= items) continue;
-    if (VEC == 4) {
-      const float4 t = load_stream4(x + 4 * i);
-      a[u][0] = t.x; a[u][1] = t.y; a[u][2] = t.z; a[u][VEC - 1] = t.w;
-      if (BWD) {
-        const float4 d = load_stream4(dy + 4 * i);
-        g[u][0] = d.x; g[u][1] = d.y; g[u][2] = d.z; g[u][VEC - 1] = d.w;
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) {
+      if (VEC == 4) {
+        const float4 t = load_stream4(in.p[k] + 4 * i);
+        a[u][k][0] = t.x; a[u][k][1 % VEC] = t.y; a[u][k][2 % VEC] = t.z; a[u][k][VEC - 1] = t.w;
+      } else {
+        a[u][k][0] = in.p[k][i];
       }
-    } else {
-      a[u][0] = x[i];
-      if (BWD) g[u][0] = dy[i];
     }
   }
 #pragma unroll
   for (int u = 0; u < PER; ++u) {
     const int64_t i = first + u * blockDim.x;
     if (i >= items) continue;
-    float o[VEC];
+    float o[NOUT][VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) o[e] = BWD ? f.bwd(a[u][e], g[u][e]) : f.fwd(a[u][e]);
-    if (VEC == 4) reinterpret_cast<float4*>(out)[i] = make_float4(o[0], o[1], o[2], o[VEC - 1]);
-    else out[i] = o[0];
+    for (int e = 0; e < VEC; ++e) {
+      float x[NIN], y[NOUT];
+#pragma unroll
+      for (int k = 0; k < NIN; ++k) x[k] = a[u][k][e];
+      f(x, y);
+#pragma unroll
+      for (int j = 0; j < NOUT; ++j) o[j][e] = y[j];
+    }
+#pragma unroll
+    for (int j = 0; j < NOUT; ++j) {
+      if (VEC == 4) reinterpret_cast<float4*>(out.p[j])[i] = make_float4(o[j][0], o[j][1 % VEC], o[j][2 % VEC], o[j][VEC - 1]);
+      else out.p[j][i] = o[j][0];
+    }
   }
 }
 
-template <class F, bool BWD>
-static void gelu_launch(const float* x, const float* dy, float* out, int64_t n, cudaStream_t s) {
+template <class F, int NIN, int NOUT>
+static void elementwise(Ptrs<NIN> in, OutPtrs<NOUT> out, int64_t n, const char* what, cudaStream_t s) {
   if (n == 0) return;
-  const bool vec = n % 4 == 0 && aligned16(x) && aligned16(out) && (!BWD || aligned16(dy));
+  bool vec = n % 4 == 0;
+  for (const float* p : in.p) vec = vec && aligned16(p);
+  for (float* p : out.p) vec = vec && aligned16(p);
   const int64_t items = vec ? n / 4 : n;
   // 2 vectors per thread in blocks of 128: the fastest of the shapes measured on an H200.
-  if (vec) gelu_kernel<F, 4, 2, BWD><<<(unsigned)((items + 255) / 256), 128, 0, s>>>(x, dy, out, n);
-  else gelu_kernel<F, 1, 2, BWD><<<(unsigned)((items + 255) / 256), 128, 0, s>>>(x, dy, out, n);
-  check_launch("gelu");
+  const unsigned blocks = (unsigned)((items + 255) / 256);
+  if (vec) elementwise_kernel<F, NIN, NOUT, 4, 2><<<blocks, 128, 0, s>>>(in, out, n);
+  else elementwise_kernel<F, NIN, NOUT, 1, 2><<<blocks, 128, 0, s>>>(in, out, n);
+  check_launch(what);
 }
 
 void gelu_fwd(const float* x, float* y, int64_t n, bool tanh_approx, cudaStream_t s) {
-  if (tanh_approx) gelu_launch<GeluTanh, false>(x, nullptr, y, n, s);
-  else gelu_launch<GeluErf, false>(x, nullptr, y, n, s);
+  if (tanh_approx) elementwise<ActFwd<GeluTanh>, 1, 1>({{x}}, {{y}}, n, "gelu_fwd", s);
+  else elementwise<ActFwd<GeluErf>, 1, 1>({{x}}, {{y}}, n, "gelu_fwd", s);
 }
 
 void gelu_bwd(const float* x, const float* dy, float* dx, int64_t n, bool tanh_approx, cudaStream_t s) {
-  if (tanh_approx) gelu_launch<GeluTanh, true>(x, dy, dx, n, s);
-  else gelu_launch<GeluErf, true>(x, dy, dx, n, s);
+  if (tanh_approx) elementwise<ActBwd<GeluTanh>, 2, 1>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
+  else elementwise<ActBwd<GeluErf>, 2, 1>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
+}
+
+void silu_fwd(const float* x, float* y, int64_t n, cudaStream_t s) {
+  elementwise<ActFwd<Silu>, 1, 1>({{x}}, {{y}}, n, "silu_fwd", s);
+}
+
+void silu_bwd(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t s) {
+  elementwise<ActBwd<Silu>, 2, 1>({{x, dy}}, {{dx}}, n, "silu_bwd", s);
+}
+
+void swiglu_fwd(const float* a, const float* b, float* y, int64_t n, cudaStream_t s) {
+  elementwise<SwigluFwd, 2, 1>({{a, b}}, {{y}}, n, "swiglu_fwd", s);
+}
+
+void swiglu_bwd(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n, cudaStream_t s) {
+  elementwise<SwigluBwd, 3, 2>({{a, b, dy}}, {{da, db}}, n, "swiglu_bwd", s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// rotary position embedding (RoPE), with the "rotate half" pairing of GPT-NeoX and of Llama as
+// Hugging Face runs it: element i of a head pairs with element i + D/2, and the pair turns by the
+// angle of its token's position times frequency i:
+//   out_i = x_i cos - x_{i+D/2} sin,   out_{i+D/2} = x_{i+D/2} cos + x_i sin.
+// cos and sin arrive as (T, D/2) tables of the T tokens' angles, so decoding at any cache position
+// runs the same kernel. x may be a strided (B, H, T, D) view (the heads of a fused QKV projection);
+// the output is contiguous, so the rotation also does the transpose that attention needs. Each
+// product is rounded on its own (__fmul_rn: no fused multiply-add) so the forward equals PyTorch's
+// formula bit for bit. The backward is the rotation by -angle: the same kernel with sin negated.
+
+struct RopeArgs {
+  const float *x, *cos, *sin;
+  float* out;
+  int64_t sb, sh, st;  // x's strides of B, H, T (D is contiguous)
+  int H, T, half;      // half = D / 2
+};
+
+template <bool BWD>
+__global__ void rope_kernel(RopeArgs a, int64_t n) {
+  const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) {
+    const int i = (int)(e % a.half);
+    const int64_t row = e / a.half;  // (b * H + h) * T + t: the output row
+    const int t = (int)(row % a.T);
+    const int h = (int)(row / a.T % a.H);
+    const int64_t b = row / a.T / a.H;
+    const float* x = a.x + b * a.sb + h * a.sh + t * a.st;
+    const float c = a.cos[(int64_t)t * a.half + i];
+    const float s = BWD ? -a.sin[(int64_t)t * a.half + i] : a.sin[(int64_t)t * a.half + i];
+    const float x1 = x[i], x2 = x[i + a.half];
+    float* o = a.out + row * 2 * a.half;
+    o[i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    o[i + a.half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+  }
+}
+
+// out (B, H, T, D) contiguous; x with strides sb, sh, st and a contiguous last dim.
+void rope(const float* x, const float* cos, const float* sin, float* out, int B, int H, int T, int D, int64_t sb,
+          int64_t sh, int64_t st, bool backward, cudaStream_t s) {
+  const int64_t n = (int64_t)B * H * T * (D / 2);
+  if (n == 0) return;
+  const RopeArgs a{x, cos, sin, out, sb, sh, st, H, T, D / 2};
+  const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 32 * num_sms());
+  if (backward) rope_kernel<true><<<blocks, 256, 0, s>>>(a, n);
+  else rope_kernel<false><<<blocks, 256, 0, s>>>(a, n);
+  check_launch("rope");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1769,8 +1880,10 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 }
 
 // ------------------------------------------------------------------------------------------------
-// attention. q (BH, Sq, D), k and v (BH, Sk, D), contiguous. Causal aligns queries to the end of
-// the keys: query i sees keys j <= i + (Sk - Sq), so Sq = 1 decodes one token against a cache.
+// attention. q (BH, Sq, D), k and v (BH / group, Sk, D), contiguous. Causal aligns queries to the end
+// of the keys: query i sees keys j <= i + (Sk - Sq), so Sq = 1 decodes one token against a cache.
+// Grouped-query attention: query heads h * group .. h * group + group - 1 share K/V head h (group = 1
+// is ordinary multi-head attention, group = H multi-query); a smaller KV cache for the same queries.
 // For a preallocated KV cache, the forward can take kv_len, a device pointer to the number of valid
 // leading keys (Sk is then the cache's capacity, which sets the stride between heads): the kernel
 // reads it at run time, so one CUDA graph serves every position of a decode loop. A query that sees
@@ -1892,6 +2005,7 @@ struct AttnArgs {
   float *out, *lse2, *delta, *dq, *dk, *dv;
   const int64_t* kv_len;  // forward only: valid keys, read on the device; nullptr: all Sk
   int Sq, Sk;
+  int group;  // query heads per K/V head
   bool causal;
   float scale, scale_log2;  // scale, and scale * log2(e)
 };
@@ -1912,8 +2026,8 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest causal tiles first
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float* q = p.q + (int64_t)bh * p.Sq * D;
-  const float* k = p.k + (int64_t)bh * p.Sk * D;
-  const float* v = p.v + (int64_t)bh * p.Sk * D;
+  const float* k = p.k + (int64_t)(bh / p.group) * p.Sk * D;
+  const float* v = p.v + (int64_t)(bh / p.group) * p.Sk * D;
   const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
   const int Sk = p.kv_len ? (int)max((int64_t)0, min(*p.kv_len, (int64_t)p.Sk)) : p.Sk;  // valid keys
   const int offset = Sk - p.Sq;
@@ -2032,11 +2146,12 @@ __device__ __forceinline__ void softmax_grad_tile(const AttnArgs& p, float (&s)[
     }
 }
 
-// dK, dV for 64 keys per block (4 warps x 16 keys), looping over query tiles of BQ. Works in the
-// transposed frame: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block
-// writes its own rows of dK and dV: no atomics, deterministic.
+// dK, dV for 64 keys per block (4 warps x 16 keys) of K/V head kvh, looping over the query tiles
+// (BQ rows) of every query head that shares it. Works in the transposed frame: S^T = K Q^T, P^T,
+// dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block writes its own rows of dK and dV, summed
+// over the group in a fixed order: no atomics, deterministic.
 template <int D, int BQ, bool PRECISE>
-__device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem, int bh, int kblock) {
+__device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem, int kvh, int kblock) {
   float* Ks = smem;
   float* Vs = Ks + 64 * (D + 4);
   float* Qs = Vs + 64 * (D + 4);
@@ -2045,7 +2160,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem
   float* Ds = Ls + BQ;
   const int k0 = kblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)bh * p.Sk;
+  const int64_t kbase = (int64_t)kvh * p.Sk;
   const int key0 = k0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
 
@@ -2054,37 +2169,40 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // Causal: query i reaches key k0 only if i >= k0 - offset.
   const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
-  for (int q0 = qstart; q0 < p.Sq; q0 += BQ) {
-    load_rows_async<BQ, D>(Qs, p.q + qbase * D, q0, p.Sq);
-    load_rows_async<BQ, D>(dOs, p.dout + qbase * D, q0, p.Sq);
-    cp_async_commit();
-    for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
-      const bool in = q0 + i < p.Sq;
-      Ls[i] = in ? p.lse2[qbase + q0 + i] : INFINITY;
-      Ds[i] = in ? p.delta[qbase + q0 + i] : 0.f;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-    float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
-    mma_abt<D, BQ / 8, PRECISE>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
-    mma_abt<D, BQ / 8, PRECISE>(dp, Vs, warp * 16, dOs); // dP^T
-    const bool mask = q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
+  for (int hq = kvh * p.group; hq < (kvh + 1) * p.group; ++hq) {  // the query heads sharing this K/V head
+    const int64_t qbase = (int64_t)hq * p.Sq;
+    for (int q0 = qstart; q0 < p.Sq; q0 += BQ) {
+      load_rows_async<BQ, D>(Qs, p.q + qbase * D, q0, p.Sq);
+      load_rows_async<BQ, D>(dOs, p.dout + qbase * D, q0, p.Sq);
+      cp_async_commit();
+      for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
+        const bool in = q0 + i < p.Sq;
+        Ls[i] = in ? p.lse2[qbase + q0 + i] : INFINITY;
+        Ds[i] = in ? p.delta[qbase + q0 + i] : 0.f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+      float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
+      mma_abt<D, BQ / 8, PRECISE>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
+      mma_abt<D, BQ / 8, PRECISE>(dp, Vs, warp * 16, dOs); // dP^T
+      const bool mask = q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
 #pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-      // lse2 and delta are per query: the column of the element
-      const float lq[4] = {Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1], Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1]};
-      const float dq[4] = {Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1], Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1]};
-      float sj[1][4] = {{s[j][0], s[j][1], s[j][2], s[j][3]}};
-      float dj[1][4] = {{dp[j][0], dp[j][1], dp[j][2], dp[j][3]}};
-      softmax_grad_tile<1>(p, sj, dj,
-          [&](int, int e) { return q0 + j * 8 + 2 * t + (e & 1); },
-          [&](int, int e) { return key0 + (e < 2 ? 0 : 8); }, lq, dq, mask);
+      for (int j = 0; j < BQ / 8; ++j) {
+        // lse2 and delta are per query: the column of the element
+        const float lq[4] = {Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1], Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1]};
+        const float dq[4] = {Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1], Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1]};
+        float sj[1][4] = {{s[j][0], s[j][1], s[j][2], s[j][3]}};
+        float dj[1][4] = {{dp[j][0], dp[j][1], dp[j][2], dp[j][3]}};
+        softmax_grad_tile<1>(p, sj, dj,
+            [&](int, int e) { return q0 + j * 8 + 2 * t + (e & 1); },
+            [&](int, int e) { return key0 + (e < 2 ? 0 : 8); }, lq, dq, mask);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e]; dp[j][e] = dj[0][e]; }
+        for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e]; dp[j][e] = dj[0][e]; }
+      }
+      mma_pm<D, BQ / 8, PRECISE>(dv, s, dOs);  // dV += P^T dO
+      mma_pm<D, BQ / 8, PRECISE>(dk, dp, Qs);  // dK += dS^T Q
+      __syncthreads();  // before the next tiles overwrite Qs, dOs
     }
-    mma_pm<D, BQ / 8, PRECISE>(dv, s, dOs);  // dV += P^T dO
-    mma_pm<D, BQ / 8, PRECISE>(dk, dp, Qs);  // dK += dS^T Q
-    __syncthreads();  // before the next tiles overwrite Qs, dOs
   }
   cp_async_wait<0>();
   float* dkp = p.dk + kbase * D;
@@ -2114,7 +2232,7 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs& p, float* smem,
   float* Vs = Ks + BK * (D + 4);
   const int q0 = qblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)bh * p.Sk;
+  const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)(bh / p.group) * p.Sk;
   const int row0 = q0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
   const float lq[4] = {row0 < p.Sq ? p.lse2[qbase + row0] : INFINITY, 0.f,
@@ -2157,12 +2275,16 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs& p, float* smem,
 // One launch for both backward halves: blocks y < kv_blocks compute dK/dV for a key block, the
 // rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
 // fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
+// x runs over the query heads; with grouped K/V heads only the first BH / group x have a dK/dV block.
 template <int D, int BQ, int BK, bool PRECISE>
 __global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs p, int kv_blocks) {
   extern __shared__ __align__(16) float smem[];
   const int y = blockIdx.y;
-  if (y < kv_blocks) attention_bwd_dkv<D, BQ, PRECISE>(p, smem, blockIdx.x, y);
-  else attention_bwd_dq<D, BK, PRECISE>(p, smem, blockIdx.x, gridDim.y - 1 - y);
+  if (y < kv_blocks) {
+    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<D, BQ, PRECISE>(p, smem, blockIdx.x, y);
+  } else {
+    attention_bwd_dq<D, BK, PRECISE>(p, smem, blockIdx.x, gridDim.y - 1 - y);
+  }
 }
 
 
@@ -2172,10 +2294,11 @@ static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnAr
   kernel<<<grid, 128, smem, s>>>(p);
 }
 
-static AttnArgs attn_args(int Sq, int Sk, bool causal, float scale) {
+static AttnArgs attn_args(int Sq, int Sk, int group, bool causal, float scale) {
   AttnArgs p{};
   p.Sq = Sq;
   p.Sk = Sk;
+  p.group = group;
   p.causal = causal;
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
@@ -2215,30 +2338,31 @@ bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 96 || D
     else throw std::invalid_argument("attention: fused mode does not support this head dim"); \
   } while (0)
 
-// q, k, v: 16-byte aligned (cp.async). lse2 receives BH * Sq floats (log2 units) for the backward.
+// q, k, v: 16-byte aligned (cp.async). BH counts query heads (B * H_q); k and v hold BH / group
+// heads. lse2 receives BH * Sq floats (log2 units) for the backward.
 // kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
-                         int Sq, int Sk, int D, bool causal, float scale, bool precise, const int64_t* kv_len,
-                         cudaStream_t s) {
+                         int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
+                         const int64_t* kv_len, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_fwd_fused");
-  AttnArgs p = attn_args(Sq, Sk, causal, scale);
+  AttnArgs p = attn_args(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
   ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, BH, s);
   check_launch("attention_fwd_fused");
 }
 
-// delta is a BH * Sq float workspace.
+// delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads).
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
                          const float* dout, const float* lse2, float* delta, float* dq, float* dk,
-                         float* dv, int BH, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         cudaStream_t s) {
+                         float* dv, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
+                         bool precise, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_bwd_fused");
   const int64_t rows = (int64_t)BH * Sq;
   attention_delta_kernel<<<ceil_div(rows, 8), dim3(32, 8), 0, s>>>(out, dout, delta, rows, D);
   check_launch("attention_delta");
-  AttnArgs p = attn_args(Sq, Sk, causal, scale);
+  AttnArgs p = attn_args(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
   ATTN_DISPATCH(attention_bwd_dispatch, D, precise, p, BH, s);

@@ -573,9 +573,29 @@ def train_rejects_bad_values():
     with tempfile.TemporaryDirectory() as tmp:
         for arg, words in (("--lr=nan", ("--lr", "finite", "nan")), ("--lr=inf", ("--lr", "finite")),
                            ("--beta1=1", ("--beta1", "[0, 1)")), ("--beta2=-0.5", ("--beta2", "[0, 1)")),
-                           ("--weight_decay=-1", ("--weight_decay", ">= 0"))):
+                           ("--weight_decay=-1", ("--weight_decay", ">= 0")),
+                           ("--arch=bert", ("--arch", "gpt", "llama", "bert")),
+                           ("--n_kv_head=3", ("--n_kv_head", "divide", "--n_head (2)"))):
             _train_fails(arg, words, *_train_tiny_args(tmp, "--max_iters=1", arg))
-    return "--lr=-1: one line, no traceback; nan, inf, betas and decay checked"
+        _train_fails("odd llama head", ("--arch=llama", "even", "15"),
+                     *_train_tiny_args(tmp, "--max_iters=1", "--arch=llama", "--n_embd=30"))
+    return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch and heads checked"
+
+
+def train_llama_cpu():
+    # the llama arch trains on the PyTorch op set, saves, resumes, and a resume as gpt is refused
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp, "--arch=llama", "--max_iters=3")
+        out = _train_main_ok(*args)
+        assert "op sets: torch" in out, out[-1500:]
+        ckpt = _train_load_ckpt(os.path.join(tmp, "out", "ckpt_torch.pt"))
+        assert ckpt["config"]["arch"] == "llama" and ckpt["config"]["n_kv_head"] == 1, ckpt["config"]
+        names = set(ckpt["model"])
+        assert "blocks.0.mlp.up_w" in names and "wpe" not in names and not any(n.endswith("_b") for n in names), names
+        out = _train_main_ok(*args[:-1], "--max_iters=5", "--resume=true")
+        assert "iterations 4..5" in out, out[-1500:]
+        _train_fails("resume as gpt", ("arch=llama",), *args[:-1], "--max_iters=6", "--resume=true", "--arch=gpt")
+    return "3 steps, checkpoint (no biases, no wpe, 1 K/V head), resumed to 5; resuming as gpt refused"
 
 
 def train_rejects_bad_paths():
@@ -734,7 +754,7 @@ def train_interrupt_saves_checkpoint():
 
 
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
-            train_help, train_rejects_bad_values, train_rejects_bad_paths, train_max_iters_zero,
+            train_help, train_rejects_bad_values, train_llama_cpu, train_rejects_bad_paths, train_max_iters_zero,
             train_fresh_run_keeps_checkpoint, train_bad_checkpoints, train_diverged_run_keeps_checkpoint,
             train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
@@ -748,8 +768,10 @@ _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--bloc
              "--seeds=0", "--max_new_tokens=12", "--prompt=Oz"]
 
 
-def _decoder_gpt(n_expert=0, device="cpu", n_embd=32):
-    return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, n_expert=n_expert, top_k=2).to(device).eval()
+def _decoder_gpt(n_expert=0, device="cpu", n_embd=32, arch="gpt"):
+    # llama: its default grouping, 1 K/V head for the 2 query heads
+    return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, n_expert=n_expert, top_k=2,
+                     arch=arch).to(device).eval()
 
 
 def _greedy_without_cache(model, prompt, n_new):
@@ -763,33 +785,37 @@ def _greedy_without_cache(model, prompt, n_new):
 
 def inference_cache_matches_full_forward():
     # the cached decode (prefill, then one token a step) picks the tokens a full forward of the whole
-    # context picks at every step, for the dense and the MoE feed-forward
-    for n_expert in (0, 4):
-        model = _decoder_gpt(n_expert)
-        prompt, n_new = [5, 17, 42], 15  # 3 + 15 < 24: no slide
-        dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
-        with torch.no_grad():
-            inference.generate(dec, torch.tensor(prompt), n_new)
-        ref = _greedy_without_cache(model, prompt, n_new)
-        assert dec.tokens.tolist() == ref, f"n_expert={n_expert}: cache {dec.tokens.tolist()} vs full {ref}"
-        assert (dec.margins >= 0).all(), "top-1 minus top-2 margin must be >= 0"
-    return "dense and MoE: 15 cached tokens equal the full-context argmax"
+    # context picks at every step, for the dense and the MoE feed-forward, gpt and llama (RoPE at the
+    # cache position, a K/V head shared by two query heads)
+    for arch in train.ARCHS:
+        for n_expert in (0, 4):
+            model = _decoder_gpt(n_expert, arch=arch)
+            prompt, n_new = [5, 17, 42], 15  # 3 + 15 < 24: no slide
+            dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
+            with torch.no_grad():
+                inference.generate(dec, torch.tensor(prompt), n_new)
+            ref = _greedy_without_cache(model, prompt, n_new)
+            assert dec.tokens.tolist() == ref, f"{arch}, n_expert={n_expert}: cache {dec.tokens.tolist()} vs full {ref}"
+            assert (dec.margins >= 0).all(), "top-1 minus top-2 margin must be >= 0"
+    assert dec.cache.k.shape[2] == 1, f"llama's cache holds {dec.cache.k.shape[2]} K/V heads, expected 1"
+    return "gpt and llama, dense and MoE: 15 cached tokens equal the full-context argmax"
 
 
 def inference_slides_when_full():
     # past the context, the newest half is prefilled again: the run goes on and equals a full forward
     # over that window
-    model, n_new = _decoder_gpt(), 30
-    prompt = [1, 2, 3]
-    dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
-    with torch.no_grad():
-        inference.generate(dec, torch.tensor(prompt), n_new)
-    toks = dec.tokens.tolist()
-    assert toks[:21] == _greedy_without_cache(model, prompt, 21), "tokens before the slide differ"
-    # token 21 is the first after the slide: 24 tokens in context, the newest 12 prefilled again
-    window = (prompt + toks)[3 + 21 - 12:3 + 21]
-    assert toks[21] == _greedy_without_cache(model, window, 1)[0], "first token after the slide differs"
-    return f"{n_new} tokens through a context of 24"
+    for arch in train.ARCHS:
+        model, n_new = _decoder_gpt(arch=arch), 30
+        prompt = [1, 2, 3]
+        dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
+        with torch.no_grad():
+            inference.generate(dec, torch.tensor(prompt), n_new)
+        toks = dec.tokens.tolist()
+        assert toks[:21] == _greedy_without_cache(model, prompt, 21), f"{arch}: tokens before the slide differ"
+        # token 21 is the first after the slide: 24 tokens in context, the newest 12 prefilled again
+        window = (prompt + toks)[3 + 21 - 12:3 + 21]
+        assert toks[21] == _greedy_without_cache(model, window, 1)[0], f"{arch}: first token after the slide differs"
+    return f"gpt and llama: {n_new} tokens through a context of 24"
 
 
 def inference_sampling_is_seeded():
@@ -806,21 +832,26 @@ def inference_sampling_is_seeded():
 
 
 def inference_moe_weights_sum_to_one():
-    moe = _decoder_gpt(4).blocks[0].mlp
-    x = torch.randn(7, 32)
-    with torch.no_grad():
-        probs = torch.softmax(F.linear(x, moe.router_w), -1)
-        top_p, top_i = torch.topk(probs, 2)
-        w = top_p / top_p.sum(-1, keepdim=True)
-        assert torch.allclose(w.sum(-1), torch.ones(7)), "renormalised weights do not sum to 1"
-        ref = torch.stack([sum(w[t, s] * moe_expert(moe, int(top_i[t, s]), x[t]) for s in range(2)) for t in range(7)])
-        many = moe(x, train.TORCH_OPS)  # all tokens at once: grouped by expert
-        one = torch.stack([moe(x[t:t + 1], train.TORCH_OPS)[0] for t in range(7)])  # one token: expert GEMVs
-    check("grouped", many, ref, 1e-6)
-    check("one_token", one, ref, 1e-6)
+    for arch in train.ARCHS:
+        moe = _decoder_gpt(4, arch=arch).blocks[0].mlp
+        x = torch.randn(7, 32)
+        with torch.no_grad():
+            probs = torch.softmax(F.linear(x, moe.router_w), -1)
+            top_p, top_i = torch.topk(probs, 2)
+            w = top_p / top_p.sum(-1, keepdim=True)
+            assert torch.allclose(w.sum(-1), torch.ones(7)), "renormalised weights do not sum to 1"
+            ref = torch.stack([sum(w[t, s] * moe_expert(moe, int(top_i[t, s]), x[t]) for s in range(2))
+                               for t in range(7)])
+            many = moe(x, train.TORCH_OPS)  # all tokens at once: grouped by expert
+            one = torch.stack([moe(x[t:t + 1], train.TORCH_OPS)[0] for t in range(7)])  # one token: expert GEMVs
+        check(f"{arch}_grouped", many, ref, 1e-6)
+        check(f"{arch}_one_token", one, ref, 1e-6)
 
 
 def moe_expert(moe, e, x):
+    """Expert e on x, written out: GELU MLP with biases (gpt) or SwiGLU without (llama)."""
+    if moe.swiglu:
+        return F.linear(F.silu(F.linear(x, moe.fc_w[e])) * F.linear(x, moe.up_w[e]), moe.proj_w[e])
     return F.linear(F.gelu(F.linear(x, moe.fc_w[e], moe.fc_b[e])), moe.proj_w[e], moe.proj_b[e])
 
 
@@ -838,7 +869,14 @@ def inference_cli_cpu():
             assert f"--- {kind}, seed 0, torch eager ---" in p.stdout, p.stdout
         with open(os.path.join(tmp, "inference.json")) as f:
             assert set(json.load(f)["models"]) == {"dense", "moe"}
-    return "dense and MoE generate on the PyTorch op set; inference.json written"
+        p = _inference_run(*_INF_TINY, "--arch=llama", f"--out_dir={tmp}")
+        _train_check_ok(p, "inference.py --arch=llama on CPU")
+        assert "llama, 2 layers, 32 wide, 2 heads (1 K/V)" in p.stdout, p.stdout
+        with open(os.path.join(tmp, "inference.json")) as f:
+            res = json.load(f)
+        # 2 layers x (k, v) x 1 K/V head x 24 positions x head size 16 x 4 bytes
+        assert res["models"]["dense"]["kv_cache_bytes"] == 2 * 2 * 1 * 24 * 16 * 4, res["models"]["dense"]
+    return "gpt and llama, dense and MoE generate on the PyTorch op set; inference.json written"
 
 
 def _expect_inference_error(args, *words):
@@ -893,8 +931,9 @@ def inference_gpu_paths_agree():
     # the dense and the MoE model, and sampling (temperature, top-k, the same uniforms) for the dense one
     kernels_ops = train.cuda_op_set(kernels, 32)
     uniforms = torch.rand(20)
-    for n_expert, temperature, k in ((0, 0.0, 0), (4, 0.0, 0), (0, 0.8, 5)):
-        model = _decoder_gpt(n_expert, DEV, n_embd=64)  # head size 32: the fused attention's
+    for arch, n_expert, temperature, k in (("gpt", 0, 0.0, 0), ("gpt", 4, 0.0, 0), ("gpt", 0, 0.8, 5),
+                                           ("llama", 0, 0.0, 0), ("llama", 4, 0.0, 0), ("llama", 0, 0.8, 5)):
+        model = _decoder_gpt(n_expert, DEV, n_embd=64, arch=arch)  # head size 32: the fused attention's
         toks, margins = {}, {}
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", kernels_ops)):
             for graphed in (False, True):
@@ -904,9 +943,9 @@ def inference_gpu_paths_agree():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins
         ref = toks["torch", False]
-        assert all(t == ref for t in toks.values()), f"n_expert={n_expert}, temperature {temperature}: {toks}"
+        assert all(t == ref for t in toks.values()), f"{arch}, n_expert={n_expert}, temperature {temperature}: {toks}"
         for key in margins:
-            check(f"margins_{n_expert}_t{temperature}_{key[0]}_{'graph' if key[1] else 'eager'}", margins[key],
+            check(f"margins_{arch}_{n_expert}_t{temperature}_{key[0]}_{'graph' if key[1] else 'eager'}", margins[key],
                   margins["torch", False], 1e-5)
 
 
@@ -1261,6 +1300,70 @@ for _mode in ("none", "tanh"):
         add(f"gelu/{_mode}/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1),
             t_gelu, _shape, _mode, _scale)
 
+
+def t_silu(shape, scale=1.0):
+    compare(lambda ops, x: ops.silu(x), GELU_TOL, GELU_GRAD_TOL, x=rand(*shape, scale=scale))
+
+
+def t_swiglu(shape, scale=1.0, layout="contiguous"):
+    # halves: a and b are the two halves of one projection's output (strided views, copied first);
+    # misaligned: 4 bytes into an allocation, so the kernel's 16-byte loads must not be used
+    if layout == "halves":
+        a, b = rand(*shape[:-1], 2 * shape[-1], scale=scale).chunk(2, dim=-1)
+    elif layout == "misaligned":
+        n = math.prod(shape)
+        a, b = (rand(1 + n, scale=scale)[1:].view(shape) for _ in range(2))
+        assert a.data_ptr() % 16 and b.data_ptr() % 16
+    else:
+        a, b = rand(*shape, scale=scale), rand(*shape, scale=scale)
+    compare(lambda ops, a, b: ops.swiglu(a, b), GELU_TOL, GELU_GRAD_TOL, a=a, b=b)
+
+
+for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
+    _suffix = "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
+    add("silu/" + _suffix, t_silu, _shape, _scale)
+    add("swiglu/" + _suffix, t_swiglu, _shape, _scale)
+add("swiglu/37x1000_halves", t_swiglu, (37, 1000), layout="halves")
+add("swiglu/37x1000_misaligned", t_swiglu, (37, 1000), layout="misaligned")
+add("empty/swiglu_0x64", t_swiglu, (0, 64))
+
+# |out| is a sum of two products of |x| <= ~5 and |cos|, |sin| <= 1: an ulp of ~8 is 1e-6
+ROPE_TOL = (2e-6, 1e-5)
+
+
+def rope_tables(T, D, offset=0):
+    """cos, sin (T, D/2) of positions offset .. offset + T - 1, as train.GPT builds them."""
+    freq = train.ROPE_THETA ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angles = torch.arange(offset, offset + T, dtype=torch.float64)[:, None] * freq
+    return angles.cos().float().to(DEV), angles.sin().float().to(DEV)
+
+
+def t_rope(B, H, T, D, offset=0, layout="contiguous"):
+    # bshd: (B, T, H, D) memory seen through a transpose; qkv: the key slice of a fused (B, T, 3HD)
+    # projection, as the model passes it (read in place, strided)
+    if layout == "bshd":
+        x = rand(B, T, H, D).transpose(1, 2)
+    elif layout == "qkv":
+        x = rand(B, T, 3 * H * D)[..., H * D:2 * H * D].view(B, T, H, D).transpose(1, 2)
+    else:
+        x = rand(B, H, T, D)
+    cos, sin = rope_tables(T, D, offset)
+    # the tables are constants, not inputs: they get no gradient
+    compare(lambda ops, x: ops.rope(x, cos.to(x.dtype), sin.to(x.dtype)), ROPE_TOL, ROPE_TOL, x=x)
+    # the forward rounds each product as PyTorch's twin does: equal bit for bit in fp32
+    ours, twin = kernels.rope(x, cos, sin), train.TORCH_OPS.rope(x, cos, sin)
+    assert torch.equal(ours, twin), f"not bitwise equal to the fp32 twin: max diff {(ours - twin).abs().max():.1e}"
+
+
+for _B, _H, _T, _D, _off, _layout in ((1, 1, 1, 2, 0, "contiguous"), (2, 3, 17, 64, 0, "contiguous"),
+                                      (2, 3, 1, 64, 1000, "contiguous"), (1, 8, 1, 96, 255, "contiguous"),
+                                      (3, 5, 33, 6, 7, "contiguous"), (2, 3, 17, 64, 0, "bshd"),
+                                      (2, 4, 65, 32, 0, "qkv"), (4, 8, 256, 128, 0, "contiguous"),
+                                      (1, 2, 4097, 64, 0, "qkv")):
+    add(f"rope/b{_B}h{_H}t{_T}d{_D}" + f"_from{_off}" * (_off != 0) + f"_{_layout}" * (_layout != "contiguous"),
+        t_rope, _B, _H, _T, _D, _off, _layout)
+add("empty/rope_b2h3t0d64", t_rope, 2, 3, 0, 64)
+
 # forward is a copy: exact. A weight-gradient row sums one dy row per use of its index, in whatever
 # order atomics land: fp32 rounding grows with the count
 EMB_GRAD_TOL_PER_USE = 1e-6
@@ -1455,15 +1558,18 @@ ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
 ATTN_TOL = {"fused-fp32": (1e-4, 2e-4), "tiled": (1e-4, 2e-4), "fused-tf32": (5e-3, 1e-2)}
 
 
-def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False):
-    def qkv(S, m=1):
+def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None):
+    def qkv(S, heads, m=1):
         # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
-        return rand(B, S, H, D, scale=m).transpose(1, 2) if bshd else rand(B, H, S, D, scale=m)
+        return rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)
+    Hkv = kv_heads or H  # fewer: grouped-query attention
     tol, g = ATTN_TOL[impl]
-    # q scaled by m: score rounding grows m-fold, and dk = dS^T q is m times larger on top of that
-    grad_tol = dict(q=g * mag, k=g * mag * mag, v=g * mag)
+    # q scaled by m: score rounding grows m-fold, and dk = dS^T q is m times larger on top of that;
+    # a shared K/V head's gradient sums H / Hkv heads' terms, its rounding error ~sqrt of that
+    group = math.sqrt(H // Hkv)
+    grad_tol = dict(q=g * mag, k=g * mag * mag * group, v=g * mag * group)
     compare(lambda ops, q, k, v: ops.attention(q, k, v, causal=causal, scale=scale, **ATTN_IMPLS[impl]),
-            tol * mag, grad_tol, q=qkv(Sq, mag), k=qkv(Sk), v=qkv(Sk))
+            tol * mag, grad_tol, q=qkv(Sq, H, mag), k=qkv(Sk, Hkv), v=qkv(Sk, Hkv))
 
 
 _C = True  # causal
@@ -1510,6 +1616,19 @@ ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
     ("fused-tf32", 2, 3, 1000, 1000, 64, _C, {}),
     ("fused-tf32", 2, 3, 2048, 2048, 128, _C, {}),
     ("fused-tf32", 2, 3, 1, 1000, 32, _C, {}),
+    # grouped-query attention: H query heads over kv_heads K/V heads (1: multi-query)
+    ("fused-fp32", 2, 8, 17, 17, 64, _C, dict(kv_heads=2)),
+    ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
+    ("fused-fp32", 1, 8, 2048, 2048, 128, False, dict(kv_heads=1)),
+    ("fused-fp32", 2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
+    ("fused-fp32", 2, 4, 64, 300, 32, _C, dict(kv_heads=2)),
+    ("fused-fp32", 1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
+    ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
+    ("fused-tf32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
+    ("tiled", 2, 8, 17, 17, 48, _C, dict(kv_heads=2)),
+    ("tiled", 2, 6, 1, 64, 64, _C, dict(kv_heads=3)),
+    ("tiled", 2, 8, 1000, 1000, 64, False, dict(kv_heads=1)),
+    ("tiled", 2, 4, 64, 64, 64, _C, dict(kv_heads=2, bshd=True)),
 ]
 for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
     _name = f"attention/{_impl}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
@@ -1529,9 +1648,9 @@ def t_attention_misaligned(impl):
 add("attention/fused-fp32/misaligned_q", t_attention_misaligned, "fused-fp32")
 
 
-def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True):
+def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
     # A preallocated cache: keys past kv_len hold garbage (large values) that must not leak in.
-    k, v = rand(1, H, capacity, D), rand(1, H, capacity, D)
+    k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
     k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
     kv_len = torch.tensor([n_valid], device=DEV)
     with torch.no_grad():
@@ -1543,6 +1662,9 @@ for _H, _Sq, _cap, _n, _D in ((8, 1, 256, 1, 96), (8, 1, 256, 37, 96), (8, 1, 25
                               (3, 17, 100, 17, 64), (2, 1, 64, 64, 32), (2, 64, 300, 129, 128)):
     add(f"attention/kv_len/h{_H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D)
 add("attention/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_kv_len, 3, 17, 100, 40, 64, causal=False)
+for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1), (8, 1, 4096, 4000, 128, 2)):
+    add(f"attention/kv_len/h{_H}_kv{_kv}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D,
+        kv_heads=_kv)
 
 
 def op_sets_same_names():
@@ -1634,6 +1756,20 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      lambda: kernels.attention(*_qkv((2, 3, 17, 64), (1, 3, 17, 64), (1, 3, 17, 64))), ("attention", ("q", "k", "v"))),
     ("attention_H_mismatch", RuntimeError,
      lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 2, 17, 64), (2, 2, 17, 64))), ("attention", ("q", "k", "v"))),
+    ("attention_gqa_heads_not_multiple", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 6, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
+    ("attention_more_kv_heads_than_q", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 2, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
+    ("rope_odd_D", ValueError, lambda: kernels.rope(rand(2, 3, 5, 7), rand(5, 3), rand(5, 3)), ("rope", "D")),
+    ("rope_table_shape", RuntimeError, lambda: kernels.rope(rand(2, 3, 5, 8), rand(4, 4), rand(4, 4)),
+     ("rope", "cos", "sin")),
+    ("rope_table_grad", RuntimeError,
+     lambda: kernels.rope(rand(2, 3, 5, 8), rand(5, 4).requires_grad_(), rand(5, 4)), ("rope", "cos")),
+    ("rope_cpu_x", RuntimeError, lambda: kernels.rope(torch.randn(2, 3, 5, 8), rand(5, 4), rand(5, 4)), ("rope", "x")),
+    ("rope_3d_x", RuntimeError, lambda: kernels.rope(rand(3, 5, 8), rand(5, 4), rand(5, 4)), ("rope", "x")),
+    ("swiglu_shape_mismatch", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 9)), ("swiglu", "a", "b")),
+    ("swiglu_float64_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 8).double()), ("swiglu", "b")),
+    ("silu_cpu_x", RuntimeError, lambda: kernels.silu(torch.randn(4, 8)), ("silu", "x")),
     ("attention_D_mismatch", RuntimeError,
      lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 32), (2, 3, 17, 32))), ("attention", ("q", "k", "v"))),
     ("attention_kv_length_mismatch", RuntimeError,
@@ -1767,6 +1903,22 @@ def bench_ops(rows):
                            ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x])):
             bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, 2 * nbytes, "GB/s")
             bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, 3 * nbytes, "GB/s")
+    # SwiGLU's gate at a feed-forward's width (tokens x hidden): fwd reads a, b and writes y; bwd reads
+    # a, b, dy and writes da, db
+    R, C = 8192, 2048
+    a, b = rand(R, C), rand(R, C)
+    bench_op(rows, "silu", f"{R}x{C}", "fwd", lambda ops, a: ops.silu(a), [a], 4 * 2 * R * C, "GB/s")
+    bench_op(rows, "silu", f"{R}x{C}", "bwd", lambda ops, a: ops.silu(a), [a], 4 * 3 * R * C, "GB/s")
+    bench_op(rows, "swiglu", f"{R}x{C}", "fwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 3 * R * C, "GB/s")
+    bench_op(rows, "swiglu", f"{R}x{C}", "bwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 5 * R * C, "GB/s")
+    # RoPE on q as the model passes it: a strided head view of the fused QKV projection (the larger
+    # preset's shape, B 64, T 256, 6 heads of 64); reads x, writes the contiguous result (bwd: dy, dx)
+    B, T, H, D = 64, 256, 6, 64
+    x = rand(B, T, 3 * H * D)[..., :H * D].view(B, T, H, D).transpose(1, 2)
+    cos, sin = rope_tables(T, D)
+    for pas in ("fwd", "bwd"):
+        bench_op(rows, "rope", f"{B}x{H}x{T}x{D} qkv view", pas, lambda ops, x: ops.rope(x, cos, sin), [x],
+                 4 * 2 * x.numel(), "GB/s")
     V, C, T = 50304, 768, 16 * 64
     idx, w = torch.randint(0, V, (16, 64), device=DEV), rand(V, C)
     # the weight gradient is a dense V x C table: writing it dominates the backward
@@ -1879,6 +2031,55 @@ def bench_attention(rows):
                               fmt(tflops, ".1f"), ", ".join(checks)]), flush=True)
 
 
+GQA_BENCH = (4, 8, 2)  # B, H_q, H_kv: four query heads share each K/V head
+GQA_BENCH_S = (1024, 4096)
+GQA_DECODE = ((1024, 128), (8192, 128))  # (cache length, D) for one query head group against a cache
+
+
+def bench_gqa(rows):
+    """Grouped-query attention: ours against SDPA with the K/V heads repeated (the torch op set's twin)
+    and against SDPA's own enable_gqa; the ratio is to the faster of the two."""
+    B, H, Hkv = GQA_BENCH
+    print(f"\ngrouped-query attention fp32, causal, B={B} H_q={H} H_kv={Hkv}; SDPA with K/V repeated "
+          f"(repeat_interleave, the torch op set's twin) and SDPA enable_gqa=True")
+    cols = ["S", "D", "pass", "SDPA repeat ms", "SDPA enable_gqa ms", "fused ms", "best SDPA/fused", "check"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+    fns = {"repeat": lambda q, k, v, **kw: train.TORCH_OPS.attention(q, k, v, causal=True, **kw),
+           "enable_gqa": lambda q, k, v, kv_len=None: F.scaled_dot_product_attention(
+               q, k, v, is_causal=kv_len is None, enable_gqa=True,
+               attn_mask=None if kv_len is None else torch.arange(k.shape[2], device=DEV) < kv_len),
+           "fused": lambda q, k, v, **kw: kernels.attention(q, k, v, causal=True, **kw)}
+    cases = [(S, D, pas, B) for S in GQA_BENCH_S for D in (64, 128) for pas in ("fwd", "fwd+bwd")]
+    cases += [(S, D, "decode", 1) for S, D in GQA_DECODE]
+    for S, D, pas, b in cases:
+        k, v = rand(b, Hkv, S, D), rand(b, Hkv, S, D)
+        q, dout = (rand(b, H, 1 if pas == "decode" else S, D) for _ in range(2))
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        kv_len = torch.tensor([S - 1], device=DEV)  # a cache one short of full, as in decoding
+        ms, outs = {}, {}
+        for name, fn in fns.items():
+            if pas == "decode":
+                run = functools.partial(torch.no_grad()(fn), q, k, v, kv_len=kv_len)
+            elif pas == "fwd":
+                run = functools.partial(fn, q, k, v)
+            else:
+                run = functools.partial(fwd_bwd, fn, leaves, dout)
+            try:
+                outs[name] = run()
+                ms[name] = time_ms(run)
+            except torch.cuda.OutOfMemoryError:
+                ms[name] = None
+                torch.cuda.empty_cache()
+        best = min(t for n, t in ms.items() if n != "fused" and t)
+        ok, text = rel_check(outs["fused"], outs["repeat"], 2e-4)
+        rows.append(dict(op="attention gqa", shape=f"B{b} Hq{H} Hkv{Hkv} S{S} D{D}", causal=True, **{"pass": pas},
+                         sdpa_repeat_ms=ms["repeat"], sdpa_enable_gqa_ms=ms["enable_gqa"], fused_ms=ms["fused"],
+                         best_sdpa_over_fused=best / ms["fused"], check_ok=ok, check=text))
+        print(md_row([str(S), str(D), pas + (" (Sq=1)" if pas == "decode" else ""),
+                      *(fmt(ms[n], ".4f") for n in fns), f"{best / ms['fused']:.2f}x", text]), flush=True)
+
+
 def peak_extra_mb(fn, leaves, dout):
     """Peak memory of one forward+backward above what was allocated before it (inputs excluded)."""
     torch.cuda.synchronize()
@@ -1926,6 +2127,8 @@ def bench_main(json_path):
     if ONLY in "attention":
         bench_attention(rows)
         bench_attention_memory(rows)
+    if ONLY in "attention gqa":
+        bench_gqa(rows)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)

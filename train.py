@@ -57,6 +57,9 @@ OPTIONS = dict(
     n_embd=(128, "model width"),
     n_head=(4, "attention heads; the fused attention kernel takes n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
     n_layer=(4, "transformer blocks"),
+    arch=("gpt", "gpt: LayerNorm, learned positions, GELU MLP, biases | llama: RMSNorm, RoPE, SwiGLU, no biases"),
+    n_kv_head=(0, "key/value heads, dividing n_head (fewer: grouped-query attention); 0: n_head for gpt, "
+                  "n_head // 2 for llama"),
     lr=(3e-4, "AdamW learning rate, > 0; constant: no schedule keeps the graphed step free of lr updates"),
     weight_decay=(0.1, "AdamW decay, on weight matrices and embeddings only (not biases or LayerNorm)"),
     beta1=(0.9, "AdamW first-moment decay, in [0, 1)"),
@@ -88,7 +91,7 @@ OPTIONS = dict(
 DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
 HELP = {k: h for k, (_, h) in OPTIONS.items()}
 # Model-shape keys: a checkpoint can only be resumed with the same values.
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "residual", "n_streams")
+MODEL_KEYS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "residual", "n_streams")
 LN_EPS = 1e-5
 MAX_STREAMS = 8  # the n of kernels.sinkhorn, stream_merge and stream_mix: n x n state in registers
 GRAPH_WARMUP = 3                  # eager steps before capture, as in PyTorch's whole-network capture recipe
@@ -157,8 +160,7 @@ def parse_config(argv):
     for key in ("max_iters", "timing_warmup", "sample_len"):
         if getattr(cfg, key) < 0:
             fail(f"--{key} must be >= 0, got {getattr(cfg, key)}")
-    if cfg.n_embd % cfg.n_head:
-        fail(f"--n_embd ({cfg.n_embd}) must be a multiple of --n_head ({cfg.n_head})")
+    check_arch(cfg, fail)
     # torch.optim checks these too, but only once training starts, and with a traceback.
     if not cfg.lr > 0:
         fail(f"--lr must be > 0, got {cfg.lr}")
@@ -171,6 +173,19 @@ def parse_config(argv):
     if overrides:
         print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in overrides))
     return cfg
+
+
+def check_arch(cfg, fail):
+    """--arch, --n_head, --n_kv_head and --n_embd fit together; n_kv_head = 0 becomes its default."""
+    if cfg.arch not in ARCHS:
+        fail(f"--arch must be one of {', '.join(ARCHS)}, got {cfg.arch!r}")
+    if cfg.n_embd % cfg.n_head:
+        fail(f"--n_embd ({cfg.n_embd}) must be a multiple of --n_head ({cfg.n_head})")
+    if cfg.n_kv_head < 0 or (cfg.n_kv_head and cfg.n_head % cfg.n_kv_head):
+        fail(f"--n_kv_head must divide --n_head ({cfg.n_head}) (or be 0 for the default), got {cfg.n_kv_head}")
+    cfg.n_kv_head = kv_heads(cfg.arch, cfg.n_head, cfg.n_kv_head)
+    if cfg.arch == "llama" and (cfg.n_embd // cfg.n_head) % 2:
+        fail(f"--arch=llama needs an even head size for RoPE's pairs; n_embd / n_head = {cfg.n_embd // cfg.n_head}")
 
 
 def check_backend_and_device(cfg, fail):
@@ -216,12 +231,17 @@ def parse_value(key, text, default):
 # The torch op set is also the reference test_ops.py proves every kernel against.
 
 def torch_attention(q, k, v, causal=False, scale=None, kv_len=None):
-    """SDPA with this repo's causal convention: q (B, H, Sq, D), k and v (B, H, Sk, D); with causal,
+    """SDPA with this repo's causal convention: q (B, H, Sq, D), k and v (B, H_kv, Sk, D); with causal,
     query i sees keys j <= i + Sk - Sq, so the queries line up with the *last* keys (SDPA's is_causal
     lines them up with the first, which would let one new query against a KV cache see key 0 only).
     kv_len (a 1-element int64 tensor) says how many leading keys are valid, as in a preallocated KV
     cache: the others are ignored and the queries line up with the last valid key. It stays on the
-    device, so a decode step that uses it can be captured in a CUDA graph."""
+    device, so a decode step that uses it can be captured in a CUDA graph.
+    With H_kv < H (grouped-query attention) each K/V head serves H / H_kv consecutive query heads; they are
+    repeated here (SDPA's enable_gqa would do the same, but its fp32 CUDA path is the unfused math one)."""
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     Sq, Sk = q.shape[-2], k.shape[-2]
     if kv_len is None and (not causal or Sq == Sk):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
@@ -242,6 +262,13 @@ def torch_expert_gemv(weight, x, bias, experts):
     return y if bias is None else y + bias[experts]
 
 
+def torch_rope(x, cos, sin):
+    """Rotary position embedding with the 'rotate half' pairing (element i with i + D/2): x (B, H, T, D),
+    cos and sin (T, D/2) the angles of the T tokens' positions."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 TORCH_OPS = SimpleNamespace(
     name="torch",
     embedding=F.embedding,
@@ -251,6 +278,9 @@ TORCH_OPS = SimpleNamespace(
     matmul=torch.matmul,
     attention=torch_attention,
     gelu=F.gelu,
+    silu=F.silu,
+    swiglu=lambda a, b: F.silu(a) * b,
+    rope=torch_rope,
     softmax=lambda x: torch.softmax(x, -1),
     cross_entropy=F.cross_entropy,
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
@@ -314,31 +344,70 @@ def choose_op_sets(cfg):
 # memory moves or single elementwise adds, and keeping them shared keeps the model definition single.
 # Three seams let other scripts reuse the one model: the residual connection (mhc.py's streams), the
 # feed-forward (dense MLP or mixture of experts), and the attention's KV cache (inference.py).
+# Two architectures share it: gpt (GPT-2: LayerNorm, learned positions, GELU MLP, biases) and llama
+# (RMSNorm, rotary positions, SwiGLU feed-forward, no biases). Both take grouped-query attention.
+
+ARCHS = ("gpt", "llama")
+ROPE_THETA = 10000.0  # RoPE's base: frequency i of a head of size D turns by theta^(-2i/D) per position
+
+
+def kv_heads(arch, n_head, n_kv_head):
+    """n_kv_head as given, or its default (0): n_head for gpt, half of them for llama (grouped-query)."""
+    if n_kv_head:
+        return n_kv_head
+    return n_head // 2 if arch == "llama" and n_head % 2 == 0 else n_head
+
+
+def swiglu_hidden(n_embd):
+    """Width of llama's SwiGLU feed-forward: 2/3 of gpt's 4C, so its three matrices hold about as many
+    weights as gpt's two, rounded up to a multiple of 64."""
+    return (8 * n_embd // 3 + 63) // 64 * 64
+
+
+def norm(ops, x, weight, bias):
+    """LayerNorm (gpt, with a bias) or RMSNorm (llama, none)."""
+    return ops.layernorm(x, weight, bias) if bias is not None else ops.rmsnorm(x, weight)
+
 
 class MLP(nn.Module):
-    """The dense feed-forward: proj(gelu(fc(h)))."""
+    """The dense feed-forward: proj(gelu(fc(h))) with biases (gpt), or proj(swiglu(fc(h), up(h))) without
+    (llama), swiglu(a, b) = silu(a) * b. With n_expert, every matrix gets a leading expert dim (MoE)."""
 
-    def __init__(self, n_embd):
+    def __init__(self, n_embd, arch="gpt", n_expert=None):
         super().__init__()
-        C = n_embd
-        self.fc_w, self.fc_b = nn.Parameter(torch.empty(4 * C, C)), nn.Parameter(torch.zeros(4 * C))
-        self.proj_w, self.proj_b = nn.Parameter(torch.empty(C, 4 * C)), nn.Parameter(torch.zeros(C))
+        C, lead = n_embd, () if n_expert is None else (n_expert,)
+        self.swiglu = arch == "llama"
+        if self.swiglu:
+            H = swiglu_hidden(C)
+            shapes = dict(fc_w=(H, C), up_w=(H, C), proj_w=(C, H))
+        else:
+            shapes = dict(fc_w=(4 * C, C), fc_b=(4 * C,), proj_w=(C, 4 * C), proj_b=(C,))
+        for name, shape in shapes.items():  # weights are drawn by GPT, biases stay zero
+            setattr(self, name, nn.Parameter(torch.zeros(*lead, *shape)))
+
+    def params(self, name, expert=None):
+        """Weight and bias (None in llama) of the linear called name; of one expert, if given."""
+        w, b = getattr(self, name + "_w"), getattr(self, name + "_b", None)
+        return (w, b) if expert is None else (w[expert], None if b is None else b[expert])
+
+    def ffn(self, x, ops, linear):
+        """The feed-forward of x, with linear(x, name) applying the linear called name."""
+        if self.swiglu:
+            return linear(ops.swiglu(linear(x, "fc"), linear(x, "up")), "proj")
+        return linear(ops.gelu(linear(x, "fc")), "proj")
 
     def forward(self, h, ops):  # h (..., C)
-        return ops.linear(ops.gelu(ops.linear(h, self.fc_w, self.fc_b)), self.proj_w, self.proj_b)
+        return self.ffn(h, ops, lambda x, name: ops.linear(x, *self.params(name)))
 
 
-class MoE(nn.Module):
-    """Mixture of experts: a router picks top_k of n_expert GELU MLPs per token, whose outputs are summed
-    with the router's softmax probabilities renormalised over the chosen ones."""
+class MoE(MLP):
+    """Mixture of experts: a router picks top_k of n_expert feed-forwards (MLP's, per arch) per token, whose
+    outputs are summed with the router's softmax probabilities renormalised over the chosen ones."""
 
-    def __init__(self, n_embd, n_expert, top_k):
-        super().__init__()
-        C, E = n_embd, n_expert
+    def __init__(self, n_embd, n_expert, top_k, arch="gpt"):
+        super().__init__(n_embd, arch, n_expert)
         self.top_k = top_k
-        self.router_w = nn.Parameter(torch.empty(E, C))
-        self.fc_w, self.fc_b = nn.Parameter(torch.empty(E, 4 * C, C)), nn.Parameter(torch.zeros(E, 4 * C))
-        self.proj_w, self.proj_b = nn.Parameter(torch.empty(E, C, 4 * C)), nn.Parameter(torch.zeros(E, C))
+        self.router_w = nn.Parameter(torch.empty(n_expert, n_embd))
 
     def forward(self, h, ops):  # h (..., C)
         shape = h.shape
@@ -351,8 +420,11 @@ class MoE(nn.Module):
             # One token (decoding): GEMVs that read only the chosen experts' weights, indexed on the
             # device, so the step has no host sync and can be captured in a CUDA graph.
             e, xk = top_i[0], x.expand(self.top_k, -1)  # (k,), (k, C)
-            a = ops.gelu(ops.expert_gemv(self.fc_w, xk, self.fc_b, e))  # (k, 4C)
-            y = ops.expert_gemv(self.proj_w, a, self.proj_b, e)  # (k, C)
+
+            def expert_linear(z, name):  # row s of z through expert e[s]
+                w, b = self.params(name)
+                return ops.expert_gemv(w, z, b, e)
+            y = self.ffn(xk, ops, expert_linear)  # (k, C)
             return (top_p[0, :, None] * y).sum(0).view(shape)
         # Many tokens (prefill, training): each expert runs on the tokens routed to it. nonzero() reads
         # the routing on the host; every token gets exactly top_k contributions added to a zero.
@@ -360,65 +432,75 @@ class MoE(nn.Module):
         for e in range(self.router_w.shape[0]):
             rows, slot = torch.nonzero(top_i == e, as_tuple=True)
             if rows.numel():
-                a = ops.gelu(ops.linear(x[rows], self.fc_w[e], self.fc_b[e]))
-                y = ops.linear(a, self.proj_w[e], self.proj_b[e])
+                y = self.ffn(x[rows], ops, lambda z, name: ops.linear(z, *self.params(name, e)))
                 out.index_add_(0, rows, top_p[rows, slot, None] * y)
         return out.view(shape)
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated at the context length: (n_layer, B, nh, T, hs) each.
-    `pos` (a 1-element device tensor) counts the tokens already in the cache. The model writes each
+    """Keys and values of every layer, preallocated at the context length: (n_layer, B, n_kv_head, T, hs)
+    each. `pos` (a 1-element device tensor) counts the tokens already in the cache. The model writes each
     step's keys and values at pos.. in place and attention reads the whole buffer with kv_len = pos + T,
     so a step never copies the cache and its shapes never change (CUDA-graph friendly)."""
 
-    def __init__(self, n_layer, batch, n_head, block_size, head_size, device):
-        shape = (n_layer, batch, n_head, block_size, head_size)
+    def __init__(self, n_layer, batch, n_kv_head, block_size, head_size, device):
+        shape = (n_layer, batch, n_kv_head, block_size, head_size)
         self.k = torch.zeros(shape, device=device)
         self.v = torch.zeros(shape, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.capacity = block_size
         self.positions = self.kv_len = None  # of the tokens in flight, set by GPT.forward
 
+    @property
+    def nbytes(self):
+        return 2 * self.k.numel() * self.k.element_size()
+
     def reset(self):
         self.pos.zero_()
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)), where the '+' is the
-    residual seam (mhc.py) and mlp the feed-forward seam."""
+    """Pre-norm transformer block: x + attn(norm_1(x)), then x + mlp(norm_2(x)), where the '+' is the
+    residual seam (mhc.py) and mlp the feed-forward seam. gpt: LayerNorm and biases; llama: RMSNorm, no
+    biases, q and k rotated by position (RoPE). n_kv_head < n_head shares each key/value head among
+    n_head / n_kv_head query heads (grouped-query attention), which shrinks the KV cache as much."""
 
-    def __init__(self, n_embd, n_head, mlp, residual):
+    def __init__(self, n_embd, n_head, n_kv_head, mlp, residual, arch="gpt"):
         super().__init__()
-        C = n_embd
-        self.n_head = n_head
-        self.ln_1_w, self.ln_1_b = nn.Parameter(torch.ones(C)), nn.Parameter(torch.zeros(C))
-        self.attn_w, self.attn_b = nn.Parameter(torch.empty(3 * C, C)), nn.Parameter(torch.zeros(3 * C))
-        self.attn_proj_w, self.attn_proj_b = nn.Parameter(torch.empty(C, C)), nn.Parameter(torch.zeros(C))
-        self.ln_2_w, self.ln_2_b = nn.Parameter(torch.ones(C)), nn.Parameter(torch.zeros(C))
+        C, kv = n_embd, n_kv_head * (n_embd // n_head)  # kv: width of the keys (and of the values)
+
+        def bias(n):  # llama has none: the attribute is None, which linear and norm read as "no bias"
+            return nn.Parameter(torch.zeros(n)) if arch == "gpt" else None
+        self.n_head, self.n_kv_head = n_head, n_kv_head
+        self.ln_1_w, self.ln_1_b = nn.Parameter(torch.ones(C)), bias(C)
+        self.attn_w, self.attn_b = nn.Parameter(torch.empty(C + 2 * kv, C)), bias(C + 2 * kv)
+        self.attn_proj_w, self.attn_proj_b = nn.Parameter(torch.empty(C, C)), bias(C)
+        self.ln_2_w, self.ln_2_b = nn.Parameter(torch.ones(C)), bias(C)
         self.mlp = mlp
         self.res_attn, self.res_mlp = residual(), residual()
 
-    def attention(self, h, ops, cache, layer):  # h (B, T, C)
+    def attention(self, h, ops, cache, layer, rope):  # h (B, T, C); rope: (cos, sin) (T, hs/2) each, or None
         B, T, C = h.shape
-        nh, hs = self.n_head, C // self.n_head
-        q, k, v = ops.linear(h, self.attn_w, self.attn_b).split(C, dim=2)  # each (B, T, C)
+        nh, nkv, hs = self.n_head, self.n_kv_head, C // self.n_head
+        q, k, v = ops.linear(h, self.attn_w, self.attn_b).split([C, nkv * hs, nkv * hs], dim=2)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if rope is not None:
+            q, k = ops.rope(q, *rope), ops.rope(k, *rope)
         kv_len = None
         if cache is not None:  # write this step's keys and values at their positions, attend to all so far
             cache.k[layer].index_copy_(2, cache.positions, k)
             cache.v[layer].index_copy_(2, cache.positions, v)
-            k, v, kv_len = cache.k[layer], cache.v[layer], cache.kv_len  # (B, nh, block_size, hs)
+            k, v, kv_len = cache.k[layer], cache.v[layer], cache.kv_len  # (B, nkv, block_size, hs)
         y = ops.attention(q, k, v, causal=True, kv_len=kv_len)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return ops.linear(y, self.attn_proj_w, self.attn_proj_b)
 
-    def forward(self, x, ops, cache=None, layer=0):
-        x = self.res_attn(x, lambda s: self.attention(ops.layernorm(s, self.ln_1_w, self.ln_1_b), ops, cache, layer),
-                          ops)
-        return self.res_mlp(x, lambda s: self.mlp(ops.layernorm(s, self.ln_2_w, self.ln_2_b), ops), ops)
+    def forward(self, x, ops, cache=None, layer=0, rope=None):
+        x = self.res_attn(x, lambda s: self.attention(norm(ops, s, self.ln_1_w, self.ln_1_b), ops, cache, layer,
+                                                      rope), ops)
+        return self.res_mlp(x, lambda s: self.mlp(norm(ops, s, self.ln_2_w, self.ln_2_b), ops), ops)
 
 
 def is_weight_matrix(name, p):
@@ -432,18 +514,28 @@ class GPT(nn.Module):
     # backward, so both accumulation paths of each op set are exercised.
 
     def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, seed, ops,
-                 n_expert=0, top_k=2, residual="baseline", n_streams=4):
+                 n_expert=0, top_k=2, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0):
         super().__init__()
+        n_kv_head = kv_heads(arch, n_head, n_kv_head)
         self.block_size = block_size
         self.ops = ops  # a plain attribute, not state: swapping op sets never touches the weights
         self.wte = nn.Parameter(torch.empty(vocab_size, n_embd))  # token embedding and output head
-        self.wpe = nn.Parameter(torch.empty(block_size, n_embd))  # learned position embedding
+        # gpt learns a position embedding; llama rotates q and k instead (tables below)
+        self.wpe = nn.Parameter(torch.empty(block_size, n_embd)) if arch == "gpt" else None
         self.streams = mhc.Streams(residual, n_streams, n_embd)
         self.blocks = nn.ModuleList(
-            Block(n_embd, n_head, MoE(n_embd, n_expert, top_k) if n_expert else MLP(n_embd), self.streams.residual)
+            Block(n_embd, n_head, n_kv_head, MoE(n_embd, n_expert, top_k, arch) if n_expert else MLP(n_embd, arch),
+                  self.streams.residual, arch)
             for _ in range(n_layer))
-        self.ln_f_w, self.ln_f_b = nn.Parameter(torch.ones(n_embd)), nn.Parameter(torch.zeros(n_embd))
+        self.ln_f_w = nn.Parameter(torch.ones(n_embd))
+        self.ln_f_b = nn.Parameter(torch.zeros(n_embd)) if arch == "gpt" else None
         self.register_buffer("pos", torch.arange(block_size), persistent=False)  # (block_size,)
+        if arch == "llama":  # RoPE angles of every position, in float64 then rounded once
+            hs = n_embd // n_head
+            freq = ROPE_THETA ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)  # (hs/2,)
+            angles = torch.arange(block_size, dtype=torch.float64)[:, None] * freq  # (block_size, hs/2)
+            self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+            self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
 
         # Drawn on the CPU from a generator of our own, so a seed gives the same weights whatever the
         # device, the op set or anything that used the global RNG before.
@@ -464,20 +556,33 @@ class GPT(nn.Module):
         if cache is not None:
             positions = cache.positions = cache.pos + positions
             cache.kv_len = positions[-1:] + 1  # once per step, read by every layer's attention
-        x = ops.embedding(idx, self.wte) + ops.embedding(positions, self.wpe)  # (B, T, C) + (T, C)
+        x = ops.embedding(idx, self.wte)  # (B, T, C)
+        rope = None
+        if self.wpe is not None:
+            x = x + ops.embedding(positions, self.wpe)  # + (T, C)
+        else:
+            rope = self.rope_cos[positions], self.rope_sin[positions]  # (T, hs/2) each
         x = self.streams.expand(x)  # (B, T, n, C) with n residual streams, else unchanged
         for layer, block in enumerate(self.blocks):
-            x = block(x, ops, cache, layer)
+            x = block(x, ops, cache, layer, rope)
         x = self.streams.collapse(x)  # (B, T, C)
         if cache is not None:
             cache.pos += T
         if targets is None:
             # Generation needs the next-character logits only.
-            return ops.linear(ops.layernorm(x[:, -1:, :], self.ln_f_w, self.ln_f_b), self.wte, None), None
-        x = ops.layernorm(x, self.ln_f_w, self.ln_f_b)  # (B, T, C)
+            return ops.linear(norm(ops, x[:, -1:, :], self.ln_f_w, self.ln_f_b), self.wte, None), None
+        x = norm(ops, x, self.ln_f_w, self.ln_f_b)  # (B, T, C)
         logits = ops.linear(x, self.wte, None)  # (B, T, V)
         loss = ops.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
         return logits, loss
+
+
+def model_from_config(cfg, vocab_size, ops, **overrides):
+    """The GPT a config describes (a train.py config or a checkpoint's; keys it lacks take their defaults);
+    overrides replace any of GPT's arguments (the sweep's depth and residual, inference's experts)."""
+    keys = ("block_size", "n_embd", "n_head", "n_layer", "seed", "residual", "n_streams", "arch", "n_kv_head")
+    args = {k: getattr(cfg, k, DEFAULTS[k]) for k in keys}
+    return GPT(vocab_size, ops=ops, **{**args, **overrides})
 
 
 def make_optimizer(model, cfg, on_cuda, graphed):
@@ -686,7 +791,9 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen):
         ckpt = read_checkpoint(path)
     except ValueError as e:
         bad(str(e))
-    saved = {"residual": "baseline", "n_streams": cfg.n_streams, **ckpt["config"]}  # older files: baseline
+    # files from before a model key existed: that key's only value then
+    old = {"residual": "baseline", "n_streams": cfg.n_streams, "arch": "gpt", "n_kv_head": ckpt["config"].get("n_head")}
+    saved = {**old, **ckpt["config"]}
     diff = [f"{k}={saved.get(k)}" for k in MODEL_KEYS if saved.get(k) != getattr(cfg, k)]
     if diff:
         fail(f"{path} was trained with {', '.join(diff)}; pass the same values (or the same --preset) to resume")
@@ -757,8 +864,7 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
     on_cuda = device.type == "cuda"
     graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
     mode = "graph" if graphed else "eager"
-    model = GPT(tok.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.seed, ops,
-                residual=cfg.residual, n_streams=cfg.n_streams).to(device)
+    model = model_from_config(cfg, tok.vocab_size, ops).to(device)
     opt = make_optimizer(model, cfg, on_cuda, graphed)
     batch_gen = torch.Generator().manual_seed(cfg.seed)  # CPU generator: every op set draws the same batches
     ckpt_path = os.path.join(cfg.out_dir, f"ckpt_{ops.name}.pt")
@@ -982,7 +1088,7 @@ def plot_losses(runs, path):
 
 SWEEP_METRICS = ("loss", "grad_norm", "nonfinite") + tuple(f"gain_{g}" for g in mhc.GAINS)
 # What a rerun must share with the results.json it adds cells to (depths and variants may differ).
-SWEEP_SETTINGS = ("sweep", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay", "beta1", "beta2",
+SWEEP_SETTINGS = ("sweep", "arch", "n_kv_head", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay", "beta1", "beta2",
                   "max_iters", "seed", "data_path")
 
 
@@ -1068,8 +1174,7 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size):
     device = torch.device(cfg.device)
     on_cuda = device.type == "cuda"
     graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
-    model = GPT(task.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_head, depth, cfg.seed, ops,
-                residual=variant, n_streams=cfg.n_streams).to(device)
+    model = model_from_config(cfg, task.vocab_size, ops, n_layer=depth, residual=variant).to(device)
     opt = make_optimizer(model, cfg, on_cuda, graphed)
     step = GraphedStep(model, opt, sweep_step) if graphed else functools.partial(sweep_step, model, opt)
     batch_gen = torch.Generator().manual_seed(cfg.seed)  # every cell sees the same batches
@@ -1338,9 +1443,7 @@ def main(argv):
                  f"use a longer text or a smaller --block_size")
     # The token ids live on the device, so get_batch cuts batches there: no host-to-device copy per step.
     train_ids, val_ids = train_ids.to(cfg.device), val_ids.to(cfg.device)
-    n_params = sum(p.numel() for p in GPT(tok.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer,
-                                          cfg.seed, TORCH_OPS, residual=cfg.residual,
-                                          n_streams=cfg.n_streams).parameters())
+    n_params = sum(p.numel() for p in model_from_config(cfg, tok.vocab_size, TORCH_OPS).parameters())
     print(f"op sets: {', '.join(o.name for o in op_sets)} | {n_params / 1e6:.2f}M parameters | vocab {tok.vocab_size}"
           f" | {len(train_ids):,} train / {len(val_ids):,} val tokens")
     # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
