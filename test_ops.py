@@ -21,12 +21,14 @@ import re
 import signal
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import types
+import warnings
 import zipfile
 import zlib
 
@@ -97,10 +99,11 @@ def check(label, ours, ref, tol):
     CHECKS.append(f"{label} {err:.1e}/{tol_text}")
 
 
-def compare(f, tol, grad_tol=None, **inputs):
+def compare(f, tol, grad_tol=None, dy=None, **inputs):
     """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies. Given grad_tol (one for
-    all, or by input name), one random dy goes back through both autograds and every float input's
-    gradient is checked too."""
+    all, or by input name), one dy (random unless given) goes back through both autograds and every
+    float input's gradient is checked too. Float32 inputs and dy reach our op as they are (same memory,
+    same strides and offset); the reference gets float64 copies."""
     def leaves(dtype):
         return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None)
                 if t is not None and t.is_floating_point() else t for n, t in inputs.items()}
@@ -110,7 +113,9 @@ def compare(f, tol, grad_tol=None, **inputs):
     check("out", out, ref, tol)
     if grad_tol is None:
         return
-    dy = torch.randn_like(out)
+    if dy is None:
+        dy = torch.randn_like(out)
+    assert dy.shape == out.shape, f"dy {tuple(dy.shape)} for an output of {tuple(out.shape)}"
     out.backward(dy)
     ref.backward(dy.double())
     for n, t in ours_in.items():
@@ -1195,6 +1200,15 @@ def rand(*shape, scale=1.0):
     return torch.randn(*shape, device=DEV) * scale
 
 
+def misaligned(*shape):
+    """Unit normals in a contiguous view that starts one float into its allocation, so its data pointer
+    is not 16-byte aligned: 16-byte loads of it need a copy or the scalar path. Checked here, so a
+    case built on it cannot become an aligned one unnoticed."""
+    t = rand(1 + math.prod(shape))[1:].view(*shape)
+    assert t.data_ptr() % 16, f"misaligned({shape}) is 16-byte aligned"
+    return t
+
+
 def mm_tol(*dims):
     # rounding in an fp32 dot product grows with its length; 1e-4*sqrt(n) leaves room for any fp32
     # summation order yet catches TF32 slipping in (~1e-3*sqrt(n)) and any indexing slip (O(1))
@@ -1515,7 +1529,7 @@ def stream_x(lead, n, C, layout):
     if layout == "transposed":
         return rand(*lead, C, n).transpose(-1, -2)
     if layout == "misaligned":
-        return rand(math.prod(lead) * n * C + 1)[1:].view(*lead, n, C)
+        return misaligned(*lead, n, C)
     return rand(*lead, n, C)
 
 
@@ -1637,15 +1651,28 @@ for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
 
 
 def t_attention_misaligned(impl):
-    # q and dout start 4 bytes into an allocation: the fused kernels' 16-byte copies must not see that
+    # q, k, v and dout each start 4 bytes into an allocation: the fused kernels' 16-byte copies
+    # (cp.async) must not see that, nor may the tiled path's matmuls. `seen` holds each one's address
+    # mod 16 as our op received it (dout: as autograd hands it to the attention's backward).
     B, H, S, D = 2, 3, 17, 64
-    q = rand(1 + B * H * S * D)[1:].view(B, H, S, D)
+    seen = {}
+
+    def f(ops, q, k, v):
+        out = ops.attention(q, k, v, **ATTN_IMPLS[impl])
+        if ops is kernels:
+            seen.update({n: t.data_ptr() % 16 for n, t in (("q", q), ("k", k), ("v", v))})
+            out.register_hook(lambda g: seen.update(dout=g.data_ptr() % 16))
+        return out
+
     tol, g = ATTN_TOL[impl]
-    compare(lambda ops, q, k, v: ops.attention(q, k, v, **ATTN_IMPLS[impl]), tol, g, q=q, k=rand(B, H, S, D),
-            v=rand(B, H, S, D))
+    compare(f, tol, g, dy=misaligned(B, H, S, D), q=misaligned(B, H, S, D), k=misaligned(B, H, S, D),
+            v=misaligned(B, H, S, D))
+    assert sorted(seen) == ["dout", "k", "q", "v"] and all(seen.values()), f"address mod 16 seen by the op: {seen}"
+    return "q, k, v, dout at address mod 16 = " + ", ".join(str(seen[n]) for n in ("q", "k", "v", "dout"))
 
 
-add("attention/fused-fp32/misaligned_q", t_attention_misaligned, "fused-fp32")
+for _impl in ("fused-fp32", "tiled"):
+    add(f"attention/{_impl}/misaligned_qkv_dout", t_attention_misaligned, _impl)
 
 
 def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
@@ -1677,6 +1704,102 @@ def op_sets_same_names():
 
 
 add("opsets/same_names", op_sets_same_names)
+
+# -----------------------------------------------------------------------------
+# train.py on the GPU: the training step reproduces itself bit for bit, and the two op sets train
+# alike. Both run train.train_op_set, the loop of `python train.py` (the cuda op set graphed, as by
+# default), on a generated text, so they never skip for want of the book.
+
+
+def gpu_train_text(n_words=4000):
+    """About 24,000 characters: words of random letters and digits, sentences of 12 words ending in
+    '.' and a line break. 65 distinct characters."""
+    g = torch.Generator().manual_seed(0)
+    alphabet = string.ascii_letters + string.digits
+    lengths = torch.randint(1, 9, (n_words,), generator=g).tolist()
+    picks = iter(torch.randint(0, len(alphabet), (sum(lengths),), generator=g).tolist())
+    return "".join("".join(alphabet[next(picks)] for _ in range(n)) + (".\n" if k % 12 == 11 else " ")
+                   for k, n in enumerate(lengths))
+
+
+def gpu_train(ops, out_dir, **overrides):
+    """train.train_op_set on gpu_train_text with train.py's defaults and these overrides: its result,
+    and the checkpoint it writes after its last step (weights and optimizer state), checksum verified."""
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "device": DEV, "out_dir": out_dir, "eval_iters": 2,
+                                   "sample_len": 0, "plot": False, **overrides})
+    text = gpu_train_text()
+    tok = data.CharTokenizer(text)
+    assert tok.vocab_size == 65, f"vocabulary of {tok.vocab_size} characters"
+    train_ids, val_ids = data.split_data(torch.tensor(tok.encode(text), dtype=torch.long))
+    os.makedirs(out_dir)
+    with warnings.catch_warnings():  # as train.main: graphed AdamW's eager warm-up steps warn, harmlessly
+        warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+        r = train.train_op_set(ops, cfg, tok, train_ids.to(DEV), val_ids.to(DEV))
+    assert r["status"] == "completed" and r["iters"] == cfg.max_iters, \
+        f"{ops.name}: {r['status']} after {r['iters']} steps ({r['stopped_because']})"
+    assert r["checkpoint_iter"] == cfg.max_iters, f"{ops.name}: checkpoint at iteration {r['checkpoint_iter']}"
+    return r, train.read_checkpoint(r["ckpt_path"])
+
+
+def run_tensors(ckpt):
+    """Every tensor a training run leaves behind, by name: the weights and AdamW's state."""
+    out = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for i, state in ckpt["optimizer"]["state"].items():
+        out.update({f"optimizer.{i}.{k}": v for k, v in state.items() if torch.is_tensor(v)})
+    return out
+
+
+def bits(t):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def train_gpu_deterministic(residual):
+    # Two graphed runs of the cuda op set, one seed, one batch order: every loss, every eval loss,
+    # every weight and every AdamW moment must agree to the bit after 10 steps (3 eager warm-up
+    # steps, the capture, 7 replays).
+    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=10, residual=residual)
+    ops = train.cuda_op_set(kernels, shape["n_embd"] // shape["n_head"])
+    with tempfile.TemporaryDirectory() as tmp:
+        (r1, c1), (r2, c2) = [gpu_train(ops, os.path.join(tmp, f"run{i}"), **shape) for i in (1, 2)]
+    assert r1["mode"] == r2["mode"] == "graph", f"modes {r1['mode']}, {r2['mode']}: expected the graphed step"
+    t1, t2 = run_tensors(c1), run_tensors(c2)
+    assert sorted(t1) == sorted(t2), "the two checkpoints hold different tensors"
+    differ = []
+    steps = [i for i, (a, b) in enumerate(zip(r1["train_loss"], r2["train_loss"])) if a != b]
+    if steps:
+        i = steps[0]
+        differ.append(f"losses at steps {[j + 1 for j in steps]} (step {i + 1}: {r1['train_loss'][i]!r} "
+                      f"vs {r2['train_loss'][i]!r})")
+    tensors = [k for k in t1 if t1[k].dtype != t2[k].dtype or t1[k].shape != t2[k].shape
+               or not torch.equal(bits(t1[k]), bits(t2[k]))]
+    if tensors:
+        differ.append(f"{len(tensors)} of {len(t1)} tensors: {', '.join(tensors[:8])}" + " ..." * (len(tensors) > 8))
+    if r1["evals"] != r2["evals"]:
+        differ.append(f"eval losses {r1['evals']} vs {r2['evals']}")
+    assert not differ, f"two runs of residual={residual} differ: " + "; ".join(differ)
+    return (f"{residual}: {len(r1['train_loss'])} losses (last {r1['train_loss'][-1]:.6f}), eval losses and "
+            f"{len(t1)} weight and AdamW tensors bit-identical")
+
+
+def train_gpu_op_sets_agree():
+    # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
+    # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them.
+    steps = 20
+    cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps)[0]
+                for ops in (train.TORCH_OPS, cuda)}
+    t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
+    assert len(t) == len(c) == steps, f"{len(t)} and {len(c)} losses"
+    check("loss", c, t, 1e-4)
+    diff = (c - t).abs()
+    return (f"max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps} (torch "
+            f"{runs['torch']['mode']}, cuda {runs['cuda']['mode']}); loss {t[0]:.4f} -> {t[-1]:.4f}")
+
+
+add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
+add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
+add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 
 
 # Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
