@@ -1753,11 +1753,12 @@ def bits(t):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def train_gpu_deterministic(residual):
+def train_gpu_deterministic(residual, arch="gpt"):
     # Two graphed runs of the cuda op set, one seed, one batch order: every loss, every eval loss,
     # every weight and every AdamW moment must agree to the bit after 10 steps (3 eager warm-up
     # steps, the capture, 7 replays).
-    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=10, residual=residual)
+    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=10, residual=residual,
+                 arch=arch)
     ops = train.cuda_op_set(kernels, shape["n_embd"] // shape["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
         (r1, c1), (r2, c2) = [gpu_train(ops, os.path.join(tmp, f"run{i}"), **shape) for i in (1, 2)]
@@ -1776,30 +1777,32 @@ def train_gpu_deterministic(residual):
         differ.append(f"{len(tensors)} of {len(t1)} tensors: {', '.join(tensors[:8])}" + " ..." * (len(tensors) > 8))
     if r1["evals"] != r2["evals"]:
         differ.append(f"eval losses {r1['evals']} vs {r2['evals']}")
-    assert not differ, f"two runs of residual={residual} differ: " + "; ".join(differ)
-    return (f"{residual}: {len(r1['train_loss'])} losses (last {r1['train_loss'][-1]:.6f}), eval losses and "
+    assert not differ, f"two runs of {arch}, residual={residual} differ: " + "; ".join(differ)
+    return (f"{arch}, {residual}: {len(r1['train_loss'])} losses (last {r1['train_loss'][-1]:.6f}), eval losses and "
             f"{len(t1)} weight and AdamW tensors bit-identical")
 
 
-def train_gpu_op_sets_agree():
+def train_gpu_op_sets_agree(arch="gpt"):
     # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
     # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them.
     steps = 20
     cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps)[0]
+        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch)[0]
                 for ops in (train.TORCH_OPS, cuda)}
     t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
     assert len(t) == len(c) == steps, f"{len(t)} and {len(c)} losses"
     check("loss", c, t, 1e-4)
     diff = (c - t).abs()
-    return (f"max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps} (torch "
+    return (f"{arch}: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps} (torch "
             f"{runs['torch']['mode']}, cuda {runs['cuda']['mode']}); loss {t[0]:.4f} -> {t[-1]:.4f}")
 
 
 add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
 add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
+add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")
 add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
+add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
 
 
 # Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
