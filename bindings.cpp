@@ -62,9 +62,10 @@ void gemv(const float*, const float*, const float*, float*, int, int, int, const
 size_t topk_workspace_bytes(int64_t, int, int);
 void topk(const float*, float*, int64_t*, int64_t, int, int, void*, cudaStream_t);
 bool attention_fused_supports(int);
+int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D);
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
                          int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         const int64_t* kv_len, cudaStream_t s);
+                         const int64_t* kv_len, float* workspace, cudaStream_t s);
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
                          const float* lse2, float* delta, float* dq, float* dk, float* dv, int BH, int group,
                          int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s);
@@ -901,10 +902,11 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
   const Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
   Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
   const int BH = to_int("attention", s.B * s.H, "B * H");
+  const int64_t ws_floats = attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
+  Tensor ws = ws_floats ? at::empty({ws_floats}, q.options()) : Tensor();  // split keys' partial results
   attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                       lse2.data_ptr<float>(), BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
-                      precise,
-                      kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr, stream());
+                      precise, kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr, ws_ptr(ws), stream());
   return {q, k, v, out, lse2};
 }
 

@@ -2006,6 +2006,8 @@ struct AttnArgs {
   const int64_t* kv_len;  // forward only: valid keys, read on the device; nullptr: all Sk
   int Sq, Sk;
   int group;  // query heads per K/V head
+  int split_tiles;              // forward: key tiles per split
+  float *part_o, *part_lse2;    // forward with splits: each split's output and lse2 (workspace)
   bool causal;
   float scale, scale_log2;  // scale, and scale * log2(e)
 };
@@ -2016,43 +2018,57 @@ __device__ __forceinline__ int key_tiles(const AttnArgs& p, int Sk, int q1, int 
   return last > 0 ? (last + tile - 1) / tile : 0;
 }
 
+// The forward runs per K/V head: the query heads that share it are stacked as the rows of one
+// (group * Sq, D) matrix (a view of contiguous q), row r being query r % Sq of head r / Sq. A block
+// owns 64 of those rows, so one query per head (decoding) still fills 4 * group of them, and each
+// K/V tile a block loads serves the whole group. When the blocks are too few to fill the GPU (short
+// queries against a long cache), the key tiles are also split among `splits` blocks per row tile:
+// each writes its rows' output and lse2 over its keys to a workspace, and attention_combine_kernel
+// merges them in split order (deterministic).
 template <int D, bool PRECISE>
 __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   extern __shared__ __align__(16) float smem[];
   float* Qs = smem;
   float* Ks = Qs + 64 * (D + 4);
   float* Vs = Ks + 64 * (D + 4);
-  const int bh = blockIdx.x;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest causal tiles first
+  const int kvh = blockIdx.x, split = blockIdx.z;
+  const int R = p.group * p.Sq;  // rows per K/V head
+  const int r0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest causal tiles first
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const float* q = p.q + (int64_t)bh * p.Sq * D;
-  const float* k = p.k + (int64_t)(bh / p.group) * p.Sk * D;
-  const float* v = p.v + (int64_t)(bh / p.group) * p.Sk * D;
-  const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+  const float* q = p.q + (int64_t)kvh * R * D;
+  const float* k = p.k + (int64_t)kvh * p.Sk * D;
+  const float* v = p.v + (int64_t)kvh * p.Sk * D;
+  const int row0 = r0 + warp * 16 + g, row1 = row0 + 8;
+  const int qi0 = row0 % p.Sq, qi1 = row1 % p.Sq;  // their query indices
   const int Sk = p.kv_len ? (int)max((int64_t)0, min(*p.kv_len, (int64_t)p.Sk)) : p.Sk;  // valid keys
   const int offset = Sk - p.Sq;
+  // query indices the block spans: a block across two heads' rows spans them all
+  const int r_last = min(r0 + 63, R - 1);
+  const bool one_head = r0 / p.Sq == r_last / p.Sq;
+  const int qmin = one_head ? r0 % p.Sq : 0, qmax = one_head ? r_last % p.Sq : p.Sq - 1;
 
   float o[D / 8][4] = {};
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  const int ntiles = key_tiles(p, Sk, min(q0 + 64, p.Sq), 64);
+  const int ntiles = key_tiles(p, Sk, qmax + 1, 64);
+  const int t_begin = split * p.split_tiles, t_end = min(ntiles, t_begin + p.split_tiles);
 
-  load_rows_async<64, D>(Qs, q, q0, p.Sq);
-  load_rows_async<64, D>(Ks, k, 0, Sk);
+  load_rows_async<64, D>(Qs, q, r0, R);
+  load_rows_async<64, D>(Ks, k, t_begin * 64, Sk);
   cp_async_commit();
-  load_rows_async<64, D>(Vs, v, 0, Sk);
+  load_rows_async<64, D>(Vs, v, t_begin * 64, Sk);
   cp_async_commit();
-  for (int kt = 0; kt < ntiles; ++kt) {
+  for (int kt = t_begin; kt < t_end; ++kt) {
     const int k0 = kt * 64;
     cp_async_wait<1>();  // Q and this K tile have landed
     __syncthreads();
     float s[8][4] = {};
     mma_abt<D, 8, PRECISE>(s, Qs, warp * 16, Ks);
     __syncthreads();  // all warps are done with Ks
-    if (kt + 1 < ntiles) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
+    if (kt + 1 < t_end) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
     cp_async_commit();
 
     // online softmax on this tile, rows row0 (c0, c1) and row1 (c2, c3)
-    const bool mask = k0 + 64 > Sk || (p.causal && k0 + 63 > q0 + offset);
+    const bool mask = k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset);
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -2060,8 +2076,8 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
       for (int e = 0; e < 4; ++e) {
         float x = s[j][e] * p.scale_log2;
         if (mask) {
-          const int col = k0 + j * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-          if (col >= Sk || (p.causal && col > row + offset)) x = -INFINITY;
+          const int col = k0 + j * 8 + 2 * t + (e & 1), qi = e < 2 ? qi0 : qi1;
+          if (col >= Sk || (p.causal && col > qi + offset)) x = -INFINITY;
         }
         s[j][e] = x;
         if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
@@ -2072,16 +2088,16 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
-    const float r0 = n0 == -INFINITY ? 0.f : n0, r1 = n1 == -INFINITY ? 0.f : n1;
-    const float a0 = exp2f(m0 - r0), a1 = exp2f(m1 - r1);
+    const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = exp2f(m0 - c0), a1 = exp2f(m1 - c1);
     m0 = n0;
     m1 = n1;
     l0 *= a0;  // l stays a per-thread partial sum; the 4 lanes of a row are added at the end
     l1 *= a1;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      s[j][0] = exp2f(s[j][0] - r0); s[j][1] = exp2f(s[j][1] - r0);
-      s[j][2] = exp2f(s[j][2] - r1); s[j][3] = exp2f(s[j][3] - r1);
+      s[j][0] = exp2f(s[j][0] - c0); s[j][1] = exp2f(s[j][1] - c0);
+      s[j][2] = exp2f(s[j][2] - c1); s[j][3] = exp2f(s[j][3] - c1);
       l0 += s[j][0] + s[j][1];
       l1 += s[j][2] + s[j][3];
     }
@@ -2092,7 +2108,7 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
     __syncthreads();
     mma_pm<D, 8, PRECISE>(o, s, Vs);
     __syncthreads();  // all warps are done with Vs
-    if (kt + 1 < ntiles) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
+    if (kt + 1 < t_end) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -2102,18 +2118,41 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;  // no key seen: zeros
-  float* out = p.out + (int64_t)bh * p.Sq * D;
+  // Without splits straight into out and lse2; with them into this split's slice of the workspace.
+  const int64_t rows_total = (int64_t)gridDim.x * R;
+  float* out = (gridDim.z == 1 ? p.out : p.part_o + split * rows_total * D) + (int64_t)kvh * R * D;
+  float* lse2 = (gridDim.z == 1 ? p.lse2 : p.part_lse2 + split * rows_total) + (int64_t)kvh * R;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
     const int c = n * 8 + 2 * t;
-    if (row0 < p.Sq) *reinterpret_cast<float2*>(out + (int64_t)row0 * D + c) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
-    if (row1 < p.Sq) *reinterpret_cast<float2*>(out + (int64_t)row1 * D + c) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
+    if (row0 < R) *reinterpret_cast<float2*>(out + (int64_t)row0 * D + c) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+    if (row1 < R) *reinterpret_cast<float2*>(out + (int64_t)row1 * D + c) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
   }
   if (t == 0) {
-    float* lse2 = p.lse2 + (int64_t)bh * p.Sq;
-    if (row0 < p.Sq) lse2[row0] = m0 + log2f(l0);
-    if (row1 < p.Sq) lse2[row1] = m1 + log2f(l1);
+    if (row0 < R) lse2[row0] = m0 + log2f(l0);
+    if (row1 < R) lse2[row1] = m1 + log2f(l1);
   }
+}
+
+// Merges the splits of each row: out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse2_s - max lse2),
+// lse2 = max + log2(sum_s w_s). A split that saw no key has lse2_s = -inf (weight 0); a row that no
+// split saw gets zeros, as without splits. One warp per row, splits added in order.
+__global__ void attention_combine_kernel(const float* part_o, const float* part_lse2, float* out, float* lse2,
+                                         int64_t rows, int D, int splits) {
+  const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= rows) return;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_lse2[s * rows + r]);
+  const float base = mx == -INFINITY ? 0.f : mx;
+  float wsum = 0.f;
+  for (int s = 0; s < splits; ++s) wsum += exp2f(part_lse2[s * rows + r] - base);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  for (int d = threadIdx.x; d < D; d += 32) {
+    float acc = 0.f;
+    for (int s = 0; s < splits; ++s) acc += exp2f(part_lse2[s * rows + r] - base) * part_o[(s * rows + r) * D + d];
+    out[r * D + d] = acc * inv;
+  }
+  if (threadIdx.x == 0) lse2[r] = mx + log2f(wsum);
 }
 
 // delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. Warp per row.
@@ -2306,9 +2345,18 @@ static AttnArgs attn_args(int Sq, int Sk, int group, bool causal, float scale) {
 }
 
 template <int D, bool PRECISE>
-static void attention_fwd_dispatch(const AttnArgs& p, int BH, cudaStream_t s) {
+static void attention_fwd_dispatch(const AttnArgs& p, dim3 grid, cudaStream_t s) {
   const size_t smem = 3 * 64 * (D + 4) * sizeof(float);
-  launch_attention(attention_fwd_kernel<D, PRECISE>, dim3(BH, ceil_div(p.Sq, 64)), smem, p, s);
+  launch_attention(attention_fwd_kernel<D, PRECISE>, grid, smem, p, s);
+}
+
+// Splits of the key tiles per forward block (see attention_fwd_kernel): 1 when the row tiles alone
+// give two blocks per SM, else enough for that, with at least 2 key tiles per split.
+int attention_fwd_splits(int BH, int group, int Sq, int Sk) {
+  const int64_t blocks = (int64_t)(BH / group) * ceil_div((int64_t)group * Sq, 64);
+  const int tiles = ceil_div(Sk, 64);
+  if (blocks == 0 || blocks >= 2 * num_sms()) return 1;
+  return std::max(1, std::min(ceil_div(2 * num_sms(), blocks), tiles / 2));
 }
 
 template <int D, bool PRECISE>
@@ -2338,18 +2386,38 @@ bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 96 || D
     else throw std::invalid_argument("attention: fused mode does not support this head dim"); \
   } while (0)
 
+// Floats of workspace attention_fwd_fused needs: 0 without splits.
+int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D) {
+  const int splits = attention_fwd_splits(BH, group, Sq, Sk);
+  return splits == 1 ? 0 : (int64_t)splits * BH * Sq * (D + 1);
+}
+
 // q, k, v: 16-byte aligned (cp.async). BH counts query heads (B * H_q); k and v hold BH / group
-// heads. lse2 receives BH * Sq floats (log2 units) for the backward.
+// heads. lse2 receives BH * Sq floats (log2 units) for the backward. workspace: the floats
+// attention_fwd_workspace_floats asks for.
 // kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
                          int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         const int64_t* kv_len, cudaStream_t s) {
+                         const int64_t* kv_len, float* workspace, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_fwd_fused");
   AttnArgs p = attn_args(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
-  ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, BH, s);
+  const int splits = attention_fwd_splits(BH, group, Sq, Sk);
+  p.split_tiles = ceil_div(ceil_div(Sk, 64), splits);
+  const int64_t rows = (int64_t)BH * Sq;
+  if (splits > 1) {
+    p.part_o = workspace;
+    p.part_lse2 = workspace + splits * rows * D;
+  }
+  const dim3 grid(BH / group, ceil_div((int64_t)group * Sq, 64), splits);
+  ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, grid, s);
   check_launch("attention_fwd_fused");
+  if (splits > 1) {
+    attention_combine_kernel<<<ceil_div(rows, 4), dim3(32, 4), 0, s>>>(p.part_o, p.part_lse2, out, lse2, rows, D,
+                                                                        splits);
+    check_launch("attention_combine");
+  }
 }
 
 // delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads).

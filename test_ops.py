@@ -2159,7 +2159,7 @@ def bench_attention(rows):
 
 GQA_BENCH = (4, 8, 2)  # B, H_q, H_kv: four query heads share each K/V head
 GQA_BENCH_S = (1024, 4096)
-GQA_DECODE = ((1024, 128), (8192, 128))  # (cache length, D) for one query head group against a cache
+GQA_DECODE_S = (256, 1024, 8192)  # one query per head against a cache this long, D 128, H_kv 8 (MHA) and 2
 
 
 def bench_gqa(rows):
@@ -2176,10 +2176,10 @@ def bench_gqa(rows):
                q, k, v, is_causal=kv_len is None, enable_gqa=True,
                attn_mask=None if kv_len is None else torch.arange(k.shape[2], device=DEV) < kv_len),
            "fused": lambda q, k, v, **kw: kernels.attention(q, k, v, causal=True, **kw)}
-    cases = [(S, D, pas, B) for S in GQA_BENCH_S for D in (64, 128) for pas in ("fwd", "fwd+bwd")]
-    cases += [(S, D, "decode", 1) for S, D in GQA_DECODE]
-    for S, D, pas, b in cases:
-        k, v = rand(b, Hkv, S, D), rand(b, Hkv, S, D)
+    cases = [(S, D, pas, B, Hkv) for S in GQA_BENCH_S for D in (64, 128) for pas in ("fwd", "fwd+bwd")]
+    cases += [(S, 128, "decode", 1, h) for S in GQA_DECODE_S for h in (H, Hkv)]
+    for S, D, pas, b, hkv in cases:
+        k, v = rand(b, hkv, S, D), rand(b, hkv, S, D)
         q, dout = (rand(b, H, 1 if pas == "decode" else S, D) for _ in range(2))
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         kv_len = torch.tensor([S - 1], device=DEV)  # a cache one short of full, as in decoding
@@ -2199,10 +2199,10 @@ def bench_gqa(rows):
                 torch.cuda.empty_cache()
         best = min(t for n, t in ms.items() if n != "fused" and t)
         ok, text = rel_check(outs["fused"], outs["repeat"], 2e-4)
-        rows.append(dict(op="attention gqa", shape=f"B{b} Hq{H} Hkv{Hkv} S{S} D{D}", causal=True, **{"pass": pas},
+        rows.append(dict(op="attention gqa", shape=f"B{b} Hq{H} Hkv{hkv} S{S} D{D}", causal=True, **{"pass": pas},
                          sdpa_repeat_ms=ms["repeat"], sdpa_enable_gqa_ms=ms["enable_gqa"], fused_ms=ms["fused"],
                          best_sdpa_over_fused=best / ms["fused"], check_ok=ok, check=text))
-        print(md_row([str(S), str(D), pas + (" (Sq=1)" if pas == "decode" else ""),
+        print(md_row([str(S), str(D), pas + (f" (Sq=1, B=1, H_kv={hkv})" if pas == "decode" else ""),
                       *(fmt(ms[n], ".4f") for n in fns), f"{best / ms['fused']:.2f}x", text]), flush=True)
 
 
