@@ -2033,7 +2033,11 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   float* Vs = Ks + 64 * (D + 4);
   const int kvh = blockIdx.x, split = blockIdx.z;
   const int R = p.group * p.Sq;  // rows per K/V head
-  const int r0 = (gridDim.y - 1 - blockIdx.y) * 64;  // heaviest causal tiles first
+  // Heaviest causal tiles (the last queries) first, so the light ones fill the last wave: when the
+  // heads' rows split into whole tiles, y runs over the group's heads fastest, then tiles backwards.
+  const int y = blockIdx.y, head_tiles = p.Sq / 64;
+  const int r0 = p.Sq % 64 == 0 ? (y % p.group) * p.Sq + (head_tiles - 1 - y / p.group) * 64
+                                : (gridDim.y - 1 - y) * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float* q = p.q + (int64_t)kvh * R * D;
   const float* k = p.k + (int64_t)kvh * p.Sk * D;
