@@ -59,8 +59,9 @@ void matmul(const float*, const float*, const float*, float*, int, int, int, int
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 size_t matmul_workspace_floats(int, int, int, int);
 void gemv(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t, cudaStream_t);
-size_t topk_workspace_bytes(int64_t, int, int);
-void topk(const float*, float*, int64_t*, int64_t, int, int, void*, cudaStream_t);
+size_t topk_workspace_bytes(int64_t rows, int L, int k);
+void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
+          cudaStream_t s);
 bool attention_fused_supports(int);
 int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D);
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
@@ -843,9 +844,11 @@ std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
   shape.back() = k;
   Tensor values = at::empty(shape, x.options()), indices = at::empty(shape, x.options().dtype(at::kLong));
   const int64_t rows = x.numel() / L;
-  Tensor ws = at::empty({(int64_t)topk_workspace_bytes(rows, (int)L, (int)k)}, x.options().dtype(at::kByte));
-  topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, to_int(op, L, "row length"),
-       (int)k, ws.numel() ? ws.data_ptr() : nullptr, stream());
+  const int len = to_int(op, L, "row length");
+  const size_t ws_bytes = topk_workspace_bytes(rows, len, (int)k);  // 0 unless wide rows are split
+  const Tensor ws = ws_bytes ? at::empty({(int64_t)ws_bytes}, x.options().dtype(at::kByte)) : Tensor();
+  topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, len, (int)k,
+       ws_bytes ? ws.data_ptr() : nullptr, stream());
   return {values, indices};
 }
 

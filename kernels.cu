@@ -1282,104 +1282,293 @@ void gemv(const float* W, const float* x, const float* bias, float* y, int N, in
 
 // ------------------------------------------------------------------------------------------------
 // top-k over the last dim, sorted descending like torch.topk. Order: larger value first, NaN above
-// everything, equal values by lower index first. A warp holds a segment of up to 512 elements in
-// registers and runs k rounds of "warp argmax, remove the winner". Rows longer than 512 go in
-// passes: every segment's top-k become (value, index) candidates, and the candidate rows shrink
-// (by 512 / k each pass) until one segment is left. Index -1 marks padding, below every element.
+// everything, equal values (-0 and +0 included) by lower index first. That order is the order of a
+// 64-bit key per element: the value's bits made order-preserving in the high word, the complement
+// of the column in the low word. Keys within a row are distinct, so "the top k" is "the k largest
+// keys" and needs no tie rule of its own; key 0 is below every element and marks padding. The
+// outputs read the value back from x, so -0 and NaN payloads come out as they went in.
+//
+// Rows of up to 512 with k <= 16 (MoE routing, small vocabularies) take one warp per row: the row
+// in registers, k rounds of "warp max, retire the winner"; no shared memory, no barrier, one launch.
+//
+// Everything else is a block radix select. Each thread holds its keys in registers; for 8-bit
+// digits from the top, the keys still in the running build a shared histogram, one warp scans it
+// for the digit that holds the k-th largest key, and the running set narrows to that digit's
+// bucket, until the bucket holds exactly as many keys as are still wanted (after 4 digits when the
+// values are distinct, at most 8). The chosen keys are gathered unsorted in shared memory; the
+// final pass ranks them (each of the k counts the larger ones) and writes values and indices.
+// Where the rows alone would leave SMs idle (a single 50k-wide row gives one block's work to a
+// 132-SM GPU), a row wider than one block holds is split: pass 1 gives each slice of about 2048
+// columns (wider where there are rows enough to fill the GPU) a block that writes its top-k keys to
+// the workspace, and pass 2, one block per row, selects again over those candidates. At most 64
+// slices per row, so pass 2 reads at most 64 * 128 keys. A block whose share exceeds its registers
+// reads it in chunks, the top k so far riding along as one extra key per thread. Two launches at
+// most, no host sync, and each element is read from memory once (torch.topk's radix select counts
+// digits in several passes over the row).
 
-__device__ __forceinline__ bool topk_before(float av, int ai, float bv, int bi) {
-  if (ai < 0) return false;
-  if (bi < 0) return true;
-  const bool an = isnan(av), bn = isnan(bv);
-  if (an || bn) return an && (!bn || ai < bi);
-  if (av != bv) return av > bv;
-  return ai < bi;
+constexpr int TOPK_MAX_K = 128;
+constexpr int TOPK_WARP_MAX_L = 512, TOPK_WARP_MAX_K = 16;  // the one-warp-per-row kernel's limits
+constexpr int TOPK_BLOCK_MAX_THREADS = 512;
+constexpr int TOPK_SLICE = 2048, TOPK_MAX_SLICES = 64;      // the split of a wide row
+
+__device__ __forceinline__ uint64_t topk_key(float v, uint32_t col) {
+  const uint32_t b = __float_as_uint(v);
+  uint32_t u;
+  if ((b & 0x7fffffffu) > 0x7f800000u) u = 0xffffffffu;  // any NaN: above +inf
+  else if ((b & 0x7fffffffu) == 0) u = 0x80000000u;      // -0 ties with +0
+  else u = (b & 0x80000000u) ? ~b : (b | 0x80000000u);    // larger float, larger u (>= 0x007fffff)
+  return (uint64_t)u << 32 | (uint32_t)~col;             // equal values: lower column, larger key
 }
 
-// One warp per (row, segment). in_i == nullptr: indices are positions. Output k entries per
-// (row, segment) to out_v/out_i (candidate pass) or out_v/final_i (last pass, nseg == 1).
+__device__ __forceinline__ uint32_t topk_col(uint64_t key) { return ~(uint32_t)key; }
+
+__device__ __forceinline__ uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+// One warp per row (rows stacked in threadIdx.y), L <= 32 * M, k <= 32.
 template <int M>
-__global__ void topk_kernel(const float* in_v, const int* in_i, int64_t rows, int L, int nseg, int k,
-                            float* out_v, int* out_i, int64_t* final_i) {
-  const int64_t item = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if (item >= rows * nseg) return;
-  const int64_t row = item / nseg;
-  const int seg = (int)(item % nseg), lane = threadIdx.x;
-  float v[M];
-  int id[M];
+__global__ void topk_warp_kernel(const float* __restrict__ x, float* __restrict__ values,
+                                 int64_t* __restrict__ indices, int64_t rows, int L, int k) {
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // the whole warp; nothing below waits for it
+  const int lane = threadIdx.x;
+  const float* xr = x + row * L;
+  uint64_t key[M];
 #pragma unroll
   for (int j = 0; j < M; ++j) {
-    const int pos = seg * 32 * M + j * 32 + lane;
-    const bool in = pos < L;
-    v[j] = in ? in_v[row * L + pos] : -INFINITY;
-    id[j] = !in ? -1 : in_i ? in_i[row * L + pos] : pos;
+    const int col = j * 32 + lane;
+    key[j] = col < L ? topk_key(xr[col], col) : 0;
   }
+  uint64_t mine = 0;  // lane r keeps the r-th largest
   for (int r = 0; r < k; ++r) {
-    float bv = v[0];
-    int bi = id[0];
+    uint64_t best = key[0];
 #pragma unroll
-    for (int j = 1; j < M; ++j)
-      if (topk_before(v[j], id[j], bv, bi)) { bv = v[j]; bi = id[j]; }
-    float wv = bv;
-    int wi = bi;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, wv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, wi, o);
-      if (topk_before(ov, oi, wv, wi)) { wv = ov; wi = oi; }
-    }
-    if (wi >= 0) {  // the owner retires the winner (indices are unique within a row)
+    for (int j = 1; j < M; ++j) best = max_u64(best, key[j]);
 #pragma unroll
-      for (int j = 0; j < M; ++j)
-        if (id[j] == wi) id[j] = -1;
-    }
-    if (lane == 0) {
-      const int64_t o = item * k + r;
-      out_v[o] = wi >= 0 ? wv : -INFINITY;
-      if (final_i) final_i[o] = wi;
-      else out_i[o] = wi;
-    }
+    for (int o = 16; o > 0; o >>= 1) best = max_u64(best, __shfl_xor_sync(0xffffffffu, best, o));
+#pragma unroll
+    for (int j = 0; j < M; ++j)
+      if (key[j] == best) key[j] = 0;  // keys are distinct: only the owner's matches
+    if (lane == r) mine = best;
+  }
+  if (lane < k) {  // k <= L, so every round found a real key
+    const uint32_t col = topk_col(mine);
+    values[row * k + lane] = xr[col];
+    indices[row * k + lane] = col;
   }
 }
 
-static void topk_pass(const float* in_v, const int* in_i, int64_t rows, int L, int k, float* out_v,
-                      int* out_i, int64_t* final_i, cudaStream_t s) {
-  const int per_lane = ceil_div(std::min(L, 512), 32);
-  const int M = per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : per_lane <= 8 ? 8 : 16;
-  const int nseg = ceil_div(L, 32 * M);
-  dim3 block(32, 4), grid(ceil_div(rows * nseg, 4));
-  switch (M) {
-    case 1: topk_kernel<1><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
-    case 2: topk_kernel<2><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
-    case 4: topk_kernel<4><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
-    case 8: topk_kernel<8><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i); break;
-    default: topk_kernel<16><<<grid, block, 0, s>>>(in_v, in_i, rows, L, nseg, k, out_v, out_i, final_i);
+struct TopkShared {
+  alignas(16) unsigned hist[256];
+  uint64_t chosen[TOPK_MAX_K];  // the top k so far, unsorted
+  unsigned pick[4];             // the scan's answer: digit, keys above it in the bucket, keys in it, total
+  unsigned slots;               // slot counter for gathering chosen keys; never reset, see `base`
+};
+
+// Among the block's keys (N per thread; 0 is padding, the others distinct), find the k largest, or
+// all of them if fewer. Returns how many (the same in every thread) and sets mask and want so that a
+// key is chosen iff key != 0 && (key & mask) >= want. sh.hist is zero on entry and again on return.
+// Every thread of the block calls it; blockDim.x is a multiple of 32.
+template <int N>
+__device__ __forceinline__ int topk_block_select(const uint64_t (&key)[N], int k, TopkShared& sh,
+                                                 uint64_t& mask, uint64_t& want) {
+  const int lane = threadIdx.x & 31;
+  mask = 0;
+  want = 0;
+  unsigned need = 0, chosen = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    // the histogram of this digit over the keys whose higher digits are `want`; when a warp's
+    // such keys share one digit (the merge's candidates often do), one lane adds for all of them
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const bool in = key[j] != 0 && (key[j] & mask) == want;
+      const unsigned d = (unsigned)(key[j] >> shift) & 255u;
+      const unsigned act = __ballot_sync(0xffffffffu, in);
+      if (act == 0) continue;
+      const int first = __ffs(act) - 1;
+      const unsigned d0 = __shfl_sync(0xffffffffu, d, first);
+      if (__all_sync(0xffffffffu, !in || d == d0)) {
+        if (lane == first) atomicAdd(&sh.hist[d0], (unsigned)__popc(act));
+      } else if (in) {
+        atomicAdd(&sh.hist[d], 1u);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // lane l owns bins 8l..8l+7: read, clear, find the bin of the need-th from the top
+      uint4* h4 = reinterpret_cast<uint4*>(sh.hist) + 2 * lane;
+      const uint4 a = h4[0], b = h4[1];
+      h4[0] = make_uint4(0, 0, 0, 0);
+      h4[1] = make_uint4(0, 0, 0, 0);
+      const unsigned h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      unsigned own = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) own += h[i];
+      unsigned from = own;  // keys in the bins of lanes >= this one
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_down_sync(0xffffffffu, from, o);
+        if (lane + o < 32) from += t;
+      }
+      const unsigned total = __shfl_sync(0xffffffffu, from, 0);
+      const unsigned n = shift == 56 ? min((unsigned)k, total) : need;
+      unsigned above = from - own;
+#pragma unroll
+      for (int i = 7; i >= 0; --i) {  // exactly one bin has above < n <= above + h (when n >= 1)
+        if (above < n && above + h[i] >= n) {
+          sh.pick[0] = 8 * lane + i;
+          sh.pick[1] = above;
+          sh.pick[2] = h[i];
+        }
+        above += h[i];
+      }
+      if (lane == 0) sh.pick[3] = total;
+    }
+    __syncthreads();  // pick is read below and rewritten only after the next histogram's barrier
+    if (shift == 56) {
+      chosen = need = min((unsigned)k, sh.pick[3]);
+      if (need == 0) break;
+    }
+    need -= sh.pick[1];
+    mask |= 0xffull << shift;
+    want |= (uint64_t)sh.pick[0] << shift;
+    if (sh.pick[2] == need) break;  // the whole bucket is wanted; at shift 0 the bucket is one key
   }
+  return (int)chosen;
+}
+
+struct TopkPass {
+  const float* x;           // (rows, L): read by a pass over the columns, and for the final values
+  const uint64_t* keys_in;  // pass 2 of a split: (rows, len) candidate keys; else nullptr
+  uint64_t* keys_out;       // pass 1 of a split: (rows, nseg, k) keys, 0-padded; else nullptr
+  float* values;            // the final pass: (rows, k); else nullptr
+  int64_t* indices;
+  int64_t len, seglen;      // keys per row read by this pass; each block's share of them
+  int L, k, nseg;
+};
+
+// Block (row, seg) of rows * nseg: the top k of its share of the row. blockDim.x in [128, 512],
+// a multiple of 32 and >= k (one carried key per thread); N keys per thread per chunk.
+template <int N, bool FROM_KEYS>
+__global__ void __launch_bounds__(TOPK_BLOCK_MAX_THREADS) topk_block_kernel(TopkPass p) {
+  __shared__ TopkShared sh;
+  const int64_t row = blockIdx.x / p.nseg;
+  const int seg = blockIdx.x % p.nseg, tid = threadIdx.x, k = p.k;
+  for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
+  if (tid == 0) sh.slots = 0;
+  __syncthreads();
+  const int64_t lo = seg * p.seglen, hi = lo + p.seglen < p.len ? lo + p.seglen : p.len;
+  int carried = 0;
+  unsigned base = 0;  // sh.slots before this chunk's gather
+  for (int64_t c = lo; c < hi; c += (int64_t)N * blockDim.x) {
+    uint64_t key[N + 1];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t i = c + (int64_t)j * blockDim.x + tid;
+      if (FROM_KEYS) key[j] = i < hi ? p.keys_in[row * p.len + i] : 0;
+      else key[j] = i < hi ? topk_key(p.x[row * p.L + i], (uint32_t)i) : 0;
+    }
+    key[N] = tid < carried ? sh.chosen[tid] : 0;  // read before the select's first barrier
+    uint64_t mask, want;
+    const int n = topk_block_select<N + 1>(key, k, sh, mask, want);
+#pragma unroll
+    for (int j = 0; j <= N; ++j)
+      if (key[j] != 0 && (key[j] & mask) >= want) {
+        const unsigned slot = atomicAdd(&sh.slots, 1u) - base;
+        if (slot < TOPK_MAX_K) sh.chosen[slot] = key[j];
+      }
+    base += n;
+    carried = n;
+    __syncthreads();  // chosen[] complete
+  }
+  if (p.keys_out) {
+    if (tid < k) p.keys_out[(row * p.nseg + seg) * k + tid] = tid < carried ? sh.chosen[tid] : 0;
+    return;
+  }
+  for (int t = tid; t < carried; t += blockDim.x) {  // carried == k here: the row has >= k columns
+    const uint64_t mine = sh.chosen[t];
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < carried; ++j) rank += sh.chosen[j] > mine;
+    const uint32_t col = topk_col(mine);
+    p.values[row * k + rank] = p.x[row * p.L + col];
+    p.indices[row * k + rank] = col;
+  }
+}
+
+// Threads and keys per thread for a block that reads `share` keys: up to 2048, 4 keys a thread
+// (128 to 512 threads); beyond, 16 a thread, and chunks past 512 * 16.
+static void topk_block_launch(const TopkPass& p, int64_t blocks, int64_t share, cudaStream_t s) {
+  const int n = share <= 4 * TOPK_BLOCK_MAX_THREADS ? 4 : 16;
+  int threads = 128;
+  while (threads < TOPK_BLOCK_MAX_THREADS && (int64_t)threads * n < share) threads *= 2;
+  const bool from_keys = p.keys_in != nullptr;
+  if (n == 4 && from_keys) topk_block_kernel<4, true><<<(unsigned)blocks, threads, 0, s>>>(p);
+  else if (n == 4) topk_block_kernel<4, false><<<(unsigned)blocks, threads, 0, s>>>(p);
+  else if (from_keys) topk_block_kernel<16, true><<<(unsigned)blocks, threads, 0, s>>>(p);
+  else topk_block_kernel<16, false><<<(unsigned)blocks, threads, 0, s>>>(p);
   check_launch("topk");
 }
 
-// Bytes of workspace topk() needs: two candidate buffers (values + indices) for rows > 512.
+struct TopkPlan {
+  bool warp;       // one warp per row
+  int nseg;        // > 1: split into slices of seglen columns, then merge
+  int64_t seglen;
+};
+
+// The one place that decides how a call runs; topk_workspace_bytes() sizes the workspace from it.
+static TopkPlan topk_plan(int64_t rows, int L, int k) {
+  TopkPlan p{L <= TOPK_WARP_MAX_L && k <= TOPK_WARP_MAX_K, 1, L};
+  if (p.warp || L <= TOPK_BLOCK_MAX_THREADS * 16) return p;  // one block holds the row
+  // slices of about TOPK_SLICE columns, no more than ~8 blocks per SM need, at most 64 a row
+  const int64_t fill = std::max<int64_t>(1, ceil_div(8 * (int64_t)num_sms(), rows));
+  const int64_t nseg = std::min<int64_t>(std::min<int64_t>(ceil_div(L, TOPK_SLICE), TOPK_MAX_SLICES), fill);
+  p.seglen = ceil_div(L, nseg);
+  p.nseg = ceil_div(L, p.seglen);  // no empty slice
+  return p;
+}
+
+// Bytes of workspace topk() needs: the candidate keys of a split row.
 size_t topk_workspace_bytes(int64_t rows, int L, int k) {
-  if (L <= 512) return 0;
-  return 2 * (size_t)rows * ceil_div(L, 512) * k * (sizeof(float) + sizeof(int));
+  const TopkPlan p = topk_plan(rows, L, k);
+  return p.nseg > 1 ? (size_t)rows * p.nseg * k * sizeof(uint64_t) : 0;
 }
 
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
           cudaStream_t s) {
   if (rows == 0) return;
-  const size_t cap = (size_t)rows * ceil_div(L, 512) * k;
-  float* buf_v[2] = {static_cast<float*>(workspace), static_cast<float*>(workspace) + cap};
-  int* buf_i[2] = {reinterpret_cast<int*>(buf_v[1] + cap), reinterpret_cast<int*>(buf_v[1] + cap) + cap};
-  const float* in_v = x;
-  const int* in_i = nullptr;
-  int len = L, b = 0;
-  while (len > 512) {  // candidate passes; each leaves ceil(len / 512) * k candidates per row
-    topk_pass(in_v, in_i, rows, len, k, buf_v[b], buf_i[b], nullptr, s);
-    in_v = buf_v[b];
-    in_i = buf_i[b];
-    len = ceil_div(len, 512) * k;
-    b ^= 1;
+  const TopkPlan plan = topk_plan(rows, L, k);
+  if (plan.warp) {
+    const dim3 block(32, 4), grid(ceil_div(rows, 4));
+    if (L <= 32) topk_warp_kernel<1><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else if (L <= 64) topk_warp_kernel<2><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else if (L <= 128) topk_warp_kernel<4><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else if (L <= 256) topk_warp_kernel<8><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else topk_warp_kernel<16><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    check_launch("topk");
+    return;
   }
-  topk_pass(in_v, in_i, rows, len, k, values, nullptr, indices, s);
+  TopkPass last{};
+  last.x = x;
+  last.values = values;
+  last.indices = indices;
+  last.L = L;
+  last.k = k;
+  last.nseg = 1;
+  if (plan.nseg > 1) {
+    TopkPass first = last;
+    first.values = nullptr;
+    first.indices = nullptr;
+    first.keys_out = static_cast<uint64_t*>(workspace);
+    first.len = L;
+    first.seglen = plan.seglen;
+    first.nseg = plan.nseg;
+    topk_block_launch(first, rows * plan.nseg, plan.seglen, s);
+    last.keys_in = first.keys_out;
+    last.len = (int64_t)plan.nseg * k;
+  } else {
+    last.len = L;
+  }
+  last.seglen = last.len;
+  topk_block_launch(last, rows, last.len, s);
 }
 
 // ------------------------------------------------------------------------------------------------

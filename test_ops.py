@@ -1447,27 +1447,51 @@ for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 
     add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
         _E, _N, _K, _ex, _bias)
 
-BIG = 2.0 ** 100  # stands in for NaN in the value comparison; exact in fp32 and fp64
+BIG = 2.0 ** 100  # stands in for NaN (2 * BIG for inf) in the value comparison; exact in fp32 and fp64
 
 
-def t_topk(shape, k, ints=False, nan=False):
-    # ints: values from -4..4, so rows are full of ties and the index order is the test
-    x = torch.randint(-4, 5, shape, device=DEV).float() if ints else rand(*shape)
-    if nan:
+def t_topk(shape, k, kind=""):
+    # ties: values from -4..4, so rows are full of ties and the index order is the test; zeros: +0
+    # and -0 only, which tie; inf: +inf and -inf columns among the values; nan: two NaN columns and
+    # row 1 all NaN (NaN ranks largest, NaNs by index)
+    if kind == "ties":
+        x = torch.randint(-4, 5, shape, device=DEV).float()
+    elif kind == "zeros":
+        x = torch.zeros(shape, device=DEV).masked_fill_(torch.rand(shape, device=DEV) < 0.5, -0.0)
+    else:
+        x = rand(*shape)
+    if kind == "inf":
+        x[:, ::3] = float("inf")
+        x[:, 1::3] = float("-inf")
+    if kind == "nan":
         x[:, 3] = float("nan")
         x[::2, -1] = float("nan")
+        x[1:2] = float("nan")
     values, idx = kernels.topk(x, k)
     ref_values, ref_idx = topk_reference(x, k)
     assert values.dtype == torch.float32 and idx.dtype == torch.int64, f"dtypes {values.dtype}, {idx.dtype}"
-    check("values", values.nan_to_num(BIG), ref_values.nan_to_num(BIG), 0.0)
+    # NaN and +-inf stand in as finite numbers (an fp32 and an fp64 inf would not compare)
+    check("values", values.double().nan_to_num(BIG, 2 * BIG, -2 * BIG), ref_values.nan_to_num(BIG, 2 * BIG, -2 * BIG),
+          0.0)
     check("idx", idx, ref_idx, 0.0)
+    if kind == "zeros":  # -0 and +0 tie, but each value is the one at its index
+        assert torch.equal(values.signbit(), x.gather(-1, idx).signbit()), "sign of a zero lost"
 
 
+# Paths: rows up to 512 with k <= 16 take one warp per row; otherwise one block holds a row of up to
+# 8192; wider rows with few rows are split into slices of ~4096 and merged; a block whose share is
+# wider than 8192 reads it in chunks (1 x 600000; 2048 rows of 8200 fill the GPU without splitting).
 for _shape, _k, _kind in (((4096, 8), 1, ""), ((4096, 8), 2, ""), ((4096, 8), 8, ""), ((1, 50304), 50, ""),
-                          ((37, 1000), 128, ""), ((2, 5, 300), 7, ""), ((5, 1), 1, ""),
-                          ((4096, 8), 2, "ties"), ((64, 1000), 128, "ties"), ((16, 100), 10, "nan")):
-    add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k,
-        ints=_kind == "ties", nan=_kind == "nan")
+                          ((37, 1000), 128, ""), ((2, 5, 300), 7, ""), ((5, 1), 1, ""), ((1, 1), 1, ""),
+                          ((4096, 8), 2, "ties"), ((64, 1000), 128, "ties"), ((16, 100), 10, "nan"),
+                          ((3, 16), 16, "ties"), ((3, 17), 17, ""), ((2, 512), 16, ""), ((2, 513), 16, "ties"),
+                          ((4, 512), 17, "ties"), ((3, 128), 128, "nan"), ((5, 300), 64, "zeros"),
+                          ((37, 1000), 128, "inf"), ((3, 8192), 128, "ties"), ((3, 8193), 128, "ties"),
+                          ((1, 8193), 1, "zeros"), ((1, 50304), 50, "ties"), ((1, 50304), 50, "nan"),
+                          ((1, 50304), 128, "zeros"), ((64, 50304), 50, ""), ((1, 262144), 128, ""),
+                          ((1, 262144), 128, "ties"), ((1, 600000), 128, ""), ((1, 600000), 100, "nan"),
+                          ((2048, 8200), 100, "ties")):
+    add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k, _kind)
 
 
 def sinkhorn_tol(scale):
@@ -2058,7 +2082,7 @@ def bench_ops(rows):
     E, N, K, chosen = 8, 3072, 768, torch.tensor([5, 2], device=DEV)
     bench_op(rows, "expert_gemv", f"2 of {E}x{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.expert_gemv(w, x, b, chosen),
              [rand(E, N, K), rand(2, K), rand(E, N)], 4 * 2 * (N * K + K + 2 * N), "GB/s")
-    for shape, k in (((4096, 8), 2), ((1, 50304), 50)):
+    for shape, k in (((4096, 8), 2), ((1, 50304), 50), ((64, 50304), 50), ((1, 262144), 128)):
         x = rand(*shape)
         bench_op(rows, "topk", f"{shape[0]}x{shape[1]} k={k}", "fwd", lambda ops, x: ops.topk(x, k), [x],
                  4 * x.numel(), "GB/s", check_fn=functools.partial(topk_check, x))
