@@ -2,6 +2,8 @@
 // and the argument), allocates outputs, launches on the current CUDA stream under a device guard,
 // and, when differentiable, pairs the forward with our backward kernels through an autograd
 // Function, so loss.backward() runs them. From Python the ops read like torch.nn.functional.
+// Index ranges are the one check left to the kernels (see raise_pending_index_error): no op waits
+// for the GPU.
 //
 // Non-contiguous inputs: matmul, linear and tiled attention read strided 2-D views (transposes,
 // slices) directly; every other op makes a contiguous copy first (cost: one extra copy).
@@ -22,7 +24,10 @@ using at::Tensor;
 
 // ---- launchers defined in kernels.cu ----------------------------------------------------------
 void embedding_fwd(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
-void embedding_bwd(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
+size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C);
+void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
+                   cudaStream_t s);
+bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit);
 void layernorm_fwd(const float*, const float*, const float*, float*, float*, float*, int, int, float, cudaStream_t);
 void layernorm_bwd_dx(const float*, const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
 void layernorm_bwd_params(const float*, const float*, const float*, const float*, float*, float*, float*, float*, int, int, cudaStream_t);
@@ -115,15 +120,26 @@ static void check_dim(const char* op, const Tensor& t, const char* name, int64_t
   REQUIRE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", shape, ", got shape ", t.sizes());
 }
 
-// Raise ValueError if any index is outside [0, n). Costs one device-to-host copy, so it is skipped
-// while a CUDA graph is being captured (the kernels then skip bad indices instead of faulting).
-static void check_index_range(const char* op, const Tensor& idx, const char* name, int64_t n) {
-  if (idx.numel() == 0) return;
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  auto mm = at::aminmax(idx);
-  const int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
-  REQUIRE_VALUE(lo >= 0 && hi < n, op, ": ", name, " out of range: values must be in [0, ", n,
-                    "), got min ", lo, ", max ", hi);
+// Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts) are found by
+// the kernels, on the device: checking them here would copy them to the host and stall the stream on
+// every call, and could not run inside a CUDA graph. A bad index gives NaN in its rows, and the first
+// one is left in a mailbox in pinned host memory (kernels.cu, "bad indices"). Every op raises it at
+// entry, a host memory read with no sync, as a ValueError that names the op, the argument, the value
+// and the valid range, and clears it; check_errors() waits for the current stream first.
+static void raise_pending_index_error() {
+  const char *op = nullptr, *arg = nullptr;
+  int64_t value = 0, limit = 0;
+  if (take_index_error(&op, &arg, &value, &limit))
+    REQUIRE_VALUE(false, op, ": ", arg, " out of range in an earlier call: got ", value, ", values must be in [0, ",
+                  limit, ")");
+}
+
+void check_errors() {
+  if (c10::cuda::device_count() == 0) return;
+  // A sync is not allowed while the stream is captured; the mailbox is then read as it stands.
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+    at::cuda::getCurrentCUDAStream().synchronize();
+  raise_pending_index_error();
 }
 
 static int to_int(const char* op, int64_t v, const char* what) {
@@ -232,6 +248,7 @@ static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, cons
 // One row and no gradient wanted (batch-1 decoding): the GEMV kernel, which streams the weight once at
 // memory speed, where the tensor-core matmul would fill one row of a 64-row tile.
 Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  raise_pending_index_error();
   const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
                           (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
   if (!wants_grad && x.defined() && x.dim() >= 1 && x.numel() == x.size(-1) && x.numel() > 0) {
@@ -279,7 +296,10 @@ struct MatmulFn : torch::autograd::Function<MatmulFn> {
   }
 };
 
-Tensor matmul_op(const Tensor& a, const Tensor& b) { return MatmulFn::apply(a, b); }
+Tensor matmul_op(const Tensor& a, const Tensor& b) {
+  raise_pending_index_error();
+  return MatmulFn::apply(a, b);
+}
 
 // ---- layernorm --------------------------------------------------------------------------------
 
@@ -326,6 +346,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
 };
 
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  raise_pending_index_error();
   return LayerNormFn::apply(x, weight, bias, eps);
 }
 
@@ -369,7 +390,10 @@ struct RMSNormFn : torch::autograd::Function<RMSNormFn> {
   }
 };
 
-Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) { return RMSNormFn::apply(x, weight, eps); }
+Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
+  raise_pending_index_error();
+  return RMSNormFn::apply(x, weight, eps);
+}
 
 // ---- Sinkhorn ---------------------------------------------------------------------------------
 
@@ -404,7 +428,10 @@ struct SinkhornFn : torch::autograd::Function<SinkhornFn> {
   }
 };
 
-Tensor sinkhorn(const Tensor& logits, int64_t iters) { return SinkhornFn::apply(logits, iters); }
+Tensor sinkhorn(const Tensor& logits, int64_t iters) {
+  raise_pending_index_error();
+  return SinkhornFn::apply(logits, iters);
+}
 
 // ---- stream mixing (hyper-connections) --------------------------------------------------------
 // x (..., n, C): n residual streams per token; the coefficients are static (the same for every
@@ -476,7 +503,10 @@ struct StreamMergeFn : torch::autograd::Function<StreamMergeFn> {
   }
 };
 
-Tensor stream_merge(const Tensor& x, const Tensor& h) { return StreamMergeFn::apply(x, h); }
+Tensor stream_merge(const Tensor& x, const Tensor& h) {
+  raise_pending_index_error();
+  return StreamMergeFn::apply(x, h);
+}
 
 struct StreamMixFn : torch::autograd::Function<StreamMixFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in,
@@ -534,6 +564,7 @@ struct StreamMixFn : torch::autograd::Function<StreamMixFn> {
 };
 
 Tensor stream_mix(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  raise_pending_index_error();
   return StreamMixFn::apply(x, h_res, h_post, y);
 }
 
@@ -567,7 +598,10 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
   }
 };
 
-Tensor softmax(const Tensor& x) { return SoftmaxFn::apply(x); }
+Tensor softmax(const Tensor& x) {
+  raise_pending_index_error();
+  return SoftmaxFn::apply(x);
+}
 
 // ---- GELU -------------------------------------------------------------------------------------
 
@@ -601,7 +635,10 @@ struct GeluFn : torch::autograd::Function<GeluFn> {
   }
 };
 
-Tensor gelu(const Tensor& x, const std::string& approximate) { return GeluFn::apply(x, approximate); }
+Tensor gelu(const Tensor& x, const std::string& approximate) {
+  raise_pending_index_error();
+  return GeluFn::apply(x, approximate);
+}
 
 // ---- SiLU and SwiGLU --------------------------------------------------------------------------
 
@@ -626,7 +663,10 @@ struct SiluFn : torch::autograd::Function<SiluFn> {
   }
 };
 
-Tensor silu(const Tensor& x) { return SiluFn::apply(x); }
+Tensor silu(const Tensor& x) {
+  raise_pending_index_error();
+  return SiluFn::apply(x);
+}
 
 // silu(a) * b in one pass (forward: read a, b, write y; backward: read a, b, dy, write da, db), where
 // F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward.
@@ -658,7 +698,10 @@ struct SwigluFn : torch::autograd::Function<SwigluFn> {
   }
 };
 
-Tensor swiglu(const Tensor& a, const Tensor& b) { return SwigluFn::apply(a, b); }
+Tensor swiglu(const Tensor& a, const Tensor& b) {
+  raise_pending_index_error();
+  return SwigluFn::apply(a, b);
+}
 
 // ---- RoPE -------------------------------------------------------------------------------------
 
@@ -702,7 +745,10 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
   }
 };
 
-Tensor rope_op(const Tensor& x, const Tensor& cos, const Tensor& sin) { return RopeFn::apply(x, cos, sin); }
+Tensor rope_op(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  raise_pending_index_error();
+  return RopeFn::apply(x, cos, sin);
+}
 
 // ---- embedding --------------------------------------------------------------------------------
 
@@ -713,8 +759,9 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
     check_float_cuda(op, w_in, "weight");
     check_dim(op, w_in, "weight", 2, "(num_embeddings, embedding_dim)");
     check_same_device(op, idx_in, "idx", w_in, "weight");
+    to_int(op, w_in.size(0), "num_embeddings");  // the backward sorts indices as 32-bit keys
+    to_int(op, idx_in.numel(), "number of indices");
     const c10::cuda::CUDAGuard guard(w_in.device());
-    check_index_range(op, idx_in, "idx", w_in.size(0));
     const Tensor idx = idx_in.contiguous(), w = w_in.contiguous();
     auto shape = idx.sizes().vec();
     shape.push_back(w.size(1));
@@ -731,14 +778,21 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
     const int64_t V = ctx->saved_data["V"].toInt();
     const c10::cuda::CUDAGuard guard(idx.device());
     const Tensor dout = grads[0].contiguous();
-    const int C = (int)dout.size(-1);
+    const int C = (int)dout.size(-1), T = (int)idx.numel();
+    // Only this op's gradient: where the weight is also used elsewhere (a tied output head), autograd
+    // adds the two.
     Tensor dw = at::zeros({V, (int64_t)C}, dout.options());
-    embedding_bwd(idx.data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), idx.numel(), V, C, stream());
+    Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, V, C)}, dout.options().dtype(at::kByte));
+    embedding_bwd(idx.data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, V, C,
+                  ws.numel() ? ws.data_ptr() : nullptr, stream());
     return {Tensor(), dw};
   }
 };
 
-Tensor embedding(const Tensor& idx, const Tensor& weight) { return EmbeddingFn::apply(idx, weight); }
+Tensor embedding(const Tensor& idx, const Tensor& weight) {
+  raise_pending_index_error();
+  return EmbeddingFn::apply(idx, weight);
+}
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
@@ -753,7 +807,6 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
                 logits_in.size(0), ",), got ", tgt_in.sizes());
     REQUIRE(logits_in.size(0) > 0 && logits_in.size(1) > 0, op, ": logits must be non-empty, got ", logits_in.sizes());
     const c10::cuda::CUDAGuard guard(logits_in.device());
-    check_index_range(op, tgt_in, "targets", logits_in.size(1));
     const Tensor x = logits_in.contiguous(), tgt = tgt_in.contiguous();
     const int R = to_int(op, x.size(0), "N"), C = to_int(op, x.size(1), "C");
     Tensor lse = at::empty({R}, x.options()), rows = at::empty({R}, x.options()), loss = at::empty({}, x.options());
@@ -775,7 +828,10 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
   }
 };
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets) { return CrossEntropyFn::apply(logits, targets); }
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
+  raise_pending_index_error();
+  return CrossEntropyFn::apply(logits, targets);
+}
 
 // ---- GEMV (inference only, no autograd) --------------------------------------------------------
 
@@ -798,6 +854,7 @@ static Tensor checked_bias(const char* op, const Tensor& w, const std::optional<
 }
 
 Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in) {
+  raise_pending_index_error();
   const char* op = "gemv";
   check_float_cuda(op, w_in, "weight");
   check_float_cuda(op, x_in, "x");
@@ -812,6 +869,7 @@ Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tenso
 
 Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in,
                       const Tensor& experts_in) {
+  raise_pending_index_error();
   const char* op = "expert_gemv";
   check_float_cuda(op, w_in, "weight");
   check_float_cuda(op, x_in, "x");
@@ -825,13 +883,13 @@ Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optiona
               x_in.size(0), ",), one per row of x, got ", experts_in.sizes());
   const Tensor b = checked_bias(op, w_in, b_in, {w_in.size(0), w_in.size(1)});
   const c10::cuda::CUDAGuard guard(w_in.device());
-  check_index_range(op, experts_in, "experts", w_in.size(0));
   return gemv_launch(op, w_in.contiguous(), x_in.contiguous(), b, experts_in.contiguous());
 }
 
 // ---- top-k (no autograd) ----------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
+  raise_pending_index_error();
   const char* op = "topk";
   check_float_cuda(op, x_in, "x");
   REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
@@ -982,6 +1040,7 @@ struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
                  const std::string& mode, const std::string& precision, const std::optional<Tensor>& kv_len) {
+  raise_pending_index_error();
   REQUIRE_VALUE(mode == "fused" || mode == "tiled", "attention: mode must be 'fused' or 'tiled', got '", mode, "'");
   REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
                     "attention: precision must be 'fp32' (3xTF32) or 'tf32', got '", precision, "'");
@@ -1017,14 +1076,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax", &softmax, "softmax over the last dim", py::arg("x"));
   m.def("gelu", &gelu, "GELU, approximate='none' (erf) or 'tanh', like F.gelu", py::arg("x"),
         py::arg("approximate") = "none");
-  m.def("embedding", &embedding, "rows of weight gathered by int64 idx, like F.embedding", py::arg("idx"),
-        py::arg("weight"));
-  m.def("cross_entropy", &cross_entropy, "mean cross-entropy of logits (N, C) against int64 targets (N,)",
+  m.def("embedding", &embedding,
+        "rows of weight gathered by int64 idx, like F.embedding; deterministic backward (no atomics). An idx "
+        "outside [0, num_embeddings) gives a NaN row, and a ValueError from the next op call or check_errors()",
+        py::arg("idx"), py::arg("weight"));
+  m.def("cross_entropy", &cross_entropy,
+        "mean cross-entropy of logits (N, C) against int64 targets (N,). A target outside [0, C) makes its row's "
+        "loss (so the mean) and gradient NaN, and raises ValueError from the next op call or check_errors()",
         py::arg("logits"), py::arg("targets"));
   m.def("gemv", &gemv_op, "y = weight @ x + bias for one vector x (decoding)", py::arg("weight"), py::arg("x"),
         py::arg("bias") = py::none());
   m.def("expert_gemv", &expert_gemv_op,
-        "row s = weight[experts[s]] @ x[s] + bias[experts[s]]: weight (E, N, K), x (S, K), experts (S,) int64",
+        "row s = weight[experts[s]] @ x[s] + bias[experts[s]]: weight (E, N, K), x (S, K), experts (S,) int64. "
+        "An expert outside [0, E) gives a NaN row, and a ValueError from the next op call or check_errors()",
         py::arg("weight"), py::arg("x"), py::arg("bias"), py::arg("experts"));
   m.def("topk", &topk_op, "k largest over the last dim, sorted; ties -> lower index first, NaN largest", py::arg("x"),
         py::arg("k"));
@@ -1056,5 +1120,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(..., n)), y (..., C) -> (..., n, C), out[..., i, c] = sum_j h_res[i, j] x[..., j, c] + h_post[i] y[..., c], "
         "like mhc.stream_mix_torch; n <= 8",
         py::arg("x"), py::arg("h_res"), py::arg("h_post"), py::arg("y"));
+  m.def("check_errors", &check_errors,
+        "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy or "
+        "expert_gemv call met an index out of range (naming the op, the argument, the first bad value and the "
+        "valid range) and clear it. Every op does the same check at entry without waiting, so a bad index "
+        "surfaces at the next call anyway; this is for when that must be now (a log point, the end of a run, "
+        "after replaying a CUDA graph). While the stream is captured it does not wait",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

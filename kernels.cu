@@ -2,18 +2,22 @@
 // fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy.
 //
 // Sections, top to bottom:
-//   helpers -> embedding -> layernorm and RMSNorm -> column sums -> softmax -> cross-entropy -> GELU
-//   -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn -> stream mixing (hyper-connections)
-//   -> attention (fused forward/backward)
+//   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
+//   -> softmax -> cross-entropy -> GELU -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn
+//   -> stream mixing (hyper-connections) -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
 // compiles this file on its own. bindings.cpp is the PyTorch face (checks, allocation, autograd).
 
 #include <cuda_runtime.h>
+#include <cub/device/device_radix_sort.cuh>  // CUB ships with the CUDA toolkit (header-only)
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -145,49 +149,312 @@ static RowLaunch row_launch(int C, bool vec_ok) {
   } while (0)
 
 // ------------------------------------------------------------------------------------------------
-// embedding: out[t, :] = weight[idx[t], :]; backward scatter-adds rows of dout into dweight.
-// bindings.cpp range-checks the indices; the kernels also skip a bad index (zeros forward) so a
-// check skipped under CUDA-graph capture can never read or write out of bounds.
+// bad indices: the error mailbox. embedding (idx), cross_entropy (targets) and expert_gemv (experts)
+// take indices that live on the device. Checking them on the host would copy them back and stall the
+// stream on every call (it made a 1024-token embedding 5x slower than PyTorch's), and cannot run at
+// all inside a CUDA graph. So the kernels check them where they read them: a bad index gives NaN
+// where its row would go (never a silent value, never an out-of-bounds access), and the first bad
+// index is recorded in a mailbox in pinned, host-mapped memory. bindings.cpp reads the mailbox at
+// the entry of every op, a plain host read with no sync, and raises the error there; check_errors()
+// syncs first. A write to mapped memory is an ordinary store, so it works inside a captured graph.
+//
+// First error wins: the mailbox is claimed with an atomicCAS on a counter in device memory (atomics
+// on host memory over PCIe are not guaranteed), from the value the host last armed it with. The host
+// re-arms it (armed = claims) when it takes the error, so no device memory needs resetting from the
+// host (a stream-ordered reset would end up inside a graph being captured). An error that comes while
+// the host is taking the previous one may be dropped; its NaN stays.
 
-__global__ void embedding_fwd_kernel(const int64_t* idx, const float* weight, float* out,
-                                     int64_t V, int C) {
-  const int64_t t = blockIdx.x;
-  const int64_t row = idx[t];
-  const bool ok = row >= 0 && row < V;
-  const float* src = weight + (ok ? row : 0) * C;
-  float* dst = out + t * C;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) dst[c] = ok ? src[c] : 0.f;
+enum IndexErrorWhat { kBadEmbeddingIdx = 1, kBadCrossEntropyTarget = 2, kBadExpert = 3 };
+
+struct IndexErrorBox {  // one per device, in pinned host memory mapped into the device's address space
+  int full;             // set by the device after the fields below, cleared by the host
+  int what;             // an IndexErrorWhat
+  long long value, limit;
+  unsigned armed;       // the claim count at which the next error may write here
+};
+
+constexpr int kMaxDevices = 64;
+__device__ unsigned index_error_claims;  // one per device: each device holds its own copy of this module
+static std::atomic<IndexErrorBox*> g_error_boxes{nullptr};  // host view, kMaxDevices boxes
+static std::atomic<IndexErrorBox*> g_error_box_dev[kMaxDevices];  // device views
+static std::atomic<int> g_error_devices{0};  // 1 + the highest device that has its box
+static std::mutex g_error_mutex;
+
+// Records index `value`, outside [0, limit), unless an earlier error is still pending.
+__device__ __noinline__ void report_bad_index(IndexErrorBox* box, int what, int64_t value, int64_t limit) {
+  if (box == nullptr) return;
+  const unsigned armed = *(volatile unsigned*)&box->armed;  // host-written: read past the caches
+  if (atomicCAS(&index_error_claims, armed, armed + 1) != armed) return;
+  box->what = what;
+  box->value = value;
+  box->limit = limit;
+  __threadfence_system();  // the fields reach the host before the flag does
+  *(volatile int*)&box->full = 1;
 }
 
-// Atomic adds: rows repeated in idx are summed in an unspecified order (last-bit nondeterminism,
-// the same trade PyTorch's CUDA embedding backward makes by default).
-__global__ void embedding_bwd_kernel(const int64_t* idx, const float* dout, float* dweight,
-                                     int64_t V, int C) {
-  const int64_t t = blockIdx.x;
+// The current device's mailbox (device pointer), made on first use; the pinned allocation lives as
+// long as the process, since graphs captured with its address may be replayed at any time.
+static IndexErrorBox* index_error_box() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= kMaxDevices) return nullptr;  // no mailbox: bad indices still give NaN
+  IndexErrorBox* box = g_error_box_dev[dev].load(std::memory_order_acquire);
+  if (box) return box;
+  std::lock_guard<std::mutex> lock(g_error_mutex);
+  if (!g_error_boxes.load()) {
+    // The first call may come while a graph is being captured: allow the allocation there.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    void* host = nullptr;
+    const cudaError_t err =
+        cudaHostAlloc(&host, kMaxDevices * sizeof(IndexErrorBox), cudaHostAllocMapped | cudaHostAllocPortable);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("index error mailbox: cudaHostAlloc failed: ") + cudaGetErrorString(err));
+    std::memset(host, 0, kMaxDevices * sizeof(IndexErrorBox));
+    g_error_boxes.store(static_cast<IndexErrorBox*>(host));
+  }
+  void* dptr = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&dptr, g_error_boxes.load() + dev, 0);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("index error mailbox: cudaHostGetDevicePointer failed: ") +
+                             cudaGetErrorString(err));
+  box = static_cast<IndexErrorBox*>(dptr);
+  g_error_box_dev[dev].store(box, std::memory_order_release);
+  if (g_error_devices.load() < dev + 1) g_error_devices.store(dev + 1);
+  return box;
+}
+
+// Takes the first bad index recorded on any device since the last take: its op, argument, value and
+// the end of the valid range [0, limit). Returns false (and touches nothing) when there is none. Host
+// memory reads only: no CUDA call, no sync; a kernel still running may report later.
+bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit) {
+  const volatile IndexErrorBox* boxes = g_error_boxes.load(std::memory_order_acquire);
+  if (boxes == nullptr) return false;  // no kernel that checks indices has run yet
+  const int n = g_error_devices.load(std::memory_order_acquire);
+  for (int dev = 0; dev < n; ++dev) {
+    volatile IndexErrorBox* b = const_cast<volatile IndexErrorBox*>(boxes + dev);
+    if (!b->full) continue;
+    std::lock_guard<std::mutex> lock(g_error_mutex);
+    if (!b->full) continue;  // another thread took it
+    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before the flag
+    const int what = b->what;
+    *op = what == kBadEmbeddingIdx ? "embedding" : what == kBadCrossEntropyTarget ? "cross_entropy" : "expert_gemv";
+    *arg = what == kBadEmbeddingIdx ? "idx" : what == kBadCrossEntropyTarget ? "targets" : "experts";
+    *value = b->value;
+    *limit = b->limit;
+    b->full = 0;
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // cleared before re-armed
+    b->armed = b->armed + 1;  // == the device's claim count again: armed
+    return true;
+  }
+  return false;
+}
+
+// ------------------------------------------------------------------------------------------------
+// embedding: out[t, :] = weight[idx[t], :]. An index outside [0, V) gives a NaN row and goes to the
+// error mailbox (above).
+//
+// The backward is deterministic: the same inputs give bitwise the same dweight, run after run (atomic
+// adds would sum a repeated row in whatever order the adds land, so two runs of one training step
+// would differ in the last bits and a diverging run could not be replayed). The (index, position)
+// pairs are sorted by index with CUB's radix sort, which is stable, so each run of equal indices
+// lists its positions in token order; each run's dout rows are then summed in that order. For
+// parallelism the sorted list is cut into chunks of EMB_CHUNK positions, one block per chunk (and
+// column tile): a run inside a chunk is summed and written at once; a run that crosses chunks has
+// each chunk's piece written to a workspace, and a second kernel adds the pieces, in chunk order,
+// into the row. Every row is written by exactly one thread per column: no atomics, no races.
+
+constexpr int EMB_CHUNK = 32;
+
+// Threads per row (x) and rows per block (y) for copying rows of `units` VEC-float units.
+static dim3 embedding_block(int units) {
+  const int tx = units >= 256 ? 256 : ((units + 31) / 32) * 32;
+  return dim3(tx, std::max(1, 256 / tx));
+}
+
+template <int VEC>
+__global__ void embedding_fwd_kernel(const int64_t* idx, const float* weight, float* out, int64_t T, int64_t V,
+                                     int C, IndexErrorBox* box) {
+  const int64_t t = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (t >= T) return;
   const int64_t row = idx[t];
-  if (row < 0 || row >= V) return;
-  const float* src = dout + t * C;
-  float* dst = dweight + row * C;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(dst + c, src[c]);
+  const bool ok = row >= 0 && row < V;
+  if (!ok && threadIdx.x == 0) report_bad_index(box, kBadEmbeddingIdx, row, V);
+  const float* src = weight + row * C;
+  float* dst = out + t * C;
+  const int units = C / VEC;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    float v[VEC];
+    if (ok) load_unit<VEC>(src, u, C, v, 0.f);
+    else
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = NAN;
+    store_unit<VEC>(dst, u, C, v);
+  }
 }
 
 void embedding_fwd(const int64_t* idx, const float* weight, float* out, int64_t T, int64_t V, int C,
                    cudaStream_t s) {
   if (T == 0 || C == 0) return;
-  int threads = C >= 256 ? 256 : ((C + 31) / 32) * 32;
-  embedding_fwd_kernel<<<(unsigned)T, threads, 0, s>>>(idx, weight, out, V, C);
+  const bool vec = C % 4 == 0 && aligned16(weight) && aligned16(out);
+  const dim3 block = embedding_block(vec ? C / 4 : C);
+  const unsigned grid = (unsigned)ceil_div(T, block.y);
+  IndexErrorBox* box = index_error_box();
+  if (vec) embedding_fwd_kernel<4><<<grid, block, 0, s>>>(idx, weight, out, T, V, C, box);
+  else embedding_fwd_kernel<1><<<grid, block, 0, s>>>(idx, weight, out, T, V, C, box);
   check_launch("embedding_fwd");
 }
 
-// dweight must be zeroed by the caller.
-void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int64_t T, int64_t V, int C,
-                   cudaStream_t s) {
-  if (T == 0 || C == 0) return;
-  int threads = C >= 256 ? 256 : ((C + 31) / 32) * 32;
-  embedding_bwd_kernel<<<(unsigned)T, threads, 0, s>>>(idx, dout, dweight, V, C);
-  check_launch("embedding_bwd");
+// Sort keys: the index, or V for a bad one (it sorts last and is dropped); values: the position.
+__global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, int* pos, int T, int64_t V) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int64_t row = idx[t];
+  keys[t] = row >= 0 && row < V ? (unsigned)row : (unsigned)V;
+  pos[t] = t;
 }
 
+// One chunk of sorted positions (blockIdx.x), one tile of columns (blockIdx.y, one unit per thread).
+// For each run of equal keys in the chunk, the sum of its dout rows in order goes to dweight (the run
+// lies inside the chunk), to part[chunk][0] (the run began in an earlier chunk) or to part[chunk][1]
+// (the run begins here and goes on into the next chunk).
+template <int VEC>
+__global__ void __launch_bounds__(256) embedding_bwd_chunk_kernel(const unsigned* keys, const int* pos,
+                                                                   const float* dout, float* dweight, float* part,
+                                                                   int T, unsigned V, int C) {
+  __shared__ unsigned key[EMB_CHUNK + 2];  // key[0]: the one before the chunk, key[n + 1]: the one after
+  __shared__ int row[EMB_CHUNK];
+  const int c0 = blockIdx.x * EMB_CHUNK, n = min(EMB_CHUNK, T - c0);
+  const unsigned none = 0xffffffffu;  // no key: V <= 2^31 - 1, so every real key and V are smaller
+  for (int i = threadIdx.x; i < n + 2; i += blockDim.x) {
+    const int p = c0 + i - 1;
+    key[i] = p >= 0 && p < T ? keys[p] : none;
+    if (i >= 1 && i <= n) row[i - 1] = pos[p];
+  }
+  __syncthreads();
+  const int u = blockIdx.y * blockDim.x + threadIdx.x;
+  if (u * VEC >= C) return;
+  for (int a = 0; a < n;) {
+    const unsigned k = key[a + 1];
+    int b = a + 1;
+    while (b < n && key[b + 1] == k) ++b;
+    if (k < V) {
+      float acc[VEC] = {};
+#pragma unroll 8
+      for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
+        float v[VEC];
+        load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+      }
+      float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
+                   : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
+                                               : dweight + (int64_t)k * C;
+      store_unit<VEC>(dst, u, C, acc);
+    }
+    a = b;
+  }
+}
+
+// The runs that cross chunks: the chunk where a run begins adds, in chunk order, the pieces the later
+// chunks left in part, and writes the row.
+template <int VEC>
+__global__ void __launch_bounds__(256) embedding_bwd_runs_kernel(const unsigned* keys, const float* part,
+                                                                  float* dweight, int T, unsigned V, int C) {
+  const int c = blockIdx.x, c0 = c * EMB_CHUNK, c1 = c0 + EMB_CHUNK;
+  if (c1 >= T) return;  // the last chunk: no run goes on past it
+  const unsigned k = keys[c1 - 1];
+  if (k >= V || keys[c1] != k) return;      // the chunk's last run ends inside it
+  if (c0 > 0 && keys[c0 - 1] == k) return;  // the run began in an earlier chunk, which owns it
+  int lo = c1, hi = T;                      // the run's end: the first position with a larger key
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (keys[mid] <= k) lo = mid + 1;
+    else hi = mid;
+  }
+  const int last = (lo - 1) / EMB_CHUNK;  // the last chunk the run reaches
+  const int u = blockIdx.y * blockDim.x + threadIdx.x;
+  if (u * VEC >= C) return;
+  float acc[VEC];
+  load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
+#pragma unroll 4
+  for (int j = c + 1; j <= last; ++j) {
+    float v[VEC];
+    load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+  }
+  store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
+}
+
+// The backward's workspace, carved into: sort keys and positions (in and out), the chunk pieces, and
+// CUB's temporary storage.
+struct EmbeddingBwdWorkspace {
+  unsigned *keys_in, *keys_out;
+  int *pos_in, *pos_out;
+  float* part;
+  void* sort_tmp;
+  size_t sort_bytes, total;
+};
+
+static int embedding_key_bits(int64_t V) {  // bits that hold every key 0..V (V marks a bad index)
+  int bits = 1;
+  while (bits < 32 && (1ll << bits) <= V) ++bits;
+  return bits;
+}
+
+static EmbeddingBwdWorkspace embedding_bwd_carve(void* base, int T, int64_t V, int C) {
+  EmbeddingBwdWorkspace w{};
+  cub::DeviceRadixSort::SortPairs(nullptr, w.sort_bytes, (const unsigned*)nullptr, (unsigned*)nullptr,
+                                  (const int*)nullptr, (int*)nullptr, T, 0, embedding_key_bits(V));
+  char* p = static_cast<char*>(base);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    void* at = p ? p + off : nullptr;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  w.keys_in = static_cast<unsigned*>(take(T * sizeof(unsigned)));
+  w.keys_out = static_cast<unsigned*>(take(T * sizeof(unsigned)));
+  w.pos_in = static_cast<int*>(take(T * sizeof(int)));
+  w.pos_out = static_cast<int*>(take(T * sizeof(int)));
+  w.part = static_cast<float*>(take((size_t)ceil_div(T, EMB_CHUNK) * 2 * C * sizeof(float)));
+  w.sort_tmp = take(w.sort_bytes);
+  w.total = off;
+  return w;
+}
+
+size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C) {
+  return T == 0 || C == 0 ? 0 : embedding_bwd_carve(nullptr, T, V, C).total;
+}
+
+// dweight (V, C) must be zeroed by the caller (rows no index names stay zero); V <= 2^31 - 1.
+void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
+                   cudaStream_t s) {
+  if (T == 0 || C == 0) return;
+  const EmbeddingBwdWorkspace w = embedding_bwd_carve(workspace, T, V, C);
+  embedding_sort_keys_kernel<<<ceil_div(T, 256), 256, 0, s>>>(idx, w.keys_in, w.pos_in, T, V);
+  check_launch("embedding_bwd_keys");
+  size_t sort_bytes = w.sort_bytes;
+  const cudaError_t err = cub::DeviceRadixSort::SortPairs(w.sort_tmp, sort_bytes, w.keys_in, w.keys_out, w.pos_in,
+                                                          w.pos_out, T, 0, embedding_key_bits(V), s);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("embedding_bwd: sort failed: ") + cudaGetErrorString(err));
+  const bool vec = C % 4 == 0 && aligned16(dout) && aligned16(dweight);
+  const int units = vec ? C / 4 : C;
+  const dim3 block(embedding_block(units).x), grid(ceil_div(T, EMB_CHUNK), ceil_div(units, block.x));
+  if (vec) {
+    embedding_bwd_chunk_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
+                                                          (unsigned)V, C);
+    embedding_bwd_runs_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.part, dweight, T, (unsigned)V, C);
+  } else {
+    embedding_bwd_chunk_kernel<1><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
+                                                          (unsigned)V, C);
+    embedding_bwd_runs_kernel<1><<<grid, block, 0, s>>>(w.keys_out, w.part, dweight, T, (unsigned)V, C);
+  }
+  check_launch("embedding_bwd");
+}
 // ------------------------------------------------------------------------------------------------
 // layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row,
 // norm_bwd_dx_row) in one of two modes, the compile-time flag RMS, picked by thin kernels:
@@ -581,12 +848,12 @@ void softmax_bwd(const float* y, const float* dy, float* dx, int R, int C, float
 // ------------------------------------------------------------------------------------------------
 // cross-entropy over rows of logits (R, V) with int64 targets: per-row loss = lse - x[target],
 // then a single-block mean in a fixed order. Backward: (softmax - onehot) * dloss / R, with dloss
-// read from device memory so no host sync is needed. A target outside [0, V) gives a NaN loss
-// (bindings.cpp rejects it before launch outside graph capture).
+// read from device memory so no host sync is needed. A target outside [0, V) gives that row a NaN
+// loss (so the mean is NaN) and NaN gradients, and goes to the error mailbox.
 
 template <int TX, int N, int VEC>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kernel(const float* x, const int64_t* tgt,
-    float* lse_out, float* loss_rows, int R, int C) {
+    float* lse_out, float* loss_rows, int R, int C, IndexErrorBox* box) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -620,8 +887,10 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kern
   if (threadIdx.x == 0) {
     const float lse = mx + logf(sum);
     const int64_t t = tgt[r];
+    const bool ok = t >= 0 && t < C;
+    if (!ok) report_bad_index(box, kBadCrossEntropyTarget, t, C);
     lse_out[r] = lse;
-    loss_rows[r] = (t >= 0 && t < C) ? lse - xr[t] : NAN;
+    loss_rows[r] = ok ? lse - xr[t] : NAN;
   }
 }
 
@@ -641,8 +910,8 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kern
   const float* xr = x + (int64_t)r * C;
   float* dxr = dx + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
-  const float lse = lse_in[r], g = *dloss / R;
   const int64_t t = tgt[r];
+  const float lse = lse_in[r], g = t >= 0 && t < C ? *dloss / R : NAN;  // a bad target: NaN, like its loss
   for (int u = threadIdx.x; u < units; u += TX) {
     float v[VEC], o[VEC];
     load_unit<VEC>(xr, u, C, v, 0.f);
@@ -656,7 +925,7 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kern
 void cross_entropy_fwd(const float* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss,
                        int R, int C, cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x));
-  LAUNCH_ROW(cross_entropy_fwd_kernel, L, R, s, x, tgt, lse, loss_rows, R, C);
+  LAUNCH_ROW(cross_entropy_fwd_kernel, L, R, s, x, tgt, lse, loss_rows, R, C, index_error_box());
   check_launch("cross_entropy_fwd");
   mean_kernel<<<1, 1024, 0, s>>>(loss_rows, loss, R);
   check_launch("cross_entropy_mean");
@@ -1197,21 +1466,22 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
 // SMs), and the slices' partial sums are added in shared memory in a fixed order.
 // Batched for mixture-of-experts decoding: grid.y = S vectors, vector s multiplied by expert
 // experts[s] of a stack W (E, N, K), b (E, N). The index is read on the device, so a decode step
-// needs no host sync to pick its experts; an index outside [0, E) gives zeros (bindings.cpp rejects
-// it before launch outside CUDA-graph capture).
+// needs no host sync to pick its experts; an index outside [0, E) gives a NaN row and goes to the
+// error mailbox.
 
 constexpr int GEMV_WARPS = 8;
 
 template <bool VEC, int KSPLIT>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, const float* x, const float* bias,
                                                                 float* y, int N, int K, const int64_t* experts,
-                                                                int64_t E) {
+                                                                int64_t E, IndexErrorBox* box) {
   __shared__ float part[GEMV_WARPS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
   const int s = blockIdx.y;
   const int64_t e = experts ? experts[s] : 0;
-  const bool ok = row < N && e >= 0 && e < E;
+  const bool expert_ok = e >= 0 && e < E, ok = row < N && expert_ok;
+  if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
   float acc = 0.f;
   if (ok) {
     const float* w = W + (e * N + row) * (int64_t)K;
@@ -1252,14 +1522,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, c
     for (int j = 0; j < KSPLIT; ++j) acc += part[warp + j];
   }
   if (lane == 0 && row < N)
-    y[(int64_t)s * N + row] = ok ? acc + (bias ? bias[e * N + row] : 0.f) : 0.f;
+    y[(int64_t)s * N + row] = expert_ok ? acc + (bias ? bias[e * N + row] : 0.f) : NAN;
 }
 
 template <bool VEC, int KSPLIT>
 static void gemv_launch(const float* W, const float* x, const float* bias, float* y, int N, int K, int S,
-                        const int64_t* experts, int64_t E, cudaStream_t s) {
+                        const int64_t* experts, int64_t E, IndexErrorBox* box, cudaStream_t s) {
   dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), S);
-  gemv_kernel<VEC, KSPLIT><<<grid, 32 * GEMV_WARPS, 0, s>>>(W, x, bias, y, N, K, experts, E);
+  gemv_kernel<VEC, KSPLIT><<<grid, 32 * GEMV_WARPS, 0, s>>>(W, x, bias, y, N, K, experts, E, box);
 }
 
 // y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
@@ -1267,13 +1537,14 @@ void gemv(const float* W, const float* x, const float* bias, float* y, int N, in
           const int64_t* experts, int64_t E, cudaStream_t s) {
   if (N == 0 || S == 0) return;
   const bool vec = K % 4 == 0 && aligned16(W) && aligned16(x);
+  IndexErrorBox* box = experts ? index_error_box() : nullptr;
   // Slices per row: enough warps for ~32 per SM, each slice still at least a full warp of 16-byte loads.
   int ksplit = 1;
   while (ksplit < GEMV_WARPS && (int64_t)N * S * ksplit < 32 * num_sms() && K / (ksplit * 2) >= 128) ksplit *= 2;
 #define GEMV_CASE(KS)                                                                   \
   case KS:                                                                              \
-    if (vec) gemv_launch<true, KS>(W, x, bias, y, N, K, S, experts, E, s);             \
-    else gemv_launch<false, KS>(W, x, bias, y, N, K, S, experts, E, s);                \
+    if (vec) gemv_launch<true, KS>(W, x, bias, y, N, K, S, experts, E, box, s);        \
+    else gemv_launch<false, KS>(W, x, bias, y, N, K, S, experts, E, box, s);           \
     break;
   switch (ksplit) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(4) GEMV_CASE(8) }
 #undef GEMV_CASE

@@ -132,9 +132,13 @@ def run_case(name, fn, gpu):
             note = fn()
             if gpu:
                 torch.cuda.synchronize()  # a kernel fault belongs to the case that launched it
+                kernels.check_errors()    # and so does a bad index a kernel met
     except Skip as e:
         return "SKIP", str(e)
     except Exception as e:
+        if gpu:
+            with contextlib.suppress(Exception):
+                kernels.check_errors()  # leave no pending index error to the next case
         return "FAIL", "  ".join(CHECKS + [f"{type(e).__name__}: {one_line(e)}"])
     return "PASS", "  ".join(CHECKS + ([note] if note else []))
 
@@ -1378,8 +1382,8 @@ for _B, _H, _T, _D, _off, _layout in ((1, 1, 1, 2, 0, "contiguous"), (2, 3, 17, 
         t_rope, _B, _H, _T, _D, _off, _layout)
 add("empty/rope_b2h3t0d64", t_rope, 2, 3, 0, 64)
 
-# forward is a copy: exact. A weight-gradient row sums one dy row per use of its index, in whatever
-# order atomics land: fp32 rounding grows with the count
+# forward is a copy: exact. A weight-gradient row sums one dy row per use of its index, in token
+# order: fp32 rounding grows with the count
 EMB_GRAD_TOL_PER_USE = 1e-6
 
 
@@ -1392,8 +1396,31 @@ def t_embedding(idx_shape, V, C):
     compare(lambda ops, idx, w: ops.embedding(idx, w), 0.0, EMB_GRAD_TOL_PER_USE * uses, idx=idx, w=rand(V, C))
 
 
-for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((4, 64), 50304, 64)):
+for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((4, 64), 50304, 64),
+                           ((1,), 7, 5), ((3, 1001), 1, 5), ((4097,), 65, 129), ((8192,), 3, 768)):
     add(f"embedding/{'x'.join(map(str, _idx_shape))}_of_{_V}x{_C}", t_embedding, _idx_shape, _V, _C)
+
+
+def t_embedding_deterministic(n, V, C, run=None):
+    # Two backward passes give bitwise the same weight gradient. The backward sorts the indices and
+    # cuts the sorted list into chunks of 32: few distinct indices make runs that span many chunks;
+    # run=r makes every run exactly r long (r = 32: runs end on chunk boundaries), in shuffled order.
+    idx = (torch.arange(n, device=DEV) // run)[torch.randperm(n, device=DEV)] if run else \
+        torch.randint(0, V, (n,), device=DEV)
+    w, dy = rand(V, C).requires_grad_(), rand(n, C)
+    dws = [torch.autograd.grad(kernels.embedding(idx, w), w, dy)[0] for _ in range(2)]
+    assert torch.equal(dws[0], dws[1]), \
+        f"two backward passes differ, by up to {(dws[0] - dws[1]).abs().max().item():.2e}"
+    ref = torch.zeros(V, C, dtype=torch.float64, device=DEV).index_add_(0, idx, dy.double())
+    check("dw", dws[0], ref, EMB_GRAD_TOL_PER_USE * torch.bincount(idx, minlength=V).max().item())
+    return "bitwise identical twice"
+
+
+for _n, _V, _C, _run in ((8192, 3, 768, None), (8192, 3, 7, None), (5000, 1, 33, None), (1, 1, 1, None),
+                         (1, 5, 64, None), (1000, 50304, 64, None), (96, 3, 64, 32), (99, 3, 5, 33),
+                         (4096, 128, 128, 32)):
+    add(f"embedding/bwd_deterministic_{_n}_of_{_V}x{_C}" + f"_runs{_run}" * bool(_run), t_embedding_deterministic,
+        _n, _V, _C, _run)
 
 # the loss is ~log V; gradients are (p - onehot) / N, down to ~1e-9, hence the relative part
 CE_TOL, CE_GRAD_TOL = (1e-5, 1e-5), (1e-8, 1e-5)
@@ -1895,10 +1922,6 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      ("stream_merge", "h")),
     ("stream_mix_float64_x", RuntimeError,
      lambda: kernels.stream_mix(rand(4, 2, 8).double(), rand(2, 2), rand(2), rand(4, 8)), ("stream_mix", "x")),
-    ("embedding_index_V", ValueError, lambda: kernels.embedding(torch.tensor([0, 10], device=DEV), rand(10, 4)),
-     (("idx", "index", "indices"),)),
-    ("embedding_index_negative", ValueError,
-     lambda: kernels.embedding(torch.tensor([[3, -1]], device=DEV), rand(10, 4)), (("idx", "index", "indices"),)),
     ("topk_k_above_row", ValueError, lambda: kernels.topk(rand(4, 8), 9), ("k",)),
     ("topk_k_zero", ValueError, lambda: kernels.topk(rand(4, 8), 0), ("k",)),
     ("topk_k_above_128", ValueError, lambda: kernels.topk(rand(2, 1000), 129), ("k",)),
@@ -1935,6 +1958,120 @@ BAD_CASES = [  # name, exception, call, words its message must hold
 ]
 for _name, _exc, _call, _words in BAD_CASES:
     add("bad/" + _name, expect_error, _exc, _call, *_words)
+
+
+# Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts) are found by the
+# kernels on the device, so the call itself does not raise (it would have to wait for the GPU): the bad
+# rows come out NaN, and the next call of any op, or kernels.check_errors(), raises a ValueError that
+# names the op, the argument, the value and the valid range. Raised once, it is gone.
+
+def expect_index_error(call, op, arg, value, limit):
+    try:
+        call()
+    except ValueError as e:
+        msg = str(e)
+    else:
+        raise AssertionError(f"no ValueError for {op}'s {arg} = {value}")
+    want = f"{op}: {arg} out of range in an earlier call: got {value}, values must be in [0, {limit})"
+    assert want in msg, f"the message {one_line(msg)!r} lacks {want!r}"
+    kernels.check_errors()  # raised once: nothing is left pending
+    assert kernels.softmax(rand(2, 3)).isfinite().all(), "the op after the error failed"
+    return msg
+
+
+def bad_embedding_idx(bad):
+    V, C = 65, 33
+    w, dy = rand(V, C).requires_grad_(), rand(2, 3, C)
+    idx = torch.tensor([[3, bad, 64], [0, 5, 3]], device=DEV)
+    out = kernels.embedding(idx, w)  # no error yet: the indices are only read on the device
+    good = (idx >= 0) & (idx < V)
+    assert out[~good].isnan().all(), f"the row of idx {bad} is not NaN: {out[~good]}"
+    assert torch.equal(out[good], w.detach()[idx[good]]), "the other rows are not weight's"
+    # the backward drops the bad token and sums the others
+    dw = torch.autograd.grad(out, w, dy)[0]
+    ref = torch.zeros(V, C, dtype=torch.float64, device=DEV).index_add_(0, idx[good], dy[good].double())
+    check("dw", dw, ref, 1e-6 * 3)
+    expect_index_error(lambda: kernels.layernorm(rand(2, 4), rand(4), rand(4)), "embedding", "idx", bad, V)
+    kernels.embedding(idx, w)
+    return one_line(expect_index_error(kernels.check_errors, "embedding", "idx", bad, V))
+
+
+def bad_cross_entropy_target(bad):
+    N, V, row = 37, 65, 5
+    logits = rand(N, V).requires_grad_()
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[row] = bad
+    loss = kernels.cross_entropy(logits, targets)
+    assert loss.isnan(), f"loss {loss.item()} with target {bad} is not NaN"
+    dx = torch.autograd.grad(loss, logits)[0]
+    assert dx[row].isnan().all(), f"the gradient of the row with target {bad} is not NaN"
+    keep = torch.arange(N, device=DEV) != row
+    x64 = logits.detach().double().requires_grad_()
+    ref = torch.autograd.grad(F.cross_entropy(x64[keep], targets[keep], reduction="sum") / N, x64)[0]
+    check("dlogits_other_rows", dx[keep], ref[keep], CE_GRAD_TOL)
+    expect_index_error(lambda: kernels.gelu(rand(3)), "cross_entropy", "targets", bad, V)
+    kernels.cross_entropy(logits, targets)
+    return one_line(expect_index_error(kernels.check_errors, "cross_entropy", "targets", bad, V))
+
+
+def bad_expert(bad):
+    E, N, K = 4, 37, 1001
+    w, x, b = rand(E, N, K), rand(3, K), rand(E, N)
+    experts = torch.tensor([1, bad, 3], device=DEV)
+    y = kernels.expert_gemv(w, x, b, experts)
+    assert y[1].isnan().all(), f"the row of expert {bad} is not NaN"
+    keep = torch.tensor([0, 2], device=DEV)
+    check("other_rows", y[keep], REF.expert_gemv(w.double(), x[keep].double(), b.double(), experts[keep]), mm_tol(K))
+    expect_index_error(lambda: kernels.topk(rand(4, 8), 2), "expert_gemv", "experts", bad, E)
+    kernels.expert_gemv(w, x, b, experts)
+    return one_line(expect_index_error(kernels.check_errors, "expert_gemv", "experts", bad, E))
+
+
+for _bad in (-1, 65):
+    add(f"embedding/bad_idx_{_bad}", bad_embedding_idx, _bad)
+    add(f"cross_entropy/bad_target_{_bad}", bad_cross_entropy_target, _bad)
+for _bad in (-1, 4):
+    add(f"expert_gemv/bad_expert_{_bad}", bad_expert, _bad)
+
+
+def bad_index_in_cuda_graph():
+    # A captured embedding and cross_entropy, replayed with bad indices: the kernels record the error
+    # inside the graph; the first one (in stream order) is the one reported, the later one is dropped.
+    V, C, N = 10, 8, 4
+    w, logits = rand(V, C), rand(N, V)
+    idx, targets = torch.zeros(4, dtype=torch.long, device=DEV), torch.zeros(N, dtype=torch.long, device=DEV)
+
+    def step():
+        return kernels.embedding(idx, w), kernels.cross_entropy(logits, targets)
+
+    side = torch.cuda.Stream()  # one eager call on a side stream first, as capture requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, loss = step()
+
+    def replay(new_idx, new_targets):
+        idx.copy_(torch.tensor(new_idx))
+        targets.copy_(torch.tensor(new_targets))
+        graph.replay()
+
+    replay([1, 2, 12, 3], [0, 1, -3, 2])
+    expect_index_error(kernels.check_errors, "embedding", "idx", 12, V)
+    assert out[2].isnan().all() and torch.equal(out[[0, 1, 3]], w[[1, 2, 3]]), "embedding rows after replay"
+    assert loss.isnan(), "cross-entropy with a bad target is not NaN"
+    replay([1, 2, 9, 3], [0, 1, -3, 2])
+    expect_index_error(kernels.check_errors, "cross_entropy", "targets", -3, V)
+    replay([1, 2, 9, 3], [0, 1, 9, 2])
+    kernels.check_errors()
+    assert torch.equal(out, w[idx]) and loss.isfinite(), "replay with good indices"
+    check("loss", loss, F.cross_entropy(logits.double(), targets), CE_TOL)
+    return "first error of the replay reported, then none"
+
+
+add("bad_index/cuda_graph_replay", bad_index_in_cuda_graph)
 
 # -----------------------------------------------------------------------------
 # benchmark: ours against PyTorch, same inputs, same run

@@ -1,10 +1,11 @@
 """Train a character-level GPT twice, once per op set, and compare the runs.
 
 The model is written once against an op namespace (embedding, layernorm, linear, attention, gelu,
-cross_entropy, and for the other uses of the model rmsnorm, softmax, topk, gemv, expert_gemv, sinkhorn,
-stream_merge, stream_mix: OP_NAMES). The "torch" op set maps those names to PyTorch; the "cuda" op set
-maps them to this repo's kernels (forward and backward). Both runs start from the same weights and see the same
-batches, so their loss curves should agree to float32 rounding and the tokens/s ratio is the speedup.
+cross_entropy; for the llama arch rmsnorm, rope and swiglu; for the other uses of the model softmax, topk,
+gemv, expert_gemv, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES). The "torch"
+op set maps those names to PyTorch; the "cuda" op set maps them to this repo's kernels (forward and
+backward). Both runs start from the same weights and see the same batches, so their loss curves should
+agree to float32 rounding and the tokens/s ratio is the speedup.
 
     python train.py                                   # both op sets, default tiny config
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
@@ -269,6 +270,11 @@ def torch_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def torch_check_errors():
+    """The twin of kernels.check_errors, which raises a bad index our kernels found on the GPU. PyTorch reports
+    its own: at once on the CPU, as a device-side assert at the next sync on the GPU. Nothing is left to raise."""
+
+
 TORCH_OPS = SimpleNamespace(
     name="torch",
     embedding=F.embedding,
@@ -289,6 +295,7 @@ TORCH_OPS = SimpleNamespace(
     sinkhorn=mhc.sinkhorn_torch,
     stream_merge=mhc.stream_merge_torch,
     stream_mix=mhc.stream_mix_torch,
+    check_errors=torch_check_errors,
 )
 OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k != "name")
 
@@ -909,6 +916,7 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
                 continue
             dt, n = timer.stop()
             new = loss_buf[fetched:done - start].tolist()
+            ops.check_errors()  # the host has waited for the losses: a bad index met on the GPU raises here
             fetched = done - start
             # Checked where the losses reach the host anyway; the first bad one names the iteration.
             bad = next((i for i, v in enumerate(new) if not math.isfinite(v)), None)
@@ -1192,6 +1200,7 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size):
             continue
         dt, n = timer.stop()
         rows += hist[len(rows):done].tolist()
+        ops.check_errors()
         m = dict(zip(SWEEP_METRICS, rows[-1]))
         gains = "" if variant == "baseline" else f" | gain fwd {fmt_gain(m['gain_fwd'])} bwd {fmt_gain(m['gain_bwd'])}"
         print(f"  {variant:<11} L{depth:<3} | step {done:>{len(str(cfg.max_iters))}}/{cfg.max_iters}"
