@@ -2815,12 +2815,13 @@ static void attention_fwd_dispatch(const AttnArgs& p, dim3 grid, cudaStream_t s)
 }
 
 // Splits of the key tiles per forward block (see attention_fwd_kernel): 1 when the row tiles alone
-// give two blocks per SM, else enough for that, with at least 2 key tiles per split.
+// give two blocks per SM, else enough for that, with at least 4 key tiles per split (below that the
+// merge's extra launch costs more than the split saves: a decode step is launch-bound).
 int attention_fwd_splits(int BH, int group, int Sq, int Sk) {
   const int64_t blocks = (int64_t)(BH / group) * ceil_div((int64_t)group * Sq, 64);
   const int tiles = ceil_div(Sk, 64);
   if (blocks == 0 || blocks >= 2 * num_sms()) return 1;
-  return std::max(1, std::min(ceil_div(2 * num_sms(), blocks), tiles / 2));
+  return std::max(1, std::min(ceil_div(2 * num_sms(), blocks), tiles / 4));
 }
 
 template <int D, bool PRECISE>
