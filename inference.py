@@ -32,9 +32,8 @@ OPTIONS = dict(
     n_layer=(12, "transformer blocks (random weights; --ckpt brings its own shape)"),
     n_head=(8, "attention heads; the cuda path needs n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
     n_embd=(768, "model width"),
-    arch=("gpt", "gpt (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU, no biases)"),
-    n_kv_head=(0, "key/value heads, dividing n_head: the KV cache holds only these; 0: n_head for gpt, "
-                  "n_head // 2 for llama"),
+    arch=train.OPTIONS["arch"],
+    n_kv_head=train.OPTIONS["n_kv_head"],  # the KV cache holds only these heads
     block_size=(256, "context length; the KV cache holds this many positions"),
     n_expert=(8, "experts of the MoE model"),
     top_k=(2, "experts per token"),
@@ -117,7 +116,7 @@ def checkpoint_model(cfg):
     c = SimpleNamespace(**ckpt["config"])
     tok = CharTokenizer.from_dict(ckpt["vocab"])
     c.n_kv_head = getattr(c, "n_kv_head", c.n_head)  # older checkpoints: one K/V head per query head
-    model = train.model_from_config(c, tok.vocab_size, train.TORCH_OPS, residual=getattr(c, "residual", "baseline"))
+    model = train.model_from_config(c, tok.vocab_size, train.TORCH_OPS)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
