@@ -603,24 +603,36 @@ Tensor softmax(const Tensor& x) {
   return SoftmaxFn::apply(x);
 }
 
-// ---- GELU -------------------------------------------------------------------------------------
+// ---- GELU and SiLU ---------------------------------------------------------------------------
 
-static bool gelu_tanh(const std::string& approximate) {
-  REQUIRE_VALUE(approximate == "none" || approximate == "tanh",
-                    "gelu: approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return approximate == "tanh";
-}
+// An elementwise activation y = f(x): the forward saves x, the backward reads x and dy and writes dx.
+// GELU and SiLU differ only in their launchers, so one autograd Function serves both, given the
+// launchers as a struct; `approx_tanh` is GELU's choice of formula and SiLU ignores it.
+struct GeluLaunchers {
+  static void fwd(const float* x, float* y, int64_t n, bool approx_tanh, cudaStream_t s) {
+    gelu_fwd(x, y, n, approx_tanh, s);
+  }
+  static void bwd(const float* x, const float* dy, float* dx, int64_t n, bool approx_tanh, cudaStream_t s) {
+    gelu_bwd(x, dy, dx, n, approx_tanh, s);
+  }
+};
 
-struct GeluFn : torch::autograd::Function<GeluFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const std::string& approximate) {
-    check_float_cuda("gelu", x_in, "x");
-    const bool th = gelu_tanh(approximate);
+struct SiluLaunchers {
+  static void fwd(const float* x, float* y, int64_t n, bool, cudaStream_t s) { silu_fwd(x, y, n, s); }
+  static void bwd(const float* x, const float* dy, float* dx, int64_t n, bool, cudaStream_t s) {
+    silu_bwd(x, dy, dx, n, s);
+  }
+};
+
+template <class Launchers>
+struct ActivationFn : torch::autograd::Function<ActivationFn<Launchers>> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, bool approx_tanh) {
     const c10::cuda::CUDAGuard guard(x_in.device());
     const Tensor x = x_in.contiguous();
     Tensor y = at::empty_like(x);
-    gelu_fwd(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), th, stream());
+    Launchers::fwd(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), approx_tanh, stream());
     ctx->save_for_backward({x});
-    ctx->saved_data["tanh"] = th;
+    ctx->saved_data["tanh"] = approx_tanh;
     return y;
   }
 
@@ -629,44 +641,27 @@ struct GeluFn : torch::autograd::Function<GeluFn> {
     const c10::cuda::CUDAGuard guard(x.device());
     const Tensor dy = grads[0].contiguous();
     Tensor dx = at::empty_like(x);
-    gelu_bwd(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), x.numel(),
-             ctx->saved_data["tanh"].toBool(), stream());
-    return {dx, Tensor()};
+    Launchers::bwd(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), x.numel(),
+                   ctx->saved_data["tanh"].toBool(), stream());
+    return {dx, Tensor()};  // approx_tanh has no gradient
   }
 };
 
 Tensor gelu(const Tensor& x, const std::string& approximate) {
   raise_pending_index_error();
-  return GeluFn::apply(x, approximate);
+  check_float_cuda("gelu", x, "x");
+  REQUIRE_VALUE(approximate == "none" || approximate == "tanh",
+                "gelu: approximate must be 'none' or 'tanh', got '", approximate, "'");
+  return ActivationFn<GeluLaunchers>::apply(x, approximate == "tanh");
 }
-
-// ---- SiLU and SwiGLU --------------------------------------------------------------------------
-
-struct SiluFn : torch::autograd::Function<SiluFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in) {
-    check_float_cuda("silu", x_in, "x");
-    const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous();
-    Tensor y = at::empty_like(x);
-    silu_fwd(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), stream());
-    ctx->save_for_backward({x});
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Tensor x = ctx->get_saved_variables()[0];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dy = grads[0].contiguous();
-    Tensor dx = at::empty_like(x);
-    silu_bwd(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), x.numel(), stream());
-    return {dx};
-  }
-};
 
 Tensor silu(const Tensor& x) {
   raise_pending_index_error();
-  return SiluFn::apply(x);
+  check_float_cuda("silu", x, "x");
+  return ActivationFn<SiluLaunchers>::apply(x, false);
 }
+
+// ---- SwiGLU -----------------------------------------------------------------------------------
 
 // silu(a) * b in one pass (forward: read a, b, write y; backward: read a, b, dy, write da, db), where
 // F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward.
