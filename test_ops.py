@@ -2268,6 +2268,30 @@ def fwd_bwd(fn, leaves, dout):
     return torch.autograd.grad(fn(*leaves), leaves, dout)
 
 
+def time_attention(fns, pas, q, k, v, dout, kv_len=None):
+    """Each attention of fns (name -> f(q, k, v, ...)) on one pass: 'fwd', 'fwd+bwd' (the gradients of q, k
+    and v for dout) or 'decode' (a forward without autograd, attending to the first kv_len keys). Returns
+    each one's median ms and output, as two dicts by name; one that runs out of GPU memory gets ms None
+    and no output, and its memory is released before the next one runs."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ms, outs = {}, {}
+    for name, fn in fns.items():
+        if pas == "decode":
+            run = functools.partial(torch.no_grad()(fn), q, k, v, kv_len=kv_len)
+        elif pas == "fwd":
+            run = functools.partial(fn, q, k, v)
+        else:
+            run = functools.partial(fwd_bwd, fn, leaves, dout)
+        try:
+            outs[name] = run()
+            ms[name] = time_ms(run)
+        except torch.cuda.OutOfMemoryError:
+            outs.pop(name, None)
+            ms[name] = None
+            torch.cuda.empty_cache()
+    return ms, outs
+
+
 ATTN_BENCH_BHD = (4, 8, 64)
 ATTN_BENCH_S = (128, 512, 1024, 2048, 4096)
 ATTN_MEMORY_S = (1024, 2048, 4096)
@@ -2283,22 +2307,9 @@ def bench_attention(rows):
     for S in ATTN_BENCH_S:
         for causal in (False, True):
             q, k, v, dout = (rand(B, H, S, D) for _ in range(4))
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
             for pas, flop_mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):  # backward does 2.5x the forward's matmuls
-                ms, outs = {}, {}
-                for name, fn in attention_fns(causal).items():
-                    if pas == "fwd":
-                        run = functools.partial(fn, q, k, v)
-                    else:
-                        run = functools.partial(fwd_bwd, fn, leaves, dout)
-                    try:
-                        outs[name] = run()
-                        ms[name] = time_ms(run)
-                    except torch.cuda.OutOfMemoryError:
-                        outs.pop(name, None)
-                        ms[name] = None
-                        torch.cuda.empty_cache()
+                ms, outs = time_attention(attention_fns(causal), pas, q, k, v, dout)
                 checks, all_ok = [], True
                 for name in ("tiled", "fused", "fused-tf32"):
                     if name in outs and "sdpa" in outs:
@@ -2344,22 +2355,8 @@ def bench_gqa(rows):
     for S, D, pas, b, hkv in cases:
         k, v = rand(b, hkv, S, D), rand(b, hkv, S, D)
         q, dout = (rand(b, H, 1 if pas == "decode" else S, D) for _ in range(2))
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         kv_len = torch.tensor([S - 1], device=DEV)  # a cache one short of full, as in decoding
-        ms, outs = {}, {}
-        for name, fn in fns.items():
-            if pas == "decode":
-                run = functools.partial(torch.no_grad()(fn), q, k, v, kv_len=kv_len)
-            elif pas == "fwd":
-                run = functools.partial(fn, q, k, v)
-            else:
-                run = functools.partial(fwd_bwd, fn, leaves, dout)
-            try:
-                outs[name] = run()
-                ms[name] = time_ms(run)
-            except torch.cuda.OutOfMemoryError:
-                ms[name] = None
-                torch.cuda.empty_cache()
+        ms, outs = time_attention(fns, pas, q, k, v, dout, kv_len)
         best = min(t for n, t in ms.items() if n != "fused" and t)
         ok, text = rel_check(outs["fused"], outs["repeat"], 2e-4)
         rows.append(dict(op="attention gqa", shape=f"B{b} Hq{H} Hkv{hkv} S{S} D{D}", causal=True, **{"pass": pas},
