@@ -2131,15 +2131,20 @@ def fmt(x, spec):
 UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6}
 
 
-def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check):
-    """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
-    torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
-    times a fresh forward and its torch.autograd.grad together (for ops whose cost is launches)."""
-    if ONLY not in op:
-        return
-    if not rows:
+def print_header_once(rows):
+    if not rows:  # the first row of the table
         print(md_row(["op", "shape", "pass", "torch ms", "ours ms", "torch/ours", "ours throughput", "check"]))
         print(md_row(["---"] * 8))
+
+
+def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check, copy_rate=None):
+    """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
+    torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
+    times a fresh forward and its torch.autograd.grad together (for ops whose cost is launches).
+    Given copy_rate (bench_copy's), ours is also shown as a fraction of it (of_copy)."""
+    if ONLY not in op:
+        return
+    print_header_once(rows)
     if pas == "fwd":
         def run_torch():
             return f(REF, *inputs)
@@ -2171,10 +2176,25 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
     ok, check_text = check_fn(run_ours(), run_torch(), tol)
     torch_ms, ours_ms = time_ms(run_torch), time_ms(run_ours)
     rate = work / (ours_ms * 1e-3) / UNIT_SCALE[unit]
+    of_copy = {} if copy_rate is None else {"of_copy": rate / copy_rate}
     rows.append(dict(op=op, shape=shape, **{"pass": pas}, torch_ms=torch_ms, ours_ms=ours_ms,
-                     ratio=torch_ms / ours_ms, rate=rate, unit=unit, check_ok=ok, check=check_text))
+                     ratio=torch_ms / ours_ms, rate=rate, unit=unit, **of_copy, check_ok=ok, check=check_text))
     print(md_row([op, shape, pas, f"{torch_ms:.4f}", f"{ours_ms:.4f}", f"{torch_ms / ours_ms:.2f}x",
-                  f"{rate:.1f} {unit}", check_text]), flush=True)
+                  f"{rate:.1f} {unit}" + (f" ({of_copy['of_copy']:.0%} of copy)" if of_copy else ""), check_text]),
+          flush=True)
+
+
+def bench_copy(rows, x):
+    """A row for dst.copy_(x), device to device: the rate a kernel that reads x once and writes as much
+    can hope for (bytes read + written), timed like every row. Returns its GB/s."""
+    dst = torch.empty_like(x)
+    ms = time_ms(lambda: dst.copy_(x))
+    rate = 2 * x.numel() * x.element_size() / (ms * 1e-3) / UNIT_SCALE["GB/s"]
+    shape = "x".join(map(str, x.shape))
+    print_header_once(rows)
+    rows.append(dict(op="copy", shape=shape, **{"pass": "fwd"}, torch_ms=ms, rate=rate, unit="GB/s"))
+    print(md_row(["copy", shape, "fwd", f"{ms:.4f}", "-", "-", f"{rate:.1f} GB/s", "-"]), flush=True)
+    return rate
 
 
 def bench_ops(rows):
@@ -2185,12 +2205,18 @@ def bench_ops(rows):
         x, w, b = rand(R, C), rand(C), rand(C)
         nbytes = 4 * R * C
         # fwd reads x and writes y; bwd reads x (or y) and dy and writes dx
-        for op, f, ins in (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
-                           ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), [x, w]),
-                           ("softmax", lambda ops, x: ops.softmax(x), [x]),
-                           ("gelu", lambda ops, x: ops.gelu(x), [x]),
-                           ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x])):
-            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, 2 * nbytes, "GB/s")
+        row_ops = (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
+                   ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), [x, w]),
+                   ("softmax", lambda ops, x: ops.softmax(x), [x]),
+                   ("gelu", lambda ops, x: ops.gelu(x), [x]),
+                   ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x]))
+        # At 256 MB a fwd row moves the bytes of a copy of x: it is also given as a fraction of the
+        # copy's rate, measured just before (the memory limit these kernels are held to).
+        copy_rate = None
+        if (R, C) == (16384, 4096) and any(ONLY in op for op in ("copy", *(r[0] for r in row_ops))):
+            copy_rate = bench_copy(rows, x)
+        for op, f, ins in row_ops:
+            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, 2 * nbytes, "GB/s", copy_rate=copy_rate)
             bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, 3 * nbytes, "GB/s")
     # SwiGLU's gate at a feed-forward's width (tokens x hidden): fwd reads a, b and writes y; bwd reads
     # a, b, dy and writes da, db
