@@ -11,6 +11,7 @@ agree to float32 rounding and the tokens/s ratio is the speedup.
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
+    python train.py --compile=true                    # the PyTorch op set through torch.compile (GPU)
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
     python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
 
@@ -76,6 +77,8 @@ OPTIONS = dict(
     backend=("both", "which op sets to train, torch first: " + ", ".join(BACKENDS)),
     cuda_graph=(True, "cuda op set on a GPU: capture the whole training step in one CUDA graph"),
     graph_torch=(False, "torch op set on a GPU: capture it too, for a like-for-like graphed comparison"),
+    compile=(False, "torch op set on a GPU: forward, loss and backward through torch.compile(mode='reduce-overhead'), "
+                    "AdamW eager; not with --graph_torch=true, --backend=cuda, --sweep or --device=cpu"),
     data_path=(None, "UTF-8 text to train on; None: the Wizard of Oz from data_cache/, downloaded once"),
     out_dir=("out", "folder for checkpoints, results.json and loss.png"),
     preset=("", "'' or " + ", ".join(PRESETS) + ": applied before the other overrides"),
@@ -171,6 +174,7 @@ def parse_config(argv):
         if not 0 <= getattr(cfg, key) < 1:
             fail(f"--{key} must be in [0, 1), got {getattr(cfg, key)}")
     check_backend_and_device(cfg, fail)
+    check_compile(cfg)
     if overrides:
         print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in overrides))
     return cfg
@@ -187,6 +191,22 @@ def check_arch(cfg, fail):
     cfg.n_kv_head = kv_heads(cfg.arch, cfg.n_head, cfg.n_kv_head)
     if cfg.arch == "llama" and (cfg.n_embd // cfg.n_head) % 2:
         fail(f"--arch=llama needs an even head size for RoPE's pairs; n_embd / n_head = {cfg.n_embd // cfg.n_head}")
+
+
+def check_compile(cfg):
+    """--compile=true only where it has a torch op set step to compile and nothing else graphs it."""
+    if not cfg.compile:
+        return
+    if cfg.graph_torch:
+        fail("--compile=true and --graph_torch=true both put the torch op set's step in CUDA graphs "
+             "(reduce-overhead records its own); pass one of them")
+    if cfg.backend == "cuda":
+        fail("--compile=true compiles the torch op set, which --backend=cuda does not train; "
+             "use --backend=both or --backend=torch")
+    if cfg.sweep:
+        fail(f"--compile=true applies to the op sets' training runs, not to the mHC sweep (--sweep={cfg.sweep})")
+    if torch.device(cfg.device).type != "cuda":
+        fail(f"--compile=true needs a GPU (mode='reduce-overhead' replays CUDA graphs), but --device={cfg.device}")
 
 
 def check_backend_and_device(cfg, fail):
@@ -653,6 +673,22 @@ class GraphedStep:
         return self.static_loss  # overwritten by the next replay: copy it out before then
 
 
+def compiled_step(model, opt):
+    """train_step on the model compiled by torch.compile(mode='reduce-overhead'): Inductor's kernels for the
+    forward and loss and for the backward derived from them, each replayed from a CUDA graph; AdamW stays
+    the eager fused step that every run uses. The compiled module shares the model's parameters and serves
+    this step only, so evaluation, sampling and checkpoints see the eager model. The first call compiles
+    and the second records the graphs, both inside the timing warm-up."""
+    compiled = torch.compile(model, mode="reduce-overhead")
+
+    def step(x, y):
+        # A new iteration for the graphs: the last step's outputs may be overwritten now (its loss has been
+        # copied out, and its gradients are dropped by zero_grad before anything reads them).
+        torch.compiler.cudagraph_mark_step_begin()
+        return train_step(compiled, opt, x, y)
+    return step
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -870,7 +906,8 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
     device = torch.device(cfg.device)
     on_cuda = device.type == "cuda"
     graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
-    mode = "graph" if graphed else "eager"
+    compiled = ops.name == "torch" and cfg.compile  # check_compile: on a GPU, and not with graph_torch
+    mode = "graph" if graphed else "compile" if compiled else "eager"
     model = model_from_config(cfg, tok.vocab_size, ops).to(device)
     opt = make_optimizer(model, cfg, on_cuda, graphed)
     batch_gen = torch.Generator().manual_seed(cfg.seed)  # CPU generator: every op set draws the same batches
@@ -890,13 +927,19 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
     else:
         print(f"{ops.name} | nothing to train: max_iters=0; evaluating the untrained model")
 
-    step = GraphedStep(model, opt) if graphed else (lambda x, y: train_step(model, opt, x, y))
+    if graphed:
+        step = GraphedStep(model, opt)
+    elif compiled:
+        step = compiled_step(model, opt)
+    else:
+        step = functools.partial(train_step, model, opt)
     splits = {"train": train_ids, "val": val_ids}
     tokens_per_step = cfg.batch_size * cfg.block_size
     # Losses stay on the device until a log or eval point: reading each one would sync every step.
     loss_buf = torch.zeros(max(cfg.max_iters - start, 0), device=device)
     fetched = 0
-    # At least the graph warm-up and capture are always left out of the timed steps.
+    # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
+    # of the timed steps.
     timer = StepTimer(device, skip=max(cfg.timing_warmup, GRAPH_WARMUP + 1))
     t_run = time.perf_counter()
     done = start
@@ -1002,11 +1045,11 @@ def report(runs, cfg):
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\nresults on {hw} (tok/s: training steps only, after {max(cfg.timing_warmup, GRAPH_WARMUP + 1)} "
           f"warm-up steps; wall s: whole run including evals)")
-    print(f"{'op set':<7} {'mode':<6} {'iters':>6} {'train loss':>11} {'val loss':>9} {'wall s':>8} {'tok/s':>11}")
+    print(f"{'op set':<7} {'mode':<7} {'iters':>6} {'train loss':>11} {'val loss':>9} {'wall s':>8} {'tok/s':>11}")
     for name, r in runs.items():
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         tl, vl = (f"{r[k]:.4f}" if r[k] is not None else "n/a" for k in ("final_train_loss", "final_val_loss"))
-        print(f"{name:<7} {r['mode']:<6} {r['iters']:>6} {tl:>11} {vl:>9} {r['wall_s']:>8.1f} {tps:>11}"
+        print(f"{name:<7} {r['mode']:<7} {r['iters']:>6} {tl:>11} {vl:>9} {r['wall_s']:>8.1f} {tps:>11}"
               + (f"  {r['status']}: {r['stopped_because']}" if r["status"] != "completed" else ""))
 
     speedup = diff_100 = diff_all = None
@@ -1462,6 +1505,8 @@ def main(argv):
     for ops in op_sets:
         runs[ops.name] = r = train_op_set(ops, cfg, tok, train_ids, val_ids)
         if torch.device(cfg.device).type == "cuda":
+            if cfg.compile:
+                torch.compiler.reset()  # the compiled step's CUDA graphs and their memory pool go too
             torch.cuda.empty_cache()  # the next op set starts from the same free memory
         if r["status"] != "completed":
             break  # a diverged or interrupted run stops here; the next op set is not started
