@@ -591,6 +591,23 @@ def train_rejects_bad_values():
     return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch and heads checked"
 
 
+def train_compile_option():
+    # --compile=true is refused in one line that names it wherever it cannot do what it says; the compiled
+    # step itself runs on a GPU only (train/gpu_compiled_torch_step)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert train.parse_config(["--device=cpu", "--compile=false"]).compile is False, "--compile=false"
+    assert train.DEFAULTS["compile"] is False, "compile is on by default"
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp, "--max_iters=1", "--compile=true")
+        for more, words in (((), ("--compile=true", "GPU", "--device=cpu")),
+                            (("--graph_torch=true",), ("--compile=true", "--graph_torch=true")),
+                            (("--backend=cuda",), ("--compile=true", "--backend=cuda")),
+                            (("--preset=mhc-demo",), ("--compile=true", "sweep"))):
+            _train_fails(" ".join(("--compile=true",) + more), words, *args, *more)
+    return "--compile=false parses; with graph_torch, backend=cuda, a sweep or on the CPU: one line each"
+
+
 def train_llama_cpu():
     # the llama arch trains on the PyTorch op set, saves, resumes, and a resume as gpt is refused
     with tempfile.TemporaryDirectory() as tmp:
@@ -763,7 +780,7 @@ def train_interrupt_saves_checkpoint():
 
 
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
-            train_help, train_rejects_bad_values, train_llama_cpu, train_rejects_bad_paths, train_max_iters_zero,
+            train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_rejects_bad_paths, train_max_iters_zero,
             train_fresh_run_keeps_checkpoint, train_bad_checkpoints, train_diverged_run_keeps_checkpoint,
             train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
@@ -1854,8 +1871,32 @@ def train_gpu_op_sets_agree(arch="gpt"):
 add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
 add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
 add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")
+def train_gpu_compiled_torch_step():
+    # --compile=true: the torch op set's step through torch.compile(mode='reduce-overhead') trains like its
+    # eager step (to rounding: Inductor sums in other orders), and compiling and recording the graphs fall
+    # in the timing warm-up, so tokens/s counts the steps after it only.
+    steps = 20
+    shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            runs = {c: gpu_train(train.TORCH_OPS, os.path.join(tmp, f"compile_{c}"), compile=c, **shape)[0]
+                    for c in (False, True)}
+        finally:
+            torch.compiler.reset()  # the compiled step's CUDA graphs and their memory pool
+    eager, comp = runs[False], runs[True]
+    assert (eager["mode"], comp["mode"]) == ("eager", "compile"), f"modes {eager['mode']}, {comp['mode']}"
+    warmup = max(train.DEFAULTS["timing_warmup"], train.GRAPH_WARMUP + 1)
+    assert comp["timed_iters"] == steps - warmup and comp["tokens_per_s"], \
+        f"{comp['timed_iters']} timed steps of {steps} ({warmup} warm-up), {comp['tokens_per_s']} tok/s"
+    e, c = (torch.tensor(r["train_loss"], dtype=torch.float64) for r in (eager, comp))
+    check("loss", c, e, 1e-4)
+    return (f"max |loss difference| {(c - e).abs().max():.2e} over {steps} steps; tok/s eager "
+            f"{eager['tokens_per_s']:,.0f}, compiled {comp['tokens_per_s']:,.0f}")
+
+
 add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
+add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 
 
 # Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
