@@ -780,9 +780,9 @@ def train_interrupt_saves_checkpoint():
 
 
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
-            train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_rejects_bad_paths, train_max_iters_zero,
-            train_fresh_run_keeps_checkpoint, train_bad_checkpoints, train_diverged_run_keeps_checkpoint,
-            train_interrupt_saves_checkpoint):
+            train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_rejects_bad_paths,
+            train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
+            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -1776,8 +1776,8 @@ def op_sets_same_names():
 add("opsets/same_names", op_sets_same_names)
 
 # -----------------------------------------------------------------------------
-# train.py on the GPU: the training step reproduces itself bit for bit, and the two op sets train
-# alike. Both run train.train_op_set, the loop of `python train.py` (the cuda op set graphed, as by
+# train.py on the GPU: the training step reproduces itself bit for bit, the two op sets train alike,
+# and so does the compiled torch step (--compile). All run train.train_op_set, the loop of `python train.py` (the cuda op set graphed, as by
 # default), on a generated text, so they never skip for want of the book.
 
 
@@ -1868,9 +1868,6 @@ def train_gpu_op_sets_agree(arch="gpt"):
             f"{runs['torch']['mode']}, cuda {runs['cuda']['mode']}); loss {t[0]:.4f} -> {t[-1]:.4f}")
 
 
-add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
-add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
-add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")
 def train_gpu_compiled_torch_step():
     # --compile=true: the torch op set's step through torch.compile(mode='reduce-overhead') trains like its
     # eager step (to rounding: Inductor sums in other orders), and compiling and recording the graphs fall
@@ -1894,6 +1891,9 @@ def train_gpu_compiled_torch_step():
             f"{eager['tokens_per_s']:,.0f}, compiled {comp['tokens_per_s']:,.0f}")
 
 
+add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
+add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
+add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")
 add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
