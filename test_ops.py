@@ -1777,8 +1777,9 @@ add("opsets/same_names", op_sets_same_names)
 
 # -----------------------------------------------------------------------------
 # train.py on the GPU: the training step reproduces itself bit for bit, the two op sets train alike,
-# and so does the compiled torch step (--compile). All run train.train_op_set, the loop of `python train.py` (the cuda op set graphed, as by
-# default), on a generated text, so they never skip for want of the book.
+# and so does the compiled torch step (--compile). All run train.train_op_set, the loop of
+# `python train.py` (the cuda op set graphed, as by default), on a generated text, so they never skip
+# for want of the book.
 
 
 def gpu_train_text(n_words=4000):
