@@ -1,9 +1,11 @@
 // kernels.cu: every CUDA kernel of the repo and its host launcher. Tensors are fp32; matmul and
-// fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy.
+// fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy (matmul
+// through wgmma on Hopper, mma.sync elsewhere and for small products).
 //
 // Sections, top to bottom:
 //   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
-//   -> softmax -> cross-entropy -> GELU -> tensor-core helpers -> matmul -> GEMV -> top-k -> Sinkhorn
+//   -> softmax -> cross-entropy -> GELU -> RoPE -> tensor-core helpers -> matmul (mma.sync, then
+//   Hopper's pack + wgmma, then the launcher) -> GEMV -> top-k -> Sinkhorn
 //   -> stream mixing (hyper-connections) -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
@@ -1211,7 +1213,8 @@ __device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, co
 
 // ------------------------------------------------------------------------------------------------
 // matmul: C = alpha * op(A) * op(B) (+ bias[n]) on the tensor cores in 3xTF32 (fp32 accuracy),
-// batched over grid.z. op(A) is M x K: stored row-major with leading dim lda (TA = false,
+// batched over grid.z. This mma.sync kernel runs on any GPU from sm_80 and takes the small products
+// on Hopper too (the wgmma kernel below takes the big ones). op(A) is M x K: stored row-major with leading dim lda (TA = false,
 // A[m][k] = a[m*lda + k]) or as its transpose (TA = true, A[m][k] = a[k*lda + m]); likewise op(B)
 // is K x N (TB = true reads b[n*ldb + k], the layout of a linear layer's weight). A batch stride of
 // 0 broadcasts an operand.
@@ -1402,58 +1405,394 @@ __global__ void matmul_reduce_kernel(const float* part, const float* bias, float
   }
 }
 
-// Split K when the output has too few tiles for two waves of blocks (a weight gradient: small
-// M x N, K = all the tokens of a batch): aim at 4 blocks per SM, at least 128 of K per split.
-static int matmul_splits(int batch, int M, int N, int K) {
-  const int64_t tiles = (int64_t)ceil_div(M, 64) * ceil_div(N, 64) * batch;
+// ------------------------------------------------------------------------------------------------
+// matmul on Hopper (sm_90a): pack, then wgmma.
+//
+// The tensor cores of an H100 are fed by `wgmma`, which reads its operands straight from shared
+// memory in a fixed layout: for TF32 both operands K-major, rows of 32 floats (128 bytes) whose
+// 16-byte chunks are permuted ("128-byte swizzle": chunk c of row r sits at c ^ (r % 8)) so the
+// tensor cores read them without bank conflicts. A pack kernel first rewrites op(A) (M x K) and
+// op(B) (as N x K) into that layout, tile after tile (128 rows x 32 of K), each tile as two planes:
+// hi = x with the 13 mantissa bits TF32 lacks cleared, lo = x - hi. Zero padding fills the ragged
+// edges, so the main kernel never checks bounds on a load, and any transpose, stride, or alignment
+// costs only the pack. The main kernel then copies whole packed tiles with the bulk-copy engine
+// (`cp.async.bulk`, completion counted on an mbarrier) and multiplies: lo*hi + hi*lo + hi*hi, the
+// same 3xTF32 as the mma.sync path, at four times its rate per instruction.
+//
+// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the copies, WG_STAGES deep);
+// warpgroups 1 and 2 each compute 64 x 128 of the block's 128 x 128 tile of C. The tensor core
+// accumulates without rounding to nearest, so each 32-wide K step is summed into a fresh register
+// tile and then added to the fp32 accumulator with ordinary (rounded) adds.
+
+constexpr int WG_BM = 128, WG_BN = 128, WG_BK = 32, WG_STAGES = 3;
+constexpr int WG_PLANE = 128 * WG_BK;           // floats in one plane of a packed tile (16 KB)
+constexpr int WG_TILE = 2 * WG_PLANE;           // hi and lo planes (32 KB)
+constexpr int WG_STAGE_BYTES = 2 * WG_TILE * 4;  // one A and one B tile (64 KB)
+constexpr int WG_SMEM = WG_STAGES * WG_STAGE_BYTES + 1024 + 2 * WG_STAGES * 8;  // + alignment, mbarriers
+
+// op(X) as an R x K matrix, element (r, k) at x[r * rs + k * ks] with rs or ks equal to 1.
+struct PackArgs {
+  const float* x;
+  float* out;
+  int R, K, ktiles;
+  int64_t rs, ks, bs, out_bs;  // bs: batch stride of x; out_bs: of the packed copy
+};
+
+__global__ void __launch_bounds__(256) matmul_pack_kernel(PackArgs p) {
+  __shared__ float s[128][WG_BK + 1];  // +1: the transposing reads hit 32 banks
+  const int kt = blockIdx.x, rt = blockIdx.y, tid = threadIdx.x;
+  const float* x = p.x + blockIdx.z * p.bs;
+  const bool k_fast = p.ks == 1;  // read along whichever dim is contiguous
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int idx = tid + 256 * i;
+    const int r = k_fast ? idx / WG_BK : idx % 128, k = k_fast ? idx % WG_BK : idx / 128;
+    const int gr = rt * 128 + r, gk = kt * WG_BK + k;
+    s[r][k] = gr < p.R && gk < p.K ? x[gr * p.rs + gk * p.ks] : 0.f;
+  }
+  __syncthreads();
+  float* out = p.out + blockIdx.z * p.out_bs + ((int64_t)rt * p.ktiles + kt) * WG_TILE;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int chunk = tid + 256 * i, r = chunk / 8, c = chunk % 8;
+    float hi[4], lo[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float v = s[r][4 * c + j];
+      hi[j] = __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+      lo[j] = v - hi[j];
+    }
+    const int off = r * WG_BK + 4 * (c ^ (r % 8));
+    *reinterpret_cast<float4*>(out + off) = make_float4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<float4*>(out + WG_PLANE + off) = make_float4(lo[0], lo[1], lo[2], lo[3]);
+  }
+}
+
+// PTX wrappers: mbarriers, the bulk copy, wgmma. Only sm_90a has wgmma; elsewhere the kernel traps
+// and the launcher never picks it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_ENABLED 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Wait until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, groups of 8 rows 1024 bytes apart.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// d (64 x 128, spread over the warpgroup) = a (64 x 8) * b (8 x 128) + (accumulate ? d : 0), TF32.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+struct WgmmaArgs {
+  const float* a;  // packed op(A): [batch][M tiles][K tiles] packed tiles
+  const float* b;  // packed op(B) as N x K
+  const float* bias;
+  float* c;
+  int M, N, ktiles;
+  int64_t a_bs, b_bs;  // packed batch strides, 0 to broadcast
+  int64_t ldc, sc;
+  float alpha;
+  bool vec_c;
+  int splits, kt_per_split;  // split-K as in MatmulArgs, in units of K tiles
+  int64_t split_stride;
+};
+
+__global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
+#ifdef WG_ENABLED
+  extern __shared__ uint8_t smem_raw[];
+  // Swizzled tiles must start 1024-byte aligned (the swizzle is a function of the address bits).
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t base = smem_addr(smem);
+  const uint32_t full = base + WG_STAGES * WG_STAGE_BYTES, empty = full + 8 * WG_STAGES;  // mbarrier arrays
+
+  constexpr int GROUP = 8;  // grouped tile order, as in matmul_kernel
+  const int tiles_m = (p.M + WG_BM - 1) / WG_BM, tiles_n = (p.N + WG_BN - 1) / WG_BN;
+  const int pid = blockIdx.x, per_group = GROUP * tiles_n;
+  const int first_m = (pid / per_group) * GROUP, group_m = min(tiles_m - first_m, GROUP);
+  const int tile_m = first_m + (pid % per_group) % group_m, tile_n = (pid % per_group) / group_m;
+  const int bz = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
+  const int kt0 = split * p.kt_per_split, kt1 = min(p.ktiles, kt0 + p.kt_per_split);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < WG_STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);   // the producer's arrive (with the copies' byte count)
+      mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {  // producer
+    if (threadIdx.x == 0) {
+      const float* a = p.a + bz * p.a_bs + (int64_t)tile_m * p.ktiles * WG_TILE;
+      const float* b = p.b + bz * p.b_bs + (int64_t)tile_n * p.ktiles * WG_TILE;
+      for (int kt = kt0, i = 0; kt < kt1; ++kt, ++i) {
+        const int s = i % WG_STAGES;
+        mbar_wait(empty + 8 * s, ((i / WG_STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
+        mbar_expect_bytes(full + 8 * s, WG_STAGE_BYTES);
+        const uint32_t dst = base + s * WG_STAGE_BYTES;
+        bulk_copy(dst, a + (int64_t)kt * WG_TILE, WG_TILE * 4, full + 8 * s);
+        bulk_copy(dst + WG_TILE * 4, b + (int64_t)kt * WG_TILE, WG_TILE * 4, full + 8 * s);
+      }
+    }
+    return;
+  }
+
+  const int half = wg - 1;  // rows 64 * half .. of the block's tile
+  float acc[64], part[64];
+#pragma unroll
+  for (int e = 0; e < 64; ++e) acc[e] = 0.f;
+  for (int kt = kt0, i = 0; kt < kt1; ++kt, ++i) {
+    const int s = i % WG_STAGES;
+    mbar_wait(full + 8 * s, (i / WG_STAGES) & 1);
+    const uint32_t a_hi = base + s * WG_STAGE_BYTES + half * (64 * WG_BK * 4), a_lo = a_hi + WG_PLANE * 4;
+    const uint32_t b_hi = base + s * WG_STAGE_BYTES + WG_TILE * 4, b_lo = b_hi + WG_PLANE * 4;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 8; ++kk) {  // 8 of K (32 bytes of each row) per instruction
+      const uint32_t off = kk * 32;
+      wgmma_tf32(part, wg_desc(a_lo + off), wg_desc(b_hi + off), kk > 0);  // small terms first
+      wgmma_tf32(part, wg_desc(a_hi + off), wg_desc(b_lo + off), 1);
+      wgmma_tf32(part, wg_desc(a_hi + off), wg_desc(b_hi + off), 1);
+    }
+    wgmma_commit_and_wait();
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * s);
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[e] += part[e];
+  }
+
+  // Accumulator layout: warp w of the warpgroup holds rows 16w..16w+15; lane (g, t) = (lane / 4,
+  // lane % 4) holds rows g and g + 8, columns 8j + 2t and 8j + 2t + 1, at acc[4j ..4j + 3].
+  float* c = p.c + bz * p.sc + split * p.split_stride;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row0 = tile_m * WG_BM + half * 64 + (threadIdx.x % 128) / 32 * 16 + g;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = row0 + 8 * h, n = tile_n * WG_BN + 8 * j + 2 * t;
+      if (m >= p.M) continue;
+      float o[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        o[e] = p.alpha * acc[4 * j + 2 * h + e];
+        if (p.bias && n + e < p.N) o[e] += p.bias[n + e];
+      }
+      float* dst = c + (int64_t)m * p.ldc + n;
+      if (p.vec_c && n + 1 < p.N) {
+        *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
+      } else {
+        if (n < p.N) dst[0] = o[0];
+        if (n + 1 < p.N) dst[1] = o[1];
+      }
+    }
+#else
+  __trap();  // built without sm_90a: the launcher only picks this kernel when it was compiled
+#endif
+}
+
+#if defined(KERNELS_SM90A)
+static bool hopper_wgmma() {  // compute capability 9.0, and this build has sm_90a code for it
+  static int cached[64] = {};  // per device: 1 yes, 2 no
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    cached[dev] = major == 9 && minor == 0 ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+#else
+static bool hopper_wgmma() { return false; }
+#endif
+
+// How matmul() runs a problem: on which kernel, split along K how many ways, and the workspace
+// each part needs (floats).
+struct MatmulPlan {
+  bool wgmma;
+  int splits, kchunk;                  // kchunk: K per split (a multiple of the kernel's K tile)
+  size_t packed_a, packed_b, partial;  // workspace floats
+};
+
+static MatmulPlan matmul_plan(int batch, int M, int N, int K, bool has_workspace) {
+  MatmulPlan plan{};
+  // The Hopper kernel pays a pack pass over each operand and fills 128 x 128 tiles: worth it for
+  // products of 512^3 and up with every dim at least 128 (measured on an H100: below that, or with
+  // K = 64 as in attention's batched products, the mma.sync kernel is faster).
+  plan.wgmma = has_workspace && hopper_wgmma() && M >= 128 && N >= 128 && K >= 128 &&
+               (double)M * N * K * batch >= 512.0 * 512 * 512;
+  const int tile = plan.wgmma ? WG_BM : 64, ktile = plan.wgmma ? WG_BK : 16;
+  const int64_t tiles = (int64_t)ceil_div(M, tile) * ceil_div(N, tile) * batch;
   const int sms = num_sms();
-  if (tiles == 0 || tiles >= 2 * sms || K < 256) return 1;
-  const int64_t want = std::min<int64_t>((4 * sms + tiles - 1) / tiles, K / 128);
-  const int kchunk = ceil_div(ceil_div(K, std::max<int64_t>(want, 1)), 16) * 16;
-  return ceil_div(K, kchunk);
+  // Split K when the output has too few tiles to fill the GPU (a weight gradient: small M x N,
+  // K = all the tokens of a batch), each split at least 128 of K. A Hopper block holds a whole SM:
+  // aim at one full wave; the mma.sync kernel runs several blocks per SM: aim at 4 per SM.
+  int64_t want = 1;
+  if (has_workspace && tiles > 0 && K >= 256) {
+    if (plan.wgmma && tiles < sms) want = std::min<int64_t>(sms / tiles, K / 128);
+    if (!plan.wgmma && tiles < 2 * sms) want = std::min<int64_t>((4 * sms + tiles - 1) / tiles, K / 128);
+  }
+  plan.kchunk = std::max(ktile, ceil_div(ceil_div(K, std::max<int64_t>(want, 1)), ktile) * ktile);
+  plan.splits = ceil_div(std::max(K, 1), plan.kchunk);  // no empty split
+  if (plan.wgmma) {
+    const size_t ktiles = ceil_div(K, WG_BK);
+    plan.packed_a = (size_t)batch * ceil_div(M, WG_BM) * ktiles * WG_TILE;
+    plan.packed_b = (size_t)batch * ceil_div(N, WG_BN) * ktiles * WG_TILE;
+  }
+  plan.partial = plan.splits > 1 ? (size_t)plan.splits * batch * M * N : 0;
+  return plan;
 }
 
-// Floats of workspace matmul() wants for these sizes (0: no split-K).
+// Floats of workspace matmul() wants for these sizes.
 size_t matmul_workspace_floats(int batch, int M, int N, int K) {
-  const int splits = matmul_splits(batch, M, N, K);
-  return splits > 1 ? (size_t)splits * batch * M * N : 0;
+  const MatmulPlan plan = matmul_plan(batch, M, N, K, true);
+  return plan.packed_a + plan.packed_b + plan.partial;
 }
 
-// workspace: matmul_workspace_floats(...) floats, or nullptr to never split K.
+// Packs op(X) (R x K per batch entry; rs, ks its strides) for the Hopper kernel; returns the packed
+// batch stride (0 when x is one matrix broadcast over the batch).
+static int64_t matmul_pack(const float* x, float* out, int batch, int R, int K, int64_t rs, int64_t ks, int64_t bs,
+                           cudaStream_t s) {
+  const int ktiles = ceil_div(K, WG_BK);
+  const int64_t out_bs = bs == 0 ? 0 : (int64_t)ceil_div(R, 128) * ktiles * WG_TILE;
+  const int copies = bs == 0 ? 1 : batch;
+  for (int z0 = 0; z0 < copies; z0 += 65535) {  // grid.z limit
+    PackArgs p{x + z0 * bs, out + z0 * out_bs, R, K, ktiles, rs, ks, bs, out_bs};
+    matmul_pack_kernel<<<dim3(ktiles, ceil_div(R, 128), std::min(copies - z0, 65535)), 256, 0, s>>>(p);
+    check_launch("matmul_pack");
+  }
+  return out_bs;
+}
+
+// c[b][m][n] = alpha * sum_k op(A)[b][m][k] * op(B)[b][k][n] + bias[n]. Strides in elements; a
+// batch stride of 0 broadcasts an operand. workspace: matmul_workspace_floats(...) floats, or
+// nullptr (then the mma.sync kernel, K never split).
 void matmul(const float* a, const float* b, const float* bias, float* c, int batch, int M, int N,
             int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb,
             int64_t sc, float alpha, float* workspace, cudaStream_t s) {
   if (batch == 0 || M == 0 || N == 0) return;
   require_tensor_cores("matmul");
-  MatmulArgs p{a, b, bias, c, M, N, K, lda, ldb, ldc, sa, sb, sc, alpha, false, batch, 1, std::max(K, 1), 0};
-  // 16-byte operand loads need the contiguous extent, leading dims and batch strides in multiples
-  // of 4 floats and aligned base pointers; otherwise every element is loaded on its own.
-  const bool vec = (ta ? M : K) % 4 == 0 && lda % 4 == 0 && sa % 4 == 0 && aligned16(a) &&
-                   (tb ? K : N) % 4 == 0 && ldb % 4 == 0 && sb % 4 == 0 && aligned16(b);
-  const int splits = workspace ? matmul_splits(batch, M, N, K) : 1;
-  if (splits > 1) {  // partial products into the workspace, no alpha or bias yet
-    p.splits = splits;
-    p.kchunk = ceil_div(ceil_div(K, splits), 16) * 16;
-    p.c = workspace; p.ldc = N; p.sc = (int64_t)M * N; p.split_stride = (int64_t)batch * M * N;
-    p.alpha = 1.f; p.bias = nullptr;
+  const MatmulPlan plan = matmul_plan(batch, M, N, K, workspace != nullptr);
+  float* out = c;
+  int64_t ldo = ldc, so = sc, split_stride = 0;
+  float out_alpha = alpha;
+  const float* out_bias = bias;
+  if (plan.splits > 1) {  // partial products into the workspace, no alpha or bias yet
+    out = workspace + plan.packed_a + plan.packed_b;
+    ldo = N; so = (int64_t)M * N; split_stride = (int64_t)batch * M * N;
+    out_alpha = 1.f; out_bias = nullptr;
   }
-  p.vec_c = p.ldc % 2 == 0 && p.sc % 2 == 0 && N % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & 7) == 0;
-  // Big tiles only when they fill the GPU; otherwise 64 x 64 tiles give 4x more blocks.
-  const bool big = (int64_t)ceil_div(M, 128) * ceil_div(N, 128) * batch >= num_sms();
-  for (int z0 = 0; z0 < batch; z0 += 65535 / splits) {  // grid.z limit
-    MatmulArgs q = p;
-    q.batch = std::min(batch - z0, 65535 / splits);
-    q.a += z0 * sa; q.b += z0 * sb; q.c += z0 * q.sc;
-    if (big && vec) matmul_tiles<128, 128, 256, 4>(q, ta, tb, s);
-    else if (big) matmul_tiles<128, 128, 256, 1>(q, ta, tb, s);
-    else if (vec) matmul_tiles<64, 64, 128, 4>(q, ta, tb, s);
-    else matmul_tiles<64, 64, 128, 1>(q, ta, tb, s);
-    check_launch("matmul");
+  const bool vec_c = ldo % 2 == 0 && so % 2 == 0 && N % 2 == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+  const int zmax = 65535 / plan.splits;  // grid.z limit
+  if (plan.wgmma) {
+    static bool smem_set[64] = {};  // per device: raise the kernel's shared-memory limit once
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 0 && dev < 64 && !smem_set[dev]) {
+      cudaFuncSetAttribute(matmul_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM);
+      smem_set[dev] = true;
+    }
+    float* pa = workspace;
+    float* pb = workspace + plan.packed_a;
+    const int64_t a_bs = matmul_pack(a, pa, batch, M, K, ta ? 1 : lda, ta ? lda : 1, sa, s);
+    const int64_t b_bs = matmul_pack(b, pb, batch, N, K, tb ? ldb : 1, tb ? 1 : ldb, sb, s);
+    WgmmaArgs p{pa, pb, out_bias, out, M, N, ceil_div(K, WG_BK), a_bs, b_bs, ldo, so, out_alpha, vec_c,
+                plan.splits, plan.kchunk / WG_BK, split_stride};
+    for (int z0 = 0; z0 < batch; z0 += zmax) {
+      WgmmaArgs q = p;
+      q.a += z0 * a_bs; q.b += z0 * b_bs; q.c += z0 * so;
+      const dim3 grid(ceil_div(M, WG_BM) * ceil_div(N, WG_BN), 1, std::min(batch - z0, zmax) * plan.splits);
+      matmul_wgmma_kernel<<<grid, 384, WG_SMEM, s>>>(q);
+      check_launch("matmul");
+    }
+  } else {
+    MatmulArgs p{a, b, out_bias, out, M, N, K, lda, ldb, ldo, sa, sb, so, out_alpha, vec_c, batch, plan.splits,
+                 plan.kchunk, split_stride};
+    // 16-byte operand loads need the contiguous extent, leading dims and batch strides in multiples
+    // of 4 floats and aligned base pointers; otherwise every element is loaded on its own.
+    const bool vec = (ta ? M : K) % 4 == 0 && lda % 4 == 0 && sa % 4 == 0 && aligned16(a) &&
+                     (tb ? K : N) % 4 == 0 && ldb % 4 == 0 && sb % 4 == 0 && aligned16(b);
+    // Big tiles only when they fill the GPU; otherwise 64 x 64 tiles give 4x more blocks.
+    const bool big = (int64_t)ceil_div(M, 128) * ceil_div(N, 128) * batch >= num_sms();
+    for (int z0 = 0; z0 < batch; z0 += zmax) {
+      MatmulArgs q = p;
+      q.batch = std::min(batch - z0, zmax);
+      q.a += z0 * sa; q.b += z0 * sb; q.c += z0 * so;
+      if (big && vec) matmul_tiles<128, 128, 256, 4>(q, ta, tb, s);
+      else if (big) matmul_tiles<128, 128, 256, 1>(q, ta, tb, s);
+      else if (vec) matmul_tiles<64, 64, 128, 4>(q, ta, tb, s);
+      else matmul_tiles<64, 64, 128, 1>(q, ta, tb, s);
+      check_launch("matmul");
+    }
   }
-  if (splits > 1) {
-    const int64_t total = p.split_stride;
+  if (plan.splits > 1) {
+    const int64_t total = split_stride;
     const int blocks = (int)std::min<int64_t>(ceil_div(total, 256), (int64_t)num_sms() * 8);
-    matmul_reduce_kernel<<<blocks, 256, 0, s>>>(workspace, bias, c, splits, p.split_stride, M, N, ldc, sc, alpha);
+    matmul_reduce_kernel<<<blocks, 256, 0, s>>>(out, bias, c, plan.splits, split_stride, M, N, ldc, sc, alpha);
     check_launch("matmul_reduce");
   }
 }
@@ -2583,6 +2922,7 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;  // no key seen: zeros
   // Without splits straight into out and lse2; with them into this split's slice of the workspace.
+  // A split past the valid keys writes lse2 = -inf: weight 0 in the merge.
   const int64_t rows_total = (int64_t)gridDim.x * R;
   float* out = (gridDim.z == 1 ? p.out : p.part_o + split * rows_total * D) + (int64_t)kvh * R * D;
   float* lse2 = (gridDim.z == 1 ? p.lse2 : p.part_lse2 + split * rows_total) + (int64_t)kvh * R;
@@ -2599,24 +2939,48 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
 }
 
 // Merges the splits of each row: out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse2_s - max lse2),
-// lse2 = max + log2(sum_s w_s). A split that saw no key has lse2_s = -inf (weight 0); a row that no
-// split saw gets zeros, as without splits. One warp per row, splits added in order.
-__global__ void attention_combine_kernel(const float* part_o, const float* part_lse2, float* out, float* lse2,
-                                         int64_t rows, int D, int splits) {
-  const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if (r >= rows) return;
+// lse2 = max + log2(sum_s w_s). A split that saw no key has lse2_s = -inf (weight 0, its output not
+// read); a row that no split saw gets zeros, as without splits. A block of 4 warps per
+// row: the lanes share out the splits for the max and the weight sum; for the output, warp w adds
+// splits w, w + 4, ... over the row's D (lanes over d), and the 4 partial rows are added in order:
+// many splits are merged in parallel, in a fixed order (deterministic).
+constexpr int COMBINE_WARPS = 4;
+
+__global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(const float* part_o,
+    const float* part_lse2, float* out, float* lse2, int64_t rows, int D, int splits) {
+  __shared__ float partial[COMBINE_WARPS][128];  // D <= 128
+  const int64_t r = blockIdx.x;
+  const int lane = threadIdx.x, warp = threadIdx.y;
   float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_lse2[s * rows + r]);
+  for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, part_lse2[s * rows + r]);
+  mx = warp_max(mx);
   const float base = mx == -INFINITY ? 0.f : mx;
   float wsum = 0.f;
-  for (int s = 0; s < splits; ++s) wsum += exp2f(part_lse2[s * rows + r] - base);
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  for (int d = threadIdx.x; d < D; d += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < splits; ++s) acc += exp2f(part_lse2[s * rows + r] - base) * part_o[(s * rows + r) * D + d];
-    out[r * D + d] = acc * inv;
+  for (int s = lane; s < splits; s += 32) wsum += exp2f(part_lse2[s * rows + r] - base);
+  wsum = warp_sum(wsum);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // d = lane + 32 i
+#pragma unroll 4
+  for (int s = warp; s < splits; s += COMBINE_WARPS) {
+    const float w = exp2f(part_lse2[s * rows + r] - base);
+    if (w == 0.f) continue;
+    const float* o = part_o + (s * rows + r) * D;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (lane + 32 * i < D) acc[i] += w * o[lane + 32 * i];
   }
-  if (threadIdx.x == 0) lse2[r] = mx + log2f(wsum);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (lane + 32 * i < D) partial[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  if (warp != 0) return;
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  for (int d = lane; d < D; d += 32) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < COMBINE_WARPS; ++w) sum += partial[w][d];
+    out[r * D + d] = sum * inv;
+  }
+  if (lane == 0) lse2[r] = mx + log2f(wsum);
 }
 
 // delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. Warp per row.
@@ -2815,13 +3179,14 @@ static void attention_fwd_dispatch(const AttnArgs& p, dim3 grid, cudaStream_t s)
 }
 
 // Splits of the key tiles per forward block (see attention_fwd_kernel): 1 when the row tiles alone
-// give two blocks per SM, else enough for that, with at least 4 key tiles per split (below that the
-// merge's extra launch costs more than the split saves: a decode step is launch-bound).
+// give two blocks per SM, else enough for that, down to one key tile per split. A block's cost is
+// the key tiles it walks, whatever its number of real rows: decoding (one query per head) is the
+// case this serves.
 int attention_fwd_splits(int BH, int group, int Sq, int Sk) {
   const int64_t blocks = (int64_t)(BH / group) * ceil_div((int64_t)group * Sq, 64);
   const int tiles = ceil_div(Sk, 64);
   if (blocks == 0 || blocks >= 2 * num_sms()) return 1;
-  return std::max(1, std::min(ceil_div(2 * num_sms(), blocks), tiles / 4));
+  return std::max(1, std::min(ceil_div(2 * num_sms(), blocks), tiles));
 }
 
 template <int D, bool PRECISE>
@@ -2879,8 +3244,8 @@ void attention_fwd_fused(const float* q, const float* k, const float* v, float* 
   ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, grid, s);
   check_launch("attention_fwd_fused");
   if (splits > 1) {
-    attention_combine_kernel<<<ceil_div(rows, 4), dim3(32, 4), 0, s>>>(p.part_o, p.part_lse2, out, lse2, rows, D,
-                                                                        splits);
+    attention_combine_kernel<<<rows, dim3(32, COMBINE_WARPS), 0, s>>>(p.part_o, p.part_lse2, out, lse2, rows, D,
+                                                                       splits);
     check_launch("attention_combine");
   }
 }

@@ -1265,6 +1265,13 @@ add("matmul/3x17x33x65_aT_bstep2", t_matmul, 17, 33, 65, batch=3, a_t=True, b_st
 # few output tiles and a long K: the kernel splits K and adds the partial products
 add("matmul/33x5000x65_splitK", t_matmul, 33, 5000, 65)
 add("matmul/3x40x2001x50_splitK_aT", t_matmul, 40, 2001, 50, batch=3, a_t=True)
+# On Hopper, products of 512^3 and up with every dim >= 128 take the pack + wgmma kernel: ragged
+# edges in every dim, transposes, a batch, a strided operand, split K, and a misaligned pointer
+add("matmul/257x515x1031_wgmma", t_matmul, 257, 515, 1031)
+add("matmul/2x300x700x333_wgmma_aT_bstep2", t_matmul, 300, 700, 333, batch=2, a_t=True, b_step=2)
+add("matmul/130x8200x129_wgmma_splitK", t_matmul, 130, 8200, 129)
+add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(200, 700, 1000),
+    mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
 
 for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
                                   ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
