@@ -2,6 +2,7 @@
 
     python test_ops.py                          # all cases; GPU cases are skipped without CUDA
     python test_ops.py --only attention         # the cases whose name contains 'attention'
+    python test_ops.py --gpu_only --shard 0/3   # GPU cases 0, 3, 6, ... (parallel sanitizer runs)
     python test_ops.py --bench [--json PATH]    # speed against PyTorch (needs a GPU and the build)
 
 Each case prints one line. A numeric check reads `label max|ours - ref|/tolerance`, where a
@@ -143,8 +144,13 @@ def run_case(name, fn, gpu):
     return "PASS", "  ".join(CHECKS + ([note] if note else []))
 
 
-def run_tests(only):
-    cases = [c for c in CASES if only in c[0]]
+def run_tests(only, gpu_only=False, shard=(0, 1)):
+    cases = [c for c in CASES if only in c[0] and (c[2] or not gpu_only)]
+    if gpu_only:
+        print(f"--gpu_only: {sum(only in c[0] and not c[2] for c in CASES)} CPU cases not run")
+    if shard[1] > 1:  # every n-th case, so parallel shards share the slow cases out evenly
+        print(f"--shard {shard[0]}/{shard[1]}: {len(cases[shard[0]::shard[1]])} of {len(cases)} cases")
+        cases = cases[shard[0]::shard[1]]
     gpu_verdict = None
     if not HAS_CUDA:
         print(f"no CUDA device (torch {torch.__version__}): GPU cases are skipped")
@@ -2131,8 +2137,14 @@ ONLY = ""    # --only: bench ops whose name contains it
 _FLUSH = []  # a 256 MB buffer, several times any L2, written before every timed rep
 
 
+SPIN_CYCLES = 1_000_000  # ~0.5 ms of GPU clock: longer than any row's host-side launch work
+
+
 def time_ms(fn, reps=50):
-    """Median ms of fn over reps with a cold L2; the flush sits outside the timed region."""
+    """Median ms of fn over reps with a cold L2; the flush sits outside the timed region. Before each
+    rep the GPU spins (torch.cuda._sleep) while the host queues the rep's launches, so a row times the
+    GPU's work, not Python's and autograd's launch overhead (which the training and inference
+    benchmarks measure end to end)."""
     if not _FLUSH:
         _FLUSH.append(torch.empty(64 * 2**20, device=DEV))
     for _ in range(3):
@@ -2146,6 +2158,7 @@ def time_ms(fn, reps=50):
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         _FLUSH[0].zero_()
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()
@@ -2506,8 +2519,16 @@ if __name__ == "__main__":
                         help="run the cases (or bench ops) whose name contains this")
     parser.add_argument("--bench", action="store_true", help="time every op against PyTorch instead of testing")
     parser.add_argument("--json", metavar="PATH", help="with --bench: also write the rows as a JSON list")
+    parser.add_argument("--gpu_only", action="store_true", help="run only the GPU cases (as under compute-sanitizer)")
+    parser.add_argument("--shard", default="0/1", metavar="K/N",
+                        help="run cases K, K+N, K+2N, ... of those selected (parallel sanitizer runs)")
     args = parser.parse_args()
     if args.json and not args.bench:
         parser.error("--json goes with --bench")
+    try:
+        shard = tuple(int(v) for v in args.shard.split("/"))
+        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
+    except (ValueError, AssertionError):
+        parser.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
     ONLY = args.only
-    sys.exit(bench_main(args.json) if args.bench else run_tests(args.only))
+    sys.exit(bench_main(args.json) if args.bench else run_tests(args.only, args.gpu_only, shard))
