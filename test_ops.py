@@ -1920,15 +1920,19 @@ add("empty/layernorm_0x768", t_layernorm, (0, 768))
 add("empty/attention_fused_q0k5", t_attention, "fused-fp32", 1, 2, 0, 5, 64, False)
 
 
-def expect_error(exc_type, call, *names):
-    """call() raises exc_type whose message names each of names (a tuple: any of them), and the GPU
-    stays usable afterwards."""
+def raised_message(exc_type, call, what=""):
+    """The message of the exc_type that call() must raise (AssertionError when it raises none)."""
     try:
         call()
     except exc_type as e:
-        msg = str(e)
-    else:
-        raise AssertionError(f"no {exc_type.__name__} raised")
+        return str(e)
+    raise AssertionError(f"no {exc_type.__name__} raised{what}")
+
+
+def expect_error(exc_type, call, *names):
+    """call() raises exc_type whose message names each of names (a tuple: any of them), and the GPU
+    stays usable afterwards."""
+    msg = raised_message(exc_type, call)
     for alternatives in names:
         alternatives = alternatives if isinstance(alternatives, tuple) else (alternatives,)
         assert any(re.search(rf"\b{re.escape(a)}\b", msg) for a in alternatives), \
@@ -2023,12 +2027,7 @@ for _name, _exc, _call, _words in BAD_CASES:
 # names the op, the argument, the value and the valid range. Raised once, it is gone.
 
 def expect_index_error(call, op, arg, value, limit):
-    try:
-        call()
-    except ValueError as e:
-        msg = str(e)
-    else:
-        raise AssertionError(f"no ValueError for {op}'s {arg} = {value}")
+    msg = raised_message(ValueError, call, f" for {op}'s {arg} = {value}")
     want = f"{op}: {arg} out of range in an earlier call: got {value}, values must be in [0, {limit})"
     assert want in msg, f"the message {one_line(msg)!r} lacks {want!r}"
     kernels.check_errors()  # raised once: nothing is left pending
