@@ -13,6 +13,8 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cuda_bf16.h>
+
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -48,6 +50,7 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
                     int C, bool per_token, cudaStream_t s);
 int colsum_chunks(int, int);
 void bias_grad(const float*, float*, float*, int, int, cudaStream_t);
+void bias_grad(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int, cudaStream_t);
 void softmax_fwd(const float*, float*, int, int, float, int, int, cudaStream_t);
 void softmax_bwd(const float*, const float*, float*, int, int, float, cudaStream_t);
 void cross_entropy_fwd(const float*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);
@@ -63,6 +66,9 @@ void rope(const float* x, const float* cos, const float* sin, float* out, int B,
 void matmul(const float*, const float*, const float*, float*, int, int, int, int, bool, bool, int64_t,
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 size_t matmul_workspace_floats(int, int, int, int);
+bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs);
+void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*, bool, int, int, int, int,
+                 bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, cudaStream_t);
 void gemv(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t, cudaStream_t);
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
@@ -104,6 +110,25 @@ static void check_float_cuda(const char* op, const Tensor& t, const char* name) 
   REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
   REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
   REQUIRE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+}
+
+// matmul and linear take float32 or bfloat16 (bf16 in, fp32 accumulation, bf16 out); the first
+// operand sets the dtype, and every other one must match it.
+static void check_mm_cuda(const char* op, const Tensor& t, const char* name, const Tensor& first,
+                          const char* first_name) {
+  REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
+  REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  if (&t == &first) {
+    REQUIRE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, ": ", name,
+            " must be float32 or bfloat16, got ", t.scalar_type());
+  } else {
+    REQUIRE(t.scalar_type() == first.scalar_type(), op, ": ", name, " must be ", first.scalar_type(), " like ",
+            first_name, ", got ", t.scalar_type());
+  }
+}
+
+static __nv_bfloat16* bf16_ptr(const Tensor& t) {
+  return t.defined() ? reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()) : nullptr;
 }
 
 static void check_index_cuda(const char* op, const Tensor& t, const char* name) {
@@ -170,10 +195,32 @@ static Mat as_mat(const Tensor& m) {
   return {c, false, C, c.size(0) == 1 ? 0 : R * C};
 }
 
+// The bf16 kernel reads operands through tensor maps, whose rows must start on 16 bytes. An operand
+// that misses (an odd leading dim, an offset view) is copied once into rows padded to 8 elements.
+static Mat tma_ready(const Mat& m) {
+  if (matmul_bf16_operand_ok(m.t.data_ptr(), m.ld, m.batch_stride)) return m;
+  const int64_t batch = m.batch_stride == 0 ? 1 : m.t.size(0);
+  const int64_t inner = m.trans ? m.t.size(1) : m.t.size(2), outer = m.trans ? m.t.size(2) : m.t.size(1);
+  const int64_t ld = (inner + 7) / 8 * 8;
+  Tensor buf = at::empty({batch, outer, ld}, m.t.options()).narrow(2, 0, inner);
+  buf.copy_(m.trans ? m.t.narrow(0, 0, batch).transpose(1, 2) : m.t.narrow(0, 0, batch));
+  return {m.trans ? buf.transpose(1, 2) : buf, m.trans, ld, batch == 1 ? 0 : outer * ld};
+}
+
 // c (batch, M, N), contiguous, = alpha * a (batch, M, K) @ b (batch, K, N) + bias. Small outputs
 // with a long K (weight gradients) are split along K into a workspace from PyTorch's allocator.
+// bf16 operands go to the Hopper bf16 kernel; c may then be bf16 or fp32.
 static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias = Tensor(), float alpha = 1.f) {
   const char* op = "matmul";
+  if (a.scalar_type() == at::kBFloat16) {
+    const Mat A = tma_ready(as_mat(a)), B = tma_ready(as_mat(b));
+    const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"),
+              N = to_int(op, c.size(2), "N"), K = to_int(op, a.size(2), "K");
+    matmul_bf16(bf16_ptr(A.t), bf16_ptr(B.t), bf16_ptr(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
+                N, K, A.trans, B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride,
+                batch == 1 ? 0 : (int64_t)M * N, alpha, stream());
+    return;
+  }
   const Mat A = as_mat(a), B = as_mat(b);
   const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"), N = to_int(op, c.size(2), "N"),
             K = to_int(op, a.size(2), "K");
@@ -195,14 +242,14 @@ static Tensor mm_new(const Tensor& a, const Tensor& b, float alpha = 1.f) {
 // Checks x (..., K), weight (N, K) and bias (N,) of linear; returns the bias, contiguous, or undefined.
 static Tensor check_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
   const char* op = "linear";
-  check_float_cuda(op, x, "x");
-  check_float_cuda(op, w, "weight");
+  check_mm_cuda(op, x, "x", x, "x");
+  check_mm_cuda(op, w, "weight", x, "x");
   check_dim(op, w, "weight", 2, "(out_features, in_features)");
   check_same_device(op, x, "x", w, "weight");
   REQUIRE(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dim must equal weight.shape[1] = ",
               w.size(1), ", got x of shape ", x.sizes());
   if (!b.has_value() || !b->defined()) return Tensor();
-  check_float_cuda(op, *b, "bias");
+  check_mm_cuda(op, *b, "bias", x, "x");
   check_same_device(op, x, "x", *b, "bias");
   REQUIRE(b->dim() == 1 && b->size(0) == w.size(0), op, ": bias must have shape (", w.size(0), ",), got ",
               b->sizes());
@@ -234,8 +281,11 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     if (ctx->saved_data["has_bias"].toBool()) {
       const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
       db = at::empty({C}, dy.options());
-      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options());
-      bias_grad(dy.data_ptr<float>(), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
+      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
+      if (dy.scalar_type() == at::kBFloat16)
+        bias_grad(bf16_ptr(dy), part.data_ptr<float>(), bf16_ptr(db), R, C, stream());
+      else
+        bias_grad(dy.data_ptr<float>(), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
     }
     auto x_shape = grads[0].sizes().vec();
     x_shape.back() = w.size(1);
@@ -251,7 +301,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
   raise_pending_index_error();
   const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
                           (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
-  if (!wants_grad && x.defined() && x.dim() >= 1 && x.numel() == x.size(-1) && x.numel() > 0) {
+  if (!wants_grad && x.defined() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.numel() == x.size(-1) &&
+      x.numel() > 0) {
     const Tensor b = check_linear(x, weight, bias);
     const c10::cuda::CUDAGuard guard(x.device());
     auto out_shape = x.sizes().vec();
@@ -266,8 +317,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
 struct MatmulFn : torch::autograd::Function<MatmulFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
     const char* op = "matmul";
-    check_float_cuda(op, a, "a");
-    check_float_cuda(op, b, "b");
+    check_mm_cuda(op, a, "a", a, "a");
+    check_mm_cuda(op, b, "b", a, "a");
     check_same_device(op, a, "a", b, "b");
     REQUIRE((a.dim() == 2 && b.dim() == 2) || (a.dim() == 3 && b.dim() == 3), op,
                 ": a and b must both be 2-D (M, K) @ (K, N) or both 3-D (B, M, K) @ (B, K, N), got shapes ",

@@ -1,18 +1,22 @@
 // kernels.cu: every CUDA kernel of the repo and its host launcher. Tensors are fp32; matmul and
 // fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy (matmul
-// through wgmma on Hopper, mma.sync elsewhere and for small products).
+// through wgmma on Hopper, mma.sync elsewhere and for small products). On Hopper, matmul also
+// takes bf16 (fp32 accumulation), the first part of a bf16 op set.
 //
 // Sections, top to bottom:
 //   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
 //   -> softmax -> cross-entropy -> GELU -> RoPE -> tensor-core helpers -> matmul (mma.sync, then
-//   Hopper's pack + wgmma, then the launcher) -> GEMV -> top-k -> Sinkhorn
+//   Hopper's pack + wgmma, bf16 on Hopper, then the launchers) -> GEMV -> top-k -> Sinkhorn
 //   -> stream mixing (hyper-connections) -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
 // compiles this file on its own. bindings.cpp is the PyTorch face (checks, allocation, autograd).
 
+#include <cuda.h>          // CUtensorMap and its encoder's types (the function itself comes from the driver)
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cub/device/device_radix_sort.cuh>  // CUB ships with the CUDA toolkit (header-only)
 #include <atomic>
 #include <cfloat>
@@ -56,6 +60,16 @@ static void require_tensor_cores(const char* what) {
   if (major < 8)
     throw std::runtime_error(std::string(what) + ": needs a GPU of compute capability 8.0 or newer (tensor-core TF32)");
 }
+
+// bf16 tensors are read and written through these; the arithmetic is fp32.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -651,8 +665,8 @@ void rmsnorm_bwd_dx(const float* x, const float* w, const float* dy, const float
 // gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into a
 // partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
 
-template <bool LN>
-__global__ void colsum_partial_kernel(const float* dy, const float* x, const float* mean,
+template <bool LN, class T>
+__global__ void colsum_partial_kernel(const T* dy, const T* x, const float* mean,
                                       const float* rstd, float* part_w, float* part_b, int R, int C,
                                       int chunk) {
   __shared__ float sw[8][33], sb[8][33];
@@ -661,9 +675,9 @@ __global__ void colsum_partial_kernel(const float* dy, const float* x, const flo
   float aw = 0.f, ab = 0.f;
   if (c < C) {
     for (int r = r0 + threadIdx.y; r < r1; r += 8) {
-      float g = dy[(int64_t)r * C + c];
+      float g = to_float(dy[(int64_t)r * C + c]);
       ab += g;
-      if (LN) aw += g * (x[(int64_t)r * C + c] - (mean ? mean[r] : 0.f)) * rstd[r];
+      if (LN) aw += g * (to_float(x[(int64_t)r * C + c]) - (mean ? mean[r] : 0.f)) * rstd[r];
     }
   }
   sw[threadIdx.y][threadIdx.x] = aw;
@@ -676,12 +690,13 @@ __global__ void colsum_partial_kernel(const float* dy, const float* x, const flo
   }
 }
 
-__global__ void colsum_finish_kernel(const float* part, float* out, int nchunk, int C) {
+template <class T>
+__global__ void colsum_finish_kernel(const float* part, T* out, int nchunk, int C) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   float acc = 0.f;
   for (int i = 0; i < nchunk; ++i) acc += part[(int64_t)i * C + c];
-  out[c] = acc;
+  out[c] = from_float<T>(acc);
 }
 
 // Number of row chunks; the caller allocates nchunk * C floats per partial buffer.
@@ -694,15 +709,15 @@ int colsum_chunks(int R, int C) {
   return std::max(1, ceil_div(R, chunk));
 }
 
-static void colsum_launch(bool ln, const float* dy, const float* x, const float* mean,
-                          const float* rstd, float* part_w, float* part_b, float* dw, float* db,
-                          int R, int C, cudaStream_t s) {
+template <class T>
+static void colsum_launch(bool ln, const T* dy, const T* x, const float* mean, const float* rstd, float* part_w,
+                          float* part_b, T* dw, T* db, int R, int C, cudaStream_t s) {
   if (C == 0) return;
   int nchunk = colsum_chunks(R, C);
   int chunk = R == 0 ? 1 : ceil_div(R, nchunk);
   dim3 grid(ceil_div(C, 32), nchunk), block(32, 8);
-  if (ln) colsum_partial_kernel<true><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
-  else colsum_partial_kernel<false><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  if (ln) colsum_partial_kernel<true, T><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  else colsum_partial_kernel<false, T><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
   if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
   if (db) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
@@ -712,17 +727,21 @@ static void colsum_launch(bool ln, const float* dy, const float* x, const float*
 void layernorm_bwd_params(const float* x, const float* dy, const float* mean, const float* rstd,
                           float* part_w, float* part_b, float* dw, float* db, int R, int C,
                           cudaStream_t s) {
-  colsum_launch(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
+  colsum_launch<float>(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
 }
 
 // part: colsum_chunks(R, C) * C floats.
 void rmsnorm_bwd_weight(const float* x, const float* dy, const float* rstd, float* part, float* dw, int R, int C,
                         cudaStream_t s) {
-  colsum_launch(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
+  colsum_launch<float>(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
 }
 
 void bias_grad(const float* dy, float* part, float* db, int R, int C, cudaStream_t s) {
-  colsum_launch(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
+  colsum_launch<float>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
+}
+
+void bias_grad(const __nv_bfloat16* dy, float* part, __nv_bfloat16* db, int R, int C, cudaStream_t s) {
+  colsum_launch<__nv_bfloat16>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1504,10 +1523,15 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, groups of 8 rows 1024 bytes apart.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+// Shared-memory matrix descriptor for a 128-byte-swizzled operand: its start address and two byte
+// strides, lbo (between 64-element slabs along M or N; unused by K-major operands) and sbo (between
+// groups of 8 rows).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
 }
+
+// K-major TF32 tile: groups of 8 rows 1024 bytes apart.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) { return smem_desc(addr, 16, 1024); }
 
 // d (64 x 128, spread over the warpgroup) = a (64 x 8) * b (8 x 128) + (accumulate ? d : 0), TF32.
 __device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
@@ -1534,6 +1558,20 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t 
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef WG_ENABLED
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+// Wait until at most n committed groups of this warpgroup's wgmma are still running.
+template <int n>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(n) : "memory");
 #endif
 }
 
@@ -1649,6 +1687,220 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
     }
 #else
   __trap();  // built without sm_90a: the launcher only picks this kernel when it was compiled
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// bf16 matmul on Hopper: tensor-map copies + wgmma.
+//
+// bf16 needs no pack. wgmma reads 16-bit operands in either orientation: K-major, or M/N-major
+// when the instruction's transpose bit is set. The tensor-map copy engine (TMA) lifts a tile of the
+// caller's tensor into shared memory in the 128-byte-swizzled layout wgmma reads, filling zeros
+// past the matrix edges. So the producer issues per stage one copy per 64-wide slab of each
+// operand, from tensor maps built on the host; the rest is the TF32 kernel's pipeline: an mbarrier
+// ring, one producer warpgroup, two consumer warpgroups. Block tile 128 x 256 x 64 (48 KB a stage,
+// 4 stages); each consumer warpgroup owns 64 x 256 of C, 128 fp32 accumulators per thread, and
+// issues m64n256k16 wgmma, accumulating in fp32 like cuBLAS.
+//
+// Shared-memory layouts (all 1024-byte aligned, 128-byte swizzle):
+//   K-major slab: rows of 64 K values (128 bytes), 8-row groups 1024 bytes apart; a k16 step moves
+//                 the descriptor 32 bytes along the row.
+//   M/N-major slab: 64 K-rows of 64 M (or N) values, 8 K-rows per 1024 bytes; a k16 step moves it
+//                 two groups (2048 bytes); slabs for the next 64 of N sit 8192 bytes apart.
+
+constexpr int BF_BM = 128, BF_BN = 256, BF_BK = 64, BF_STAGES = 4;
+constexpr int BF_SLAB = 64 * BF_BK * 2;                          // one 64 x 64 bf16 slab (8 KB)
+constexpr int BF_A_BYTES = BF_BM * BF_BK * 2, BF_B_BYTES = BF_BN * BF_BK * 2;  // 16 KB, 32 KB
+constexpr int BF_STAGE_BYTES = BF_A_BYTES + BF_B_BYTES;
+constexpr int BF_SMEM = BF_STAGES * BF_STAGE_BYTES + 1024 + 2 * BF_STAGES * 8;
+
+struct Bf16MatmulArgs {
+  const __nv_bfloat16* bias;
+  void* c;  // bf16, or fp32 when c_f32
+  int M, N, ktiles;
+  int64_t ldc, sc;
+  float alpha;
+  bool c_f32, vec_c, a_bcast, b_bcast;
+  int batch;
+};
+
+// Copies one box of a 3-D tensor map (x fastest) into shared memory; completion counted on bar.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int x, int y, int z, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+
+// d (64 x 256 over the warpgroup) += a (64 x 16) * b (16 x 256), bf16 in, fp32 accumulate.
+// TA / TB: the operand is M- / N-major in shared memory (the transpose bits).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %130, %131;\n}\n"
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+      : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64), WG_D8(72),
+        WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
+#undef WG_D8
+      : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+#endif
+}
+
+// TA: A stored K x M (M contiguous); TB: B stored N x K (K contiguous), as in matmul().
+// Tile `work` of a persistent block's share: grouped order within each batch entry, as in matmul_kernel.
+__device__ __forceinline__ void bf16_tile(int work, int tiles_m, int tiles_n, int& tile_m, int& tile_n, int& bz) {
+  constexpr int GROUP = 8;
+  const int per_batch = tiles_m * tiles_n, pid = work % per_batch, per_group = GROUP * tiles_n;
+  const int first_m = (pid / per_group) * GROUP, group_m = min(tiles_m - first_m, GROUP);
+  tile_m = first_m + (pid % per_group) % group_m;
+  tile_n = (pid % per_group) / group_m;
+  bz = work / per_batch;
+}
+
+// Persistent: a block per SM walks tiles blockIdx.x, + gridDim.x, ... The stage ring runs on across
+// tiles, so the producer loads the next tile while the consumers store this one.
+template <bool TA, bool TB>
+__global__ void __launch_bounds__(384, 1)
+    matmul_bf16_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                       Bf16MatmulArgs p) {
+#ifdef WG_ENABLED
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t base = smem_addr(smem);
+  const uint32_t full = base + BF_STAGES * BF_STAGE_BYTES, empty = full + 8 * BF_STAGES;
+  const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BF_BN - 1) / BF_BN;
+  const int works = tiles_m * tiles_n * p.batch;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < BF_STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {  // producer
+    if (threadIdx.x == 0) {
+      int it = 0;  // stages filled so far, over all of this block's tiles
+      for (int work = blockIdx.x; work < works; work += gridDim.x) {
+        int tile_m, tile_n, bz;
+        bf16_tile(work, tiles_m, tiles_n, tile_m, tile_n, bz);
+        const int za = p.a_bcast ? 0 : bz, zb = p.b_bcast ? 0 : bz;
+        const int m0 = tile_m * BF_BM, n0 = tile_n * BF_BN;
+        for (int kt = 0; kt < p.ktiles; ++kt, ++it) {
+          const int s = it % BF_STAGES, k0 = kt * BF_BK;
+          mbar_wait(empty + 8 * s, ((it / BF_STAGES) & 1) ^ 1);
+          const uint32_t bar = full + 8 * s, a = base + s * BF_STAGE_BYTES, b = a + BF_A_BYTES;
+          mbar_expect_bytes(bar, BF_STAGE_BYTES);  // out-of-range parts of a box still count
+          if (TA) {
+            for (int h = 0; h < BF_BM / 64; ++h) tma_load(a + h * BF_SLAB, &map_a, m0 + 64 * h, k0, za, bar);
+          } else {
+            tma_load(a, &map_a, k0, m0, za, bar);
+          }
+          if (TB) {
+            tma_load(b, &map_b, k0, n0, zb, bar);
+          } else {
+            for (int j = 0; j < BF_BN / 64; ++j) tma_load(b + j * BF_SLAB, &map_b, n0 + 64 * j, k0, zb, bar);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  const int half = wg - 1;  // rows 64 * half .. of the block's tile
+  // One stage: 4 wgmma (k16 each) into the accumulators, committed as one group. A tile's first
+  // stage is issued before its loop, so the loop can keep one group in flight while it issues the
+  // next and only then waits for the older one (wait_group 1) and hands its buffers back. Zeroing acc
+  // instead of the first product's scale-d = 0 would make ptxas serialize every wgmma (warning C7515).
+  float acc[128];
+  int it = 0;  // stages consumed so far, as the producer counts them
+  auto issue_stage = [&](int kt) {
+    const int s = (it + kt) % BF_STAGES;
+    mbar_wait(full + 8 * s, ((it + kt) / BF_STAGES) & 1);
+    const uint32_t a = base + s * BF_STAGE_BYTES + half * BF_SLAB, b = base + s * BF_STAGE_BYTES + BF_A_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BF_BK / 16; ++kk) {
+      const uint64_t da = TA ? smem_desc(a + kk * 2048, BF_SLAB, 1024) : smem_desc(a + kk * 32, 16, 1024);
+      const uint64_t db = TB ? smem_desc(b + kk * 32, 16, 1024) : smem_desc(b + kk * 2048, BF_SLAB, 1024);
+      wgmma_bf16<TA, !TB>(acc, da, db, kt > 0 || kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto release_stage = [&](int kt) {
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * ((it + kt) % BF_STAGES));
+  };
+  for (int work = blockIdx.x; work < works; work += gridDim.x) {
+    int tile_m, tile_n, bz;
+    bf16_tile(work, tiles_m, tiles_n, tile_m, tile_n, bz);
+    if (p.ktiles > 0) {
+      issue_stage(0);
+      for (int kt = 1; kt < p.ktiles; ++kt) {
+        issue_stage(kt);
+        wgmma_wait<1>();
+        release_stage(kt - 1);
+      }
+      wgmma_wait<0>();
+      release_stage(p.ktiles - 1);
+      it += p.ktiles;
+    } else {  // K == 0: C = bias
+#pragma unroll
+      for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+    }
+
+    // Accumulator layout as in matmul_wgmma_kernel, 32 column groups of 8 instead of 16.
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row0 = tile_m * BF_BM + half * 64 + (threadIdx.x % 128) / 32 * 16 + g;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = row0 + 8 * h, n = tile_n * BF_BN + 8 * j + 2 * t;
+        if (m >= p.M) continue;
+        float o[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          o[e] = p.alpha * acc[4 * j + 2 * h + e];
+          if (p.bias && n + e < p.N) o[e] += __bfloat162float(p.bias[n + e]);
+        }
+        const int64_t off = bz * p.sc + (int64_t)m * p.ldc + n;
+        if (p.c_f32) {
+          float* dst = static_cast<float*>(p.c) + off;
+          if (p.vec_c && n + 1 < p.N) {
+            *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
+          } else {
+            if (n < p.N) dst[0] = o[0];
+            if (n + 1 < p.N) dst[1] = o[1];
+          }
+        } else {
+          __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.c) + off;
+          if (p.vec_c && n + 1 < p.N) {
+            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o[0], o[1]);
+          } else {
+            if (n < p.N) dst[0] = __float2bfloat16_rn(o[0]);
+            if (n + 1 < p.N) dst[1] = __float2bfloat16_rn(o[1]);
+          }
+        }
+      }
+  }
+#else
+  __trap();  // built without sm_90a: the launcher refuses before launching
 #endif
 }
 
@@ -1795,6 +2047,94 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
     matmul_reduce_kernel<<<blocks, 256, 0, s>>>(out, bias, c, plan.splits, split_stride, M, N, ldc, sc, alpha);
     check_launch("matmul_reduce");
   }
+}
+
+// The driver's tensor-map encoder, looked up once (the runtime API has no wrapper for it).
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  if (!fn) throw std::runtime_error("matmul: the CUDA driver has no cuTensorMapEncodeTiled (bfloat16 needs CUDA 12+)");
+  return fn;
+}
+
+// A tensor map over `batch` matrices of rows x inner bf16 values (inner contiguous, leading dim ld,
+// batch stride bs; bs == 0: one matrix for every batch entry), read in boxes of 64 x box_rows.
+static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int64_t ld, int batch, int64_t bs,
+                                 int box_rows) {
+  // The encoder is a driver call and needs the device's context current on this thread; autograd's
+  // backward thread may not have made it so yet (CUDA_ERROR_INVALID_CONTEXT). cudaSetDevice does.
+  thread_local uint64_t bound = 0;  // devices whose context this thread has made current
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 64 || !(bound >> dev & 1)) {
+    cudaSetDevice(dev);
+    if (dev < 64) bound |= 1ull << dev;
+  }
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)rows, (cuuint64_t)(bs == 0 ? 1 : batch)};
+  const cuuint64_t strides[2] = {(cuuint64_t)ld * 2, (cuuint64_t)(bs == 0 ? ld * rows : bs) * 2};  // bytes
+  const cuuint32_t box[3] = {64, (cuuint32_t)box_rows, 1}, elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(x), dims,
+                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("matmul: cuTensorMapEncodeTiled failed (CUresult " + std::to_string((int)r) + ")");
+  return map;
+}
+
+bool matmul_bf16_supported() { return hopper_wgmma(); }
+
+// A tensor map reads rows that start on 16 bytes: an aligned base, leading dim and batch stride
+// multiples of 8 elements.
+bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs) { return aligned16(x) && ld % 8 == 0 && bs % 8 == 0; }
+
+// matmul() for bf16 operands: c = alpha * op(A) op(B) + bias, fp32 accumulation, c in bf16 (or fp32
+// when c_f32). Same operand conventions as matmul(); each operand must pass matmul_bf16_operand_ok.
+void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
+                 int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
+                 int64_t sb, int64_t sc, float alpha, cudaStream_t s) {
+  if (batch == 0 || M == 0 || N == 0) return;
+  if (!hopper_wgmma())
+    throw std::runtime_error("matmul: bfloat16 runs on Hopper's wgmma: it needs a compute capability 9.0 GPU and a "
+                             "build with sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a)");
+  if (!matmul_bf16_operand_ok(a, lda, sa) || !matmul_bf16_operand_ok(b, ldb, sb))
+    throw std::runtime_error("matmul: bfloat16 operands need 16-byte aligned rows (leading dims and batch strides "
+                             "multiples of 8 elements)");
+  static bool smem_set[64] = {};  // per device: raise the kernels' shared-memory limit once
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && !smem_set[dev]) {
+    cudaFuncSetAttribute(matmul_bf16_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+    cudaFuncSetAttribute(matmul_bf16_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+    cudaFuncSetAttribute(matmul_bf16_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+    cudaFuncSetAttribute(matmul_bf16_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+    smem_set[dev] = true;
+  }
+  const int64_t c_align = c_f32 ? 8 : 4;
+  const bool vec_c = ldc % 2 == 0 && sc % 2 == 0 && N % 2 == 0 && reinterpret_cast<uintptr_t>(c) % c_align == 0;
+  // With K == 0 nothing is read, and a tensor map of an empty matrix cannot be built: C = bias.
+  CUtensorMap ma{}, mb{};
+  if (K > 0) {
+    ma = ta ? bf16_tile_map(a, M, K, lda, batch, sa, 64) : bf16_tile_map(a, K, M, lda, batch, sa, BF_BM);
+    mb = tb ? bf16_tile_map(b, K, N, ldb, batch, sb, BF_BN) : bf16_tile_map(b, N, K, ldb, batch, sb, 64);
+  }
+  const Bf16MatmulArgs p{bias, c, M, N, ceil_div(K, BF_BK), ldc, sc, alpha, c_f32, vec_c, sa == 0, sb == 0, batch};
+  const int64_t works = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, BF_BN) * batch;
+  if (works > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
+  const int grid = (int)std::min<int64_t>(works, num_sms());  // persistent: one block per SM
+  if (ta && tb) matmul_bf16_kernel<true, true><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
+  else if (ta) matmul_bf16_kernel<true, false><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
+  else if (tb) matmul_bf16_kernel<false, true><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
+  else matmul_bf16_kernel<false, false><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
+  check_launch("matmul (bf16)");
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -1279,6 +1279,79 @@ add("matmul/130x8200x129_wgmma_splitK", t_matmul, 130, 8200, 129)
 add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(200, 700, 1000),
     mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
 
+# bf16 (Hopper): one bf16 rounding of each output (rtol 2^-8), plus fp32 accumulation error over the
+# K products (atol 1e-4 * sqrt(K), far below an indexing slip's O(sqrt(K)))
+def bf16_tol(K):
+    return (1e-4 * math.sqrt(max(K, 1)), 2**-8)
+
+
+def check_bf16(label, ours, twin, ref, tol):
+    """ours against the float64 reference within tol, and no less accurate than PyTorch's bf16 twin:
+    ours' max error at most twice the twin's plus tol's atol. (cuBLAS may add split-K partials in
+    bf16, so the twin can be the less accurate of the two.)"""
+    check(label, ours, ref, tol)
+    err = (ours.double() - ref.double()).abs().max().item() if ours.numel() else 0.0
+    twin_err = (twin.double() - ref.double()).abs().max().item() if twin.numel() else 0.0
+    assert err <= 2 * twin_err + tol[0], f"{label}: max|err| {err:.2e}, torch's bf16 {twin_err:.2e}"
+    CHECKS.append(f"{label}(torch) {twin_err:.1e}")
+
+
+def compare_bf16(f, K, grad=True, **inputs):
+    """f(kernels, **inputs) on bf16 inputs against two references: f(REF) in float64 on the same
+    bf16-rounded values, and PyTorch's own bf16 op (its twin), through check_bf16. With grad, one
+    bf16 dy goes back through all three and every input's gradient is held to the same."""
+    if not torch.cuda.get_device_capability() == (9, 0):
+        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    tol = bf16_tol(K)
+
+    def leaves(dtype):
+        return {n: t.detach().to(torch.bfloat16).to(dtype).requires_grad_(grad) for n, t in inputs.items()}
+    ours_in, twin_in, ref_in = leaves(torch.bfloat16), leaves(torch.bfloat16), leaves(torch.float64)
+    out, twin, ref = f(kernels, **ours_in), f(REF, **twin_in), f(REF, **ref_in)
+    assert out.dtype == torch.bfloat16, f"output dtype {out.dtype}, expected bfloat16"
+    check_bf16("out", out, twin, ref, tol)
+    if not grad:
+        return
+    dy = torch.randn_like(out)
+    for y in (out, twin):
+        y.backward(dy)
+    ref.backward(dy.double())
+    for n in inputs:
+        assert ours_in[n].grad is not None and ours_in[n].grad.dtype == torch.bfloat16, f"d{n}: no bf16 gradient"
+        check_bf16("d" + n, ours_in[n].grad, twin_in[n].grad, ref_in[n].grad, tol)
+
+
+def t_matmul_bf16(M, K, N, batch=None, a_t=False, b_t=False):
+    lead = (batch,) if batch else ()
+    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
+    b = rand(*lead, N, K).transpose(-1, -2) if b_t else rand(*lead, K, N)
+    # the backward's products are K-long over M (db) and N (da): the longest sets the tolerance
+    compare_bf16(lambda ops, a, b: ops.matmul(a, b), max(M, K, N), a=a, b=b)
+
+
+def t_linear_bf16(lead, K, N, bias=True):
+    x, w = rand(*lead, K), rand(N, K)
+    if bias:
+        compare_bf16(lambda ops, x, w, b: ops.linear(x, w, b), max(math.prod(lead), K, N), x=x, w=w, b=rand(N))
+    else:
+        compare_bf16(lambda ops, x, w: ops.linear(x, w), max(math.prod(lead), K, N), x=x, w=w)
+
+
+# Tiles are 128 x 256 x 64: sizes of 1, odd sizes (rows that are not 16-byte multiples get padded
+# copies), exact tiles, many K tiles, every operand orientation, a batch.
+for _dims in ((1, 1, 1), (17, 33, 65), (128, 64, 256), (257, 515, 1031), (300, 2048, 200)):
+    add("matmul_bf16/" + "x".join(map(str, _dims)), t_matmul_bf16, *_dims)
+add("matmul_bf16/3x129x72x264_aT", t_matmul_bf16, 129, 72, 264, batch=3, a_t=True)
+add("matmul_bf16/2x200x136x300_bT", t_matmul_bf16, 200, 136, 300, batch=2, b_t=True)
+add("matmul_bf16/130x520x260_aT_bT", t_matmul_bf16, 130, 520, 260, a_t=True, b_t=True)
+# more tiles than SMs: each persistent block walks several tiles (and batch entries), its stage ring
+# (4 stages, 5 K steps a tile) wrapping in the middle of a tile
+add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
+for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False)):
+    add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
+        bias=_bias)
+
+
 for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
                                   ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
                                   ((5,), 1000, 17, False, False), ((2, 7), 33, 65, True, True),
@@ -1954,6 +2027,12 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("matmul_float64_b", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(8, 5).double()), ("matmul", "b")),
     ("linear_K_mismatch", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 9)), ("linear", ("x", "weight"))),
     ("matmul_inner_dim", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(9, 5)), ("matmul", ("a", "b"))),
+    ("matmul_bf16_with_float32", RuntimeError, lambda: kernels.matmul(rand(4, 8).bfloat16(), rand(8, 5)),
+     ("matmul", "b", "BFloat16")),
+    ("linear_bf16_float32_bias", RuntimeError,
+     lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8).bfloat16(), rand(5)), ("linear", "bias", "BFloat16")),
+    ("matmul_float16_a", RuntimeError, lambda: kernels.matmul(rand(4, 8).half(), rand(8, 5).half()),
+     ("matmul", "a", "bfloat16")),
     ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),
      ("layernorm", "weight")),
     ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
@@ -2262,6 +2341,19 @@ def bench_ops(rows):
     for n in (1024, 4096):
         bench_op(rows, "matmul", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
                  [rand(n, n), rand(n, n)], 2 * n**3, "TFLOP/s")
+    if torch.cuda.get_device_capability() == (9, 0):  # bf16 against cuBLAS's bf16 (fp32 accumulation)
+        bf = torch.bfloat16
+        for n in (1024, 4096, 8192):
+            bench_op(rows, "matmul bf16", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
+                     [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
+        n = 4096
+        bench_op(rows, "matmul bf16", f"{n}x{n}x{n} a@b.T", "fwd", lambda ops, a, b: ops.matmul(a, b.t()),
+                 [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
+        M, K, N = 16384, 768, 3072  # the large preset's MLP up-projection; bwd: dx (N-major B), dW (M-major A)
+        bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "fwd", lambda ops, x, w, b: ops.linear(x, w, b),
+                 [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 2 * M * K * N, "TFLOP/s", tol=2e-2)
+        bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "bwd", lambda ops, x, w, b: ops.linear(x, w, b),
+                 [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 4 * M * K * N, "TFLOP/s", tol=2e-2)
     for R, C in ((8192, 768), (16384, 4096)):
         x, w, b = rand(R, C), rand(C), rand(C)
         nbytes = 4 * R * C
