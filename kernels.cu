@@ -2068,15 +2068,6 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // batch stride bs; bs == 0: one matrix for every batch entry), read in boxes of 64 x box_rows.
 static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int64_t ld, int batch, int64_t bs,
                                  int box_rows) {
-  // The encoder is a driver call and needs the device's context current on this thread; autograd's
-  // backward thread may not have made it so yet (CUDA_ERROR_INVALID_CONTEXT). cudaSetDevice does.
-  thread_local uint64_t bound = 0;  // devices whose context this thread has made current
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 64 || !(bound >> dev & 1)) {
-    cudaSetDevice(dev);
-    if (dev < 64) bound |= 1ull << dev;
-  }
   CUtensorMap map;
   const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)rows, (cuuint64_t)(bs == 0 ? 1 : batch)};
   const cuuint64_t strides[2] = {(cuuint64_t)ld * 2, (cuuint64_t)(bs == 0 ? ld * rows : bs) * 2};  // bytes
@@ -2089,8 +2080,6 @@ static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int
     throw std::runtime_error("matmul: cuTensorMapEncodeTiled failed (CUresult " + std::to_string((int)r) + ")");
   return map;
 }
-
-bool matmul_bf16_supported() { return hopper_wgmma(); }
 
 // A tensor map reads rows that start on 16 bytes: an aligned base, leading dim and batch stride
 // multiples of 8 elements.
@@ -2108,9 +2097,16 @@ void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bflo
   if (!matmul_bf16_operand_ok(a, lda, sa) || !matmul_bf16_operand_ok(b, ldb, sb))
     throw std::runtime_error("matmul: bfloat16 operands need 16-byte aligned rows (leading dims and batch strides "
                              "multiples of 8 elements)");
-  static bool smem_set[64] = {};  // per device: raise the kernels' shared-memory limit once
   int dev = 0;
   cudaGetDevice(&dev);
+  // The tensor-map encoder is a driver call and needs the device's context current on this thread;
+  // autograd's backward thread may not have made it so yet (CUDA_ERROR_INVALID_CONTEXT).
+  thread_local uint64_t bound = 0;  // devices whose context this thread has made current
+  if (dev >= 64 || !(bound >> dev & 1)) {
+    cudaSetDevice(dev);
+    if (dev < 64) bound |= 1ull << dev;
+  }
+  static bool smem_set[64] = {};  // per device: raise the kernels' shared-memory limit once
   if (dev >= 0 && dev < 64 && !smem_set[dev]) {
     cudaFuncSetAttribute(matmul_bf16_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
     cudaFuncSetAttribute(matmul_bf16_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
