@@ -25,17 +25,27 @@ using torch::autograd::variable_list;
 using at::Tensor;
 
 // ---- launchers defined in kernels.cu ----------------------------------------------------------
-void embedding_fwd(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
+// Launchers templated on the element type are built for float and __nv_bfloat16 (kernels.cu instantiates
+// them); the row ops take two: TI (input) and TO (output).
+template <class T>
+void embedding_fwd(const int64_t*, const T*, T*, int64_t, int64_t, int, cudaStream_t);
 size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C);
 void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
                    cudaStream_t s);
 bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit);
-void layernorm_fwd(const float*, const float*, const float*, float*, float*, float*, int, int, float, cudaStream_t);
-void layernorm_bwd_dx(const float*, const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
-void layernorm_bwd_params(const float*, const float*, const float*, const float*, float*, float*, float*, float*, int, int, cudaStream_t);
-void rmsnorm_fwd(const float*, const float*, float*, float*, int, int, float, cudaStream_t);
-void rmsnorm_bwd_dx(const float*, const float*, const float*, const float*, float*, int, int, cudaStream_t);
-void rmsnorm_bwd_weight(const float*, const float*, const float*, float*, float*, int, int, cudaStream_t);
+template <class TI, class TO>
+void layernorm_fwd(const TI*, const TI*, const TI*, TO*, float*, float*, int, int, float, cudaStream_t);
+template <class TI, class TO>
+void layernorm_bwd_dx(const TI*, const TI*, const TO*, const float*, const float*, TI*, int, int, cudaStream_t);
+template <class TI, class TO>
+void layernorm_bwd_params(const TI*, const TO*, const float*, const float*, float*, float*, TI*, TI*, int, int,
+                          cudaStream_t);
+template <class TI, class TO>
+void rmsnorm_fwd(const TI*, const TI*, TO*, float*, int, int, float, cudaStream_t);
+template <class TI, class TO>
+void rmsnorm_bwd_dx(const TI*, const TI*, const TO*, const float*, TI*, int, int, cudaStream_t);
+template <class TI, class TO>
+void rmsnorm_bwd_weight(const TI*, const TO*, const float*, float*, TI*, int, int, cudaStream_t);
 int64_t sinkhorn_workspace_floats(int, int, int);
 void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
 void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
@@ -49,19 +59,30 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
                     float* dx, float* dy, float* dh_res, float* dh_post, float* ws, float* part, int M, int n,
                     int C, bool per_token, cudaStream_t s);
 int colsum_chunks(int, int);
-void bias_grad(const float*, float*, float*, int, int, cudaStream_t);
-void bias_grad(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int, cudaStream_t);
-void softmax_fwd(const float*, float*, int, int, float, int, int, cudaStream_t);
-void softmax_bwd(const float*, const float*, float*, int, int, float, cudaStream_t);
-void cross_entropy_fwd(const float*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);
-void cross_entropy_bwd(const float*, const int64_t*, const float*, const float*, float*, int, int, cudaStream_t);
-void gelu_fwd(const float*, float*, int64_t, bool, cudaStream_t);
-void gelu_bwd(const float*, const float*, float*, int64_t, bool, cudaStream_t);
-void silu_fwd(const float* x, float* y, int64_t n, cudaStream_t s);
-void silu_bwd(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t s);
-void swiglu_fwd(const float* a, const float* b, float* y, int64_t n, cudaStream_t s);
-void swiglu_bwd(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n, cudaStream_t s);
-void rope(const float* x, const float* cos, const float* sin, float* out, int B, int H, int T, int D, int64_t sb,
+template <class T>
+void bias_grad(const T*, float*, T*, int, int, cudaStream_t);
+template <class TI, class TO>
+void softmax_fwd(const TI*, TO*, int, int, float, int, int, cudaStream_t);
+template <class TI, class TO>
+void softmax_bwd(const TO*, const TO*, TI*, int, int, float, cudaStream_t);
+template <class T>
+void cross_entropy_fwd(const T*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);
+template <class T>
+void cross_entropy_bwd(const T*, const int64_t*, const float*, const float*, T*, int, int, cudaStream_t);
+template <class T>
+void gelu_fwd(const T*, T*, int64_t, bool, cudaStream_t);
+template <class T>
+void gelu_bwd(const T*, const T*, T*, int64_t, bool, cudaStream_t);
+template <class T>
+void silu_fwd(const T* x, T* y, int64_t n, cudaStream_t s);
+template <class T>
+void silu_bwd(const T* x, const T* dy, T* dx, int64_t n, cudaStream_t s);
+template <class T>
+void swiglu_fwd(const T* a, const T* b, T* y, int64_t n, cudaStream_t s);
+template <class T>
+void swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T* db, int64_t n, cudaStream_t s);
+template <class T>
+void rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
           int64_t sh, int64_t st, bool backward, cudaStream_t s);
 void matmul(const float*, const float*, const float*, float*, int, int, int, int, bool, bool, int64_t,
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
@@ -69,7 +90,8 @@ size_t matmul_workspace_floats(int, int, int, int);
 bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs);
 void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*, bool, int, int, int, int,
                  bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, cudaStream_t);
-void gemv(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t, cudaStream_t);
+template <class T>
+void gemv(const T*, const T*, const T*, T*, int, int, int, const int64_t*, int64_t, cudaStream_t);
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
           cudaStream_t s);
@@ -112,9 +134,9 @@ static void check_float_cuda(const char* op, const Tensor& t, const char* name) 
   REQUIRE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
 }
 
-// matmul and linear take float32 or bfloat16 (bf16 in, fp32 accumulation, bf16 out); the first
-// operand sets the dtype, and every other one must match it.
-static void check_mm_cuda(const char* op, const Tensor& t, const char* name, const Tensor& first,
+// Ops that take float32 or bfloat16 (bf16 values, fp32 arithmetic): the first tensor of a call sets the
+// dtype, and every other one named this way must match it.
+static void check_fp_cuda(const char* op, const Tensor& t, const char* name, const Tensor& first,
                           const char* first_name) {
   REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
   REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
@@ -127,8 +149,28 @@ static void check_mm_cuda(const char* op, const Tensor& t, const char* name, con
   }
 }
 
-static __nv_bfloat16* bf16_ptr(const Tensor& t) {
-  return t.defined() ? reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()) : nullptr;
+// An output dtype argument: None means `like`'s dtype; otherwise float32 or bfloat16.
+static at::ScalarType out_dtype_or(const char* op, const std::optional<at::ScalarType>& dtype, const Tensor& like) {
+  if (!dtype.has_value()) return like.scalar_type();
+  REQUIRE_VALUE(*dtype == at::kFloat || *dtype == at::kBFloat16, op, ": out_dtype must be torch.float32 or ",
+                "torch.bfloat16, got ", *dtype);
+  return *dtype;
+}
+
+using bf16 = __nv_bfloat16;
+
+// A tensor's data as the kernels' element type (nullptr for an undefined tensor).
+template <class T>
+static T* ptr(const Tensor& t) {
+  return t.defined() ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
+}
+static bf16* bf16_ptr(const Tensor& t) { return ptr<bf16>(t); }
+
+// Calls f with a value of the element type of dtype: float{} or bf16{} (launchers are templates on it).
+template <class F>
+static void with_type(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kBFloat16) f(bf16());
+  else f(float());
 }
 
 static void check_index_cuda(const char* op, const Tensor& t, const char* name) {
@@ -242,14 +284,14 @@ static Tensor mm_new(const Tensor& a, const Tensor& b, float alpha = 1.f) {
 // Checks x (..., K), weight (N, K) and bias (N,) of linear; returns the bias, contiguous, or undefined.
 static Tensor check_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
   const char* op = "linear";
-  check_mm_cuda(op, x, "x", x, "x");
-  check_mm_cuda(op, w, "weight", x, "x");
+  check_fp_cuda(op, x, "x", x, "x");
+  check_fp_cuda(op, w, "weight", x, "x");
   check_dim(op, w, "weight", 2, "(out_features, in_features)");
   check_same_device(op, x, "x", w, "weight");
   REQUIRE(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dim must equal weight.shape[1] = ",
               w.size(1), ", got x of shape ", x.sizes());
   if (!b.has_value() || !b->defined()) return Tensor();
-  check_mm_cuda(op, *b, "bias", x, "x");
+  check_fp_cuda(op, *b, "bias", x, "x");
   check_same_device(op, x, "x", *b, "bias");
   REQUIRE(b->dim() == 1 && b->size(0) == w.size(0), op, ": bias must have shape (", w.size(0), ",), got ",
               b->sizes());
@@ -282,10 +324,10 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
       const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
       db = at::empty({C}, dy.options());
       Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
-      if (dy.scalar_type() == at::kBFloat16)
-        bias_grad(bf16_ptr(dy), part.data_ptr<float>(), bf16_ptr(db), R, C, stream());
-      else
-        bias_grad(dy.data_ptr<float>(), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
+      with_type(dy.scalar_type(), [&](auto t) {
+        using T = decltype(t);
+        bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
+      });
     }
     auto x_shape = grads[0].sizes().vec();
     x_shape.back() = w.size(1);
@@ -301,7 +343,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
   raise_pending_index_error();
   const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
                           (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
-  if (!wants_grad && x.defined() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.numel() == x.size(-1) &&
+  if (!wants_grad && x.defined() && x.dim() >= 1 && x.numel() == x.size(-1) &&
       x.numel() > 0) {
     const Tensor b = check_linear(x, weight, bias);
     const c10::cuda::CUDAGuard guard(x.device());
@@ -317,8 +359,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
 struct MatmulFn : torch::autograd::Function<MatmulFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
     const char* op = "matmul";
-    check_mm_cuda(op, a, "a", a, "a");
-    check_mm_cuda(op, b, "b", a, "a");
+    check_fp_cuda(op, a, "a", a, "a");
+    check_fp_cuda(op, b, "b", a, "a");
     check_same_device(op, a, "a", b, "b");
     REQUIRE((a.dim() == 2 && b.dim() == 2) || (a.dim() == 3 && b.dim() == 3), op,
                 ": a and b must both be 2-D (M, K) @ (K, N) or both 3-D (B, M, K) @ (B, K, N), got shapes ",
@@ -352,27 +394,51 @@ Tensor matmul_op(const Tensor& a, const Tensor& b) {
   return MatmulFn::apply(a, b);
 }
 
-// ---- layernorm --------------------------------------------------------------------------------
+// ---- layernorm and RMSNorm --------------------------------------------------------------------
+
+// x and the weights float32 or bfloat16 (all one dtype); y in out_dtype (default x's), so mixed
+// precision can normalize the fp32 residual stream straight into the bf16 input of the next matmul.
+// Statistics and arithmetic are fp32; dx comes back in x's dtype, dy in y's.
+struct NormShape {
+  int R, C;
+};
+
+static NormShape check_norm(const char* op, const Tensor& x, const Tensor& w, const Tensor* b) {
+  check_fp_cuda(op, x, "x", x, "x");
+  check_fp_cuda(op, w, "weight", x, "x");
+  check_same_device(op, x, "x", w, "weight");
+  if (b) {
+    check_fp_cuda(op, *b, "bias", x, "x");
+    check_same_device(op, x, "x", *b, "bias");
+  }
+  REQUIRE(x.dim() >= 1, op, ": x must have at least one dim");
+  const int64_t C = x.size(-1);
+  REQUIRE(w.dim() == 1 && w.size(0) == C, op, ": weight must have shape (", C, ",), got ", w.sizes());
+  if (b) REQUIRE(b->dim() == 1 && b->size(0) == C, op, ": bias must have shape (", C, ",), got ", b->sizes());
+  return {to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), to_int(op, C, "C")};
+}
+
+// Calls f(TI{}, TO{}) for the element types of x and y.
+template <class F>
+static void with_types(const Tensor& x, at::ScalarType y_dtype, F&& f) {
+  with_type(x.scalar_type(), [&](auto ti) { with_type(y_dtype, [&](auto to) { f(ti, to); }); });
+}
 
 struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps) {
-    const char* op = "layernorm";
-    check_float_cuda(op, x_in, "x");
-    check_float_cuda(op, w_in, "weight");
-    check_float_cuda(op, b_in, "bias");
-    check_same_device(op, x_in, "x", w_in, "weight");
-    check_same_device(op, x_in, "x", b_in, "bias");
-    REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
-    const int64_t C = x_in.size(-1);
-    REQUIRE(w_in.dim() == 1 && w_in.size(0) == C, op, ": weight must have shape (", C, ",), got ", w_in.sizes());
-    REQUIRE(b_in.dim() == 1 && b_in.size(0) == C, op, ": bias must have shape (", C, ",), got ", b_in.sizes());
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps,
+                        at::ScalarType y_dtype) {
+    const auto [R, C] = check_norm("layernorm", x_in, w_in, &b_in);
     const c10::cuda::CUDAGuard guard(x_in.device());
     const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = b_in.contiguous();
-    const int R = to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), Ci = to_int(op, C, "C");
-    Tensor y = at::empty_like(x), mean = at::empty({R}, x.options()), rstd = at::empty({R}, x.options());
+    const auto stats = x.options().dtype(at::kFloat);
+    Tensor y = at::empty_like(x, x.options().dtype(y_dtype)), mean = at::empty({R}, stats), rstd = at::empty({R}, stats);
     if (C > 0)
-      layernorm_fwd(x.data_ptr<float>(), w.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(),
-                    mean.data_ptr<float>(), rstd.data_ptr<float>(), R, Ci, (float)eps, stream());
+      with_types(x, y_dtype, [&](auto ti, auto to) {
+        using TI = decltype(ti);
+        using TO = decltype(to);
+        layernorm_fwd(ptr<TI>(x), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<float>(mean), ptr<float>(rstd), R, C,
+                      (float)eps, stream());
+      });
     ctx->save_for_backward({x, w, mean, rstd});
     return y;
   }
@@ -385,40 +451,40 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     const int C = (int)w.size(0), R = (int)mean.size(0);
     Tensor dx = at::empty_like(x), dw = at::empty_like(w), db = at::empty_like(w);
     if (C > 0) {
-      layernorm_bwd_dx(x.data_ptr<float>(), w.data_ptr<float>(), dy.data_ptr<float>(), mean.data_ptr<float>(),
-                       rstd.data_ptr<float>(), dx.data_ptr<float>(), R, C, stream());
-      Tensor part = at::empty({2, (int64_t)colsum_chunks(R, C) * C}, x.options());
-      layernorm_bwd_params(x.data_ptr<float>(), dy.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                           part[0].data_ptr<float>(), part[1].data_ptr<float>(), dw.data_ptr<float>(),
-                           db.data_ptr<float>(), R, C, stream());
+      Tensor part = at::empty({2, (int64_t)colsum_chunks(R, C) * C}, mean.options());
+      with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
+        using TI = decltype(ti);
+        using TO = decltype(to);
+        layernorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dx), R, C,
+                         stream());
+        layernorm_bwd_params(ptr<TI>(x), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<float>(part[0]),
+                             ptr<float>(part[1]), ptr<TI>(dw), ptr<TI>(db), R, C, stream());
+      });
     }
-    return {dx, dw, db, Tensor()};
+    return {dx, dw, db, Tensor(), Tensor()};
   }
 };
 
-Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                 std::optional<at::ScalarType> out_dtype) {
   raise_pending_index_error();
-  return LayerNormFn::apply(x, weight, bias, eps);
+  check_fp_cuda("layernorm", x, "x", x, "x");
+  return LayerNormFn::apply(x, weight, bias, eps, out_dtype_or("layernorm", out_dtype, x));
 }
 
-// ---- RMSNorm ----------------------------------------------------------------------------------
-
 struct RMSNormFn : torch::autograd::Function<RMSNormFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, double eps) {
-    const char* op = "rmsnorm";
-    check_float_cuda(op, x_in, "x");
-    check_float_cuda(op, w_in, "weight");
-    check_same_device(op, x_in, "x", w_in, "weight");
-    REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
-    const int64_t C = x_in.size(-1);
-    REQUIRE(w_in.dim() == 1 && w_in.size(0) == C, op, ": weight must have shape (", C, ",), got ", w_in.sizes());
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, double eps,
+                        at::ScalarType y_dtype) {
+    const auto [R, C] = check_norm("rmsnorm", x_in, w_in, nullptr);
     const c10::cuda::CUDAGuard guard(x_in.device());
     const Tensor x = x_in.contiguous(), w = w_in.contiguous();
-    const int R = to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), Ci = to_int(op, C, "C");
-    Tensor y = at::empty_like(x), rstd = at::empty({R}, x.options());
+    Tensor y = at::empty_like(x, x.options().dtype(y_dtype)), rstd = at::empty({R}, x.options().dtype(at::kFloat));
     if (C > 0)
-      rmsnorm_fwd(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rstd.data_ptr<float>(), R, Ci,
-                  (float)eps, stream());
+      with_types(x, y_dtype, [&](auto ti, auto to) {
+        using TI = decltype(ti);
+        using TO = decltype(to);
+        rmsnorm_fwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(y), ptr<float>(rstd), R, C, (float)eps, stream());
+      });
     ctx->save_for_backward({x, w, rstd});
     return y;
   }
@@ -431,19 +497,22 @@ struct RMSNormFn : torch::autograd::Function<RMSNormFn> {
     const int C = (int)w.size(0), R = (int)rstd.size(0);
     Tensor dx = at::empty_like(x), dw = at::empty_like(w);
     if (C > 0) {
-      rmsnorm_bwd_dx(x.data_ptr<float>(), w.data_ptr<float>(), dy.data_ptr<float>(), rstd.data_ptr<float>(),
-                     dx.data_ptr<float>(), R, C, stream());
-      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, x.options());
-      rmsnorm_bwd_weight(x.data_ptr<float>(), dy.data_ptr<float>(), rstd.data_ptr<float>(), part.data_ptr<float>(),
-                         dw.data_ptr<float>(), R, C, stream());
+      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, rstd.options());
+      with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
+        using TI = decltype(ti);
+        using TO = decltype(to);
+        rmsnorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dx), R, C, stream());
+        rmsnorm_bwd_weight(ptr<TI>(x), ptr<TO>(dy), ptr<float>(rstd), ptr<float>(part), ptr<TI>(dw), R, C, stream());
+      });
     }
-    return {dx, dw, Tensor()};
+    return {dx, dw, Tensor(), Tensor()};
   }
 };
 
-Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
+Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
   raise_pending_index_error();
-  return RMSNormFn::apply(x, weight, eps);
+  check_fp_cuda("rmsnorm", x, "x", x, "x");
+  return RMSNormFn::apply(x, weight, eps, out_dtype_or("rmsnorm", out_dtype, x));
 }
 
 // ---- Sinkhorn ---------------------------------------------------------------------------------
@@ -621,19 +690,24 @@ Tensor stream_mix(const Tensor& x, const Tensor& h_res, const Tensor& h_post, co
 
 // ---- softmax ----------------------------------------------------------------------------------
 
+// x float32 or bfloat16; y in out_dtype (default x's): autocast gives bf16 logits an fp32 softmax.
 struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, at::ScalarType y_dtype) {
     const char* op = "softmax";
-    check_float_cuda(op, x_in, "x");
     REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
     const c10::cuda::CUDAGuard guard(x_in.device());
     const Tensor x = x_in.contiguous();
-    Tensor y = at::empty_like(x);
+    Tensor y = at::empty_like(x, x.options().dtype(y_dtype));
     const int64_t C = x.size(-1);
     if (x.numel() > 0)
-      softmax_fwd(x.data_ptr<float>(), y.data_ptr<float>(), to_int(op, x.numel() / C, "rows"), to_int(op, C, "C"),
-                  1.f, 0, 0, stream());
+      with_types(x, y_dtype, [&](auto ti, auto to) {
+        using TI = decltype(ti);
+        using TO = decltype(to);
+        softmax_fwd(ptr<TI>(x), ptr<TO>(y), to_int(op, x.numel() / C, "rows"), to_int(op, C, "C"), 1.f, 0, 0,
+                    stream());
+      });
     ctx->save_for_backward({y});
+    ctx->saved_data["x_dtype"] = x.scalar_type();
     return y;
   }
 
@@ -641,38 +715,44 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
     const Tensor y = ctx->get_saved_variables()[0];
     const c10::cuda::CUDAGuard guard(y.device());
     const Tensor dy = grads[0].contiguous();
-    Tensor dx = at::empty_like(y);
+    Tensor dx = at::empty_like(y, y.options().dtype(ctx->saved_data["x_dtype"].toScalarType()));
     if (y.numel() > 0)
-      softmax_bwd(y.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), (int)(y.numel() / y.size(-1)),
-                  (int)y.size(-1), 1.f, stream());
-    return {dx};
+      with_types(dx, y.scalar_type(), [&](auto ti, auto to) {
+        using TI = decltype(ti);
+        using TO = decltype(to);
+        softmax_bwd(ptr<TO>(y), ptr<TO>(dy), ptr<TI>(dx), (int)(y.numel() / y.size(-1)), (int)y.size(-1), 1.f,
+                    stream());
+      });
+    return {dx, Tensor()};
   }
 };
 
-Tensor softmax(const Tensor& x) {
+Tensor softmax(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
   raise_pending_index_error();
-  return SoftmaxFn::apply(x);
+  check_fp_cuda("softmax", x, "x", x, "x");
+  return SoftmaxFn::apply(x, out_dtype_or("softmax", out_dtype, x));
 }
 
 // ---- GELU and SiLU ---------------------------------------------------------------------------
 
-// An elementwise activation y = f(x): the forward saves x, the backward reads x and dy and writes dx.
-// GELU and SiLU differ only in their launchers, so one autograd Function serves both, given the
-// launchers as a struct; `approx_tanh` is GELU's choice of formula and SiLU ignores it.
+// An elementwise activation y = f(x) in x's dtype (float32 or bfloat16; fp32 arithmetic): the forward
+// saves x, the backward reads x and dy and writes dx. GELU and SiLU differ only in their launchers, so
+// one autograd Function serves both, given the launchers as a struct; `approx_tanh` is GELU's choice of
+// formula and SiLU ignores it.
 struct GeluLaunchers {
-  static void fwd(const float* x, float* y, int64_t n, bool approx_tanh, cudaStream_t s) {
-    gelu_fwd(x, y, n, approx_tanh, s);
-  }
-  static void bwd(const float* x, const float* dy, float* dx, int64_t n, bool approx_tanh, cudaStream_t s) {
+  template <class T>
+  static void fwd(const T* x, T* y, int64_t n, bool approx_tanh, cudaStream_t s) { gelu_fwd(x, y, n, approx_tanh, s); }
+  template <class T>
+  static void bwd(const T* x, const T* dy, T* dx, int64_t n, bool approx_tanh, cudaStream_t s) {
     gelu_bwd(x, dy, dx, n, approx_tanh, s);
   }
 };
 
 struct SiluLaunchers {
-  static void fwd(const float* x, float* y, int64_t n, bool, cudaStream_t s) { silu_fwd(x, y, n, s); }
-  static void bwd(const float* x, const float* dy, float* dx, int64_t n, bool, cudaStream_t s) {
-    silu_bwd(x, dy, dx, n, s);
-  }
+  template <class T>
+  static void fwd(const T* x, T* y, int64_t n, bool, cudaStream_t s) { silu_fwd(x, y, n, s); }
+  template <class T>
+  static void bwd(const T* x, const T* dy, T* dx, int64_t n, bool, cudaStream_t s) { silu_bwd(x, dy, dx, n, s); }
 };
 
 template <class Launchers>
@@ -681,7 +761,10 @@ struct ActivationFn : torch::autograd::Function<ActivationFn<Launchers>> {
     const c10::cuda::CUDAGuard guard(x_in.device());
     const Tensor x = x_in.contiguous();
     Tensor y = at::empty_like(x);
-    Launchers::fwd(x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), approx_tanh, stream());
+    with_type(x.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      Launchers::fwd(ptr<T>(x), ptr<T>(y), x.numel(), approx_tanh, stream());
+    });
     ctx->save_for_backward({x});
     ctx->saved_data["tanh"] = approx_tanh;
     return y;
@@ -692,15 +775,17 @@ struct ActivationFn : torch::autograd::Function<ActivationFn<Launchers>> {
     const c10::cuda::CUDAGuard guard(x.device());
     const Tensor dy = grads[0].contiguous();
     Tensor dx = at::empty_like(x);
-    Launchers::bwd(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), x.numel(),
-                   ctx->saved_data["tanh"].toBool(), stream());
+    with_type(x.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      Launchers::bwd(ptr<T>(x), ptr<T>(dy), ptr<T>(dx), x.numel(), ctx->saved_data["tanh"].toBool(), stream());
+    });
     return {dx, Tensor()};  // approx_tanh has no gradient
   }
 };
 
 Tensor gelu(const Tensor& x, const std::string& approximate) {
   raise_pending_index_error();
-  check_float_cuda("gelu", x, "x");
+  check_fp_cuda("gelu", x, "x", x, "x");
   REQUIRE_VALUE(approximate == "none" || approximate == "tanh",
                 "gelu: approximate must be 'none' or 'tanh', got '", approximate, "'");
   return ActivationFn<GeluLaunchers>::apply(x, approximate == "tanh");
@@ -708,26 +793,29 @@ Tensor gelu(const Tensor& x, const std::string& approximate) {
 
 Tensor silu(const Tensor& x) {
   raise_pending_index_error();
-  check_float_cuda("silu", x, "x");
+  check_fp_cuda("silu", x, "x", x, "x");
   return ActivationFn<SiluLaunchers>::apply(x, false);
 }
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
 
 // silu(a) * b in one pass (forward: read a, b, write y; backward: read a, b, dy, write da, db), where
-// F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward.
+// F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward. a and b: one dtype.
 struct SwigluFn : torch::autograd::Function<SwigluFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& a_in, const Tensor& b_in) {
     const char* op = "swiglu";
-    check_float_cuda(op, a_in, "a");
-    check_float_cuda(op, b_in, "b");
+    check_fp_cuda(op, a_in, "a", a_in, "a");
+    check_fp_cuda(op, b_in, "b", a_in, "a");
     check_same_device(op, a_in, "a", b_in, "b");
     REQUIRE(a_in.sizes() == b_in.sizes(), op, ": a and b must have the same shape, got ", a_in.sizes(), " and ",
             b_in.sizes());
     const c10::cuda::CUDAGuard guard(a_in.device());
     const Tensor a = a_in.contiguous(), b = b_in.contiguous();
     Tensor y = at::empty_like(a);
-    swiglu_fwd(a.data_ptr<float>(), b.data_ptr<float>(), y.data_ptr<float>(), a.numel(), stream());
+    with_type(a.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      swiglu_fwd(ptr<T>(a), ptr<T>(b), ptr<T>(y), a.numel(), stream());
+    });
     ctx->save_for_backward({a, b});
     return y;
   }
@@ -738,8 +826,10 @@ struct SwigluFn : torch::autograd::Function<SwigluFn> {
     const c10::cuda::CUDAGuard guard(a.device());
     const Tensor dy = grads[0].contiguous();
     Tensor da = at::empty_like(a), db = at::empty_like(b);
-    swiglu_bwd(a.data_ptr<float>(), b.data_ptr<float>(), dy.data_ptr<float>(), da.data_ptr<float>(),
-               db.data_ptr<float>(), a.numel(), stream());
+    with_type(a.scalar_type(), [&](auto e) {
+      using T = decltype(e);
+      swiglu_bwd(ptr<T>(a), ptr<T>(b), ptr<T>(dy), ptr<T>(da), ptr<T>(db), a.numel(), stream());
+    });
     return {da, db};
   }
 };
@@ -755,16 +845,19 @@ Tensor swiglu(const Tensor& a, const Tensor& b) {
 static Tensor rope_launch(const Tensor& x_in, const Tensor& cos, const Tensor& sin, bool backward) {
   const Tensor x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
   Tensor out = at::empty(x.sizes(), x.options());
-  rope(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(),
-       to_int("rope", x.size(0), "B"), to_int("rope", x.size(1), "H"), to_int("rope", x.size(2), "T"),
-       (int)x.size(3), x.stride(0), x.stride(1), x.stride(2), backward, stream());
+  with_type(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    rope(ptr<T>(x), ptr<float>(cos), ptr<float>(sin), ptr<T>(out), to_int("rope", x.size(0), "B"),
+         to_int("rope", x.size(1), "H"), to_int("rope", x.size(2), "T"), (int)x.size(3), x.stride(0), x.stride(1),
+         x.stride(2), backward, stream());
+  });
   return out;
 }
 
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos_in, const Tensor& sin_in) {
     const char* op = "rope";
-    check_float_cuda(op, x, "x");
+    check_fp_cuda(op, x, "x", x, "x");  // float32 or bfloat16 (rotated in fp32); the tables are float32
     check_float_cuda(op, cos_in, "cos");
     check_float_cuda(op, sin_in, "sin");
     check_same_device(op, x, "x", cos_in, "cos");
@@ -798,11 +891,13 @@ Tensor rope_op(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 // ---- embedding --------------------------------------------------------------------------------
 
+// weight float32 or bfloat16, rows copied as they are. The backward sums in fp32 (its deterministic
+// kernel is fp32), then rounds a bf16 weight's gradient once.
 struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& idx_in, const Tensor& w_in) {
     const char* op = "embedding";
     check_index_cuda(op, idx_in, "idx");
-    check_float_cuda(op, w_in, "weight");
+    check_fp_cuda(op, w_in, "weight", w_in, "weight");
     check_dim(op, w_in, "weight", 2, "(num_embeddings, embedding_dim)");
     check_same_device(op, idx_in, "idx", w_in, "weight");
     to_int(op, w_in.size(0), "num_embeddings");  // the backward sorts indices as 32-bit keys
@@ -812,8 +907,11 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
     auto shape = idx.sizes().vec();
     shape.push_back(w.size(1));
     Tensor out = at::empty(shape, w.options());
-    embedding_fwd(idx.data_ptr<int64_t>(), w.data_ptr<float>(), out.data_ptr<float>(), idx.numel(), w.size(0),
-                  to_int(op, w.size(1), "embedding_dim"), stream());
+    with_type(w.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      embedding_fwd(ptr<int64_t>(idx), ptr<T>(w), ptr<T>(out), idx.numel(), w.size(0),
+                    to_int(op, w.size(1), "embedding_dim"), stream());
+    });
     ctx->save_for_backward({idx});
     ctx->saved_data["V"] = w.size(0);
     return out;
@@ -823,7 +921,7 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
     const Tensor idx = ctx->get_saved_variables()[0];
     const int64_t V = ctx->saved_data["V"].toInt();
     const c10::cuda::CUDAGuard guard(idx.device());
-    const Tensor dout = grads[0].contiguous();
+    const Tensor dout = grads[0].contiguous().to(at::kFloat);
     const int C = (int)dout.size(-1), T = (int)idx.numel();
     // Only this op's gradient: where the weight is also used elsewhere (a tied output head), autograd
     // adds the two.
@@ -831,7 +929,7 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
     Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, V, C)}, dout.options().dtype(at::kByte));
     embedding_bwd(idx.data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, V, C,
                   ws.numel() ? ws.data_ptr() : nullptr, stream());
-    return {Tensor(), dw};
+    return {Tensor(), dw.to(grads[0].scalar_type())};
   }
 };
 
@@ -842,10 +940,12 @@ Tensor embedding(const Tensor& idx, const Tensor& weight) {
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
+// logits float32 or bfloat16; the loss is float32 either way (as under autocast), the logits' gradient
+// in their dtype.
 struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, const Tensor& tgt_in) {
     const char* op = "cross_entropy";
-    check_float_cuda(op, logits_in, "logits");
+    check_fp_cuda(op, logits_in, "logits", logits_in, "logits");
     check_index_cuda(op, tgt_in, "targets");
     check_same_device(op, logits_in, "logits", tgt_in, "targets");
     check_dim(op, logits_in, "logits", 2, "(N, C)");
@@ -855,9 +955,13 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
     const c10::cuda::CUDAGuard guard(logits_in.device());
     const Tensor x = logits_in.contiguous(), tgt = tgt_in.contiguous();
     const int R = to_int(op, x.size(0), "N"), C = to_int(op, x.size(1), "C");
-    Tensor lse = at::empty({R}, x.options()), rows = at::empty({R}, x.options()), loss = at::empty({}, x.options());
-    cross_entropy_fwd(x.data_ptr<float>(), tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), rows.data_ptr<float>(),
-                      loss.data_ptr<float>(), R, C, stream());
+    const auto f32 = x.options().dtype(at::kFloat);
+    Tensor lse = at::empty({R}, f32), rows = at::empty({R}, f32), loss = at::empty({}, f32);
+    with_type(x.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(rows), ptr<float>(loss), R, C,
+                        stream());
+    });
     ctx->save_for_backward({x, tgt, lse});
     return loss;
   }
@@ -868,8 +972,11 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
     const c10::cuda::CUDAGuard guard(x.device());
     const Tensor dloss = grads[0].contiguous();
     Tensor dx = at::empty_like(x);
-    cross_entropy_bwd(x.data_ptr<float>(), tgt.data_ptr<int64_t>(), lse.data_ptr<float>(), dloss.data_ptr<float>(),
-                      dx.data_ptr<float>(), (int)x.size(0), (int)x.size(1), stream());
+    with_type(x.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(dloss), ptr<T>(dx), (int)x.size(0),
+                        (int)x.size(1), stream());
+    });
     return {dx, Tensor()};
   }
 };
@@ -881,19 +988,22 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
 
 // ---- GEMV (inference only, no autograd) --------------------------------------------------------
 
-// y (S, N) = w[e_s] @ x[s] + b[e_s] with w (E, N, K), or w (N, K) and no experts. Inputs checked.
+// y (S, N) = w[e_s] @ x[s] + b[e_s] with w (E, N, K), or w (N, K) and no experts. Inputs checked; all of one
+// dtype, float32 or bfloat16 (bf16 weights: half the bytes a decode step streams; fp32 sums).
 static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, const Tensor& b, const Tensor& experts) {
   const int64_t N = w.size(-2), K = w.size(-1), S = x.size(0);
   Tensor y = at::empty({S, N}, w.options());
-  gemv(w.data_ptr<float>(), x.data_ptr<float>(), fptr(b), y.data_ptr<float>(), to_int(op, N, "N"), to_int(op, K, "K"),
-       to_int(op, S, "rows of x"), experts.defined() ? experts.data_ptr<int64_t>() : nullptr,
-       w.dim() == 3 ? w.size(0) : 1, stream());
+  with_type(w.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    gemv(ptr<T>(w), ptr<T>(x), ptr<T>(b), ptr<T>(y), to_int(op, N, "N"), to_int(op, K, "K"),
+         to_int(op, S, "rows of x"), ptr<int64_t>(experts), w.dim() == 3 ? w.size(0) : 1, stream());
+  });
   return y;
 }
 
 static Tensor checked_bias(const char* op, const Tensor& w, const std::optional<Tensor>& b_in, at::IntArrayRef shape) {
   if (!b_in.has_value() || !b_in->defined()) return Tensor();
-  check_float_cuda(op, *b_in, "bias");
+  check_fp_cuda(op, *b_in, "bias", w, "weight");
   check_same_device(op, w, "weight", *b_in, "bias");
   REQUIRE(b_in->sizes() == shape, op, ": bias must have shape ", shape, ", got ", b_in->sizes());
   return b_in->contiguous();
@@ -902,8 +1012,8 @@ static Tensor checked_bias(const char* op, const Tensor& w, const std::optional<
 Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in) {
   raise_pending_index_error();
   const char* op = "gemv";
-  check_float_cuda(op, w_in, "weight");
-  check_float_cuda(op, x_in, "x");
+  check_fp_cuda(op, w_in, "weight", w_in, "weight");
+  check_fp_cuda(op, x_in, "x", w_in, "weight");
   check_same_device(op, w_in, "weight", x_in, "x");
   check_dim(op, w_in, "weight", 2, "(N, K)");
   REQUIRE(x_in.dim() == 1 && x_in.size(0) == w_in.size(1), op, ": x must have shape (", w_in.size(1),
@@ -917,8 +1027,8 @@ Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optiona
                       const Tensor& experts_in) {
   raise_pending_index_error();
   const char* op = "expert_gemv";
-  check_float_cuda(op, w_in, "weight");
-  check_float_cuda(op, x_in, "x");
+  check_fp_cuda(op, w_in, "weight", w_in, "weight");
+  check_fp_cuda(op, x_in, "x", w_in, "weight");
   check_index_cuda(op, experts_in, "experts");
   check_same_device(op, w_in, "weight", x_in, "x");
   check_same_device(op, w_in, "weight", experts_in, "experts");
@@ -937,13 +1047,14 @@ Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optiona
 std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
   raise_pending_index_error();
   const char* op = "topk";
-  check_float_cuda(op, x_in, "x");
+  check_fp_cuda(op, x_in, "x", x_in, "x");
   REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
   const int64_t L = x_in.size(-1);
   REQUIRE_VALUE(k >= 1 && k <= L && k <= 128, op, ": k must be in [1, min(128, x.shape[-1] = ", L,
                     ")], got k = ", k);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const Tensor x = x_in.contiguous();
+  // bf16 rows are ranked as fp32 (every bf16 value is exactly an fp32 one, so the order is the same)
+  const Tensor x = x_in.contiguous().to(at::kFloat);
   auto shape = x.sizes().vec();
   shape.back() = k;
   Tensor values = at::empty(shape, x.options()), indices = at::empty(shape, x.options().dtype(at::kLong));
@@ -953,7 +1064,7 @@ std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
   const Tensor ws = ws_bytes ? at::empty({(int64_t)ws_bytes}, x.options().dtype(at::kByte)) : Tensor();
   topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, len, (int)k,
        ws_bytes ? ws.data_ptr() : nullptr, stream());
-  return {values, indices};
+  return {values.to(x_in.scalar_type()), indices};
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -1117,9 +1228,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("matmul", &matmul_op, "a @ b for 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N)", py::arg("a"),
         py::arg("b"));
-  m.def("layernorm", &layernorm, "layer norm over the last dim, like F.layer_norm", py::arg("x"), py::arg("weight"),
-        py::arg("bias"), py::arg("eps") = 1e-5);
-  m.def("softmax", &softmax, "softmax over the last dim", py::arg("x"));
+  m.def("layernorm", &layernorm,
+        "layer norm over the last dim, like F.layer_norm; x, weight, bias float32 or bfloat16 (one dtype), the "
+        "result in out_dtype (None: x's)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps") = 1e-5,
+        py::arg("out_dtype") = py::none());
+  m.def("softmax", &softmax, "softmax over the last dim, the result in out_dtype (None: x's)", py::arg("x"),
+        py::arg("out_dtype") = py::none());
   m.def("gelu", &gelu, "GELU, approximate='none' (erf) or 'tanh', like F.gelu", py::arg("x"),
         py::arg("approximate") = "none");
   m.def("embedding", &embedding,
@@ -1151,8 +1265,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out_i = x_i cos - x_{i+D/2} sin, out_{i+D/2} = x_{i+D/2} cos + x_i sin, with cos, sin (T, D/2) the "
         "angles of the T tokens' positions; returns a contiguous tensor",
         py::arg("x"), py::arg("cos"), py::arg("sin"));
-  m.def("rmsnorm", &rmsnorm, "RMS norm over the last dim, like F.rms_norm", py::arg("x"), py::arg("weight"),
-        py::arg("eps") = 1e-5);
+  m.def("rmsnorm", &rmsnorm,
+        "RMS norm over the last dim, like F.rms_norm; x and weight float32 or bfloat16 (one dtype), the result in "
+        "out_dtype (None: x's)", py::arg("x"), py::arg("weight"), py::arg("eps") = 1e-5,
+        py::arg("out_dtype") = py::none());
   m.def("sinkhorn", &sinkhorn,
         "Sinkhorn-Knopp in the log domain: logits (..., n, n), n <= 8 -> doubly stochastic, like "
         "mhc.sinkhorn_torch (each iteration normalises columns, then rows)",

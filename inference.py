@@ -10,10 +10,12 @@ the decode step captured in a CUDA graph; the generated tokens are compared one 
     python inference.py --ckpt=out/ckpt_torch.pt     # a train.py checkpoint: its config, vocabulary, text
     python inference.py --temperature=0.8 --sample_top_k=20
     python inference.py --device=cpu --seeds=0       # PyTorch path only
+    python inference.py --dtype=fp32,bf16            # also in bf16 (weights, activations, KV cache), compared
 
 Every default below can be overridden with --key=value; python inference.py --help lists them.
 """
 
+import copy
 import json
 import os
 import statistics
@@ -47,6 +49,8 @@ OPTIONS = dict(
     device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu; cpu runs the PyTorch path only"),
     backend=("both", "which op sets decode: both, torch or cuda"),
     cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
+    dtype=("fp32", "fp32, bf16 or fp32,bf16: the model's weights, activations and KV cache (bf16: half the bytes per "
+                   "decoded token; each op still computes in fp32); both: the bf16 / fp32 speed ratio too"),
     out_dir=("out", "folder for inference.json"),
 )
 DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
@@ -92,6 +96,9 @@ def parse_config(argv):
     if not 0 <= cfg.sample_top_k <= 128:
         fail(f"--sample_top_k must be in [0, 128] (0: all tokens), got {cfg.sample_top_k}")
     train.check_backend_and_device(cfg, fail)
+    cfg.dtypes = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
+    if not cfg.dtypes or any(d not in train.DTYPES for d in cfg.dtypes) or len(set(cfg.dtypes)) < len(cfg.dtypes):
+        fail(f"--dtype must be fp32, bf16 or fp32,bf16, got {cfg.dtype!r}")
     if cfg.ckpt is not None and "moe" in cfg.models:
         cfg.models = ["dense"]
         print("note: --ckpt holds a dense model: running --models=dense")
@@ -125,10 +132,22 @@ def checkpoint_model(cfg):
 
 
 def kv_cache(model, device):
-    """An empty KV cache of one sequence for the model: its K/V heads only, at the full context."""
+    """An empty KV cache of one sequence for the model: its K/V heads only, at the full context, in the
+    weights' dtype."""
     block = model.blocks[0]
     head_size = model.wte.shape[1] // block.n_head
-    return train.KVCache(len(model.blocks), 1, block.n_kv_head, model.block_size, head_size, device)
+    return train.KVCache(len(model.blocks), 1, block.n_kv_head, model.block_size, head_size, device, model.wte.dtype)
+
+
+def with_dtype(model, dtype):
+    """The model with its weights in dtype ("bf16": every parameter rounded to bf16 once; the RoPE tables
+    and positions, buffers, stay as they are). Both op sets then run it as it is: every op takes and
+    returns the weights' dtype and computes in fp32 inside."""
+    if dtype == "bf16":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 def weight_bytes_per_token(model):
@@ -182,7 +201,7 @@ class Decoder:
             # gather, not idx[choice]: indexing with a tensor scalar reads it on the host (no graph)
             nxt, margin = idx.gather(0, choice)[0], (vals[0] - vals[1]) * self.temperature
         self.tokens.index_copy_(0, self.step, nxt.view(1))
-        self.margins.index_copy_(0, self.step, margin.view(1))
+        self.margins.index_copy_(0, self.step, margin.view(1).float())
         self.tok.copy_(nxt.view(1, 1))
         self.step += 1
 
@@ -354,26 +373,39 @@ def main(argv):
 
     results = {"device": hw, "copy_bytes_per_s": bw, "config": vars(cfg), "models": {}}
     for kind in cfg.models:
-        runs = []
-        for seed in cfg.seeds:
-            model = base_model if cfg.ckpt else random_model(kind, seed, cfg, tok)
-            model = model.to(dev).eval()
-            nbytes = weight_bytes_per_token(model)
-            cache_bytes = kv_cache(model, "meta").nbytes
-            for name, ops, graphed in paths:
-                r = run_path(model, ops, graphed, prompt_ids, cfg, uniforms)
-                r.update(op_set=name, mode="graph" if graphed else "eager", seed=seed)
-                runs.append(r)
-                print(f"{kind} | seed {seed} | {name:<5} {r['mode']:<5} | prefill {r['prefill_tok_s']:>9,.0f} tok/s"
-                      f" | decode {r['decode_tok_s'] or 0:>8,.0f} tok/s", flush=True)
-            del model
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        results["models"][kind] = report(kind, runs, nbytes, cache_bytes, bw, tok, cfg)
+        for dtype in cfg.dtypes:
+            label = kind if len(cfg.dtypes) == 1 else f"{kind} {dtype}"
+            runs = []
+            for seed in cfg.seeds:
+                model = copy.deepcopy(base_model) if cfg.ckpt else random_model(kind, seed, cfg, tok)
+                model = with_dtype(model.to(dev), dtype).eval()
+                nbytes = weight_bytes_per_token(model)
+                cache_bytes = kv_cache(model, "meta").nbytes
+                for name, ops, graphed in paths:
+                    r = run_path(model, ops, graphed, prompt_ids, cfg, uniforms)
+                    r.update(op_set=name, mode="graph" if graphed else "eager", seed=seed)
+                    runs.append(r)
+                    print(f"{label} | seed {seed} | {name:<5} {r['mode']:<5} | prefill {r['prefill_tok_s']:>9,.0f} "
+                          f"tok/s | decode {r['decode_tok_s'] or 0:>8,.0f} tok/s", flush=True)
+                del model
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            results["models"][label] = report(label, runs, nbytes, cache_bytes, bw, tok, cfg)
+        if len(cfg.dtypes) == 2:
+            results["models"][f"{kind} bf16 / fp32"] = dtype_speedups(kind, results["models"])
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "inference.json")
     train.atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
     print(f"\nwrote {path}")
+
+
+def dtype_speedups(kind, models):
+    """Decode tok/s of the bf16 model over the fp32 one, path by path (both measured in this run)."""
+    fp32, bf16 = models[f"{kind} fp32"]["speed"], models[f"{kind} bf16"]["speed"]
+    ratios = {path: bf16[path]["decode_tok_s"] / fp32[path]["decode_tok_s"]
+              for path in fp32 if fp32[path]["decode_tok_s"] and bf16.get(path, {}).get("decode_tok_s")}
+    print(f"{kind}: decode tok/s bf16 / fp32: " + ", ".join(f"{p} {r:.2f}x" for p, r in ratios.items()) + "\n")
+    return ratios
 
 
 def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):

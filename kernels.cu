@@ -98,29 +98,67 @@ __device__ __forceinline__ float row_reduce(float v, float* red) {
   return r;
 }
 
-// A row is read in "units" of VEC floats (VEC = 4 when the row length is a multiple of 4 and the
-// pointers are 16-byte aligned, else 1). Unit u of a row belongs to thread u % TX.
-template <int VEC>
-__device__ __forceinline__ void load_unit(const float* row, int u, int C, float (&v)[VEC], float fill) {
+// 16 bytes of T as floats, and back: 4 fp32 or 8 bf16 values (bf16 rounds to nearest even).
+template <class T>
+constexpr int per16() { return 16 / (int)sizeof(T); }
+__device__ __forceinline__ void unpack16(const float4& raw, float (&v)[4]) { v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w; }
+__device__ __forceinline__ void unpack16(const float4& raw, float (&v)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ float4 pack16(const float (&v)[4]) { return make_float4(v[0], v[1], v[2], v[3]); }
+__device__ __forceinline__ float4 pack16(const float (&v)[8]) {
+  float4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  return raw;
+}
+
+// Four values of T at p (16 bytes of fp32, 8 of bf16) as floats, and back.
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) { unpack16(*reinterpret_cast<const float4*>(p), v); }
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+}
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) { *reinterpret_cast<float4*>(p) = pack16(v); }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
+  uint2 raw;
+  *reinterpret_cast<__nv_bfloat162*>(&raw.x) = __floats2bfloat162_rn(v[0], v[1]);
+  *reinterpret_cast<__nv_bfloat162*>(&raw.y) = __floats2bfloat162_rn(v[2], v[3]);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+// A row is read in "units" of VEC values (VEC = 4 when the row length is a multiple of 4 and the
+// pointers are 16-byte aligned, else 1). Unit u of a row belongs to thread u % TX. Rows of T = fp32
+// or bf16 are read and written as fp32: the arithmetic is fp32 either way.
+template <int VEC, class T>
+__device__ __forceinline__ void load_unit(const T* row, int u, int C, float (&v)[VEC], float fill) {
   if (VEC == 4) {
     if (u * 4 < C) {
-      float4 t = reinterpret_cast<const float4*>(row)[u];
-      v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+      load4(row + 4 * u, reinterpret_cast<float(&)[4]>(v));
     } else {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[i] = fill;
     }
   } else {
-    v[0] = u < C ? row[u] : fill;
+    v[0] = u < C ? to_float(row[u]) : fill;
   }
 }
 
-template <int VEC>
-__device__ __forceinline__ void store_unit(float* row, int u, int C, const float (&v)[VEC]) {
+template <int VEC, class T>
+__device__ __forceinline__ void store_unit(T* row, int u, int C, const float (&v)[VEC]) {
   if (VEC == 4) {
-    if (u * 4 < C) reinterpret_cast<float4*>(row)[u] = make_float4(v[0], v[1], v[2], v[3]);
+    if (u * 4 < C) store4(row + 4 * u, reinterpret_cast<const float(&)[4]>(v));
   } else if (u < C) {
-    row[u] = v[0];
+    row[u] = from_float<T>(v[0]);
   }
 }
 
@@ -145,23 +183,25 @@ static RowLaunch row_launch(int C, bool vec_ok) {
   return L;
 }
 
-// Instantiates KERNEL<TX, N, VEC> for the chosen RowLaunch and launches it with ARGS.
-#define LAUNCH_ROW_N(KERNEL, TX, VEC, L, grid, stream, ...)                                       \
-  switch (L.n) {                                                                               \
-    case 1: KERNEL<TX, 1, VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break;       \
-    case 2: KERNEL<TX, 2, VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break;       \
-    case 4: KERNEL<TX, 4, VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break;       \
-    default: KERNEL<TX, (TX * VEC > 2048 ? 4 : 8), VEC><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); \
+// Instantiates KERNEL<TX, N, VEC, TYPES...> for the chosen RowLaunch and launches it with ARGS. TYPES is
+// a parenthesized list of the element types, e.g. (float, __nv_bfloat16).
+#define ROW_TYPES(...) __VA_ARGS__
+#define LAUNCH_ROW_N(KERNEL, TYPES, TX, VEC, L, grid, stream, ...)                                        \
+  switch (L.n) {                                                                                         \
+    case 1: KERNEL<TX, 1, VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break; \
+    case 2: KERNEL<TX, 2, VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break; \
+    case 4: KERNEL<TX, 4, VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break; \
+    default: KERNEL<TX, (TX * VEC > 2048 ? 4 : 8), VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); \
   }
-#define LAUNCH_ROW_VEC(KERNEL, TX, L, grid, stream, ...)                                          \
-  if (L.vec == 4) { LAUNCH_ROW_N(KERNEL, TX, 4, L, grid, stream, __VA_ARGS__) }                \
-  else { LAUNCH_ROW_N(KERNEL, TX, 1, L, grid, stream, __VA_ARGS__) }
-#define LAUNCH_ROW(KERNEL, L, rows, stream, ...)                                                  \
+#define LAUNCH_ROW_VEC(KERNEL, TYPES, TX, L, grid, stream, ...)                                   \
+  if (L.vec == 4) { LAUNCH_ROW_N(KERNEL, TYPES, TX, 4, L, grid, stream, __VA_ARGS__) }           \
+  else { LAUNCH_ROW_N(KERNEL, TYPES, TX, 1, L, grid, stream, __VA_ARGS__) }
+#define LAUNCH_ROW(KERNEL, TYPES, L, rows, stream, ...)                                           \
   do {                                                                                         \
     dim3 grid_(ceil_div(rows, L.ty));                                                          \
-    if (L.tx == 32) { LAUNCH_ROW_VEC(KERNEL, 32, L, grid_, stream, __VA_ARGS__) }              \
-    else if (L.tx == 256) { LAUNCH_ROW_VEC(KERNEL, 256, L, grid_, stream, __VA_ARGS__) }       \
-    else { LAUNCH_ROW_VEC(KERNEL, 1024, L, grid_, stream, __VA_ARGS__) }                       \
+    if (L.tx == 32) { LAUNCH_ROW_VEC(KERNEL, TYPES, 32, L, grid_, stream, __VA_ARGS__) }       \
+    else if (L.tx == 256) { LAUNCH_ROW_VEC(KERNEL, TYPES, 256, L, grid_, stream, __VA_ARGS__) } \
+    else { LAUNCH_ROW_VEC(KERNEL, TYPES, 1024, L, grid_, stream, __VA_ARGS__) }                \
   } while (0)
 
 // ------------------------------------------------------------------------------------------------
@@ -289,16 +329,16 @@ static dim3 embedding_block(int units) {
   return dim3(tx, std::max(1, 256 / tx));
 }
 
-template <int VEC>
-__global__ void embedding_fwd_kernel(const int64_t* idx, const float* weight, float* out, int64_t T, int64_t V,
-                                     int C, IndexErrorBox* box) {
+template <int VEC, class T>
+__global__ void embedding_fwd_kernel(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C,
+                                     IndexErrorBox* box) {
   const int64_t t = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if (t >= T) return;
+  if (t >= T_) return;
   const int64_t row = idx[t];
   const bool ok = row >= 0 && row < V;
   if (!ok && threadIdx.x == 0) report_bad_index(box, kBadEmbeddingIdx, row, V);
-  const float* src = weight + row * C;
-  float* dst = out + t * C;
+  const T* src = weight + row * C;
+  T* dst = out + t * C;
   const int units = C / VEC;
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
     float v[VEC];
@@ -310,17 +350,21 @@ __global__ void embedding_fwd_kernel(const int64_t* idx, const float* weight, fl
   }
 }
 
-void embedding_fwd(const int64_t* idx, const float* weight, float* out, int64_t T, int64_t V, int C,
-                   cudaStream_t s) {
-  if (T == 0 || C == 0) return;
+// weight and out of type T, fp32 or bf16 (a copy: bf16 rows stay exact).
+template <class T>
+void embedding_fwd(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C, cudaStream_t s) {
+  if (T_ == 0 || C == 0) return;
   const bool vec = C % 4 == 0 && aligned16(weight) && aligned16(out);
   const dim3 block = embedding_block(vec ? C / 4 : C);
-  const unsigned grid = (unsigned)ceil_div(T, block.y);
+  const unsigned grid = (unsigned)ceil_div(T_, block.y);
   IndexErrorBox* box = index_error_box();
-  if (vec) embedding_fwd_kernel<4><<<grid, block, 0, s>>>(idx, weight, out, T, V, C, box);
-  else embedding_fwd_kernel<1><<<grid, block, 0, s>>>(idx, weight, out, T, V, C, box);
+  if (vec) embedding_fwd_kernel<4, T><<<grid, block, 0, s>>>(idx, weight, out, T_, V, C, box);
+  else embedding_fwd_kernel<1, T><<<grid, block, 0, s>>>(idx, weight, out, T_, V, C, box);
   check_launch("embedding_fwd");
 }
+template void embedding_fwd<float>(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
+template void embedding_fwd<__nv_bfloat16>(const int64_t*, const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t,
+                                           int, cudaStream_t);
 
 // Sort keys: the index, or V for a bad one (it sorts last and is dropped); values: the position.
 __global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, int* pos, int T, int64_t V) {
@@ -481,14 +525,14 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
 // layernorm's 1024-thread backward spill). rstd (and the mean) are saved per row. The variance is
 // computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
 
-template <int TX, int N, int VEC, bool RMS>
-__device__ __forceinline__ void norm_fwd_row(const float* x, const float* w, const float* b, float* y,
+template <int TX, int N, int VEC, bool RMS, class TI, class TO>
+__device__ __forceinline__ void norm_fwd_row(const TI* x, const TI* w, const TI* b, TO* y,
                                              float* mean_out, float* rstd_out, int R, int C, float eps) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
-  const float* xr = x + (int64_t)r * C;
-  float* yr = y + (int64_t)r * C;
+  const TI* xr = x + (int64_t)r * C;
+  TO* yr = y + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   float v[N][VEC];
   float sum = 0.f;
@@ -543,29 +587,29 @@ __device__ __forceinline__ void norm_fwd_row(const float* x, const float* w, con
   }
 }
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const float* x, const float* w,
-    const float* b, float* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const TI* x, const TI* w,
+    const TI* b, TO* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
   norm_fwd_row<TX, N, VEC, false>(x, w, b, y, mean_out, rstd_out, R, C, eps);
 }
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const float* x, const float* w,
-    float* y, float* rstd_out, int R, int C, float eps) {
-  norm_fwd_row<TX, N, VEC, true>(x, w, nullptr, y, nullptr, rstd_out, R, C, eps);
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const TI* x, const TI* w,
+    TO* y, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, true>(x, w, (const TI*)nullptr, y, nullptr, rstd_out, R, C, eps);
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
 // RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd (the mean(g) term comes from
 // the subtracted mean, which RMSNorm does not have).
-template <int TX, int N, int VEC, bool RMS>
-__device__ __forceinline__ void norm_bwd_dx_row(const float* x, const float* w, const float* dy,
-                                                const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+template <int TX, int N, int VEC, bool RMS, class TI, class TO>
+__device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const TO* dy,
+                                                const float* mean_in, const float* rstd_in, TI* dx, int R, int C) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
-  const float* xr = x + (int64_t)r * C;
-  const float* dyr = dy + (int64_t)r * C;
+  const TI* xr = x + (int64_t)r * C;
+  const TO* dyr = dy + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   const float mean = RMS ? 0.f : mean_in[r], rstd = rstd_in[r];
   float xh[N][VEC], g[N][VEC];
@@ -598,7 +642,7 @@ __device__ __forceinline__ void norm_bwd_dx_row(const float* x, const float* w, 
   }
   const float mg = RMS ? 0.f : row_reduce<TX, false>(sg, red) / C;
   const float mgx = row_reduce<TX, false>(sgx, red) / C;
-  float* dxr = dx + (int64_t)r * C;
+  TI* dxr = dx + (int64_t)r * C;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     float o[VEC];
@@ -616,46 +660,50 @@ __device__ __forceinline__ void norm_bwd_dx_row(const float* x, const float* w, 
   }
 }
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const float* x, const float* w,
-    const float* dy, const float* mean_in, const float* rstd_in, float* dx, int R, int C) {
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const TI* x, const TI* w,
+    const TO* dy, const float* mean_in, const float* rstd_in, TI* dx, int R, int C) {
   norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dx, R, C);
 }
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const float* x, const float* w,
-    const float* dy, const float* rstd_in, float* dx, int R, int C) {
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const TI* x, const TI* w,
+    const TO* dy, const float* rstd_in, TI* dx, int R, int C) {
   norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dx, R, C);
 }
 
-void layernorm_fwd(const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
-                   int R, int C, float eps, cudaStream_t s) {
+// TI: x, the weights and dx (fp32 or bf16); TO: y and dy. Statistics and arithmetic are fp32.
+template <class TI, class TO>
+void layernorm_fwd(const TI* x, const TI* w, const TI* b, TO* y, float* mean, float* rstd, int R, int C, float eps,
+                   cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(b));
-  LAUNCH_ROW(layernorm_fwd_kernel, L, R, s, x, w, b, y, mean, rstd, R, C, eps);
+  LAUNCH_ROW(layernorm_fwd_kernel, (TI, TO), L, R, s, x, w, b, y, mean, rstd, R, C, eps);
   check_launch("layernorm_fwd");
 }
 
-void layernorm_bwd_dx(const float* x, const float* w, const float* dy, const float* mean,
-                      const float* rstd, float* dx, int R, int C, cudaStream_t s) {
+template <class TI, class TO>
+void layernorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, TI* dx, int R,
+                      int C, cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
-  LAUNCH_ROW(layernorm_bwd_dx_kernel, L, R, s, x, w, dy, mean, rstd, dx, R, C);
+  LAUNCH_ROW(layernorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, mean, rstd, dx, R, C);
   check_launch("layernorm_bwd_dx");
 }
 
-void rmsnorm_fwd(const float* x, const float* w, float* y, float* rstd, int R, int C, float eps, cudaStream_t s) {
+template <class TI, class TO>
+void rmsnorm_fwd(const TI* x, const TI* w, TO* y, float* rstd, int R, int C, float eps, cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w));
-  LAUNCH_ROW(rmsnorm_fwd_kernel, L, R, s, x, w, y, rstd, R, C, eps);
+  LAUNCH_ROW(rmsnorm_fwd_kernel, (TI, TO), L, R, s, x, w, y, rstd, R, C, eps);
   check_launch("rmsnorm_fwd");
 }
 
-void rmsnorm_bwd_dx(const float* x, const float* w, const float* dy, const float* rstd, float* dx, int R, int C,
-                    cudaStream_t s) {
+template <class TI, class TO>
+void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, TI* dx, int R, int C, cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
-  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, L, R, s, x, w, dy, rstd, dx, R, C);
+  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, rstd, dx, R, C);
   check_launch("rmsnorm_bwd_dx");
 }
 
@@ -665,8 +713,8 @@ void rmsnorm_bwd_dx(const float* x, const float* w, const float* dy, const float
 // gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into a
 // partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
 
-template <bool LN, class T>
-__global__ void colsum_partial_kernel(const T* dy, const T* x, const float* mean,
+template <bool LN, class TG, class TX>
+__global__ void colsum_partial_kernel(const TG* dy, const TX* x, const float* mean,
                                       const float* rstd, float* part_w, float* part_b, int R, int C,
                                       int chunk) {
   __shared__ float sw[8][33], sb[8][33];
@@ -709,40 +757,59 @@ int colsum_chunks(int R, int C) {
   return std::max(1, ceil_div(R, chunk));
 }
 
-template <class T>
-static void colsum_launch(bool ln, const T* dy, const T* x, const float* mean, const float* rstd, float* part_w,
-                          float* part_b, T* dw, T* db, int R, int C, cudaStream_t s) {
+// dy of type TG, x and the sums of type TX.
+template <class TG, class TX>
+static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean, const float* rstd, float* part_w,
+                          float* part_b, TX* dw, TX* db, int R, int C, cudaStream_t s) {
   if (C == 0) return;
   int nchunk = colsum_chunks(R, C);
   int chunk = R == 0 ? 1 : ceil_div(R, nchunk);
   dim3 grid(ceil_div(C, 32), nchunk), block(32, 8);
-  if (ln) colsum_partial_kernel<true, T><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
-  else colsum_partial_kernel<false, T><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  if (ln) colsum_partial_kernel<true, TG, TX><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  else colsum_partial_kernel<false, TG, TX><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
   if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
   if (db) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
   check_launch("colsum_finish");
 }
 
-void layernorm_bwd_params(const float* x, const float* dy, const float* mean, const float* rstd,
-                          float* part_w, float* part_b, float* dw, float* db, int R, int C,
-                          cudaStream_t s) {
-  colsum_launch<float>(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
+// x and the weight gradients of type TI, dy of type TO (as in layernorm_fwd<TI, TO>).
+template <class TI, class TO>
+void layernorm_bwd_params(const TI* x, const TO* dy, const float* mean, const float* rstd, float* part_w,
+                          float* part_b, TI* dw, TI* db, int R, int C, cudaStream_t s) {
+  colsum_launch<TO, TI>(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
 }
 
 // part: colsum_chunks(R, C) * C floats.
-void rmsnorm_bwd_weight(const float* x, const float* dy, const float* rstd, float* part, float* dw, int R, int C,
+template <class TI, class TO>
+void rmsnorm_bwd_weight(const TI* x, const TO* dy, const float* rstd, float* part, TI* dw, int R, int C,
                         cudaStream_t s) {
-  colsum_launch<float>(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
+  colsum_launch<TO, TI>(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
 }
 
-void bias_grad(const float* dy, float* part, float* db, int R, int C, cudaStream_t s) {
-  colsum_launch<float>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
+template <class T>
+void bias_grad(const T* dy, float* part, T* db, int R, int C, cudaStream_t s) {
+  colsum_launch<T, T>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
 }
+template void bias_grad<float>(const float*, float*, float*, int, int, cudaStream_t);
+template void bias_grad<__nv_bfloat16>(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int, cudaStream_t);
 
-void bias_grad(const __nv_bfloat16* dy, float* part, __nv_bfloat16* db, int R, int C, cudaStream_t s) {
-  colsum_launch<__nv_bfloat16>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
-}
+// The element-type pairs (TI, TO) the row ops are built for: fp32, bf16, and the mixed pairs of
+// mixed-precision training (fp32 residual stream in, bf16 out) and back.
+#define FOR_ROW_TYPES(M) M(float, float) M(float, __nv_bfloat16) M(__nv_bfloat16, __nv_bfloat16) M(__nv_bfloat16, float)
+#define INSTANTIATE_NORMS(TI, TO)                                                                                \
+  template void layernorm_fwd<TI, TO>(const TI*, const TI*, const TI*, TO*, float*, float*, int, int, float,    \
+                                      cudaStream_t);                                                             \
+  template void layernorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, TI*, int,  \
+                                         int, cudaStream_t);                                                     \
+  template void layernorm_bwd_params<TI, TO>(const TI*, const TO*, const float*, const float*, float*, float*,  \
+                                             TI*, TI*, int, int, cudaStream_t);                                  \
+  template void rmsnorm_fwd<TI, TO>(const TI*, const TI*, TO*, float*, int, int, float, cudaStream_t);           \
+  template void rmsnorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, TI*, int, int,              \
+                                       cudaStream_t);                                                            \
+  template void rmsnorm_bwd_weight<TI, TO>(const TI*, const TO*, const float*, float*, TI*, int, int, cudaStream_t);
+FOR_ROW_TYPES(INSTANTIATE_NORMS)
+#undef INSTANTIATE_NORMS
 
 // ------------------------------------------------------------------------------------------------
 // softmax over the last dim, max-subtracted: y = exp(scale * x - max) / sum. For tiled attention
@@ -750,14 +817,14 @@ void bias_grad(const __nv_bfloat16* dy, float* part, __nv_bfloat16* db, int R, i
 // j <= (r % sq) + offset (offset = Sk - Sq); masked entries get probability 0. sq = 0: no mask.
 // In-place (y == x) is safe: each thread rereads only what it has not yet written.
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const float* x, float* y, int R, int C,
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const TI* x, TO* y, int R, int C,
                                                            float scale, int sq, int offset) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
-  const float* xr = x + (int64_t)r * C;
-  float* yr = y + (int64_t)r * C;
+  const TI* xr = x + (int64_t)r * C;
+  TO* yr = y + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   const int limit = sq > 0 ? min(C, r % sq + offset + 1) : C;  // columns >= limit are masked
   float v[N][VEC];
@@ -807,15 +874,15 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(con
 }
 
 // dx = scale * y * (dy - sum(dy * y)); dx may alias dy.
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(const float* y, const float* dy, float* dx,
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(const TO* y, const TO* dy, TI* dx,
                                                            int R, int C, float scale) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
-  const float* yr = y + (int64_t)r * C;
-  const float* dyr = dy + (int64_t)r * C;
-  float* dxr = dx + (int64_t)r * C;
+  const TO* yr = y + (int64_t)r * C;
+  const TO* dyr = dy + (int64_t)r * C;
+  TI* dxr = dx + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   float yv[N][VEC], gv[N][VEC];
   float dot = 0.f;
@@ -850,21 +917,28 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(con
   }
 }
 
-void softmax_fwd(const float* x, float* y, int R, int C, float scale, int sq, int offset,
-                 cudaStream_t s) {
+// TI: x and dx; TO: y and dy (fp32 or bf16; the arithmetic is fp32).
+template <class TI, class TO>
+void softmax_fwd(const TI* x, TO* y, int R, int C, float scale, int sq, int offset, cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(y));
-  LAUNCH_ROW(softmax_fwd_kernel, L, R, s, x, y, R, C, scale, sq, offset);
+  LAUNCH_ROW(softmax_fwd_kernel, (TI, TO), L, R, s, x, y, R, C, scale, sq, offset);
   check_launch("softmax_fwd");
 }
 
-void softmax_bwd(const float* y, const float* dy, float* dx, int R, int C, float scale,
-                 cudaStream_t s) {
+template <class TI, class TO>
+void softmax_bwd(const TO* y, const TO* dy, TI* dx, int R, int C, float scale, cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(y) && aligned16(dy) && aligned16(dx));
-  LAUNCH_ROW(softmax_bwd_kernel, L, R, s, y, dy, dx, R, C, scale);
+  LAUNCH_ROW(softmax_bwd_kernel, (TI, TO), L, R, s, y, dy, dx, R, C, scale);
   check_launch("softmax_bwd");
 }
+
+#define INSTANTIATE_SOFTMAX(TI, TO)                                                                    \
+  template void softmax_fwd<TI, TO>(const TI*, TO*, int, int, float, int, int, cudaStream_t);         \
+  template void softmax_bwd<TI, TO>(const TO*, const TO*, TI*, int, int, float, cudaStream_t);
+FOR_ROW_TYPES(INSTANTIATE_SOFTMAX)
+#undef INSTANTIATE_SOFTMAX
 
 // ------------------------------------------------------------------------------------------------
 // cross-entropy over rows of logits (R, V) with int64 targets: per-row loss = lse - x[target],
@@ -872,13 +946,13 @@ void softmax_bwd(const float* y, const float* dy, float* dx, int R, int C, float
 // read from device memory so no host sync is needed. A target outside [0, V) gives that row a NaN
 // loss (so the mean is NaN) and NaN gradients, and goes to the error mailbox.
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kernel(const float* x, const int64_t* tgt,
+template <int TX, int N, int VEC, class T>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kernel(const T* x, const int64_t* tgt,
     float* lse_out, float* loss_rows, int R, int C, IndexErrorBox* box) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
-  const float* xr = x + (int64_t)r * C;
+  const T* xr = x + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   float v[N][VEC];
   float mx = -INFINITY;
@@ -911,7 +985,7 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kern
     const bool ok = t >= 0 && t < C;
     if (!ok) report_bad_index(box, kBadCrossEntropyTarget, t, C);
     lse_out[r] = lse;
-    loss_rows[r] = ok ? lse - xr[t] : NAN;
+    loss_rows[r] = ok ? lse - to_float(xr[t]) : NAN;
   }
 }
 
@@ -923,13 +997,13 @@ __global__ void mean_kernel(const float* v, float* out, int n) {
   if (threadIdx.x == 0) *out = acc / n;
 }
 
-template <int TX, int N, int VEC>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kernel(const float* x, const int64_t* tgt,
-    const float* lse_in, const float* dloss, float* dx, int R, int C) {
+template <int TX, int N, int VEC, class T>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kernel(const T* x, const int64_t* tgt,
+    const float* lse_in, const float* dloss, T* dx, int R, int C) {
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
-  const float* xr = x + (int64_t)r * C;
-  float* dxr = dx + (int64_t)r * C;
+  const T* xr = x + (int64_t)r * C;
+  T* dxr = dx + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   const int64_t t = tgt[r];
   const float lse = lse_in[r], g = t >= 0 && t < C ? *dloss / R : NAN;  // a bad target: NaN, like its loss
@@ -942,22 +1016,31 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kern
   }
 }
 
-// loss_rows and lse are R-float workspaces; loss is one float.
-void cross_entropy_fwd(const float* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss,
-                       int R, int C, cudaStream_t s) {
+// logits and dx of type T (fp32 or bf16); loss_rows and lse are R-float workspaces; loss is one float.
+template <class T>
+void cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss, int R, int C,
+                       cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x));
-  LAUNCH_ROW(cross_entropy_fwd_kernel, L, R, s, x, tgt, lse, loss_rows, R, C, index_error_box());
+  LAUNCH_ROW(cross_entropy_fwd_kernel, (T), L, R, s, x, tgt, lse, loss_rows, R, C, index_error_box());
   check_launch("cross_entropy_fwd");
   mean_kernel<<<1, 1024, 0, s>>>(loss_rows, loss, R);
   check_launch("cross_entropy_mean");
 }
 
-void cross_entropy_bwd(const float* x, const int64_t* tgt, const float* lse, const float* dloss,
-                       float* dx, int R, int C, cudaStream_t s) {
+template <class T>
+void cross_entropy_bwd(const T* x, const int64_t* tgt, const float* lse, const float* dloss, T* dx, int R, int C,
+                       cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(dx));
-  LAUNCH_ROW(cross_entropy_bwd_kernel, L, R, s, x, tgt, lse, dloss, dx, R, C);
+  LAUNCH_ROW(cross_entropy_bwd_kernel, (T), L, R, s, x, tgt, lse, dloss, dx, R, C);
   check_launch("cross_entropy_bwd");
 }
+
+#define INSTANTIATE_CROSS_ENTROPY(T)                                                                          \
+  template void cross_entropy_fwd<T>(const T*, const int64_t*, float*, float*, float*, int, int, cudaStream_t); \
+  template void cross_entropy_bwd<T>(const T*, const int64_t*, const float*, const float*, T*, int, int, cudaStream_t);
+INSTANTIATE_CROSS_ENTROPY(float)
+INSTANTIATE_CROSS_ENTROPY(__nv_bfloat16)
+#undef INSTANTIATE_CROSS_ENTROPY
 
 // ------------------------------------------------------------------------------------------------
 // activations, elementwise: GELU (erf and tanh), SiLU, and SwiGLU's silu(a) * b. Formulas follow
@@ -1021,14 +1104,14 @@ struct SwigluBwd {  // in: a, b, dy -> da = silu'(a) * b * dy, db = silu(a) * dy
   }
 };
 
-template <int N>
-struct Ptrs { const float* p[N]; };
-template <int N>
-struct OutPtrs { float* p[N]; };
+template <int N, class T>
+struct Ptrs { const T* p[N]; };
+template <int N, class T>
+struct OutPtrs { T* p[N]; };
 
 // A 16-byte read-only load that asks L2 to fetch the whole 256-byte block around it: a streaming
 // kernel then reads DRAM in longer bursts.
-__device__ __forceinline__ float4 load_stream4(const float* p) {
+__device__ __forceinline__ float4 load_stream4(const void* p) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   float4 v;
   asm volatile("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -1039,10 +1122,10 @@ __device__ __forceinline__ float4 load_stream4(const float* p) {
 #endif
 }
 
-// PER items of VEC floats per thread, all loads issued before any math so that several are in
-// flight per thread.
-template <class F, int NIN, int NOUT, int VEC, int PER>
-__global__ void elementwise_kernel(Ptrs<NIN> in, OutPtrs<NOUT> out, int64_t n) {
+// PER items of VEC values per thread (VEC = 16 bytes of T: 4 fp32 or 8 bf16, or VEC = 1), all loads
+// issued before any math so that several are in flight per thread. The arithmetic is fp32.
+template <class F, int NIN, int NOUT, int VEC, int PER, class T>
+__global__ void elementwise_kernel(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n) {
   const F f;
   const int64_t items = n / VEC;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x * PER + threadIdx.x;
@@ -1053,12 +1136,8 @@ __global__ void elementwise_kernel(Ptrs<NIN> in, OutPtrs<NOUT> out, int64_t n) {
     if (i >= items) continue;
 #pragma unroll
     for (int k = 0; k < NIN; ++k) {
-      if (VEC == 4) {
-        const float4 t = load_stream4(in.p[k] + 4 * i);
-        a[u][k][0] = t.x; a[u][k][1 % VEC] = t.y; a[u][k][2 % VEC] = t.z; a[u][k][VEC - 1] = t.w;
-      } else {
-        a[u][k][0] = in.p[k][i];
-      }
+      if constexpr (VEC == 1) a[u][k][0] = to_float(in.p[k][i]);
+      else unpack16(load_stream4(in.p[k] + VEC * i), a[u][k]);
     }
   }
 #pragma unroll
@@ -1077,51 +1156,70 @@ __global__ void elementwise_kernel(Ptrs<NIN> in, OutPtrs<NOUT> out, int64_t n) {
     }
 #pragma unroll
     for (int j = 0; j < NOUT; ++j) {
-      if (VEC == 4) reinterpret_cast<float4*>(out.p[j])[i] = make_float4(o[j][0], o[j][1 % VEC], o[j][2 % VEC], o[j][VEC - 1]);
-      else out.p[j][i] = o[j][0];
+      if constexpr (VEC == 1) out.p[j][i] = from_float<T>(o[j][0]);
+      else reinterpret_cast<float4*>(out.p[j])[i] = pack16(o[j]);
     }
   }
 }
 
-template <class F, int NIN, int NOUT>
-static void elementwise(Ptrs<NIN> in, OutPtrs<NOUT> out, int64_t n, const char* what, cudaStream_t s) {
+template <class F, int NIN, int NOUT, class T>
+static void elementwise(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n, const char* what, cudaStream_t s) {
   if (n == 0) return;
-  bool vec = n % 4 == 0;
-  for (const float* p : in.p) vec = vec && aligned16(p);
-  for (float* p : out.p) vec = vec && aligned16(p);
-  const int64_t items = vec ? n / 4 : n;
+  constexpr int VEC = per16<T>();
+  bool vec = n % VEC == 0;
+  for (const T* p : in.p) vec = vec && aligned16(p);
+  for (T* p : out.p) vec = vec && aligned16(p);
+  const int64_t items = vec ? n / VEC : n;
   // 2 vectors per thread in blocks of 128: the fastest of the shapes measured on an H200.
   const unsigned blocks = (unsigned)((items + 255) / 256);
-  if (vec) elementwise_kernel<F, NIN, NOUT, 4, 2><<<blocks, 128, 0, s>>>(in, out, n);
-  else elementwise_kernel<F, NIN, NOUT, 1, 2><<<blocks, 128, 0, s>>>(in, out, n);
+  if (vec) elementwise_kernel<F, NIN, NOUT, VEC, 2, T><<<blocks, 128, 0, s>>>(in, out, n);
+  else elementwise_kernel<F, NIN, NOUT, 1, 2, T><<<blocks, 128, 0, s>>>(in, out, n);
   check_launch(what);
 }
 
-void gelu_fwd(const float* x, float* y, int64_t n, bool tanh_approx, cudaStream_t s) {
-  if (tanh_approx) elementwise<ActFwd<GeluTanh>, 1, 1>({{x}}, {{y}}, n, "gelu_fwd", s);
-  else elementwise<ActFwd<GeluErf>, 1, 1>({{x}}, {{y}}, n, "gelu_fwd", s);
+// T: fp32 or bf16, every tensor of a call the same.
+template <class T>
+void gelu_fwd(const T* x, T* y, int64_t n, bool tanh_approx, cudaStream_t s) {
+  if (tanh_approx) elementwise<ActFwd<GeluTanh>, 1, 1, T>({{x}}, {{y}}, n, "gelu_fwd", s);
+  else elementwise<ActFwd<GeluErf>, 1, 1, T>({{x}}, {{y}}, n, "gelu_fwd", s);
 }
 
-void gelu_bwd(const float* x, const float* dy, float* dx, int64_t n, bool tanh_approx, cudaStream_t s) {
-  if (tanh_approx) elementwise<ActBwd<GeluTanh>, 2, 1>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
-  else elementwise<ActBwd<GeluErf>, 2, 1>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
+template <class T>
+void gelu_bwd(const T* x, const T* dy, T* dx, int64_t n, bool tanh_approx, cudaStream_t s) {
+  if (tanh_approx) elementwise<ActBwd<GeluTanh>, 2, 1, T>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
+  else elementwise<ActBwd<GeluErf>, 2, 1, T>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
 }
 
-void silu_fwd(const float* x, float* y, int64_t n, cudaStream_t s) {
-  elementwise<ActFwd<Silu>, 1, 1>({{x}}, {{y}}, n, "silu_fwd", s);
+template <class T>
+void silu_fwd(const T* x, T* y, int64_t n, cudaStream_t s) {
+  elementwise<ActFwd<Silu>, 1, 1, T>({{x}}, {{y}}, n, "silu_fwd", s);
 }
 
-void silu_bwd(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t s) {
-  elementwise<ActBwd<Silu>, 2, 1>({{x, dy}}, {{dx}}, n, "silu_bwd", s);
+template <class T>
+void silu_bwd(const T* x, const T* dy, T* dx, int64_t n, cudaStream_t s) {
+  elementwise<ActBwd<Silu>, 2, 1, T>({{x, dy}}, {{dx}}, n, "silu_bwd", s);
 }
 
-void swiglu_fwd(const float* a, const float* b, float* y, int64_t n, cudaStream_t s) {
-  elementwise<SwigluFwd, 2, 1>({{a, b}}, {{y}}, n, "swiglu_fwd", s);
+template <class T>
+void swiglu_fwd(const T* a, const T* b, T* y, int64_t n, cudaStream_t s) {
+  elementwise<SwigluFwd, 2, 1, T>({{a, b}}, {{y}}, n, "swiglu_fwd", s);
 }
 
-void swiglu_bwd(const float* a, const float* b, const float* dy, float* da, float* db, int64_t n, cudaStream_t s) {
-  elementwise<SwigluBwd, 3, 2>({{a, b, dy}}, {{da, db}}, n, "swiglu_bwd", s);
+template <class T>
+void swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T* db, int64_t n, cudaStream_t s) {
+  elementwise<SwigluBwd, 3, 2, T>({{a, b, dy}}, {{da, db}}, n, "swiglu_bwd", s);
 }
+
+#define INSTANTIATE_ACTIVATIONS(T)                                                          \
+  template void gelu_fwd<T>(const T*, T*, int64_t, bool, cudaStream_t);                     \
+  template void gelu_bwd<T>(const T*, const T*, T*, int64_t, bool, cudaStream_t);           \
+  template void silu_fwd<T>(const T*, T*, int64_t, cudaStream_t);                           \
+  template void silu_bwd<T>(const T*, const T*, T*, int64_t, cudaStream_t);                 \
+  template void swiglu_fwd<T>(const T*, const T*, T*, int64_t, cudaStream_t);               \
+  template void swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, int64_t, cudaStream_t);
+INSTANTIATE_ACTIVATIONS(float)
+INSTANTIATE_ACTIVATIONS(__nv_bfloat16)
+#undef INSTANTIATE_ACTIVATIONS
 
 // ------------------------------------------------------------------------------------------------
 // rotary position embedding (RoPE), with the "rotate half" pairing of GPT-NeoX and of Llama as
@@ -1134,43 +1232,51 @@ void swiglu_bwd(const float* a, const float* b, const float* dy, float* da, floa
 // product is rounded on its own (__fmul_rn: no fused multiply-add) so the forward equals PyTorch's
 // formula bit for bit. The backward is the rotation by -angle: the same kernel with sin negated.
 
+template <class T>
 struct RopeArgs {
-  const float *x, *cos, *sin;
-  float* out;
+  const T* x;
+  const float *cos, *sin;
+  T* out;
   int64_t sb, sh, st;  // x's strides of B, H, T (D is contiguous)
-  int H, T, half;      // half = D / 2
+  int H, T_, half;     // T_: tokens; half = D / 2
 };
 
-template <bool BWD>
-__global__ void rope_kernel(RopeArgs a, int64_t n) {
+// T: x and out, fp32 or bf16 (a bf16 pair is rotated in fp32 and rounded once).
+template <bool BWD, class T>
+__global__ void rope_kernel(RopeArgs<T> a, int64_t n) {
   const int64_t step = (int64_t)gridDim.x * blockDim.x;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) {
     const int i = (int)(e % a.half);
     const int64_t row = e / a.half;  // (b * H + h) * T + t: the output row
-    const int t = (int)(row % a.T);
-    const int h = (int)(row / a.T % a.H);
-    const int64_t b = row / a.T / a.H;
-    const float* x = a.x + b * a.sb + h * a.sh + t * a.st;
+    const int t = (int)(row % a.T_);
+    const int h = (int)(row / a.T_ % a.H);
+    const int64_t b = row / a.T_ / a.H;
+    const T* x = a.x + b * a.sb + h * a.sh + t * a.st;
     const float c = a.cos[(int64_t)t * a.half + i];
     const float s = BWD ? -a.sin[(int64_t)t * a.half + i] : a.sin[(int64_t)t * a.half + i];
-    const float x1 = x[i], x2 = x[i + a.half];
-    float* o = a.out + row * 2 * a.half;
-    o[i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-    o[i + a.half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + a.half]);
+    T* o = a.out + row * 2 * a.half;
+    o[i] = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    o[i + a.half] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
   }
 }
 
 // out (B, H, T, D) contiguous; x with strides sb, sh, st and a contiguous last dim.
-void rope(const float* x, const float* cos, const float* sin, float* out, int B, int H, int T, int D, int64_t sb,
+template <class T>
+void rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
           int64_t sh, int64_t st, bool backward, cudaStream_t s) {
-  const int64_t n = (int64_t)B * H * T * (D / 2);
+  const int64_t n = (int64_t)B * H * T_ * (D / 2);
   if (n == 0) return;
-  const RopeArgs a{x, cos, sin, out, sb, sh, st, H, T, D / 2};
+  const RopeArgs<T> a{x, cos, sin, out, sb, sh, st, H, T_, D / 2};
   const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 32 * num_sms());
-  if (backward) rope_kernel<true><<<blocks, 256, 0, s>>>(a, n);
-  else rope_kernel<false><<<blocks, 256, 0, s>>>(a, n);
+  if (backward) rope_kernel<true, T><<<blocks, 256, 0, s>>>(a, n);
+  else rope_kernel<false, T><<<blocks, 256, 0, s>>>(a, n);
   check_launch("rope");
 }
+template void rope<float>(const float*, const float*, const float*, float*, int, int, int, int, int64_t, int64_t,
+                          int64_t, bool, cudaStream_t);
+template void rope<__nv_bfloat16>(const __nv_bfloat16*, const float*, const float*, __nv_bfloat16*, int, int, int,
+                                  int, int64_t, int64_t, int64_t, bool, cudaStream_t);
 
 // ------------------------------------------------------------------------------------------------
 // tensor-core helpers: mma.sync m16n8k8 with TF32 operands, used by matmul and fused attention.
@@ -2146,10 +2252,22 @@ void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bflo
 
 constexpr int GEMV_WARPS = 8;
 
-template <bool VEC, int KSPLIT>
-__global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, const float* x, const float* bias,
-                                                                float* y, int N, int K, const int64_t* experts,
-                                                                int64_t E, IndexErrorBox* box) {
+// Sum of the products of 16 bytes of w and of x (4 fp32 or 8 bf16 values each), added in order.
+template <class T>
+__device__ __forceinline__ float dot16(const float4& w_raw, const float4& x_raw) {
+  float w[per16<T>()], x[per16<T>()], acc = 0.f;
+  unpack16(w_raw, w);
+  unpack16(x_raw, x);
+#pragma unroll
+  for (int i = 0; i < per16<T>(); ++i) acc += w[i] * x[i];
+  return acc;
+}
+
+// T: W, x, bias and y, fp32 or bf16 (bf16 halves the bytes per row); the sums are fp32.
+template <bool VEC, int KSPLIT, class T>
+__global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const T* x, const T* bias, T* y, int N,
+                                                                int K, const int64_t* experts, int64_t E,
+                                                                IndexErrorBox* box) {
   __shared__ float part[GEMV_WARPS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
@@ -2159,9 +2277,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, c
   if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
   float acc = 0.f;
   if (ok) {
-    const float* w = W + (e * N + row) * (int64_t)K;
-    const float* xs = x + (int64_t)s * K;
-    const int units = VEC ? K / 4 : K;  // 16-byte units (VEC) or floats
+    const T* w = W + (e * N + row) * (int64_t)K;
+    const T* xs = x + (int64_t)s * K;
+    const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
     const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
     int u = u0 + lane;
     if (VEC) {
@@ -2172,19 +2290,13 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, c
 #pragma unroll
         for (int j = 0; j < 8; ++j) a[j] = __ldcs(w4 + u + 32 * j);  // all loads first: eight in flight per lane
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float4 b = x4[u + 32 * j];
-          acc += a[j].x * b.x + a[j].y * b.y + a[j].z * b.z + a[j].w * b.w;
-        }
+        for (int j = 0; j < 8; ++j) acc += dot16<T>(a[j], x4[u + 32 * j]);
       }
 #pragma unroll 4
-      for (; u < u1; u += 32) {
-        const float4 a = __ldcs(w4 + u), b = x4[u];
-        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-      }
+      for (; u < u1; u += 32) acc += dot16<T>(__ldcs(w4 + u), x4[u]);
     } else {
 #pragma unroll 8
-      for (; u < u1; u += 32) acc += __ldcs(w + u) * xs[u];  // W is streamed once: keep it out of L1/L2
+      for (; u < u1; u += 32) acc += to_float(w[u]) * to_float(xs[u]);
     }
   }
   acc = warp_sum(acc);
@@ -2197,34 +2309,40 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const float* W, c
     for (int j = 0; j < KSPLIT; ++j) acc += part[warp + j];
   }
   if (lane == 0 && row < N)
-    y[(int64_t)s * N + row] = expert_ok ? acc + (bias ? bias[e * N + row] : 0.f) : NAN;
+    y[(int64_t)s * N + row] = from_float<T>(expert_ok ? acc + (bias ? to_float(bias[e * N + row]) : 0.f) : NAN);
 }
 
-template <bool VEC, int KSPLIT>
-static void gemv_launch(const float* W, const float* x, const float* bias, float* y, int N, int K, int S,
-                        const int64_t* experts, int64_t E, IndexErrorBox* box, cudaStream_t s) {
+template <bool VEC, int KSPLIT, class T>
+static void gemv_launch(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts,
+                        int64_t E, IndexErrorBox* box, cudaStream_t s) {
   dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), S);
-  gemv_kernel<VEC, KSPLIT><<<grid, 32 * GEMV_WARPS, 0, s>>>(W, x, bias, y, N, K, experts, E, box);
+  gemv_kernel<VEC, KSPLIT, T><<<grid, 32 * GEMV_WARPS, 0, s>>>(W, x, bias, y, N, K, experts, E, box);
 }
 
 // y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
-void gemv(const float* W, const float* x, const float* bias, float* y, int N, int K, int S,
-          const int64_t* experts, int64_t E, cudaStream_t s) {
+template <class T>
+void gemv(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts, int64_t E,
+          cudaStream_t s) {
   if (N == 0 || S == 0) return;
-  const bool vec = K % 4 == 0 && aligned16(W) && aligned16(x);
+  const bool vec = K % per16<T>() == 0 && aligned16(W) && aligned16(x);
   IndexErrorBox* box = experts ? index_error_box() : nullptr;
   // Slices per row: enough warps for ~32 per SM, each slice still at least a full warp of 16-byte loads.
+  const int min_slice = 32 * per16<T>();
   int ksplit = 1;
-  while (ksplit < GEMV_WARPS && (int64_t)N * S * ksplit < 32 * num_sms() && K / (ksplit * 2) >= 128) ksplit *= 2;
+  while (ksplit < GEMV_WARPS && (int64_t)N * S * ksplit < 32 * num_sms() && K / (ksplit * 2) >= min_slice) ksplit *= 2;
 #define GEMV_CASE(KS)                                                                   \
   case KS:                                                                              \
-    if (vec) gemv_launch<true, KS>(W, x, bias, y, N, K, S, experts, E, box, s);        \
-    else gemv_launch<false, KS>(W, x, bias, y, N, K, S, experts, E, box, s);           \
+    if (vec) gemv_launch<true, KS, T>(W, x, bias, y, N, K, S, experts, E, box, s);     \
+    else gemv_launch<false, KS, T>(W, x, bias, y, N, K, S, experts, E, box, s);        \
     break;
   switch (ksplit) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(4) GEMV_CASE(8) }
 #undef GEMV_CASE
   check_launch("gemv");
 }
+template void gemv<float>(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t,
+                          cudaStream_t);
+template void gemv<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
+                                  int, int, int, const int64_t*, int64_t, cudaStream_t);
 
 // ------------------------------------------------------------------------------------------------
 // top-k over the last dim, sorted descending like torch.topk. Order: larger value first, NaN above

@@ -630,6 +630,21 @@ def train_llama_cpu():
     return "3 steps, checkpoint (no biases, no wpe, 1 K/V head), resumed to 5; resuming as gpt refused"
 
 
+def train_bf16_cpu():
+    # --dtype=bf16 trains the torch op set under autocast (on the CPU too), from fp32 master weights that
+    # the checkpoint keeps in fp32; bad values and the mHC streams are refused in one line
+    with tempfile.TemporaryDirectory() as tmp:
+        out = _train_main_ok(*_train_tiny_args(tmp, "--dtype=bf16", "--max_iters=3"))
+        assert "results on cpu, bf16" in out, out[-1500:]
+        ckpt = _train_load_ckpt(os.path.join(tmp, "out", "ckpt_torch.pt"))
+        assert ckpt["config"]["dtype"] == "bf16", ckpt["config"]
+        assert all(t.dtype == torch.float32 for t in ckpt["model"].values() if t.is_floating_point()), "weights"
+        _train_fails("--dtype=fp16", ("--dtype", "fp32", "bf16", "fp16"), *_train_tiny_args(tmp, "--dtype=fp16"))
+        _train_fails("bf16 mhc", ("--dtype=bf16", "--residual"),
+                     *_train_tiny_args(tmp, "--dtype=bf16", "--residual=mhc"))
+    return "3 bf16 steps under autocast, fp32 master weights saved; --dtype=fp16 and bf16 with mHC refused"
+
+
 def train_rejects_bad_paths():
     with tempfile.TemporaryDirectory() as tmp:
         text = _train_text_file(tmp)
@@ -786,7 +801,8 @@ def train_interrupt_saves_checkpoint():
 
 
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
-            train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_rejects_bad_paths,
+            train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
+            train_rejects_bad_paths,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
@@ -908,7 +924,16 @@ def inference_cli_cpu():
             res = json.load(f)
         # 2 layers x (k, v) x 1 K/V head x 24 positions x head size 16 x 4 bytes
         assert res["models"]["dense"]["kv_cache_bytes"] == 2 * 2 * 1 * 24 * 16 * 4, res["models"]["dense"]
-    return "gpt and llama, dense and MoE generate on the PyTorch op set; inference.json written"
+        p = _inference_run(*_INF_TINY, "--dtype=fp32,bf16", "--models=dense", f"--out_dir={tmp}")
+        _train_check_ok(p, "inference.py --dtype=fp32,bf16 on CPU")
+        assert "dense: decode tok/s bf16 / fp32: torch eager" in p.stdout, p.stdout
+        with open(os.path.join(tmp, "inference.json")) as f:
+            res = json.load(f)["models"]
+        assert set(res) == {"dense fp32", "dense bf16", "dense bf16 / fp32"}, set(res)
+        # bf16: half the bytes of weights and of KV cache
+        assert res["dense bf16"]["kv_cache_bytes"] * 2 == res["dense fp32"]["kv_cache_bytes"], res
+        assert res["dense bf16"]["weight_bytes_per_token"] * 2 == res["dense fp32"]["weight_bytes_per_token"], res
+    return "gpt and llama, dense and MoE, fp32 and bf16 generate on the PyTorch op set; inference.json written"
 
 
 def _expect_inference_error(args, *words):
@@ -982,6 +1007,42 @@ def inference_gpu_paths_agree():
 
 
 add("inference/gpu_paths_agree", inference_gpu_paths_agree)
+
+
+def inference_gpu_bf16_paths():
+    # bf16 weights, activations and KV cache (inference.with_dtype) on both op sets, greedy: each op set
+    # decodes the same tokens eager and graphed (its kernels are deterministic); across op sets bf16's
+    # rounding may flip a near tie, so the first difference is reported with its margin, which must be
+    # a near tie: under 5% of the logits' spread
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 prefill runs our bf16 matmul, on Hopper's wgmma (compute capability 9.0)")
+    notes = []
+    for arch, n_expert in (("gpt", 0), ("gpt", 4), ("llama", 0)):
+        model = inference.with_dtype(_decoder_gpt(n_expert, DEV, n_embd=64, arch=arch), "bf16")
+        toks, margins, spread = {}, {}, {}
+        for name, ops in (("torch", train.TORCH_OPS), ("cuda", train.cuda_op_set(kernels, 32))):
+            for graphed in (False, True):
+                model.ops = ops
+                dec = inference.Decoder(model, 20, 0.0, 0, torch.rand(20), graphed)
+                with torch.no_grad():
+                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                    logits = model(torch.tensor([[3, 1, 4]], device=DEV))[0].float()
+                toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins.tolist()
+                spread[name] = (logits.max() - logits.min()).item()
+        for name in ("torch", "cuda"):
+            assert toks[name, False] == toks[name, True], f"{arch} {n_expert}: {name} eager {toks[name, False]}, " \
+                                                          f"graphed {toks[name, True]}"
+        i = inference.first_difference(toks["torch", False], toks["cuda", False])
+        if i is None:
+            notes.append(f"{arch} E={n_expert}: 20/20 equal")
+        else:
+            m = margins["torch", False][i]
+            assert m < 0.05 * spread["torch"], f"{arch} {n_expert}: differ at {i} with margin {m:.3g}, not a near tie"
+            notes.append(f"{arch} E={n_expert}: equal to token {i}, torch margin there {m:.2e} (spread {spread['torch']:.2f})")
+    return "; ".join(notes)
+
+
+add("inference/gpu_bf16_paths", inference_gpu_bf16_paths)
 
 # -----------------------------------------------------------------------------
 # mHC on the CPU: the incrementing-token task, the composite gains, the residual variants, the depth sweep
@@ -1577,6 +1638,186 @@ for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 
     add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
         _E, _N, _K, _ex, _bias)
 
+# -----------------------------------------------------------------------------
+# bf16 row ops: bf16 activations in and out, fp32 arithmetic inside (mixed-precision training feeds the
+# norms fp32 and asks for bf16 out; bf16 inference is bf16 throughout). Held to the fp32 tolerances of
+# each op plus one bf16 rounding (2^-8 relative) wherever the checked tensor is bf16, and, as the bf16
+# matmul, to at most twice PyTorch's own error (its twin on the same dtypes) plus that atol.
+BF16 = torch.bfloat16
+
+
+def bf16_tolerance(dtype, tol):
+    atol, rtol = tol if isinstance(tol, tuple) else (tol, 0.0)
+    return (atol, max(rtol, 2**-8)) if dtype == BF16 else (atol, rtol)
+
+
+def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, **inputs):
+    """ours(**inputs) on our kernels, every input in the dtype it comes in (bf16 or fp32; integer ones as
+    they are), against torch_fn on the same values twice: in float64 (the reference) and in those dtypes
+    with its result cast to out_dtype (PyTorch's own, the twin), through check_bf16. With grad_tol, one dy
+    in out_dtype goes back through all three, and every float input's gradient must come back in that
+    input's dtype and pass the same checks."""
+    grad = grad_tol is not None
+
+    def leaves(cast):
+        return {n: cast(t).detach().requires_grad_(grad) if t.is_floating_point() else t for n, t in inputs.items()}
+    ours_in, twin_in, ref_in = leaves(lambda t: t), leaves(lambda t: t), leaves(lambda t: t.double())
+    out, twin, ref = ours(**ours_in), torch_fn(**twin_in).to(out_dtype), torch_fn(**ref_in)
+    assert out.dtype == out_dtype, f"output dtype {out.dtype}, expected {out_dtype}"
+    check_bf16("out", out, twin, ref, bf16_tolerance(out_dtype, tol))
+    if not grad:
+        return
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    twin.backward(dy)
+    ref.backward(dy.double())
+    for n, t in ours_in.items():
+        if t.is_floating_point():
+            assert t.grad is not None and t.grad.dtype == t.dtype, f"d{n}: {None if t.grad is None else t.grad.dtype}, not {t.dtype}"
+            g = grad_tol[n] if isinstance(grad_tol, dict) else grad_tol
+            check_bf16("d" + n, t.grad, twin_in[n].grad, ref_in[n].grad, bf16_tolerance(t.dtype, g))
+
+
+NORM_MODES = {"bf16": (BF16, BF16), "fp32_to_bf16": (torch.float32, BF16), "bf16_to_fp32": (BF16, torch.float32)}
+
+
+def t_norm_bf16(kind, shape, mode):
+    # mode: x and weights' dtype -> y's (fp32_to_bf16: mixed-precision training's fp32 residual stream)
+    dt, out = NORM_MODES[mode]
+    C = shape[-1]
+    x, w, b = rand(*shape).to(dt), rand(C).to(dt), rand(C).to(dt)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    if kind == "layernorm":
+        compare_dtypes(lambda x, w, b: kernels.layernorm(x, w, b, out_dtype=out),
+                       lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5), LN_TOL, grad_tol, out, x=x, w=w, b=b)
+    else:
+        compare_dtypes(lambda x, w: kernels.rmsnorm(x, w, out_dtype=out),
+                       lambda x, w: F.rms_norm(x, (C,), w, 1e-5), LN_TOL, grad_tol, out, x=x, w=w)
+
+
+for _kind in ("layernorm", "rmsnorm"):
+    for _shape, _mode in (((1, 1), "bf16"), ((37, 127), "bf16"), ((2, 7, 768), "bf16"), ((3, 4097), "bf16"),
+                          ((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 4097), "fp32_to_bf16"),
+                          ((37, 768), "bf16_to_fp32")):
+        add(f"{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_norm_bf16, _kind,
+            _shape, _mode)
+
+
+def t_softmax_bf16(shape, scale, out):
+    x = rand(*shape, scale=scale).to(BF16)
+    grad_tol = SM_GRAD_TOL
+    if out == BF16:
+        # the backward reads the saved bf16 y: dx_i = y_i (dy_i - sum_j dy_j y_j) carries y's rounding
+        # (2^-9 relative) times |dy_i| + |sum| + max|dy| <= 3 * 5 (dy ~ randn), an error relative to y_i,
+        # not to dx_i, which can cancel to far less
+        grad_tol = (2**-9 * 3 * 5 * torch.softmax(x.double(), -1).max().item(), SM_GRAD_TOL[1])
+    compare_dtypes(lambda x: kernels.softmax(x, out_dtype=out), lambda x: torch.softmax(x, -1), SM_TOL, grad_tol,
+                   out, x=x)
+
+
+for _shape, _scale, _out in (((1, 1), 1, BF16), ((37, 1000), 1, BF16), ((4, 50304), 100, BF16),
+                             ((4096, 8), 1, torch.float32), ((37, 1000), 1, torch.float32)):
+    add("softmax_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1) + "_to_fp32" * (_out != BF16),
+        t_softmax_bf16, _shape, _scale, _out)
+
+
+def t_activation_bf16(op, shape, scale=1.0, layout="contiguous"):
+    def x_():
+        if layout == "misaligned":  # 2 bytes into an allocation: no 16-byte loads
+            return rand(1 + math.prod(shape), scale=scale).to(BF16)[1:].view(shape)
+        return rand(*shape, scale=scale).to(BF16)
+    if op == "swiglu":
+        compare_dtypes(lambda a, b: kernels.swiglu(a, b), lambda a, b: F.silu(a) * b, GELU_TOL, GELU_GRAD_TOL,
+                       a=x_(), b=x_())
+        return
+    fns = {"gelu": (lambda x: kernels.gelu(x), lambda x: F.gelu(x)),
+           "gelu_tanh": (lambda x: kernels.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh")),
+           "silu": (lambda x: kernels.silu(x), lambda x: F.silu(x))}
+    compare_dtypes(*fns[op], GELU_TOL, GELU_GRAD_TOL, x=x_())
+
+
+for _op in ("gelu", "gelu_tanh", "silu", "swiglu"):
+    for _shape, _scale, _layout in (((1,), 1, "contiguous"), ((17, 33), 1, "contiguous"),
+                                    ((8192, 768), 1, "contiguous"), ((1001,), 10, "contiguous"),
+                                    ((37, 1000), 1, "misaligned")):
+        add(f"{_op}_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
+            + f"_{_layout}" * (_layout != "contiguous"), t_activation_bf16, _op, _shape, _scale, _layout)
+
+
+def t_rope_bf16(B, H, T, D, layout):
+    x = rand(B, T, 3 * H * D)[..., H * D:2 * H * D].view(B, T, H, D).transpose(1, 2) if layout == "qkv" \
+        else rand(B, H, T, D)
+    cos, sin = rope_tables(T, D)
+    # the fp32 tables promote the twin's rotation to fp32 (and the reference's to float64)
+    compare_dtypes(lambda x: kernels.rope(x, cos, sin), lambda x: train.torch_rope(x, cos, sin), ROPE_TOL, ROPE_TOL,
+                   x=x.to(BF16))
+
+
+add("rope_bf16/b2h3t17d64", t_rope_bf16, 2, 3, 17, 64, "contiguous")
+add("rope_bf16/b2h4t65d32_qkv", t_rope_bf16, 2, 4, 65, 32, "qkv")
+
+
+def t_cross_entropy_bf16(N, V, scale=1.0):
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[0], targets[-1] = V - 1, 0
+    # the loss is fp32 from bf16 logits (autocast's choice); the logits' gradient is bf16
+    compare_dtypes(lambda logits: kernels.cross_entropy(logits, targets), lambda logits: F.cross_entropy(logits, targets),
+                   CE_TOL, CE_GRAD_TOL, torch.float32, logits=rand(N, V, scale=scale).to(BF16))
+
+
+for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (37, 50304, 1), (37, 65, 30)):
+    add(f"cross_entropy_bf16/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy_bf16, _N, _V, _scale)
+
+
+def t_embedding_bf16(idx_shape, V, C):
+    idx = torch.randint(0, V, idx_shape, device=DEV)
+    uses = int(torch.bincount(idx.view(-1), minlength=V).max())
+    # forward: a copy, exact; backward: fp32 sums rounded once to bf16
+    compare_dtypes(lambda w: kernels.embedding(idx, w), lambda w: F.embedding(idx, w), 0.0,
+                   EMB_GRAD_TOL_PER_USE * uses, w=rand(V, C).to(BF16))
+
+
+add("embedding_bf16/3x1001_of_1000x64", t_embedding_bf16, (3, 1001), 1000, 64)
+add("embedding_bf16/7_of_5x13", t_embedding_bf16, (7,), 5, 13)
+
+
+def t_gemv_bf16(N, K, bias, experts=None):
+    # decoding in bf16: bf16 weights and vector, fp32 sums over K, one rounding of the result
+    tol = bf16_tol(K)[0]
+    w = rand(*((4,) if experts else ()), N, K).to(BF16)
+    b = (rand(4, N) if experts else rand(N)).to(BF16) if bias else None
+    if experts:
+        e = torch.tensor(experts, device=DEV)
+        compare_dtypes(lambda w, x, b: kernels.expert_gemv(w, x, b, e), lambda w, x, b: train.torch_expert_gemv(
+            w, x, b, e), tol, w=w, x=rand(len(experts), K).to(BF16), b=b)
+    elif bias:
+        compare_dtypes(lambda w, x, b: kernels.linear(x, w, b), lambda w, x, b: F.linear(x, w, b), tol, w=w,
+                       x=rand(1, K).to(BF16), b=b)  # one row, no autograd: linear's GEMV path
+    else:
+        compare_dtypes(lambda w, x: kernels.gemv(w, x), lambda w, x: torch.mv(w, x), tol, w=w, x=rand(K).to(BF16))
+
+
+for _N, _K, _bias, _ex in ((1, 1, False, None), (3072, 768, False, None), (4096, 4096, False, None),
+                           (37, 1001, False, None), (2304, 768, True, None), (95, 768, True, None),
+                           (768, 3072, True, [3, 0]), (37, 1001, True, [1, 1, 2])):
+    add(f"gemv_bf16/{_N}x{_K}" + "_bias" * _bias + ("_experts" + "-".join(map(str, _ex)) if _ex else ""),
+        torch.no_grad()(t_gemv_bf16), _N, _K, _bias, _ex)
+
+
+def t_topk_bf16(shape, k):
+    x = rand(*shape).to(BF16)
+    values, idx = kernels.topk(x, k)
+    ref_v, ref_i = topk_reference(x.float(), k)
+    assert values.dtype == BF16, f"values dtype {values.dtype}"
+    # bf16 rows tie often: the promised order (lower index first) is the test
+    assert torch.equal(values.float().cpu(), ref_v.float()) and torch.equal(idx.cpu(), ref_i), "top-k differs"
+    return f"{shape} k={k}: values and indices equal"
+
+
+add("topk_bf16/37x1000_k5", t_topk_bf16, (37, 1000), 5)
+add("topk_bf16/1x50304_k50", t_topk_bf16, (1, 50304), 50)
+
+
 BIG = 2.0 ** 100  # stands in for NaN (2 * BIG for inf) in the value comparison; exact in fp32 and fp64
 
 
@@ -1978,11 +2219,33 @@ def train_gpu_compiled_torch_step():
             f"{eager['tokens_per_s']:,.0f}, compiled {comp['tokens_per_s']:,.0f}")
 
 
+def train_gpu_bf16_op_sets_close(arch="gpt"):
+    # --dtype=bf16: the torch op set under autocast and ours on the bf16 kernels, 100 steps each from the
+    # same weights and batches. bf16 rounds differently in each (cuBLAS's and our accumulation orders), so
+    # the curves drift apart; how far is what this reports, and it must stay at bf16's scale
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("the cuda op set's bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    steps = 100
+    head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dtype="bf16")[0]
+                for ops in (train.torch_op_set("bf16", DEV), train.cuda_op_set(kernels, head, "bf16"))}
+    t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
+    diff = (c - t).abs()
+    check("loss", c, t, (0.0, 0.02))  # within 2% of the torch op set's loss at every step
+    vt, vc = runs["torch"]["final_val_loss"], runs["cuda"]["final_val_loss"]
+    check("val_loss", torch.tensor(vc), torch.tensor(vt), (0.0, 0.01))
+    return (f"{arch} bf16: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps}; loss "
+            f"{t[0]:.4f} -> {t[-1]:.4f}; val torch {vt:.4f}, cuda {vc:.4f}")
+
+
 add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
 add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
 add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")
 add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
+add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
+add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 
 
@@ -2095,6 +2358,21 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("attention_cpu_q", RuntimeError,
      lambda: kernels.attention(torch.randn(2, 3, 17, 64), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
      ("attention", "q")),
+    # bf16 row ops: one dtype for an op's inputs, and out_dtype float32 or bfloat16
+    ("layernorm_bf16_weight_float32_x", RuntimeError,
+     lambda: kernels.layernorm(rand(4, 8), rand(8).bfloat16(), rand(8)), ("layernorm", "weight", "Float")),
+    ("layernorm_out_float16", ValueError,
+     lambda: kernels.layernorm(rand(4, 8), rand(8), rand(8), out_dtype=torch.float16), ("layernorm", "out_dtype")),
+    ("rmsnorm_float16_x", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8).half(), rand(8).half()), ("rmsnorm", "x")),
+    ("softmax_out_float64", ValueError, lambda: kernels.softmax(rand(4, 8), out_dtype=torch.float64),
+     ("softmax", "out_dtype")),
+    ("swiglu_bf16_a_float32_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8).bfloat16(), rand(4, 8)),
+     ("swiglu", "b", "BFloat16")),
+    ("gemv_bf16_weight_float32_x", RuntimeError, lambda: kernels.gemv(rand(8, 4).bfloat16(), rand(4)),
+     ("gemv", "x", "BFloat16")),
+    ("expert_gemv_bf16_float32_bias", RuntimeError,
+     lambda: kernels.expert_gemv(rand(2, 8, 4).bfloat16(), rand(1, 4).bfloat16(), rand(2, 8),
+                                 torch.zeros(1, dtype=torch.long, device=DEV)), ("expert_gemv", "bias")),
 ]
 for _name, _exc, _call, _words in BAD_CASES:
     add("bad/" + _name, expect_error, _exc, _call, *_words)
@@ -2324,6 +2602,32 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
           flush=True)
 
 
+def bench_bf16_row_ops(rows):
+    """bf16 activations against PyTorch's bf16 ops; the mixed-precision norm (fp32 residual in, bf16 out)
+    against what autocast runs for it, layer_norm in fp32 and the cast the next matmul makes."""
+    bf = BF16
+    R, C = 16384, 768  # the large preset's tokens per step and a 768-wide model
+    x32, w32, b32 = rand(R, C), rand(C), rand(C)
+    x, w, b = x32.to(bf), w32.to(bf), b32.to(bf)
+    bench_op(rows, "layernorm fp32->bf16", f"{R}x{C}", "fwd",
+             lambda ops, x, w, b: kernels.layernorm(x, w, b, out_dtype=bf) if ops is kernels
+             else F.layer_norm(x, (C,), w, b).to(bf), [x32, w32, b32], (4 + 2) * R * C, "GB/s", tol=1e-2)
+    for op, f, ins, n_in in (("layernorm bf16", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b], 1),
+                             ("gelu bf16", lambda ops, x: ops.gelu(x), [rand(R, 4 * C).to(bf)], 4),
+                             ("softmax bf16", lambda ops, x: ops.softmax(x), [x], 1)):
+        bench_op(rows, op, f"{R}x{n_in * C}", "fwd", f, ins, 2 * 2 * n_in * R * C, "GB/s", tol=1e-2)
+        bench_op(rows, op, f"{R}x{n_in * C}", "bwd", f, ins, 3 * 2 * n_in * R * C, "GB/s", tol=1e-2)
+    N, V = 16384, 65
+    ins = [rand(N, V).to(bf), torch.randint(0, V, (N,), device=DEV)]
+    for pas, nbytes in (("fwd", 2 * N * V), ("bwd", 4 * N * V)):
+        bench_op(rows, "cross_entropy bf16", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
+                 ins, nbytes, "GB/s", tol=1e-2)
+    # decoding reads each weight once: bf16 halves the bytes of the fp32 rows above
+    for N, K in ((3072, 768), (4096, 4096)):
+        bench_op(rows, "gemv bf16", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
+                 [rand(N, K).to(bf), rand(K).to(bf), rand(N).to(bf)], 2 * (N * K + K + 2 * N), "GB/s", tol=1e-2)
+
+
 def bench_copy(rows, x):
     """A row for dst.copy_(x), device to device: the rate a kernel that reads x once and writes as much
     can hope for (bytes read + written), timed like every row. Returns its GB/s."""
@@ -2354,6 +2658,7 @@ def bench_ops(rows):
                  [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 2 * M * K * N, "TFLOP/s", tol=2e-2)
         bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "bwd", lambda ops, x, w, b: ops.linear(x, w, b),
                  [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 4 * M * K * N, "TFLOP/s", tol=2e-2)
+    bench_bf16_row_ops(rows)
     for R, C in ((8192, 768), (16384, 4096)):
         x, w, b = rand(R, C), rand(C), rand(C)
         nbytes = 4 * R * C

@@ -5,19 +5,24 @@ cross_entropy; for the llama arch rmsnorm, rope and swiglu; for the other uses o
 gemv, expert_gemv, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES). The "torch"
 op set maps those names to PyTorch; the "cuda" op set maps them to this repo's kernels (forward and
 backward). Both runs start from the same weights and see the same batches, so their loss curves should
-agree to float32 rounding and the tokens/s ratio is the speedup.
+agree to float32 rounding and the tokens/s ratio is the speedup. With --dtype=bf16 both compute in bf16
+from fp32 master weights (mixed precision): the torch op set under torch.autocast, the cuda op set on
+the bf16 kernels with autocast's choices made by hand (bf16_op_set); their curves then agree to bf16
+rounding, and results report how close.
 
     python train.py                                   # both op sets, default tiny config
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
     python train.py --compile=true                    # the PyTorch op set through torch.compile (GPU)
+    python train.py --dtype=bf16 --compile=true       # mixed precision: autocast + compile vs our bf16 kernels
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
     python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
 
 Every default below can be overridden with --key=value; python train.py --help lists them.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -79,6 +84,8 @@ OPTIONS = dict(
     graph_torch=(False, "torch op set on a GPU: capture it too, for a like-for-like graphed comparison"),
     compile=(False, "torch op set on a GPU: forward, loss and backward through torch.compile(mode='reduce-overhead'), "
                     "AdamW eager; not with --graph_torch=true, --backend=cuda, --sweep or --device=cpu"),
+    dtype=("fp32", "fp32 | bf16: bf16 matmuls, attention and activations from fp32 master weights, fp32 norms' "
+                   "statistics, softmax and loss (torch: autocast; cuda: the bf16 kernels, Hopper)"),
     data_path=(None, "UTF-8 text to train on; None: the Wizard of Oz from data_cache/, downloaded once"),
     out_dir=("out", "folder for checkpoints, results.json and loss.png"),
     preset=("", "'' or " + ", ".join(PRESETS) + ": applied before the other overrides"),
@@ -175,6 +182,10 @@ def parse_config(argv):
             fail(f"--{key} must be in [0, 1), got {getattr(cfg, key)}")
     check_backend_and_device(cfg, fail)
     check_compile(cfg)
+    if cfg.dtype not in DTYPES:
+        fail(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    if cfg.dtype == "bf16" and (cfg.residual != "baseline" or cfg.sweep):
+        fail("--dtype=bf16 trains the baseline residual; the mHC streams (--residual, --sweep) run in fp32")
     if overrides:
         print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in overrides))
     return cfg
@@ -290,6 +301,12 @@ def torch_rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def torch_rope_dtype(x, cos, sin):
+    """torch_rope in x's dtype: with bf16 x (autocast) the fp32 tables promote the rotation to fp32, and the
+    result is rounded back once, as the attention that reads it would round it."""
+    return torch_rope(x, cos, sin).to(x.dtype)
+
+
 def torch_check_errors():
     """The twin of kernels.check_errors, which raises a bad index our kernels found on the GPU. PyTorch reports
     its own: at once on the CPU, as a device-side assert at the next sync on the GPU. Nothing is left to raise."""
@@ -297,6 +314,7 @@ def torch_check_errors():
 
 TORCH_OPS = SimpleNamespace(
     name="torch",
+    autocast=contextlib.nullcontext,  # the precision context GPT.forward runs in (bf16: torch.autocast)
     embedding=F.embedding,
     layernorm=lambda x, weight, bias, eps=LN_EPS: F.layer_norm(x, x.shape[-1:], weight, bias, eps),
     rmsnorm=lambda x, weight, eps=LN_EPS: F.rms_norm(x, x.shape[-1:], weight, eps),
@@ -306,7 +324,7 @@ TORCH_OPS = SimpleNamespace(
     gelu=F.gelu,
     silu=F.silu,
     swiglu=lambda a, b: F.silu(a) * b,
-    rope=torch_rope,
+    rope=torch_rope_dtype,
     softmax=lambda x: torch.softmax(x, -1),
     cross_entropy=F.cross_entropy,
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
@@ -317,16 +335,49 @@ TORCH_OPS = SimpleNamespace(
     stream_mix=mhc.stream_mix_torch,
     check_errors=torch_check_errors,
 )
-OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k != "name")
+OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k not in ("name", "autocast"))
+DTYPES = ("fp32", "bf16")
+BF16 = torch.bfloat16
 
 
-def cuda_op_set(kernels, head_size):
+def torch_op_set(dtype="fp32", device="cuda"):
+    """The torch op set; with bf16, GPT.forward runs under torch.autocast(bfloat16) on `device`."""
+    if dtype == "fp32":
+        return TORCH_OPS
+    return SimpleNamespace(**{**vars(TORCH_OPS), "autocast": functools.partial(
+        torch.autocast, torch.device(device).type, dtype=BF16)})
+
+
+def cuda_op_set(kernels, head_size, dtype="fp32"):
     """Our kernels under the same names. Every forward and backward runs in kernels.cu; autograd pairs
     them in bindings.cpp. Attention is the fused kernel where it supports the head size, else tiled;
     'fp32' (3xTF32) matches SDPA's fp32 accuracy, which the curve comparison relies on."""
     mode = "fused" if head_size in kernels.FUSED_HEAD_SIZES else "tiled"
-    ops = SimpleNamespace(name="cuda", **{n: getattr(kernels, n) for n in OP_NAMES})
+    ops = SimpleNamespace(name="cuda", autocast=contextlib.nullcontext,
+                          **{n: getattr(kernels, n) for n in OP_NAMES})
     ops.attention = functools.partial(kernels.attention, mode=mode, precision="fp32")
+    return bf16_op_set(ops, kernels, mode) if dtype == "bf16" else ops
+
+
+def bf16_op_set(ops, kernels, mode):
+    """autocast's choices, made by hand on our kernels (its lists: matmuls and attention in bf16; norms,
+    softmax and the loss in fp32). Matmuls cast their operands to bf16: the fp32 master weights each call,
+    as autocast does, so gradients reach them in fp32. The norms compute in fp32 and write bf16, the
+    input of the next matmul that autocast would cast anyway (one pass instead of two). Activations and
+    RoPE keep bf16; the cross-entropy reads bf16 logits and returns an fp32 loss; the router's softmax
+    returns fp32. The rest (embedding, residual adds) stays fp32."""
+    def bf16(t):
+        return None if t is None else t.to(BF16)
+    ops.linear = lambda x, weight, bias=None: kernels.linear(bf16(x), bf16(weight), bf16(bias))
+    ops.matmul = lambda a, b: kernels.matmul(bf16(a), bf16(b))
+    ops.layernorm = lambda x, weight, bias, eps=LN_EPS: kernels.layernorm(x, weight, bias, eps, out_dtype=BF16)
+    ops.rmsnorm = lambda x, weight, eps=LN_EPS: kernels.rmsnorm(x, weight, eps, out_dtype=BF16)
+    ops.softmax = lambda x: kernels.softmax(x, out_dtype=torch.float32)
+    if mode == "fused":
+        ops.attention = lambda q, k, v, **kw: kernels.attention(bf16(q), bf16(k), bf16(v), mode="fused", **kw)
+    else:  # head sizes the fused kernels lack: the fp32 tiled path, rounded to bf16 like a bf16 kernel's output
+        ops.attention = lambda q, k, v, **kw: kernels.attention(q.float(), k.float(), v.float(), mode="tiled",
+                                                                **kw).to(BF16)
     return ops
 
 
@@ -341,8 +392,9 @@ def import_kernels():
 
 def choose_op_sets(cfg):
     """The op sets to train, in order, plus notes to print. Exits if --backend=cuda cannot run."""
+    torch_ops = torch_op_set(cfg.dtype, cfg.device)
     if cfg.backend == "torch":
-        return [TORCH_OPS], []
+        return [torch_ops], []
     why, kernels = None, None
     if torch.device(cfg.device).type != "cuda":
         why = f"device is {cfg.device}" + ("" if torch.cuda.is_available() else " (no GPU visible to PyTorch)")
@@ -350,19 +402,22 @@ def choose_op_sets(cfg):
         kernels, err = import_kernels()
         if kernels is None:
             why = f"`import kernels` failed ({err})"
+        elif cfg.dtype == "bf16" and torch.cuda.get_device_capability(cfg.device) != (9, 0):
+            why = (f"--dtype=bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
+                   f"{torch.cuda.get_device_name(cfg.device)} is {torch.cuda.get_device_capability(cfg.device)}")
     if why is not None:
         if cfg.backend == "cuda":
             fail(f"--backend=cuda cannot run: {why}. The cuda op set needs a GPU and the compiled extension; "
                  f"build it with `python setup.py build_ext --inplace`")
-        return [TORCH_OPS], [f"note: training the PyTorch op set only: {why}; the cuda op set needs a GPU and "
+        return [torch_ops], [f"note: training the PyTorch op set only: {why}; the cuda op set needs a GPU and "
                              f"the extension built with `python setup.py build_ext --inplace`"]
     head_size = cfg.n_embd // cfg.n_head
     notes = []
     if head_size not in kernels.FUSED_HEAD_SIZES:
         notes.append(f"note: head size {head_size} is not one of {kernels.FUSED_HEAD_SIZES}; "
-                     f"cuda attention uses mode='tiled' instead of 'fused'")
-    cuda = cuda_op_set(kernels, head_size)
-    return ([TORCH_OPS, cuda] if cfg.backend == "both" else [cuda]), notes
+                     f"cuda attention uses mode='tiled' instead of 'fused'" + " (in fp32)" * (cfg.dtype == "bf16"))
+    cuda = cuda_op_set(kernels, head_size, cfg.dtype)
+    return ([torch_ops, cuda] if cfg.backend == "both" else [cuda]), notes
 
 
 # -----------------------------------------------------------------------------
@@ -466,14 +521,15 @@ class MoE(MLP):
 
 class KVCache:
     """Keys and values of every layer, preallocated at the context length: (n_layer, B, n_kv_head, T, hs)
-    each. `pos` (a 1-element device tensor) counts the tokens already in the cache. The model writes each
-    step's keys and values at pos.. in place and attention reads the whole buffer with kv_len = pos + T,
-    so a step never copies the cache and its shapes never change (CUDA-graph friendly)."""
+    each, in the model's dtype. `pos` (a 1-element device tensor) counts the tokens already in the cache.
+    The model writes each step's keys and values at pos.. in place and attention reads the whole buffer
+    with kv_len = pos + T, so a step never copies the cache and its shapes never change (CUDA-graph
+    friendly)."""
 
-    def __init__(self, n_layer, batch, n_kv_head, block_size, head_size, device):
+    def __init__(self, n_layer, batch, n_kv_head, block_size, head_size, device, dtype=torch.float32):
         shape = (n_layer, batch, n_kv_head, block_size, head_size)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.capacity = block_size
         self.positions = self.kv_len = None  # of the tokens in flight, set by GPT.forward
@@ -576,7 +632,12 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """idx (B, T) int64. With targets (B, T): (logits (B, T, V), mean loss). Without: the last
-        position's logits (B, 1, V) and None. With a KVCache, idx continues the cached tokens."""
+        position's logits (B, 1, V) and None. With a KVCache, idx continues the cached tokens. Runs in the
+        op set's precision context (torch.autocast for the torch op set in bf16)."""
+        with self.ops.autocast():
+            return self.run(idx, targets, cache)
+
+    def run(self, idx, targets, cache):
         ops = self.ops
         B, T = idx.shape
         positions = self.pos[:T]  # (T,)
@@ -1043,8 +1104,8 @@ OP_SET_TITLES = {"torch": "PyTorch op set", "cuda": "custom CUDA op set"}
 def report(runs, cfg):
     device = torch.device(cfg.device)
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\nresults on {hw} (tok/s: training steps only, after {max(cfg.timing_warmup, GRAPH_WARMUP + 1)} "
-          f"warm-up steps; wall s: whole run including evals)")
+    print(f"\nresults on {hw}, {cfg.dtype} (tok/s: training steps only, after "
+          f"{max(cfg.timing_warmup, GRAPH_WARMUP + 1)} warm-up steps; wall s: whole run including evals)")
     print(f"{'op set':<7} {'mode':<7} {'iters':>6} {'train loss':>11} {'val loss':>9} {'wall s':>8} {'tok/s':>11}")
     for name, r in runs.items():
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
@@ -1052,9 +1113,13 @@ def report(runs, cfg):
         print(f"{name:<7} {r['mode']:<7} {r['iters']:>6} {tl:>11} {vl:>9} {r['wall_s']:>8.1f} {tps:>11}"
               + (f"  {r['status']}: {r['stopped_because']}" if r["status"] != "completed" else ""))
 
-    speedup = diff_100 = diff_all = None
+    speedup = diff_100 = diff_all = val_rel = None
     if "torch" in runs and "cuda" in runs:
         t, c = runs["torch"], runs["cuda"]
+        if t["final_val_loss"] and c["final_val_loss"] is not None:
+            val_rel = abs(c["final_val_loss"] - t["final_val_loss"]) / t["final_val_loss"]
+            print(f"final val loss: cuda {c['final_val_loss']:.4f} vs torch {t['final_val_loss']:.4f}, "
+                  f"{100 * val_rel:.2f}% apart")
         if t["tokens_per_s"] and c["tokens_per_s"]:
             speedup = c["tokens_per_s"] / t["tokens_per_s"]
             print(f"speedup (cuda tok/s / torch tok/s): {speedup:.2f}x ({c['mode']} vs {t['mode']})")
@@ -1081,6 +1146,7 @@ def report(runs, cfg):
         "speedup_cuda_over_torch": speedup,
         "max_abs_loss_diff_first_100": diff_100,
         "max_abs_loss_diff_all": diff_all,
+        "val_loss_rel_diff": val_rel,
     }
     path = os.path.join(cfg.out_dir, "results.json")
     atomic_write(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
