@@ -103,6 +103,13 @@ void attention_fwd_fused(const float* q, const float* k, const float* v, float* 
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
                          const float* lse2, float* delta, float* dq, float* dk, float* dv, int BH, int group,
                          int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s);
+void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         __nv_bfloat16* out, float* lse2, int BH, int group, int Sq, int Sk, int D, bool causal,
+                         float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
+void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse2, float* delta,
+                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, int BH, int group, int Sq, int Sk,
+                         int D, bool causal, float scale, cudaStream_t s);
 
 // ---- checks -----------------------------------------------------------------------------------
 
@@ -1074,11 +1081,12 @@ struct AttnShape {
   int group() const { return (int)(H / Hkv); }
 };
 
+// q, k, v: float32, or bfloat16 (fused mode), all three alike.
 static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal) {
   const char* op = "attention";
-  check_float_cuda(op, q, "q");
-  check_float_cuda(op, k, "k");
-  check_float_cuda(op, v, "v");
+  check_mm_cuda(op, q, "q", q, "q");
+  check_mm_cuda(op, k, "k", q, "q");
+  check_mm_cuda(op, v, "v", q, "q");
   check_same_device(op, q, "q", k, "k");
   check_same_device(op, q, "q", v, "v");
   check_dim(op, q, "q", 4, "(B, H, Sq, D)");
@@ -1118,13 +1126,19 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
                 ", got D = ", s.D, " (mode='tiled' takes any D)");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
-  Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, q.options());
+  const auto f32 = q.options().dtype(at::kFloat);  // lse2 and the splits' partial results stay fp32
+  Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, f32);
   const int BH = to_int("attention", s.B * s.H, "B * H");
   const int64_t ws_floats = attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
-  Tensor ws = ws_floats ? at::empty({ws_floats}, q.options()) : Tensor();  // split keys' partial results
-  attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                      lse2.data_ptr<float>(), BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
-                      precise, kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr, ws_ptr(ws), stream());
+  Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
+  const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
+  if (q.scalar_type() == at::kBFloat16)
+    attention_fwd_fused(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), bf16_ptr(out), lse2.data_ptr<float>(), BH, s.group(),
+                        (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, n, ws_ptr(ws), stream());
+  else
+    attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                        lse2.data_ptr<float>(), BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
+                        precise, n, ws_ptr(ws), stream());
   return {q, k, v, out, lse2};
 }
 
@@ -1143,16 +1157,23 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     const auto t = ctx->get_saved_variables();
     const Tensor &q = t[0], &k = t[1], &v = t[2], &out = t[3], &lse2 = t[4];
     const c10::cuda::CUDAGuard guard(q.device());
-    const Tensor dout = aligned_contiguous(grads[0]);
+    const Tensor dout = aligned_contiguous(grads[0].to(q.scalar_type()));
     Tensor dq = at::empty_like(q), delta = at::empty_like(lse2);
     // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
     Tensor dk = q.size(2) ? at::empty_like(k) : at::zeros_like(k), dv = q.size(2) ? at::empty_like(v) : at::zeros_like(v);
-    attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
-                        dk.data_ptr<float>(), dv.data_ptr<float>(), (int)(q.size(0) * q.size(1)),
-                        (int)(q.size(1) / k.size(1)), (int)q.size(2), (int)k.size(2), (int)q.size(3),
-                        ctx->saved_data["causal"].toBool(),
-                        (float)ctx->saved_data["scale"].toDouble(), ctx->saved_data["precise"].toBool(), stream());
+    const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
+    const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const float scale = (float)ctx->saved_data["scale"].toDouble();
+    if (q.scalar_type() == at::kBFloat16)
+      attention_bwd_fused(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), bf16_ptr(out), bf16_ptr(dout), lse2.data_ptr<float>(),
+                          delta.data_ptr<float>(), bf16_ptr(dq), bf16_ptr(dk), bf16_ptr(dv), BH, group, Sq, Sk, D,
+                          causal, scale, stream());
+    else
+      attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                          dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
+                          dk.data_ptr<float>(), dv.data_ptr<float>(), BH, group, Sq, Sk, D, causal, scale,
+                          ctx->saved_data["precise"].toBool(), stream());
     return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -1202,6 +1223,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
   REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
                     "attention: precision must be 'fp32' (3xTF32) or 'tf32', got '", precision, "'");
   REQUIRE(q.dim() == 4, "attention: q must be 4-D (B, H, Sq, D), got shape ", q.sizes());
+  REQUIRE_VALUE(mode == "fused" || q.scalar_type() != at::kBFloat16,
+                "attention: bfloat16 inputs run mode='fused' only; mode='tiled' takes float32");
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
   if (kv_len.has_value() && kv_len->defined()) {
     // Decoding against a preallocated cache: forward only, and kv_len stays on the device (no host read:
@@ -1254,7 +1277,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"));
   m.def("attention", &attention,
         "attention over q (B, H, Sq, D), k, v (B, H_kv, Sk, D), like F.scaled_dot_product_attention; causal "
-        "aligns queries to the last keys; H_kv < H (a divisor) is grouped-query attention",
+        "aligns queries to the last keys; H_kv < H (a divisor) is grouped-query attention. float32 inputs multiply "
+        "on the tensor cores in 3xTF32 (precision='fp32') or TF32 ('tf32'); bfloat16 inputs (mode='fused') in bf16 "
+        "with fp32 accumulation and softmax statistics, whatever precision says, and give bf16 out and gradients",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = false, py::arg("scale") = py::none(),
         py::arg("mode") = "fused", py::arg("precision") = "fp32", py::arg("kv_len") = py::none());
   m.def("silu", &silu, "SiLU, x * sigmoid(x), like F.silu", py::arg("x"));

@@ -3145,8 +3145,8 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // Tiled attention is composed in bindings.cpp from the pieces above (batched matmul for Q K^T,
 // the masked softmax, matmul for P V, and the same pieces backwards); it stores the S x S scores.
 //
-// Fused attention (FlashAttention-2 style) never stores them. A block owns 64 queries (4 warps x
-// 16 rows); K and V stream through shared memory 64 keys at a time (cp.async, the next K tile
+// Fused attention (FlashAttention-2 style) never stores them. A forward block owns 64 * MT queries
+// (4 warps x MT tiles of 16 rows; MT = 2 for bf16 at D <= 64, else 1); K and V stream through shared memory 64 keys at a time (cp.async, the next K tile
 // loads while the current V tile is used and the other way round); the softmax is online (running
 // max m and sum l per row, the output accumulator rescaled when m grows), computed with exp2 on
 // scores pre-multiplied by scale * log2(e). The block saves lse2 = m + log2(l) per row (log2 units)
@@ -3157,8 +3157,19 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // operand if the 8 keys of a k-step are taken in the order (0,2,4,6,1,3,5,7): then
 // a = {c0, c2, c1, c3}, and the B operand reads key rows 2t and 2t+1.
 // Shared-memory rows are padded to D + 4 floats, which makes every fragment read conflict-free.
+//
+// bf16 q, k, v (bf16 out and gradients) multiply on the tensor cores in bf16 with fp32 accumulation
+// (mma.sync m16n8k16, FlashAttention-2's shape); the softmax statistics, lse2 and delta stay fp32.
+// Fragments come from shared memory through ldmatrix (.trans for the right operand of P V, dS K and
+// their transposed-frame twins); rows are padded by one 16-byte chunk (D + 8 elements), which puts
+// the 8 row addresses of each ldmatrix phase in 8 different bank groups. Two adjacent n8 score tiles
+// in C fragments are the A fragment of one k16 step of P V, packed to bf16x2: no reordering.
+//
+// The kernels are written once over an operand policy (AttnTf32, AttnBf16 below): its element type,
+// its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
+// the online softmax, the splits and their merge do not depend on it.
 
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
@@ -3178,14 +3189,18 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Rows [r0, r0 + ROWS) of a (S, D) matrix into smem rows of D + 4 floats; rows >= S become zeros.
-template <int ROWS, int D>
-__device__ __forceinline__ void load_rows_async(float* sm, const float* g, int r0, int S) {
-  constexpr int CHUNKS = D / 4;
+// Elements of a shared-memory row holding D of them: one 16-byte chunk of padding.
+template <class T, int D>
+constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
+
+// Rows [r0, r0 + ROWS) of a (S, D) matrix into smem rows of smem_row elements; rows >= S become zeros.
+template <int ROWS, int D, class T>
+__device__ __forceinline__ void load_rows_async(T* sm, const T* g, int r0, int S) {
+  constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();
   for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
-    const int r = e / CHUNKS, c = (e % CHUNKS) * 4;
+    const int r = e / CHUNKS, c = (e % CHUNKS) * W;
     const bool valid = r0 + r < S;
-    cp_async16(sm + r * (D + 4) + c, g + (int64_t)(valid ? r0 + r : 0) * D + c, valid);
+    cp_async16(sm + r * LD + c, g + (int64_t)(valid ? r0 + r : 0) * D + c, valid);
   }
 }
 
@@ -3253,9 +3268,156 @@ __device__ __forceinline__ void mma_pm(float (&acc)[D / 8][4], const float (&p)[
   }
 }
 
+// bf16 products: mma.sync m16n8k16 (bf16 operands, fp32 accumulation). Fragment layout (g = lane / 4,
+// t = lane % 4; each register holds two bf16, the lower column in the low half): A (16 x 16)
+// a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8)
+// b0 = (k=2t..2t+1, n=g), b1 = (k=2t+8.., n=g); C as for m16n8k8.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// Four 8 x 8 bf16 matrices from shared memory; lane l gives the row address of row l % 8 of matrix
+// l / 8 and receives row l / 4, columns 2 (l % 4) .. + 1 of each (TRANS: of each one's transpose).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* row) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The operand policies of the fused kernels. abt<NT>: acc (16 x 8*NT per warp) += A (smem rows row0..,
+// D wide) * B^T (smem rows 0 .. 8*NT). pm<NT>: acc (16 x D per warp) += P (16 x 8*NT, C fragments) * M
+// (smem rows 0 .. 8*NT, D wide). Each also comes for MT such row tiles per warp at once (tile mt:
+// A rows row0 + 64 mt): the forward's warps own MT tiles of 16 rows, and each B fragment read from
+// shared memory then feeds MT products.
+template <int D_, bool PRECISE>
+struct AttnTf32 {
+  using T = float;
+  static constexpr int D = D_, MT = 1;
+  template <int NT, int M>
+  __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) mma_abt<D, NT, PRECISE>(acc[mt], a, row0 + 64 * mt, b);
+  }
+  template <int NT, int M>
+  __device__ __forceinline__ static void pm(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) mma_pm<D, NT, PRECISE>(acc[mt], p[mt], m);
+  }
+  template <int NT>
+  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
+    mma_abt<D, NT, PRECISE>(acc, a, row0, b);
+  }
+  template <int NT>
+  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
+    mma_pm<D, NT, PRECISE>(acc, p, m);
+  }
+};
+
+template <int D_>
+struct AttnBf16 {
+  using T = __nv_bfloat16;
+  // Two row tiles per warp where the registers allow (the forward's o and s double).
+  static constexpr int D = D_, LD = smem_row<T, D>(), MT = D <= 64 ? 2 : 1;
+  // A: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are a0..a3. B: two n8
+  // tiles per ldmatrix, matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are
+  // b0, b1 of the first tile and b0, b1 of the second.
+  template <int NT, int M>
+  __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
+    static_assert(NT % 2 == 0, "two n8 tiles per ldmatrix");
+    const int l = threadIdx.x & 31;
+    const T* pa = a + (row0 + (l & 15)) * LD + (l >> 4) * 8;
+    const T* pb = b + ((l & 7) + (l >> 4) * 8) * LD + ((l >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 16) {
+      uint32_t af[M][4];
+#pragma unroll
+      for (int mt = 0; mt < M; ++mt) ldmatrix_x4<false>(af[mt], pa + 64 * mt * LD + kk);
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t bf[4];
+        ldmatrix_x4<false>(bf, pb + j * 8 * LD + kk);
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+          mma_bf16(acc[mt][j], af[mt], bf[0], bf[1]);
+          mma_bf16(acc[mt][j + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+  // The C fragments of score tiles j, j + 1 are the A fragment of k step j / 2. M's matrices, read
+  // transposed: (keys 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are b0, b1 of the first
+  // n8 tile and b0, b1 of the second.
+  template <int NT, int M>
+  __device__ __forceinline__ static void pm(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
+    static_assert(NT % 2 == 0, "k steps of 16 keys");
+    const int l = threadIdx.x & 31;
+    const T* pm_ = m + (l & 15) * LD + (l >> 4) * 8;
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      uint32_t af[M][4];
+#pragma unroll
+      for (int mt = 0; mt < M; ++mt) {
+        af[mt][0] = pack_bf16x2(p[mt][j][0], p[mt][j][1]);
+        af[mt][1] = pack_bf16x2(p[mt][j][2], p[mt][j][3]);
+        af[mt][2] = pack_bf16x2(p[mt][j + 1][0], p[mt][j + 1][1]);
+        af[mt][3] = pack_bf16x2(p[mt][j + 1][2], p[mt][j + 1][3]);
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        uint32_t bf[4];
+        ldmatrix_x4<true>(bf, pm_ + j * 8 * LD + n * 8);
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+          mma_bf16(acc[mt][n], af[mt], bf[0], bf[1]);
+          mma_bf16(acc[mt][n + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+  template <int NT>
+  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
+    abt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
+  }
+  template <int NT>
+  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
+    pm<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc), reinterpret_cast<const float(&)[1][NT][4]>(p), m);
+  }
+};
+
+// Two adjacent outputs of a row (a C fragment's pair) to global memory.
+__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+template <class T>
 struct AttnArgs {
-  const float *q, *k, *v, *dout;
-  float *out, *lse2, *delta, *dq, *dk, *dv;
+  const T *q, *k, *v, *dout;
+  T *out, *dq, *dk, *dv;
+  float *lse2, *delta;
   const int64_t* kv_len;  // forward only: valid keys, read on the device; nullptr: all Sk
   int Sq, Sk;
   int group;  // query heads per K/V head
@@ -3266,50 +3428,75 @@ struct AttnArgs {
 };
 
 // Number of 'tile'-key tiles the queries [q0, q1) attend to, of Sk valid keys.
-__device__ __forceinline__ int key_tiles(const AttnArgs& p, int Sk, int q1, int tile) {
+template <class T>
+__device__ __forceinline__ int key_tiles(const AttnArgs<T>& p, int Sk, int q1, int tile) {
   const int last = p.causal ? min(Sk, q1 + Sk - p.Sq) : Sk;
   return last > 0 ? (last + tile - 1) / tile : 0;
 }
 
+// A warp's 16 x D accumulator rows (C fragments: rows row0 and row0 + 8) to rows of out (D wide),
+// scaled by s0 and s1, rows >= rows skipped.
+template <int N, class T>
+__device__ __forceinline__ void store_rows(T* out, const float (&acc)[N][4], int row0, int rows, float s0, float s1) {
+  constexpr int D = 8 * N;
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (row0 < rows) store2(out + (int64_t)row0 * D + c, acc[n][0] * s0, acc[n][1] * s0);
+    if (row0 + 8 < rows) store2(out + (int64_t)(row0 + 8) * D + c, acc[n][2] * s1, acc[n][3] * s1);
+  }
+}
+
 // The forward runs per K/V head: the query heads that share it are stacked as the rows of one
 // (group * Sq, D) matrix (a view of contiguous q), row r being query r % Sq of head r / Sq. A block
-// owns 64 of those rows, so one query per head (decoding) still fills 4 * group of them, and each
+// owns 64 * MT of those rows, so one query per head (decoding) still fills 4 * group of them, and each
 // K/V tile a block loads serves the whole group. When the blocks are too few to fill the GPU (short
 // queries against a long cache), the key tiles are also split among `splits` blocks per row tile:
 // each writes its rows' output and lse2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
-template <int D, bool PRECISE>
-__global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
-  extern __shared__ __align__(16) float smem[];
-  float* Qs = smem;
-  float* Ks = Qs + 64 * (D + 4);
-  float* Vs = Ks + 64 * (D + 4);
+template <class Ops>
+__global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
+  using T = typename Ops::T;
+  constexpr int D = Ops::D, LD = smem_row<T, D>(), MT = Ops::MT, BM = 64 * MT;  // BM rows a block
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  T* Qs = reinterpret_cast<T*>(attn_smem);
+  T* Ks = Qs + BM * LD;
+  T* Vs = Ks + 64 * LD;
   const int kvh = blockIdx.x, split = blockIdx.z;
   const int R = p.group * p.Sq;  // rows per K/V head
   // Heaviest causal tiles (the last queries) first, so the light ones fill the last wave: when the
   // heads' rows split into whole tiles, y runs over the group's heads fastest, then tiles backwards.
-  const int y = blockIdx.y, head_tiles = p.Sq / 64;
-  const int r0 = p.Sq % 64 == 0 ? (y % p.group) * p.Sq + (head_tiles - 1 - y / p.group) * 64
-                                : (gridDim.y - 1 - y) * 64;
+  const int y = blockIdx.y, head_tiles = p.Sq / BM;
+  const int r0 = p.Sq % BM == 0 ? (y % p.group) * p.Sq + (head_tiles - 1 - y / p.group) * BM
+                                : (gridDim.y - 1 - y) * BM;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const float* q = p.q + (int64_t)kvh * R * D;
-  const float* k = p.k + (int64_t)kvh * p.Sk * D;
-  const float* v = p.v + (int64_t)kvh * p.Sk * D;
-  const int row0 = r0 + warp * 16 + g, row1 = row0 + 8;
-  const int qi0 = row0 % p.Sq, qi1 = row1 % p.Sq;  // their query indices
+  const T* q = p.q + (int64_t)kvh * R * D;
+  const T* k = p.k + (int64_t)kvh * p.Sk * D;
+  const T* v = p.v + (int64_t)kvh * p.Sk * D;
+  // row tile mt of this warp: rows row0[mt] (c0, c1) and row0[mt] + 8 (c2, c3), queries qi0, qi1
+  int row0[MT], qi0[MT], qi1[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    row0[mt] = r0 + 64 * mt + warp * 16 + g;
+    qi0[mt] = row0[mt] % p.Sq;
+    qi1[mt] = (row0[mt] + 8) % p.Sq;
+  }
   const int Sk = p.kv_len ? (int)max((int64_t)0, min(*p.kv_len, (int64_t)p.Sk)) : p.Sk;  // valid keys
   const int offset = Sk - p.Sq;
   // query indices the block spans: a block across two heads' rows spans them all
-  const int r_last = min(r0 + 63, R - 1);
+  const int r_last = min(r0 + BM - 1, R - 1);
   const bool one_head = r0 / p.Sq == r_last / p.Sq;
   const int qmin = one_head ? r0 % p.Sq : 0, qmax = one_head ? r_last % p.Sq : p.Sq - 1;
 
-  float o[D / 8][4] = {};
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float o[MT][D / 8][4] = {};
+  float m0[MT], m1[MT], l0[MT], l1[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m0[mt] = m1[mt] = -INFINITY, l0[mt] = l1[mt] = 0.f;
   const int ntiles = key_tiles(p, Sk, qmax + 1, 64);
   const int t_begin = split * p.split_tiles, t_end = min(ntiles, t_begin + p.split_tiles);
 
-  load_rows_async<64, D>(Qs, q, r0, R);
+  load_rows_async<BM, D>(Qs, q, r0, R);
   load_rows_async<64, D>(Ks, k, t_begin * 64, Sk);
   cp_async_commit();
   load_rows_async<64, D>(Vs, v, t_begin * 64, Sk);
@@ -3318,77 +3505,81 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
     const int k0 = kt * 64;
     cp_async_wait<1>();  // Q and this K tile have landed
     __syncthreads();
-    float s[8][4] = {};
-    mma_abt<D, 8, PRECISE>(s, Qs, warp * 16, Ks);
+    float s[MT][8][4] = {};
+    Ops::template abt<8>(s, Qs, warp * 16, Ks);
     __syncthreads();  // all warps are done with Ks
     if (kt + 1 < t_end) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
     cp_async_commit();
 
-    // online softmax on this tile, rows row0 (c0, c1) and row1 (c2, c3)
+    // online softmax on this tile
     const bool mask = k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset);
-    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * p.scale_log2;
-        if (mask) {
-          const int col = k0 + j * 8 + 2 * t + (e & 1), qi = e < 2 ? qi0 : qi1;
-          if (col >= Sk || (p.causal && col > qi + offset)) x = -INFINITY;
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][j][e] * p.scale_log2;
+          if (mask) {
+            const int col = k0 + j * 8 + 2 * t + (e & 1), qi = e < 2 ? qi0[mt] : qi1[mt];
+            if (col >= Sk || (p.causal && col > qi + offset)) x = -INFINITY;
+          }
+          s[mt][j][e] = x;
+          if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
         }
-        s[j][e] = x;
-        if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float n0 = fmaxf(m0[mt], mx0), n1 = fmaxf(m1[mt], mx1);
+      // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
+      const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
+      const float a0 = exp2f(m0[mt] - c0), a1 = exp2f(m1[mt] - c1);
+      m0[mt] = n0;
+      m1[mt] = n1;
+      l0[mt] *= a0;  // l stays a per-thread partial sum; the 4 lanes of a row are added at the end
+      l1[mt] *= a1;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        s[mt][j][0] = exp2f(s[mt][j][0] - c0); s[mt][j][1] = exp2f(s[mt][j][1] - c0);
+        s[mt][j][2] = exp2f(s[mt][j][2] - c1); s[mt][j][3] = exp2f(s[mt][j][3] - c1);
+        l0[mt] += s[mt][j][0] + s[mt][j][1];
+        l1[mt] += s[mt][j][2] + s[mt][j][3];
       }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
-    const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
-    const float a0 = exp2f(m0 - c0), a1 = exp2f(m1 - c1);
-    m0 = n0;
-    m1 = n1;
-    l0 *= a0;  // l stays a per-thread partial sum; the 4 lanes of a row are added at the end
-    l1 *= a1;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j][0] = exp2f(s[j][0] - c0); s[j][1] = exp2f(s[j][1] - c0);
-      s[j][2] = exp2f(s[j][2] - c1); s[j][3] = exp2f(s[j][3] - c1);
-      l0 += s[j][0] + s[j][1];
-      l1 += s[j][2] + s[j][3];
+      for (int n = 0; n < D / 8; ++n) {
+        o[mt][n][0] *= a0; o[mt][n][1] *= a0; o[mt][n][2] *= a1; o[mt][n][3] *= a1;
+      }
     }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
 
     cp_async_wait<1>();  // this V tile has landed
     __syncthreads();
-    mma_pm<D, 8, PRECISE>(o, s, Vs);
+    Ops::template pm<8>(o, s, Vs);
     __syncthreads();  // all warps are done with Vs
     if (kt + 1 < t_end) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
     cp_async_commit();
   }
   cp_async_wait<0>();
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;  // no key seen: zeros
   // Without splits straight into out and lse2; with them into this split's slice of the workspace.
   // A split past the valid keys writes lse2 = -inf: weight 0 in the merge.
   const int64_t rows_total = (int64_t)gridDim.x * R;
-  float* out = (gridDim.z == 1 ? p.out : p.part_o + split * rows_total * D) + (int64_t)kvh * R * D;
   float* lse2 = (gridDim.z == 1 ? p.lse2 : p.part_lse2 + split * rows_total) + (int64_t)kvh * R;
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    const int c = n * 8 + 2 * t;
-    if (row0 < R) *reinterpret_cast<float2*>(out + (int64_t)row0 * D + c) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
-    if (row1 < R) *reinterpret_cast<float2*>(out + (int64_t)row1 * D + c) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
-  }
-  if (t == 0) {
-    if (row0 < R) lse2[row0] = m0 + log2f(l0);
-    if (row1 < R) lse2[row1] = m1 + log2f(l1);
+  for (int mt = 0; mt < MT; ++mt) {
+    float L0 = l0[mt], L1 = l1[mt];
+    L0 += __shfl_xor_sync(0xffffffffu, L0, 1);
+    L0 += __shfl_xor_sync(0xffffffffu, L0, 2);
+    L1 += __shfl_xor_sync(0xffffffffu, L1, 1);
+    L1 += __shfl_xor_sync(0xffffffffu, L1, 2);
+    const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;  // no key seen: zeros
+    if (gridDim.z == 1) store_rows(p.out + (int64_t)kvh * R * D, o[mt], row0[mt], R, inv0, inv1);
+    else store_rows(p.part_o + split * rows_total * D + (int64_t)kvh * R * D, o[mt], row0[mt], R, inv0, inv1);
+    if (t == 0) {
+      if (row0[mt] < R) lse2[row0[mt]] = m0[mt] + log2f(L0);
+      if (row0[mt] + 8 < R) lse2[row0[mt] + 8] = m1[mt] + log2f(L1);
+    }
   }
 }
 
@@ -3400,8 +3591,9 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs p) {
 // many splits are merged in parallel, in a fixed order (deterministic).
 constexpr int COMBINE_WARPS = 4;
 
+template <class T>
 __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(const float* part_o,
-    const float* part_lse2, float* out, float* lse2, int64_t rows, int D, int splits) {
+    const float* part_lse2, T* out, float* lse2, int64_t rows, int D, int splits) {
   __shared__ float partial[COMBINE_WARPS][128];  // D <= 128
   const int64_t r = blockIdx.x;
   const int lane = threadIdx.x, warp = threadIdx.y;
@@ -3432,17 +3624,18 @@ __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(c
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < COMBINE_WARPS; ++w) sum += partial[w][d];
-    out[r * D + d] = sum * inv;
+    out[r * D + d] = from_float<T>(sum * inv);
   }
   if (lane == 0) lse2[r] = mx + log2f(wsum);
 }
 
 // delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. Warp per row.
-__global__ void attention_delta_kernel(const float* out, const float* dout, float* delta, int64_t rows, int D) {
+template <class T>
+__global__ void attention_delta_kernel(const T* out, const T* dout, float* delta, int64_t rows, int D) {
   const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= rows) return;
   float acc = 0.f;
-  for (int d = threadIdx.x; d < D; d += 32) acc += out[r * D + d] * dout[r * D + d];
+  for (int d = threadIdx.x; d < D; d += 32) acc += to_float(out[r * D + d]) * to_float(dout[r * D + d]);
   acc = warp_sum(acc);
   if (threadIdx.x == 0) delta[r] = acc;
 }
@@ -3450,8 +3643,8 @@ __global__ void attention_delta_kernel(const float* out, const float* dout, floa
 // P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse2[q]),
 // dp -> dS = P * (dp - delta[q]). The query index of element (j, e) comes from qidx(j, e), the key
 // from kidx(j, e); masked pairs get P = 0.
-template <int NT, class QI, class KI>
-__device__ __forceinline__ void softmax_grad_tile(const AttnArgs& p, float (&s)[NT][4], float (&dp)[NT][4],
+template <int NT, class T, class QI, class KI>
+__device__ __forceinline__ void softmax_grad_tile(const AttnArgs<T>& p, float (&s)[NT][4], float (&dp)[NT][4],
                                                   QI qidx, KI kidx, const float* lse2, const float* delta,
                                                   bool mask) {
   const int offset = p.Sk - p.Sq;
@@ -3471,13 +3664,16 @@ __device__ __forceinline__ void softmax_grad_tile(const AttnArgs& p, float (&s)[
 // (BQ rows) of every query head that shares it. Works in the transposed frame: S^T = K Q^T, P^T,
 // dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block writes its own rows of dK and dV, summed
 // over the group in a fixed order: no atomics, deterministic.
-template <int D, int BQ, bool PRECISE>
-__device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem, int kvh, int kblock) {
-  float* Ks = smem;
-  float* Vs = Ks + 64 * (D + 4);
-  float* Qs = Vs + 64 * (D + 4);
-  float* dOs = Qs + BQ * (D + 4);
-  float* Ls = dOs + BQ * (D + 4);
+template <class Ops, int BQ>
+__device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int kvh,
+                                                  int kblock) {
+  using T = typename Ops::T;
+  constexpr int D = Ops::D, LD = smem_row<T, D>();
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + 64 * LD;
+  T* Qs = Vs + 64 * LD;
+  T* dOs = Qs + BQ * LD;
+  float* Ls = reinterpret_cast<float*>(dOs + BQ * LD);
   float* Ds = Ls + BQ;
   const int k0 = kblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -3504,8 +3700,8 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem
       cp_async_wait<0>();
       __syncthreads();
       float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
-      mma_abt<D, BQ / 8, PRECISE>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
-      mma_abt<D, BQ / 8, PRECISE>(dp, Vs, warp * 16, dOs); // dP^T
+      Ops::template abt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
+      Ops::template abt<BQ / 8>(dp, Vs, warp * 16, dOs); // dP^T
       const bool mask = q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
 #pragma unroll
       for (int j = 0; j < BQ / 8; ++j) {
@@ -3520,37 +3716,28 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs& p, float* smem
 #pragma unroll
         for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e]; dp[j][e] = dj[0][e]; }
       }
-      mma_pm<D, BQ / 8, PRECISE>(dv, s, dOs);  // dV += P^T dO
-      mma_pm<D, BQ / 8, PRECISE>(dk, dp, Qs);  // dK += dS^T Q
+      Ops::template pm<BQ / 8>(dv, s, dOs);  // dV += P^T dO
+      Ops::template pm<BQ / 8>(dk, dp, Qs);  // dK += dS^T Q
       __syncthreads();  // before the next tiles overwrite Qs, dOs
     }
   }
   cp_async_wait<0>();
-  float* dkp = p.dk + kbase * D;
-  float* dvp = p.dv + kbase * D;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    const int c = n * 8 + 2 * t;
-    if (key0 < p.Sk) {
-      *reinterpret_cast<float2*>(dkp + (int64_t)key0 * D + c) = make_float2(dk[n][0] * p.scale, dk[n][1] * p.scale);
-      *reinterpret_cast<float2*>(dvp + (int64_t)key0 * D + c) = make_float2(dv[n][0], dv[n][1]);
-    }
-    if (key0 + 8 < p.Sk) {
-      *reinterpret_cast<float2*>(dkp + (int64_t)(key0 + 8) * D + c) = make_float2(dk[n][2] * p.scale, dk[n][3] * p.scale);
-      *reinterpret_cast<float2*>(dvp + (int64_t)(key0 + 8) * D + c) = make_float2(dv[n][2], dv[n][3]);
-    }
-  }
+  store_rows(p.dk + kbase * D, dk, key0, p.Sk, p.scale, p.scale);
+  store_rows(p.dv + kbase * D, dv, key0, p.Sk, 1.f, 1.f);
 }
 
 // dQ for 64 queries per block over key tiles of BK: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Recomputing S and dP here (instead of atomically adding dQ in the dK/dV kernel) keeps dQ
 // deterministic.
-template <int D, int BK, bool PRECISE>
-__device__ __forceinline__ void attention_bwd_dq(const AttnArgs& p, float* smem, int bh, int qblock) {
-  float* Qs = smem;
-  float* dOs = Qs + 64 * (D + 4);
-  float* Ks = dOs + 64 * (D + 4);
-  float* Vs = Ks + BK * (D + 4);
+template <class Ops, int BK>
+__device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int bh,
+                                                 int qblock) {
+  using T = typename Ops::T;
+  constexpr int D = Ops::D, LD = smem_row<T, D>();
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* dOs = Qs + 64 * LD;
+  T* Ks = dOs + 64 * LD;
+  T* Vs = Ks + BK * LD;
   const int q0 = qblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)(bh / p.group) * p.Sk;
@@ -3575,48 +3762,43 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs& p, float* smem,
     cp_async_wait<0>();
     __syncthreads();
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
-    mma_abt<D, BK / 8, PRECISE>(s, Qs, warp * 16, Ks);
-    mma_abt<D, BK / 8, PRECISE>(dp, dOs, warp * 16, Vs);
+    Ops::template abt<BK / 8>(s, Qs, warp * 16, Ks);
+    Ops::template abt<BK / 8>(dp, dOs, warp * 16, Vs);
     const bool mask = q0 + 64 > p.Sq || k0 + BK > p.Sk || (p.causal && k0 + BK - 1 > q0 + offset);
     softmax_grad_tile<BK / 8>(p, s, dp,
         [&](int, int e) { return row0 + (e < 2 ? 0 : 8); },
         [&](int j, int e) { return k0 + j * 8 + 2 * t + (e & 1); }, lse, delta, mask);
-    mma_pm<D, BK / 8, PRECISE>(dq, dp, Ks);
+    Ops::template pm<BK / 8>(dq, dp, Ks);
     __syncthreads();  // before the next tiles overwrite Ks, Vs
   }
-  float* dqp = p.dq + qbase * D;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    const int c = n * 8 + 2 * t;
-    if (row0 < p.Sq) *reinterpret_cast<float2*>(dqp + (int64_t)row0 * D + c) = make_float2(dq[n][0] * p.scale, dq[n][1] * p.scale);
-    if (row0 + 8 < p.Sq) *reinterpret_cast<float2*>(dqp + (int64_t)(row0 + 8) * D + c) = make_float2(dq[n][2] * p.scale, dq[n][3] * p.scale);
-  }
+  store_rows(p.dq + qbase * D, dq, row0, p.Sq, p.scale, p.scale);
 }
 
 // One launch for both backward halves: blocks y < kv_blocks compute dK/dV for a key block, the
 // rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
 // fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
 // x runs over the query heads; with grouped K/V heads only the first BH / group x have a dK/dV block.
-template <int D, int BQ, int BK, bool PRECISE>
-__global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs p, int kv_blocks) {
-  extern __shared__ __align__(16) float smem[];
+template <class Ops, int BQ, int BK>
+__global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int kv_blocks) {
+  extern __shared__ __align__(16) unsigned char attn_smem[];
   const int y = blockIdx.y;
   if (y < kv_blocks) {
-    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<D, BQ, PRECISE>(p, smem, blockIdx.x, y);
+    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ>(p, attn_smem, blockIdx.x, y);
   } else {
-    attention_bwd_dq<D, BK, PRECISE>(p, smem, blockIdx.x, gridDim.y - 1 - y);
+    attention_bwd_dq<Ops, BK>(p, attn_smem, blockIdx.x, gridDim.y - 1 - y);
   }
 }
 
 
-template <class Kernel>
-static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnArgs& p, cudaStream_t s) {
+template <class Kernel, class T>
+static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnArgs<T>& p, cudaStream_t s) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   kernel<<<grid, 128, smem, s>>>(p);
 }
 
-static AttnArgs attn_args(int Sq, int Sk, int group, bool causal, float scale) {
-  AttnArgs p{};
+template <class T>
+static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale) {
+  AttnArgs<T> p{};
   p.Sq = Sq;
   p.Sk = Sk;
   p.group = group;
@@ -3626,10 +3808,13 @@ static AttnArgs attn_args(int Sq, int Sk, int group, bool causal, float scale) {
   return p;
 }
 
-template <int D, bool PRECISE>
-static void attention_fwd_dispatch(const AttnArgs& p, dim3 grid, cudaStream_t s) {
-  const size_t smem = 3 * 64 * (D + 4) * sizeof(float);
-  launch_attention(attention_fwd_kernel<D, PRECISE>, grid, smem, p, s);
+// Grid: (K/V heads, row blocks of 64 * MT, splits).
+template <class Ops>
+static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
+  using T = typename Ops::T;
+  const size_t smem = (Ops::MT + 2) * 64 * smem_row<T, Ops::D>() * sizeof(T);
+  const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * Ops::MT), splits);
+  launch_attention(attention_fwd_kernel<Ops>, grid, smem, p, s);
 }
 
 // Splits of the key tiles per forward block (see attention_fwd_kernel): 1 when the row tiles alone
@@ -3643,16 +3828,18 @@ int attention_fwd_splits(int BH, int group, int Sq, int Sk) {
   return std::max(1, std::min(ceil_div(2 * num_sms(), blocks), tiles));
 }
 
-template <int D, bool PRECISE>
-static void attention_bwd_dispatch(const AttnArgs& p, int BH, cudaStream_t s) {
+template <class Ops>
+static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, cudaStream_t s) {
+  using T = typename Ops::T;
+  constexpr int D = Ops::D, LD = smem_row<T, D>();
   constexpr int BQ = D > 64 ? 32 : 64, BK = D > 64 ? 32 : 64;  // register budget at D = 128
   // dK/dV blocks hold K, V (64 rows) + Q, dO (BQ rows) + lse2, delta; dQ blocks Q, dO (64) + K, V (BK)
-  constexpr size_t smem_kv = ((128 + 2 * BQ) * (D + 4) + 2 * BQ) * sizeof(float);
-  constexpr size_t smem_q = (128 + 2 * BK) * (D + 4) * sizeof(float);
+  constexpr size_t smem_kv = (128 + 2 * BQ) * LD * sizeof(T) + 2 * BQ * sizeof(float);
+  constexpr size_t smem_q = (128 + 2 * BK) * LD * sizeof(T);
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
-  cudaFuncSetAttribute(attention_bwd_kernel<D, BQ, BK, PRECISE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaFuncSetAttribute(attention_bwd_kernel<Ops, BQ, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        (int)std::max(smem_kv, smem_q));
-  attention_bwd_kernel<D, BQ, BK, PRECISE>
+  attention_bwd_kernel<Ops, BQ, BK>
       <<<dim3(BH, kv_blocks + q_blocks), 128, std::max(smem_kv, smem_q), s>>>(p, kv_blocks);
   check_launch("attention_bwd");
 }
@@ -3661,19 +3848,55 @@ static void attention_bwd_dispatch(const AttnArgs& p, int BH, cudaStream_t s) {
 // this list lives: bindings.cpp exposes it to Python as kernels.FUSED_HEAD_SIZES.
 bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 96 || D == 128; }
 
-#define ATTN_DISPATCH(FN, D, PRECISE, ...)                                             \
-  do {                                                                                 \
-    if (D == 32) { if (PRECISE) FN<32, true>(__VA_ARGS__); else FN<32, false>(__VA_ARGS__); } \
-    else if (D == 64) { if (PRECISE) FN<64, true>(__VA_ARGS__); else FN<64, false>(__VA_ARGS__); } \
-    else if (D == 96) { if (PRECISE) FN<96, true>(__VA_ARGS__); else FN<96, false>(__VA_ARGS__); } \
-    else if (D == 128) { if (PRECISE) FN<128, true>(__VA_ARGS__); else FN<128, false>(__VA_ARGS__); } \
-    else throw std::invalid_argument("attention: fused mode does not support this head dim"); \
-  } while (0)
+// f(Ops{}) with the operand policy of element type T and head dim D: fp32 multiplies in 3xTF32
+// (precise) or TF32, bf16 in bf16 (precise does not apply).
+template <class T, int D, class F>
+static void with_attn_ops(bool precise, F& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (precise) f(AttnTf32<D, true>{});
+    else f(AttnTf32<D, false>{});
+  } else {
+    f(AttnBf16<D>{});
+  }
+}
+template <class T, class F>
+static void with_attn_ops(int D, bool precise, F&& f) {
+  if (D == 32) with_attn_ops<T, 32>(precise, f);
+  else if (D == 64) with_attn_ops<T, 64>(precise, f);
+  else if (D == 96) with_attn_ops<T, 96>(precise, f);
+  else if (D == 128) with_attn_ops<T, 128>(precise, f);
+  else throw std::invalid_argument("attention: fused mode does not support this head dim");
+}
 
-// Floats of workspace attention_fwd_fused needs: 0 without splits.
+// Floats of workspace attention_fwd_fused needs: 0 without splits (the same for fp32 and bf16: the
+// splits' partial results are fp32).
 int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D) {
   const int splits = attention_fwd_splits(BH, group, Sq, Sk);
   return splits == 1 ? 0 : (int64_t)splits * BH * Sq * (D + 1);
+}
+
+template <class T>
+static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse2, int BH, int group, int Sq,
+                          int Sk, int D, bool causal, float scale, bool precise, const int64_t* kv_len,
+                          float* workspace, cudaStream_t s) {
+  if (BH == 0 || Sq == 0) return;
+  require_tensor_cores("attention_fwd_fused");
+  AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
+  p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
+  const int splits = attention_fwd_splits(BH, group, Sq, Sk);
+  p.split_tiles = ceil_div(ceil_div(Sk, 64), splits);
+  const int64_t rows = (int64_t)BH * Sq;
+  if (splits > 1) {
+    p.part_o = workspace;
+    p.part_lse2 = workspace + splits * rows * D;
+  }
+  with_attn_ops<T>(D, precise, [&](auto ops) { attention_fwd_dispatch<decltype(ops)>(p, BH / group, splits, s); });
+  check_launch("attention_fwd_fused");
+  if (splits > 1) {
+    attention_combine_kernel<<<rows, dim3(32, COMBINE_WARPS), 0, s>>>(p.part_o, p.part_lse2, out, lse2, rows, D,
+                                                                       splits);
+    check_launch("attention_combine");
+  }
 }
 
 // q, k, v: 16-byte aligned (cp.async). BH counts query heads (B * H_q); k and v hold BH / group
@@ -3683,25 +3906,27 @@ int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D)
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
                          int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
                          const int64_t* kv_len, float* workspace, cudaStream_t s) {
+  attention_fwd(q, k, v, out, lse2, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
+}
+void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         __nv_bfloat16* out, float* lse2, int BH, int group, int Sq, int Sk, int D, bool causal,
+                         float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
+  attention_fwd(q, k, v, out, lse2, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
+}
+
+template <class T>
+static void attention_bwd(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse2,
+                          float* delta, T* dq, T* dk, T* dv, int BH, int group, int Sq, int Sk, int D, bool causal,
+                          float scale, bool precise, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
-  require_tensor_cores("attention_fwd_fused");
-  AttnArgs p = attn_args(Sq, Sk, group, causal, scale);
-  p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
-  const int splits = attention_fwd_splits(BH, group, Sq, Sk);
-  p.split_tiles = ceil_div(ceil_div(Sk, 64), splits);
+  require_tensor_cores("attention_bwd_fused");
   const int64_t rows = (int64_t)BH * Sq;
-  if (splits > 1) {
-    p.part_o = workspace;
-    p.part_lse2 = workspace + splits * rows * D;
-  }
-  const dim3 grid(BH / group, ceil_div((int64_t)group * Sq, 64), splits);
-  ATTN_DISPATCH(attention_fwd_dispatch, D, precise, p, grid, s);
-  check_launch("attention_fwd_fused");
-  if (splits > 1) {
-    attention_combine_kernel<<<rows, dim3(32, COMBINE_WARPS), 0, s>>>(p.part_o, p.part_lse2, out, lse2, rows, D,
-                                                                       splits);
-    check_launch("attention_combine");
-  }
+  attention_delta_kernel<<<ceil_div(rows, 8), dim3(32, 8), 0, s>>>(out, dout, delta, rows, D);
+  check_launch("attention_delta");
+  AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
+  p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
+  p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
+  with_attn_ops<T>(D, precise, [&](auto ops) { attention_bwd_dispatch<decltype(ops)>(p, BH, s); });
 }
 
 // delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads).
@@ -3709,13 +3934,11 @@ void attention_bwd_fused(const float* q, const float* k, const float* v, const f
                          const float* dout, const float* lse2, float* delta, float* dq, float* dk,
                          float* dv, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
                          bool precise, cudaStream_t s) {
-  if (BH == 0 || Sq == 0) return;
-  require_tensor_cores("attention_bwd_fused");
-  const int64_t rows = (int64_t)BH * Sq;
-  attention_delta_kernel<<<ceil_div(rows, 8), dim3(32, 8), 0, s>>>(out, dout, delta, rows, D);
-  check_launch("attention_delta");
-  AttnArgs p = attn_args(Sq, Sk, group, causal, scale);
-  p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
-  p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
-  ATTN_DISPATCH(attention_bwd_dispatch, D, precise, p, BH, s);
+  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, BH, group, Sq, Sk, D, causal, scale, precise, s);
+}
+void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse2, float* delta,
+                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, int BH, int group, int Sq, int Sk,
+                         int D, bool causal, float scale, cudaStream_t s) {
+  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, BH, group, Sq, Sk, D, causal, scale, false, s);
 }

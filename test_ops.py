@@ -4,6 +4,7 @@
     python test_ops.py --only attention         # the cases whose name contains 'attention'
     python test_ops.py --gpu_only --shard 0/3   # GPU cases 0, 3, 6, ... (parallel sanitizer runs)
     python test_ops.py --bench [--json PATH]    # speed against PyTorch (needs a GPU and the build)
+    python test_ops.py --bench --only attention_bf16   # one bench table (names as in --only)
 
 Each case prints one line. A numeric check reads `label max|ours - ref|/tolerance`, where a
 tolerance `a+r|ref|` allows a + r * |ref| per element. References run in float64 where that
@@ -1357,29 +1358,37 @@ def check_bf16(label, ours, twin, ref, tol):
     CHECKS.append(f"{label}(torch) {twin_err:.1e}")
 
 
-def compare_bf16(f, K, grad=True, **inputs):
+def compare_bf16(f, K, grad=True, tol=None, hopper=True, dy=None, **inputs):
     """f(kernels, **inputs) on bf16 inputs against two references: f(REF) in float64 on the same
     bf16-rounded values, and PyTorch's own bf16 op (its twin), through check_bf16. With grad, one
-    bf16 dy goes back through all three and every input's gradient is held to the same."""
-    if not torch.cuda.get_device_capability() == (9, 0):
+    bf16 dy (random unless given) goes back through all three and every float input's gradient is
+    held to the same. tol: bf16_tol(K) unless given, as (atol, rtol) or a dict by 'out' and input
+    name. hopper=False: the op runs from compute capability 8.0 (mma.sync), not only on wgmma. Float
+    inputs already in bf16 reach our op as they are (same memory, strides and offset)."""
+    if hopper and torch.cuda.get_device_capability() != (9, 0):
         raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    tol = bf16_tol(K)
+    if torch.cuda.get_device_capability() < (8, 0):
+        raise Skip("bf16 tensor-core products need compute capability 8.0")
+    tol = tol or bf16_tol(K)
+    tol_of = (lambda n: tol[n]) if isinstance(tol, dict) else (lambda n: tol)
 
     def leaves(dtype):
-        return {n: t.detach().to(torch.bfloat16).to(dtype).requires_grad_(grad) for n, t in inputs.items()}
+        return {n: t.detach().to(torch.bfloat16).to(dtype).requires_grad_(grad) if t.is_floating_point() else t
+                for n, t in inputs.items()}
     ours_in, twin_in, ref_in = leaves(torch.bfloat16), leaves(torch.bfloat16), leaves(torch.float64)
     out, twin, ref = f(kernels, **ours_in), f(REF, **twin_in), f(REF, **ref_in)
     assert out.dtype == torch.bfloat16, f"output dtype {out.dtype}, expected bfloat16"
-    check_bf16("out", out, twin, ref, tol)
+    check_bf16("out", out, twin, ref, tol_of("out"))
     if not grad:
         return
-    dy = torch.randn_like(out)
+    dy = torch.randn_like(out) if dy is None else dy
     for y in (out, twin):
         y.backward(dy)
     ref.backward(dy.double())
-    for n in inputs:
-        assert ours_in[n].grad is not None and ours_in[n].grad.dtype == torch.bfloat16, f"d{n}: no bf16 gradient"
-        check_bf16("d" + n, ours_in[n].grad, twin_in[n].grad, ref_in[n].grad, tol)
+    for n, t in inputs.items():
+        if t.is_floating_point():
+            assert ours_in[n].grad is not None and ours_in[n].grad.dtype == torch.bfloat16, f"d{n}: no bf16 gradient"
+            check_bf16("d" + n, ours_in[n].grad, twin_in[n].grad, ref_in[n].grad, tol_of(n))
 
 
 def t_matmul_bf16(M, K, N, batch=None, a_t=False, b_t=False):
@@ -2091,6 +2100,120 @@ for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1
         kv_heads=_kv)
 
 
+# bf16 attention (fused only), against float64 on the same bf16-rounded inputs and against SDPA in
+# bf16 (check_bf16: ours within tolerance and no less accurate than twice SDPA's error plus atol).
+# P and dS are rounded to bf16 before their products, as in FlashAttention: each term of out = P V
+# and of the gradients carries a relative error up to 2^-9, and every output one bf16 rounding
+# (rtol 2^-8). The gradients sum P or dS terms over many queries or keys, and dk and dv over the
+# group's query heads; q scaled by mag sharpens the softmax and scales dk = dS^T q by mag. dq also
+# carries delta = rowsum(dO * out) from the bf16-rounded out (as FlashAttention's does): its error
+# grows with the scale (relative to 1/sqrt(D)) and with the softmax's sharpness.
+def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
+    g = 1e-2 * math.sqrt(group)
+    return {"out": (4e-3, 2**-8), "q": (1.5 * g * scale_ratio * math.sqrt(mag), 2**-7), "k": (g * mag, 2**-7),
+            "v": (g, 2**-7)}
+
+
+def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None):
+    def qkv(S, heads, m=1):
+        # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
+        return (rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)).bfloat16()
+    Hkv = kv_heads or H
+    q, k, v = qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv)
+    assert not bshd or not q.is_contiguous(), "the bshd case must hand the op a strided view"
+    tol = attn_bf16_tol(mag, H // Hkv, 1.0 if scale is None else scale * math.sqrt(D))
+    compare_bf16(lambda ops, q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), D, tol=tol,
+                 hopper=False, q=q, k=k, v=v)
+
+
+ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
+    (1, 1, 1, 1, 64, False, {}),
+    (2, 3, 1, 1, 32, _C, {}),
+    (2, 3, 17, 17, 32, False, {}),
+    (2, 3, 17, 17, 64, _C, {}),
+    (2, 3, 17, 17, 96, _C, {}),
+    (2, 3, 17, 17, 128, _C, {}),
+    (2, 3, 64, 64, 64, False, {}),
+    (2, 3, 1000, 1000, 32, False, {}),
+    (2, 3, 1000, 1000, 64, _C, {}),
+    (2, 3, 1000, 1000, 96, _C, {}),
+    (2, 3, 1000, 1000, 128, False, {}),
+    (2, 3, 2048, 2048, 64, _C, {}),
+    (1, 2, 2048, 2048, 128, False, {}),
+    (2, 3, 1, 17, 128, False, {}),
+    (2, 3, 1, 1000, 64, _C, {}),
+    (2, 3, 17, 64, 64, _C, {}),
+    (2, 3, 64, 1000, 32, _C, {}),
+    (2, 3, 17, 2048, 128, _C, {}),
+    (2, 3, 64, 2048, 96, False, {}),
+    (2, 3, 1000, 1000, 64, _C, dict(mag=30)),
+    (2, 3, 64, 64, 128, False, dict(mag=30)),
+    (2, 3, 1, 2048, 64, _C, dict(mag=30)),
+    (2, 3, 64, 64, 64, False, dict(scale=0.3)),
+    (2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
+    (2, 8, 17, 17, 64, _C, dict(kv_heads=2)),
+    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
+    (1, 8, 2048, 2048, 128, False, dict(kv_heads=1)),
+    (2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
+    (1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
+    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
+]
+for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
+    _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
+    _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
+    add(_name, t_attention_bf16, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def misaligned_bf16(*shape):
+    t = rand(1 + math.prod(shape)).bfloat16()[1:].view(*shape)
+    assert t.data_ptr() % 16, f"misaligned_bf16({shape}) is 16-byte aligned"
+    return t
+
+
+def t_attention_bf16_misaligned():
+    # q, k, v and dout each start 2 bytes into an allocation (see t_attention_misaligned). The
+    # references get aligned copies: SDPA's bf16 path (cuDNN on Hopper, torch 2.11) fails on these.
+    B, H, S, D = 2, 3, 17, 64
+    seen = {}
+
+    def f(ops, q, k, v):
+        if ops is not kernels:
+            return ops.attention(q.clone(), k.clone(), v.clone()) * 1.0  # * 1.0: an aligned dout too
+        out = ops.attention(q, k, v)
+        seen.update({n: t.data_ptr() % 16 for n, t in (("q", q), ("k", k), ("v", v))})
+        out.register_hook(lambda g: seen.update(dout=g.data_ptr() % 16))
+        return out
+
+    compare_bf16(f, D, tol=attn_bf16_tol(), hopper=False, dy=misaligned_bf16(B, H, S, D),
+                 q=misaligned_bf16(B, H, S, D), k=misaligned_bf16(B, H, S, D), v=misaligned_bf16(B, H, S, D))
+    assert sorted(seen) == ["dout", "k", "q", "v"] and all(seen.values()), f"address mod 16 seen by the op: {seen}"
+    return "q, k, v, dout at address mod 16 = " + ", ".join(str(seen[n]) for n in ("q", "k", "v", "dout"))
+
+
+add("attention/fused-bf16/misaligned_qkv_dout", t_attention_bf16_misaligned)
+
+
+def t_attention_bf16_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
+    # the cache's keys past kv_len hold large values that must not leak in (see t_attention_kv_len)
+    k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
+    k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
+    kv_len = torch.tensor([n_valid], device=DEV)
+    with torch.no_grad():
+        compare_bf16(lambda ops, q, k, v, n: ops.attention(q, k, v, causal=causal, kv_len=n), D, grad=False,
+                     tol=attn_bf16_tol(), hopper=False, q=rand(1, H, Sq, D), k=k, v=v, n=kv_len)
+
+
+# one query per head against caches of 1024 and 8192 keys (the key tiles split over blocks, some
+# seeing no valid key), a few queries, grouped heads, every head size
+for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 1024, 1000, 64, None), (8, 1, 8192, 8000, 128, None),
+                                  (8, 1, 8192, 37, 128, 2), (8, 1, 256, 1, 96, None), (8, 5, 256, 70, 64, 1),
+                                  (3, 17, 100, 17, 32, None), (2, 64, 300, 129, 128, None)):
+    add(f"attention/fused-bf16/kv_len/h{_H}_kv{_kv or _H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_bf16_kv_len,
+        _H, _Sq, _cap, _n, _D, kv_heads=_kv)
+add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_bf16_kv_len, 3, 17, 100, 40, 64,
+    causal=False)
+
+
 def op_sets_same_names():
     # both op sets of train.py expose exactly the kernels module's ops, under the same names
     ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)))
@@ -2254,6 +2377,7 @@ add("empty/linear_0x300_to_64_bias", t_linear, (0,), 300, 64)
 add("empty/matmul_0x256x64", t_matmul, 0, 256, 64)
 add("empty/layernorm_0x768", t_layernorm, (0, 768))
 add("empty/attention_fused_q0k5", t_attention, "fused-fp32", 1, 2, 0, 5, 64, False)
+add("empty/attention_fused-bf16_q0k5", t_attention_bf16, 1, 2, 0, 5, 64, False)
 
 
 def raised_message(exc_type, call, what=""):
@@ -2355,6 +2479,15 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("attention_float64_v", RuntimeError,
      lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).double()),
      ("attention", "v")),
+    ("attention_bf16_q_float32_k", RuntimeError,
+     lambda: kernels.attention(rand(2, 3, 17, 64).bfloat16(), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
+     ("attention", "k", "BFloat16", "like", "q")),
+    ("attention_float32_q_bf16_v", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).bfloat16()),
+     ("attention", "v", "Float", "q")),
+    ("attention_bf16_tiled", ValueError,
+     lambda: kernels.attention(*[t.bfloat16() for t in _qkv(*[(2, 3, 17, 64)] * 3)], mode="tiled"),
+     ("attention", "bfloat16", "fused")),
     ("attention_cpu_q", RuntimeError,
      lambda: kernels.attention(torch.randn(2, 3, 17, 64), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
      ("attention", "q")),
@@ -2850,6 +2983,57 @@ def bench_gqa(rows):
                       *(fmt(ms[n], ".4f") for n in fns), f"{best / ms['fused']:.2f}x", text]), flush=True)
 
 
+ATTN_BF16_BENCH = [  # B, H, Sq, Sk, D, causal, passes
+    *[(4, 8, S, S, 64, c, ("fwd", "fwd+bwd")) for S in (1024, 2048, 4096) for c in (False, True)],
+    (64, 6, 256, 256, 64, True, ("fwd", "fwd+bwd")),  # the large preset's training step
+    *[(4, 8, 1, S, D, True, ("decode",)) for S in (1024, 8192) for D in (64, 128)],  # one new token per head
+]
+
+
+def bench_attention_bf16(rows):
+    """bf16 fused attention against SDPA in bf16 (its default backend) in the same run. Decode rows:
+    one query per head against a cache of Sk keys, kv_len = Sk - 1 (SDPA gets the equivalent mask),
+    rated by the K/V bytes read."""
+    print("\nattention bf16; SDPA = F.scaled_dot_product_attention in bf16, default backend (the repo's causal "
+          "alignment; a mask where it differs from is_causal); SDPA-FA2 = the same restricted to its "
+          "FlashAttention-2 backend (none where that takes no mask: decode)")
+    cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "SDPA/ours",
+            "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+
+    def sdpa(q, k, v, kv_len=None):
+        return train.torch_attention(q, k, v, causal=causal, kv_len=kv_len)
+
+    def sdpa_fa2(q, k, v, kv_len=None):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return sdpa(q, k, v, kv_len)
+    fns = {"sdpa": sdpa, "sdpa-fa2": sdpa_fa2,
+           "ours": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, kv_len=kv_len)}
+    for B, H, Sq, Sk, D, causal, passes in ATTN_BF16_BENCH:
+        q, dout = (rand(B, H, Sq, D).bfloat16() for _ in range(2))
+        k, v = (rand(B, H, Sk, D).bfloat16() for _ in range(2))
+        kv_len = torch.tensor([Sk - 1], device=DEV)
+        for pas in passes:
+            ms, outs = time_attention(fns if pas != "decode" else {n: fns[n] for n in ("sdpa", "ours")}, pas, q, k,
+                                      v, dout, kv_len)
+            ok, text = rel_check(outs["ours"], outs["sdpa"], 2e-2)
+            if pas == "decode":
+                rate, unit = 2 * B * H * Sk * D * 2 / (ms["ours"] * 1e-3) / 1e9, "GB/s"
+            else:  # matmul flops; the backward does 2.5x the forward's
+                flops = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0) * (3.5 if pas == "fwd+bwd" else 1.0)
+                rate, unit = flops / (ms["ours"] * 1e-3) / 1e12, "TFLOP/s"
+            ratio = ms["sdpa"] / ms["ours"]
+            fa2 = ms.get("sdpa-fa2")
+            rows.append(dict(op="attention bf16", shape=f"B{B} H{H} Sq{Sq} Sk{Sk} D{D}", causal=causal,
+                             **{"pass": pas}, sdpa_ms=ms["sdpa"], sdpa_fa2_ms=fa2, ours_ms=ms["ours"],
+                             sdpa_over_ours=ratio, sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
+                             unit=unit, check_ok=ok, check=text))
+            print(md_row([str(B), str(H), str(Sq), str(Sk), str(D), str(causal), pas, f"{ms['sdpa']:.4f}",
+                          fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", f"{ratio:.2f}x",
+                          f"{fa2 / ms['ours']:.2f}x" if fa2 else "-", f"{rate:.1f} {unit}", text]), flush=True)
+
+
 def peak_extra_mb(fn, leaves, dout):
     """Peak memory of one forward+backward above what was allocated before it (inputs excluded)."""
     torch.cuda.synchronize()
@@ -2897,6 +3081,8 @@ def bench_main(json_path):
     if ONLY in "attention":
         bench_attention(rows)
         bench_attention_memory(rows)
+    if ONLY in "attention_bf16":
+        bench_attention_bf16(rows)
     if ONLY in "attention gqa":
         bench_gqa(rows)
     if json_path:
