@@ -3339,7 +3339,7 @@ struct AttnTf32 {
 template <int D_>
 struct AttnBf16 {
   using T = __nv_bfloat16;
-  // Two row tiles per warp where the registers allow (the forward's o and s double).
+  // Two row tiles per forward warp where the registers allow (its o and s double).
   static constexpr int D = D_, LD = smem_row<T, D>(), MT = D <= 64 ? 2 : 1;
   // A: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are a0..a3. B: two n8
   // tiles per ldmatrix, matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are
@@ -3455,10 +3455,10 @@ __device__ __forceinline__ void store_rows(T* out, const float (&acc)[N][4], int
 // queries against a long cache), the key tiles are also split among `splits` blocks per row tile:
 // each writes its rows' output and lse2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
-template <class Ops>
+template <class Ops, int MT>
 __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
   using T = typename Ops::T;
-  constexpr int D = Ops::D, LD = smem_row<T, D>(), MT = Ops::MT, BM = 64 * MT;  // BM rows a block
+  constexpr int D = Ops::D, LD = smem_row<T, D>(), BM = 64 * MT;  // BM rows a block
   extern __shared__ __align__(16) unsigned char attn_smem[];
   T* Qs = reinterpret_cast<T*>(attn_smem);
   T* Ks = Qs + BM * LD;
@@ -3808,13 +3808,19 @@ static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale
   return p;
 }
 
-// Grid: (K/V heads, row blocks of 64 * MT, splits).
+// Grid: (K/V heads, row blocks of 64 * MT, splits). Rows that fit one block of 64 (decoding) take
+// MT = 1: the kernel is then bound by reading K and V, and more blocks fit on an SM.
+template <class Ops, int MT>
+static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
+  using T = typename Ops::T;
+  const size_t smem = (MT + 2) * 64 * smem_row<T, Ops::D>() * sizeof(T);
+  const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
+  launch_attention(attention_fwd_kernel<Ops, MT>, grid, smem, p, s);
+}
 template <class Ops>
 static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
-  using T = typename Ops::T;
-  const size_t smem = (Ops::MT + 2) * 64 * smem_row<T, Ops::D>() * sizeof(T);
-  const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * Ops::MT), splits);
-  launch_attention(attention_fwd_kernel<Ops>, grid, smem, p, s);
+  if (Ops::MT > 1 && (int64_t)p.group * p.Sq > 64) attention_fwd_launch<Ops, Ops::MT>(p, kv_heads, splits, s);
+  else attention_fwd_launch<Ops, 1>(p, kv_heads, splits, s);
 }
 
 // Splits of the key tiles per forward block (see attention_fwd_kernel): 1 when the row tiles alone

@@ -2105,13 +2105,13 @@ for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1
 # P and dS are rounded to bf16 before their products, as in FlashAttention: each term of out = P V
 # and of the gradients carries a relative error up to 2^-9, and every output one bf16 rounding
 # (rtol 2^-8). The gradients sum P or dS terms over many queries or keys, and dk and dv over the
-# group's query heads; q scaled by mag sharpens the softmax and scales dk = dS^T q by mag. dq also
-# carries delta = rowsum(dO * out) from the bf16-rounded out (as FlashAttention's does): its error
-# grows with the scale (relative to 1/sqrt(D)) and with the softmax's sharpness.
+# group's query heads. dS carries delta = rowsum(dO * out) from the bf16-rounded out (as
+# FlashAttention's does) and its own bf16 rounding: its error grows with the scale (relative to
+# 1/sqrt(D)) and with the softmax's sharpness (q scaled by mag); dk = dS^T q carries q's mag on top.
 def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
     g = 1e-2 * math.sqrt(group)
-    return {"out": (4e-3, 2**-8), "q": (1.5 * g * scale_ratio * math.sqrt(mag), 2**-7), "k": (g * mag, 2**-7),
-            "v": (g, 2**-7)}
+    ds = 1.5 * g * scale_ratio * math.sqrt(mag)
+    return {"out": (4e-3, 2**-8), "q": (ds, 2**-7), "k": (ds * mag, 2**-7), "v": (g, 2**-7)}
 
 
 def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None):
