@@ -1084,9 +1084,9 @@ struct AttnShape {
 // q, k, v: float32, or bfloat16 (fused mode), all three alike.
 static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal) {
   const char* op = "attention";
-  check_mm_cuda(op, q, "q", q, "q");
-  check_mm_cuda(op, k, "k", q, "q");
-  check_mm_cuda(op, v, "v", q, "q");
+  check_fp_cuda(op, q, "q", q, "q");
+  check_fp_cuda(op, k, "k", q, "q");
+  check_fp_cuda(op, v, "v", q, "q");
   check_same_device(op, q, "q", k, "k");
   check_same_device(op, q, "q", v, "v");
   check_dim(op, q, "q", 4, "(B, H, Sq, D)");
