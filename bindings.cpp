@@ -88,8 +88,9 @@ void matmul(const float*, const float*, const float*, float*, int, int, int, int
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 size_t matmul_workspace_floats(int, int, int, int);
 bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs);
+size_t matmul_bf16_workspace_floats(int, int, int, int);
 void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*, bool, int, int, int, int,
-                 bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, cudaStream_t);
+                 bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 template <class T>
 void gemv(const T*, const T*, const T*, T*, int, int, int, const int64_t*, int64_t, cudaStream_t);
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
@@ -265,9 +266,11 @@ static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias =
     const Mat A = tma_ready(as_mat(a)), B = tma_ready(as_mat(b));
     const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"),
               N = to_int(op, c.size(2), "N"), K = to_int(op, a.size(2), "K");
+    const size_t ws_floats = matmul_bf16_workspace_floats(batch, M, N, K);
+    Tensor ws = ws_floats ? at::empty({(int64_t)ws_floats}, c.options().dtype(at::kFloat)) : Tensor();
     matmul_bf16(bf16_ptr(A.t), bf16_ptr(B.t), bf16_ptr(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
                 N, K, A.trans, B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride,
-                batch == 1 ? 0 : (int64_t)M * N, alpha, stream());
+                batch == 1 ? 0 : (int64_t)M * N, alpha, ws_ptr(ws), stream());
     return;
   }
   const Mat A = as_mat(a), B = as_mat(b);

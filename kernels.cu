@@ -1808,6 +1808,10 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // 4 stages); each consumer warpgroup owns 64 x 256 of C, 128 fp32 accumulators per thread, and
 // issues m64n256k16 wgmma, accumulating in fp32 like cuBLAS.
 //
+// Split-K: an output of few tiles with a long K (a weight gradient: 1152 x 384 over 16384 tokens is
+// 18 tiles for 132 SMs) is cut along K; each split writes its fp32 partial tile to a workspace, and
+// matmul_bf16_reduce_kernel adds the splits in a fixed order (deterministic), then alpha and bias.
+//
 // Shared-memory layouts (all 1024-byte aligned, 128-byte swizzle):
 //   K-major slab: rows of 64 K values (128 bytes), 8-row groups 1024 bytes apart; a k16 step moves
 //                 the descriptor 32 bytes along the row.
@@ -1828,6 +1832,8 @@ struct Bf16MatmulArgs {
   float alpha;
   bool c_f32, vec_c, a_bcast, b_bcast;
   int batch;
+  int splits, kt_per_split;  // split-K: split s covers K tiles [s * kt_per_split, ...)
+  int64_t split_stride;      // elements between the splits' outputs
 };
 
 // Copies one box of a 3-D tensor map (x fastest) into shared memory; completion counted on bar.
@@ -1865,7 +1871,6 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[128], uint64_t a, uint64_t
 #endif
 }
 
-// TA: A stored K x M (M contiguous); TB: B stored N x K (K contiguous), as in matmul().
 // Tile `work` of a persistent block's share: grouped order within each batch entry, as in matmul_kernel.
 __device__ __forceinline__ void bf16_tile(int work, int tiles_m, int tiles_n, int& tile_m, int& tile_n, int& bz) {
   constexpr int GROUP = 8;
@@ -1876,8 +1881,24 @@ __device__ __forceinline__ void bf16_tile(int work, int tiles_m, int tiles_n, in
   bz = work / per_batch;
 }
 
-// Persistent: a block per SM walks tiles blockIdx.x, + gridDim.x, ... The stage ring runs on across
-// tiles, so the producer loads the next tile while the consumers store this one.
+// What a block computes for work unit u: tile (tile_m, tile_n) of batch entry bz over K tiles
+// [kt0, kt1), split `split`. The splits of one tile are consecutive units.
+struct Bf16Unit {
+  int tile_m, tile_n, bz, split, kt0, kt1;
+};
+
+__device__ __forceinline__ Bf16Unit bf16_unit(const Bf16MatmulArgs& p, int u, int tiles_m, int tiles_n) {
+  Bf16Unit w;
+  w.split = u % p.splits;
+  bf16_tile(u / p.splits, tiles_m, tiles_n, w.tile_m, w.tile_n, w.bz);
+  w.kt0 = w.split * p.kt_per_split;
+  w.kt1 = min(p.ktiles, w.kt0 + p.kt_per_split);
+  return w;
+}
+
+// TA: A stored K x M (M contiguous); TB: B stored N x K (K contiguous), as in matmul().
+// Persistent: a block per SM walks units blockIdx.x, + gridDim.x, ... The stage ring runs on
+// across units, so the producer loads the next tile while the consumers store this one.
 template <bool TA, bool TB>
 __global__ void __launch_bounds__(384, 1)
     matmul_bf16_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -1888,12 +1909,12 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t base = smem_addr(smem);
   const uint32_t full = base + BF_STAGES * BF_STAGE_BYTES, empty = full + 8 * BF_STAGES;
   const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BF_BN - 1) / BF_BN;
-  const int works = tiles_m * tiles_n * p.batch;
+  const int units = tiles_m * tiles_n * p.batch * p.splits;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < BF_STAGES; ++s) {
       mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 8);
+      mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1902,15 +1923,14 @@ __global__ void __launch_bounds__(384, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
     if (threadIdx.x == 0) {
-      int it = 0;  // stages filled so far, over all of this block's tiles
-      for (int work = blockIdx.x; work < works; work += gridDim.x) {
-        int tile_m, tile_n, bz;
-        bf16_tile(work, tiles_m, tiles_n, tile_m, tile_n, bz);
-        const int za = p.a_bcast ? 0 : bz, zb = p.b_bcast ? 0 : bz;
-        const int m0 = tile_m * BF_BM, n0 = tile_n * BF_BN;
-        for (int kt = 0; kt < p.ktiles; ++kt, ++it) {
+      int it = 0;  // stages filled so far, over all of this block's units
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
+        const int za = p.a_bcast ? 0 : w.bz, zb = p.b_bcast ? 0 : w.bz;
+        const int m0 = w.tile_m * BF_BM, n0 = w.tile_n * BF_BN;
+        for (int kt = w.kt0; kt < w.kt1; ++kt, ++it) {
           const int s = it % BF_STAGES, k0 = kt * BF_BK;
-          mbar_wait(empty + 8 * s, ((it / BF_STAGES) & 1) ^ 1);
+          mbar_wait(empty + 8 * s, ((it / BF_STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
           const uint32_t bar = full + 8 * s, a = base + s * BF_STAGE_BYTES, b = a + BF_A_BYTES;
           mbar_expect_bytes(bar, BF_STAGE_BYTES);  // out-of-range parts of a box still count
           if (TA) {
@@ -1926,88 +1946,104 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
-    return;
-  }
-
-  const int half = wg - 1;  // rows 64 * half .. of the block's tile
-  // One stage: 4 wgmma (k16 each) into the accumulators, committed as one group. A tile's first
-  // stage is issued before its loop, so the loop can keep one group in flight while it issues the
-  // next and only then waits for the older one (wait_group 1) and hands its buffers back. Zeroing acc
-  // instead of the first product's scale-d = 0 would make ptxas serialize every wgmma (warning C7515).
-  float acc[128];
-  int it = 0;  // stages consumed so far, as the producer counts them
-  auto issue_stage = [&](int kt) {
-    const int s = (it + kt) % BF_STAGES;
-    mbar_wait(full + 8 * s, ((it + kt) / BF_STAGES) & 1);
-    const uint32_t a = base + s * BF_STAGE_BYTES + half * BF_SLAB, b = base + s * BF_STAGE_BYTES + BF_A_BYTES;
-    wgmma_fence();
+  } else {  // consumers
+    const int half = wg - 1;  // rows 64 * half .. of the block's tile
+    // One stage: 4 wgmma (k16 each) into the accumulators, committed as one group. A unit's first
+    // stage is issued before its loop, so the loop can keep one group in flight while it issues the
+    // next and only then waits for the older one (wait_group 1) and hands its buffers back. Zeroing
+    // acc instead of the first product's scale-d = 0 would make ptxas serialize every wgmma (C7515).
+    float acc[128];
+    int it = 0;  // stages consumed so far, as the producer counts them
+    auto issue_stage = [&](int i) {
+      const int s = (it + i) % BF_STAGES;
+      mbar_wait(full + 8 * s, ((it + i) / BF_STAGES) & 1);
+      const uint32_t a = base + s * BF_STAGE_BYTES + half * BF_SLAB, b = base + s * BF_STAGE_BYTES + BF_A_BYTES;
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BF_BK / 16; ++kk) {
-      const uint64_t da = TA ? smem_desc(a + kk * 2048, BF_SLAB, 1024) : smem_desc(a + kk * 32, 16, 1024);
-      const uint64_t db = TB ? smem_desc(b + kk * 32, 16, 1024) : smem_desc(b + kk * 2048, BF_SLAB, 1024);
-      wgmma_bf16<TA, !TB>(acc, da, db, kt > 0 || kk > 0);
-    }
-    wgmma_commit();
-  };
-  auto release_stage = [&](int kt) {
-    if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * ((it + kt) % BF_STAGES));
-  };
-  for (int work = blockIdx.x; work < works; work += gridDim.x) {
-    int tile_m, tile_n, bz;
-    bf16_tile(work, tiles_m, tiles_n, tile_m, tile_n, bz);
-    if (p.ktiles > 0) {
-      issue_stage(0);
-      for (int kt = 1; kt < p.ktiles; ++kt) {
-        issue_stage(kt);
-        wgmma_wait<1>();
-        release_stage(kt - 1);
+      for (int kk = 0; kk < BF_BK / 16; ++kk) {
+        const uint64_t da = TA ? smem_desc(a + kk * 2048, BF_SLAB, 1024) : smem_desc(a + kk * 32, 16, 1024);
+        const uint64_t db = TB ? smem_desc(b + kk * 32, 16, 1024) : smem_desc(b + kk * 2048, BF_SLAB, 1024);
+        wgmma_bf16<TA, !TB>(acc, da, db, i > 0 || kk > 0);
       }
-      wgmma_wait<0>();
-      release_stage(p.ktiles - 1);
-      it += p.ktiles;
-    } else {  // K == 0: C = bias
-#pragma unroll
-      for (int e = 0; e < 128; ++e) acc[e] = 0.f;
-    }
-
-    // Accumulator layout as in matmul_wgmma_kernel, 32 column groups of 8 instead of 16.
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row0 = tile_m * BF_BM + half * 64 + (threadIdx.x % 128) / 32 * 16 + g;
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = row0 + 8 * h, n = tile_n * BF_BN + 8 * j + 2 * t;
-        if (m >= p.M) continue;
-        float o[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          o[e] = p.alpha * acc[4 * j + 2 * h + e];
-          if (p.bias && n + e < p.N) o[e] += __bfloat162float(p.bias[n + e]);
+      wgmma_commit();
+    };
+    auto release_stage = [&](int i) {
+      if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * ((it + i) % BF_STAGES));
+    };
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
+      const int nk = w.kt1 - w.kt0;
+      if (nk > 0) {
+        issue_stage(0);
+        for (int i = 1; i < nk; ++i) {
+          issue_stage(i);
+          wgmma_wait<1>();
+          release_stage(i - 1);
         }
-        const int64_t off = bz * p.sc + (int64_t)m * p.ldc + n;
-        if (p.c_f32) {
-          float* dst = static_cast<float*>(p.c) + off;
-          if (p.vec_c && n + 1 < p.N) {
-            *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
-          } else {
-            if (n < p.N) dst[0] = o[0];
-            if (n + 1 < p.N) dst[1] = o[1];
-          }
-        } else {
-          __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.c) + off;
-          if (p.vec_c && n + 1 < p.N) {
-            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o[0], o[1]);
-          } else {
-            if (n < p.N) dst[0] = __float2bfloat16_rn(o[0]);
-            if (n + 1 < p.N) dst[1] = __float2bfloat16_rn(o[1]);
-          }
-        }
+        wgmma_wait<0>();
+        release_stage(nk - 1);
+        it += nk;
+      } else {  // K == 0: C = bias
+#pragma unroll
+        for (int e = 0; e < 128; ++e) acc[e] = 0.f;
       }
+
+      // Accumulator layout as in matmul_wgmma_kernel, 32 column groups of 8 instead of 16.
+      const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+      const int row0 = w.tile_m * BF_BM + half * 64 + (threadIdx.x % 128) / 32 * 16 + g;
+      const int64_t c0 = w.split * p.split_stride + w.bz * p.sc;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = row0 + 8 * h, n = w.tile_n * BF_BN + 8 * j + 2 * t;
+          if (m >= p.M) continue;
+          float o[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            o[e] = p.alpha * acc[4 * j + 2 * h + e];
+            if (p.bias && n + e < p.N) o[e] += __bfloat162float(p.bias[n + e]);
+          }
+          const int64_t off = c0 + (int64_t)m * p.ldc + n;
+          if (p.c_f32) {
+            float* dst = static_cast<float*>(p.c) + off;
+            if (p.vec_c && n + 1 < p.N) {
+              *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
+            } else {
+              if (n < p.N) dst[0] = o[0];
+              if (n + 1 < p.N) dst[1] = o[1];
+            }
+          } else {
+            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.c) + off;
+            if (p.vec_c && n + 1 < p.N) {
+              *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o[0], o[1]);
+            } else {
+              if (n < p.N) dst[0] = __float2bfloat16_rn(o[0]);
+              if (n + 1 < p.N) dst[1] = __float2bfloat16_rn(o[1]);
+            }
+          }
+        }
+    }
   }
 #else
   __trap();  // built without sm_90a: the launcher refuses before launching
 #endif
+}
+
+// Split-K's second pass: c = alpha * (split 0 + split 1 + ...) + bias, the fp32 partials (batch x M x
+// N each, contiguous) added in split order so every run gives the same bits.
+__global__ void matmul_bf16_reduce_kernel(const float* part, const __nv_bfloat16* bias, void* c, bool c_f32, int splits,
+                                          int64_t split_stride, int M, int N, int64_t ldc, int64_t sc, float alpha) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x, mn = (int64_t)M * N;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < split_stride; i += stride) {
+    float acc = 0.f;
+    for (int sp = 0; sp < splits; ++sp) acc += part[sp * split_stride + i];
+    const int64_t z = i / mn, m = i % mn / N, n = i % N;
+    const float o = alpha * acc + (bias ? __bfloat162float(bias[n]) : 0.f);
+    const int64_t off = z * sc + m * ldc + n;
+    if (c_f32) static_cast<float*>(c)[off] = o;
+    else static_cast<__nv_bfloat16*>(c)[off] = __float2bfloat16_rn(o);
+  }
 }
 
 #if defined(KERNELS_SM90A)
@@ -2191,18 +2227,52 @@ static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int
 // multiples of 8 elements.
 bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs) { return aligned16(x) && ld % 8 == 0 && bs % 8 == 0; }
 
-// matmul() for bf16 operands: c = alpha * op(A) op(B) + bias, fp32 accumulation, c in bf16 (or fp32
-// when c_f32). Same operand conventions as matmul(); each operand must pass matmul_bf16_operand_ok.
-void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
-                 int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
-                 int64_t sb, int64_t sc, float alpha, cudaStream_t s) {
-  if (batch == 0 || M == 0 || N == 0) return;
-  if (!hopper_wgmma())
-    throw std::runtime_error("matmul: bfloat16 runs on Hopper's wgmma: it needs a compute capability 9.0 GPU and a "
-                             "build with sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a)");
-  if (!matmul_bf16_operand_ok(a, lda, sa) || !matmul_bf16_operand_ok(b, ldb, sb))
-    throw std::runtime_error("matmul: bfloat16 operands need 16-byte aligned rows (leading dims and batch strides "
-                             "multiples of 8 elements)");
+// How matmul_bf16 splits K: splits parts of kt_per_split K tiles each (1 part: no split).
+struct Bf16Plan {
+  int splits, kt_per_split;
+};
+
+static Bf16Plan bf16_plan(int batch, int M, int N, int K, bool has_workspace) {
+  const int ktiles = ceil_div(K, BF_BK);
+  Bf16Plan plan{1, std::max(ktiles, 1)};
+  const int64_t tiles = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, BF_BN) * batch;
+  const int sms = num_sms();
+  // Split K when the tiles fill under half the SMs and K is long (32 K tiles, 2048, or more), each
+  // split keeping at least 8 K tiles (512): shorter ones pay more in partial sums written and read
+  // and a second launch than they gain in busy SMs (measured on an H100: 1024^3, 32 tiles of 16 K
+  // tiles, ran 0.021 ms whole and 0.026 ms in two splits; 384 x 384 over K = 16384 went from 0.162
+  // ms whole to 0.034 ms in 22 splits).
+  if (has_workspace && tiles * 2 <= sms && ktiles >= 32) {
+    const int want = (int)std::min<int64_t>(sms / tiles, ktiles / 8);
+    plan.kt_per_split = ceil_div(ktiles, want);
+    plan.splits = ceil_div(ktiles, plan.kt_per_split);  // no empty split
+  }
+  return plan;
+}
+
+// Floats of workspace matmul_bf16 wants for these sizes (0: it never splits K for them).
+size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K) {
+  const Bf16Plan plan = bf16_plan(batch, M, N, K, true);
+  return plan.splits > 1 ? (size_t)plan.splits * batch * M * N : 0;
+}
+
+// Raises the bf16 kernels' shared-memory limit, once per device.
+static void bf16_raise_smem_limit() {
+  static bool done[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && done[dev]) return;
+  cudaFuncSetAttribute(matmul_bf16_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+  cudaFuncSetAttribute(matmul_bf16_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+  cudaFuncSetAttribute(matmul_bf16_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+  cudaFuncSetAttribute(matmul_bf16_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
+  if (dev >= 0 && dev < 64) done[dev] = true;
+}
+
+static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv_bfloat16* b,
+                        const __nv_bfloat16* bias, void* c, bool c_f32, int batch, int M, int N, int K, bool ta,
+                        bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb, int64_t sc,
+                        float alpha, float* workspace, cudaStream_t s) {
   int dev = 0;
   cudaGetDevice(&dev);
   // The tensor-map encoder is a driver call and needs the device's context current on this thread;
@@ -2212,31 +2282,57 @@ void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bflo
     cudaSetDevice(dev);
     if (dev < 64) bound |= 1ull << dev;
   }
-  static bool smem_set[64] = {};  // per device: raise the kernels' shared-memory limit once
-  if (dev >= 0 && dev < 64 && !smem_set[dev]) {
-    cudaFuncSetAttribute(matmul_bf16_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-    cudaFuncSetAttribute(matmul_bf16_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-    cudaFuncSetAttribute(matmul_bf16_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-    cudaFuncSetAttribute(matmul_bf16_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-    smem_set[dev] = true;
-  }
-  const int64_t c_align = c_f32 ? 8 : 4;
-  const bool vec_c = ldc % 2 == 0 && sc % 2 == 0 && N % 2 == 0 && reinterpret_cast<uintptr_t>(c) % c_align == 0;
+  bf16_raise_smem_limit();
   // With K == 0 nothing is read, and a tensor map of an empty matrix cannot be built: C = bias.
   CUtensorMap ma{}, mb{};
   if (K > 0) {
     ma = ta ? bf16_tile_map(a, M, K, lda, batch, sa, 64) : bf16_tile_map(a, K, M, lda, batch, sa, BF_BM);
     mb = tb ? bf16_tile_map(b, K, N, ldb, batch, sb, BF_BN) : bf16_tile_map(b, N, K, ldb, batch, sb, 64);
   }
-  const Bf16MatmulArgs p{bias, c, M, N, ceil_div(K, BF_BK), ldc, sc, alpha, c_f32, vec_c, sa == 0, sb == 0, batch};
-  const int64_t works = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, BF_BN) * batch;
-  if (works > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
-  const int grid = (int)std::min<int64_t>(works, num_sms());  // persistent: one block per SM
+  Bf16MatmulArgs p{bias, c, M, N, ceil_div(K, BF_BK), ldc, sc, alpha, c_f32, false, sa == 0, sb == 0, batch,
+                   plan.splits, plan.kt_per_split, 0};
+  if (plan.splits > 1) {  // fp32 partial products into the workspace, alpha and bias in the reduction
+    p.bias = nullptr;
+    p.c = workspace;
+    p.c_f32 = true;
+    p.alpha = 1.f;
+    p.ldc = N;
+    p.sc = (int64_t)M * N;
+    p.split_stride = (int64_t)batch * M * N;
+  }
+  const int64_t c_align = p.c_f32 ? 8 : 4;
+  p.vec_c = p.ldc % 2 == 0 && p.sc % 2 == 0 && N % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % c_align == 0;
+  const int64_t units = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, BF_BN) * batch * plan.splits;
+  if (units > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
+  const int grid = (int)std::min<int64_t>(units, num_sms());  // persistent: one block per SM
   if (ta && tb) matmul_bf16_kernel<true, true><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
   else if (ta) matmul_bf16_kernel<true, false><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
   else if (tb) matmul_bf16_kernel<false, true><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
   else matmul_bf16_kernel<false, false><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
   check_launch("matmul (bf16)");
+  if (plan.splits > 1) {
+    const int blocks = (int)std::min<int64_t>(ceil_div(p.split_stride, 256), (int64_t)num_sms() * 8);
+    matmul_bf16_reduce_kernel<<<blocks, 256, 0, s>>>(workspace, bias, c, c_f32, plan.splits, p.split_stride, M, N,
+                                                     ldc, sc, alpha);
+    check_launch("matmul_reduce (bf16)");
+  }
+}
+
+// matmul() for bf16 operands: c = alpha * op(A) op(B) + bias, fp32 accumulation, c in bf16 (or fp32
+// when c_f32). Same operand conventions as matmul(); each operand must pass matmul_bf16_operand_ok.
+// workspace: matmul_bf16_workspace_floats(...) floats, or nullptr (then K is never split).
+void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
+                 int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
+                 int64_t sb, int64_t sc, float alpha, float* workspace, cudaStream_t s) {
+  if (batch == 0 || M == 0 || N == 0) return;
+  if (!hopper_wgmma())
+    throw std::runtime_error("matmul: bfloat16 runs on Hopper's wgmma: it needs a compute capability 9.0 GPU and a "
+                             "build with sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a)");
+  if (!matmul_bf16_operand_ok(a, lda, sa) || !matmul_bf16_operand_ok(b, ldb, sb))
+    throw std::runtime_error("matmul: bfloat16 operands need 16-byte aligned rows (leading dims and batch strides "
+                             "multiples of 8 elements)");
+  bf16_launch(bf16_plan(batch, M, N, K, workspace != nullptr), a, b, bias, c, c_f32, batch, M, N, K, ta, tb, lda, ldb,
+              ldc, sa, sb, sc, alpha, workspace, s);
 }
 
 // ------------------------------------------------------------------------------------------------

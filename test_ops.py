@@ -1417,7 +1417,13 @@ add("matmul_bf16/130x520x260_aT_bT", t_matmul_bf16, 130, 520, 260, a_t=True, b_t
 # more tiles than SMs: each persistent block walks several tiles (and batch entries), its stage ring
 # (4 stages, 5 K steps a tile) wrapping in the middle of a tile
 add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
-for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False)):
+# split-K (few tiles, long K): 8 splits of 2 tiles, the lower one 2 rows tall, the last split shorter
+# (2 of 65 K tiles); a batch of M-major A split 5 ways (300x2048x200 above splits 4 ways)
+add("matmul_bf16/130x4100x72", t_matmul_bf16, 130, 4100, 72)
+add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=True)
+# (4, 2000) rows: the weight gradient is 200 x 96 over K = 8000, split along K
+for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
+                             ((4, 2000), 96, 200, True)):
     add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
         bias=_bias)
 
@@ -2786,11 +2792,15 @@ def bench_ops(rows):
         n = 4096
         bench_op(rows, "matmul bf16", f"{n}x{n}x{n} a@b.T", "fwd", lambda ops, a, b: ops.matmul(a, b.t()),
                  [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
-        M, K, N = 16384, 768, 3072  # the large preset's MLP up-projection; bwd: dx (N-major B), dW (M-major A)
-        bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "fwd", lambda ops, x, w, b: ops.linear(x, w, b),
-                 [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 2 * M * K * N, "TFLOP/s", tol=2e-2)
-        bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "bwd", lambda ops, x, w, b: ops.linear(x, w, b),
-                 [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 4 * M * K * N, "TFLOP/s", tol=2e-2)
+        # 768 -> 3072: an MLP up-projection of width 768; then the char GPT's large preset (width 384,
+        # 16384 tokens a step): qkv, attention out, MLP up and down. bwd: dx (N-major B) and dW (M-major
+        # A, K = the tokens: few output tiles, split along K).
+        for M, K, N in ((16384, 768, 3072), (16384, 384, 1152), (16384, 384, 384), (16384, 384, 1536),
+                        (16384, 1536, 384)):
+            bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "fwd", lambda ops, x, w, b: ops.linear(x, w, b),
+                     [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 2 * M * K * N, "TFLOP/s", tol=2e-2)
+            bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "bwd", lambda ops, x, w, b: ops.linear(x, w, b),
+                     [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 4 * M * K * N, "TFLOP/s", tol=2e-2)
     bench_bf16_row_ops(rows)
     for R, C in ((8192, 768), (16384, 4096)):
         x, w, b = rand(R, C), rand(C), rand(C)
