@@ -100,7 +100,7 @@ __device__ __forceinline__ float row_reduce(float v, float* red) {
 
 // 16 bytes of T as floats, and back: 4 fp32 or 8 bf16 values (bf16 rounds to nearest even).
 template <class T>
-constexpr int per16() { return 16 / (int)sizeof(T); }
+__host__ __device__ constexpr int per16() { return 16 / (int)sizeof(T); }
 __device__ __forceinline__ void unpack16(const float4& raw, float (&v)[4]) { v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w; }
 __device__ __forceinline__ void unpack16(const float4& raw, float (&v)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -3287,7 +3287,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Elements of a shared-memory row holding D of them: one 16-byte chunk of padding.
 template <class T, int D>
-constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
+__host__ __device__ constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
 
 // Rows [r0, r0 + ROWS) of a (S, D) matrix into smem rows of smem_row elements; rows >= S become zeros.
 template <int ROWS, int D, class T>
