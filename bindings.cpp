@@ -1249,7 +1249,7 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
 // ---- module -----------------------------------------------------------------------------------
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Hand-written CUDA kernels for transformer training and inference (fp32).";
+  m.doc() = "Hand-written CUDA kernels for transformer training and inference (fp32 and bf16).";
   m.def("linear", &linear, "y = x @ weight.T + bias, like F.linear", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
   m.def("matmul", &matmul_op, "a @ b for 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N)", py::arg("a"),

@@ -1,7 +1,8 @@
-// kernels.cu: every CUDA kernel of the repo and its host launcher. Tensors are fp32; matmul and
-// fused attention multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy (matmul
-// through wgmma on Hopper, mma.sync elsewhere and for small products). On Hopper, matmul also
-// takes bf16 (fp32 accumulation), the first part of a bf16 op set.
+// kernels.cu: every CUDA kernel of the repo and its host launcher. Tensors are fp32 or bf16 (bf16
+// values, fp32 arithmetic: widened on load, rounded once on store). fp32 matmul and fused attention
+// multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy (matmul through wgmma on
+// Hopper, mma.sync elsewhere and for small products); bf16 ones in bf16 with fp32 accumulation
+// (matmul through wgmma, Hopper only; attention on mma.sync).
 //
 // Sections, top to bottom:
 //   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
