@@ -172,7 +172,6 @@ template <class T>
 static T* ptr(const Tensor& t) {
   return t.defined() ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
 }
-static bf16* bf16_ptr(const Tensor& t) { return ptr<bf16>(t); }
 
 // Calls f with a value of the element type of dtype: float{} or bf16{} (launchers are templates on it).
 template <class F>
@@ -268,7 +267,7 @@ static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias =
               N = to_int(op, c.size(2), "N"), K = to_int(op, a.size(2), "K");
     const size_t ws_floats = matmul_bf16_workspace_floats(batch, M, N, K);
     Tensor ws = ws_floats ? at::empty({(int64_t)ws_floats}, c.options().dtype(at::kFloat)) : Tensor();
-    matmul_bf16(bf16_ptr(A.t), bf16_ptr(B.t), bf16_ptr(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
+    matmul_bf16(ptr<bf16>(A.t), ptr<bf16>(B.t), ptr<bf16>(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
                 N, K, A.trans, B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride,
                 batch == 1 ? 0 : (int64_t)M * N, alpha, ws_ptr(ws), stream());
     return;
@@ -1136,7 +1135,7 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
-    attention_fwd_fused(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), bf16_ptr(out), lse2.data_ptr<float>(), BH, s.group(),
+    attention_fwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), BH, s.group(),
                         (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, n, ws_ptr(ws), stream());
   else
     attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
@@ -1169,8 +1168,8 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     const bool causal = ctx->saved_data["causal"].toBool();
     const float scale = (float)ctx->saved_data["scale"].toDouble();
     if (q.scalar_type() == at::kBFloat16)
-      attention_bwd_fused(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), bf16_ptr(out), bf16_ptr(dout), lse2.data_ptr<float>(),
-                          delta.data_ptr<float>(), bf16_ptr(dq), bf16_ptr(dk), bf16_ptr(dv), BH, group, Sq, Sk, D,
+      attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout), lse2.data_ptr<float>(),
+                          delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk), ptr<bf16>(dv), BH, group, Sq, Sk, D,
                           causal, scale, stream());
     else
       attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),

@@ -1366,6 +1366,16 @@ struct MatmulArgs {
   int64_t split_stride;
 };
 
+// Tile pid of a tiles_m x tiles_n grid in grouped order: GROUP consecutive blocks share B's columns
+// while walking rows of A, so the tiles they read are still in L2. All three matmul kernels use it.
+__device__ __forceinline__ void grouped_tile(int pid, int tiles_m, int tiles_n, int& tile_m, int& tile_n) {
+  constexpr int GROUP = 8;
+  const int per_group = GROUP * tiles_n;
+  const int first_m = (pid / per_group) * GROUP, group_m = min(tiles_m - first_m, GROUP);
+  tile_m = first_m + (pid % per_group) % group_m;
+  tile_n = (pid % per_group) / group_m;
+}
+
 template <int BM, int BN, int NT, bool TA, bool TB, int VEC>
 __global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArgs p) {
   constexpr int BK = 16, PAD = BK + 4;
@@ -1374,15 +1384,9 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArg
   __shared__ __align__(16) float As[2][BM][PAD];
   __shared__ __align__(16) float Bs[2][BN][PAD];
 
-  // Grouped tile order: GROUP consecutive blocks share B's columns while walking rows of A, so
-  // the tiles they read are still in L2.
-  constexpr int GROUP = 8;
   const int tiles_m = (p.M + BM - 1) / BM, tiles_n = (p.N + BN - 1) / BN;
-  const int pid = blockIdx.x, per_group = GROUP * tiles_n;
-  const int first_m = (pid / per_group) * GROUP;
-  const int group_m = min(tiles_m - first_m, GROUP);
-  const int tile_m = first_m + (pid % per_group) % group_m;
-  const int tile_n = (pid % per_group) / group_m;
+  int tile_m, tile_n;
+  grouped_tile(blockIdx.x, tiles_m, tiles_n, tile_m, tile_n);
   const int m0 = tile_m * BM, n0 = tile_n * BN;
 
   const int bz = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
@@ -1710,11 +1714,9 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
   const uint32_t base = smem_addr(smem);
   const uint32_t full = base + WG_STAGES * WG_STAGE_BYTES, empty = full + 8 * WG_STAGES;  // mbarrier arrays
 
-  constexpr int GROUP = 8;  // grouped tile order, as in matmul_kernel
   const int tiles_m = (p.M + WG_BM - 1) / WG_BM, tiles_n = (p.N + WG_BN - 1) / WG_BN;
-  const int pid = blockIdx.x, per_group = GROUP * tiles_n;
-  const int first_m = (pid / per_group) * GROUP, group_m = min(tiles_m - first_m, GROUP);
-  const int tile_m = first_m + (pid % per_group) % group_m, tile_n = (pid % per_group) / group_m;
+  int tile_m, tile_n;
+  grouped_tile(blockIdx.x, tiles_m, tiles_n, tile_m, tile_n);
   const int bz = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
   const int kt0 = split * p.kt_per_split, kt1 = min(p.ktiles, kt0 + p.kt_per_split);
 
@@ -1872,13 +1874,10 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[128], uint64_t a, uint64_t
 #endif
 }
 
-// Tile `work` of a persistent block's share: grouped order within each batch entry, as in matmul_kernel.
+// Tile `work` of a persistent block's share: grouped order within each batch entry.
 __device__ __forceinline__ void bf16_tile(int work, int tiles_m, int tiles_n, int& tile_m, int& tile_n, int& bz) {
-  constexpr int GROUP = 8;
-  const int per_batch = tiles_m * tiles_n, pid = work % per_batch, per_group = GROUP * tiles_n;
-  const int first_m = (pid / per_group) * GROUP, group_m = min(tiles_m - first_m, GROUP);
-  tile_m = first_m + (pid % per_group) % group_m;
-  tile_n = (pid % per_group) / group_m;
+  const int per_batch = tiles_m * tiles_n;
+  grouped_tile(work % per_batch, tiles_m, tiles_n, tile_m, tile_n);
   bz = work / per_batch;
 }
 
