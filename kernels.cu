@@ -27,6 +27,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 // ------------------------------------------------------------------------------------------------
 // helpers
@@ -711,31 +712,60 @@ void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, T
 // ------------------------------------------------------------------------------------------------
 // column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm; dw alone
 // for RMSNorm (mean == nullptr: xhat = x * rstd; db == nullptr: no bias); db alone for the bias
-// gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 columns into a
-// partial row; pass 2 adds the partial rows in a fixed order. No atomics, same bits every run.
+// gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 units of columns
+// (VEC = 4 columns a unit when rows allow 4-wide loads, as in the row kernels) into a partial row;
+// pass 2 adds the partial rows in a fixed order. No atomics, same bits every run. The row loop
+// loads four rows before it adds any: one narrow load at a time left the kernel waiting on memory
+// (a 16384 x 1536 bf16 bias gradient ran at a quarter of the copy rate).
 
-template <bool LN, class TG, class TX>
-__global__ void colsum_partial_kernel(const TG* dy, const TX* x, const float* mean,
-                                      const float* rstd, float* part_w, float* part_b, int R, int C,
-                                      int chunk) {
-  __shared__ float sw[8][33], sb[8][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
+template <bool LN, int VEC, class TG, class TX>
+__global__ void __launch_bounds__(256) colsum_partial_kernel(const TG* dy, const TX* x, const float* mean,
+                                                              const float* rstd, float* part_w, float* part_b, int R,
+                                                              int C, int chunk) {
+  __shared__ float sw[8][VEC][33], sb[8][VEC][33];
+  const int u = blockIdx.x * 32 + threadIdx.x;  // this thread's unit of columns
   const int r0 = blockIdx.y * chunk, r1 = min(R, r0 + chunk);
-  float aw = 0.f, ab = 0.f;
-  if (c < C) {
-    for (int r = r0 + threadIdx.y; r < r1; r += 8) {
-      float g = to_float(dy[(int64_t)r * C + c]);
-      ab += g;
-      if (LN) aw += g * (to_float(x[(int64_t)r * C + c]) - (mean ? mean[r] : 0.f)) * rstd[r];
+  float aw[VEC] = {}, ab[VEC] = {};
+  // Adds rows r, r + 8, ... (NR of them, all < r1) in that order.
+  auto add_rows = [&](int r, auto nr) {
+    constexpr int NR = decltype(nr)::value;
+    float g[NR][VEC], xv[NR][VEC];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      load_unit<VEC>(dy + (int64_t)(r + 8 * i) * C, u, C, g[i], 0.f);
+      if (LN) load_unit<VEC>(x + (int64_t)(r + 8 * i) * C, u, C, xv[i], 0.f);
     }
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const float mu = LN && mean ? mean[r + 8 * i] : 0.f, rs = LN ? rstd[r + 8 * i] : 0.f;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        ab[v] += g[i][v];
+        if (LN) aw[v] += g[i][v] * (xv[i][v] - mu) * rs;
+      }
+    }
+  };
+  if (u * VEC < C) {
+    int r = r0 + threadIdx.y;
+    for (; r + 24 < r1; r += 32) add_rows(r, std::integral_constant<int, 4>());
+    for (; r < r1; r += 8) add_rows(r, std::integral_constant<int, 1>());
   }
-  sw[threadIdx.y][threadIdx.x] = aw;
-  sb[threadIdx.y][threadIdx.x] = ab;
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) {
+    sw[threadIdx.y][v][threadIdx.x] = aw[v];
+    sb[threadIdx.y][v][threadIdx.x] = ab[v];
+  }
   __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    for (int i = 1; i < 8; ++i) { aw += sw[i][threadIdx.x]; ab += sb[i][threadIdx.x]; }
-    if (LN) part_w[(int64_t)blockIdx.y * C + c] = aw;
-    if (part_b) part_b[(int64_t)blockIdx.y * C + c] = ab;
+  if (threadIdx.y == 0) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const int c = u * VEC + v;
+      if (c >= C) break;
+      float w = aw[v], b = ab[v];
+      for (int i = 1; i < 8; ++i) { w += sw[i][v][threadIdx.x]; b += sb[i][v][threadIdx.x]; }
+      if (LN) part_w[(int64_t)blockIdx.y * C + c] = w;
+      if (part_b) part_b[(int64_t)blockIdx.y * C + c] = b;
+    }
   }
 }
 
@@ -748,10 +778,11 @@ __global__ void colsum_finish_kernel(const float* part, T* out, int nchunk, int 
   out[c] = from_float<T>(acc);
 }
 
-// Number of row chunks; the caller allocates nchunk * C floats per partial buffer.
+// Number of row chunks; the caller allocates nchunk * C floats per partial buffer. About 4 blocks
+// per SM when the columns go 4 to a thread (128 to a block).
 int colsum_chunks(int R, int C) {
   if (R <= 0 || C <= 0) return 1;
-  int colblocks = ceil_div(C, 32);
+  int colblocks = ceil_div(C, 128);
   int want = std::max(1, 4 * num_sms() / colblocks);
   int nchunk = std::min(std::max(1, ceil_div(R, 32)), want);
   int chunk = ceil_div(R, nchunk);
@@ -765,9 +796,12 @@ static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean,
   if (C == 0) return;
   int nchunk = colsum_chunks(R, C);
   int chunk = R == 0 ? 1 : ceil_div(R, nchunk);
-  dim3 grid(ceil_div(C, 32), nchunk), block(32, 8);
-  if (ln) colsum_partial_kernel<true, TG, TX><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
-  else colsum_partial_kernel<false, TG, TX><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  const bool vec = C % 4 == 0 && aligned16(dy) && aligned16(x);
+  const dim3 grid(ceil_div(C, vec ? 128 : 32), nchunk), block(32, 8);
+  if (ln && vec) colsum_partial_kernel<true, 4><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  else if (ln) colsum_partial_kernel<true, 1><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  else if (vec) colsum_partial_kernel<false, 4><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
+  else colsum_partial_kernel<false, 1><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
   if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
   if (db) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
@@ -1807,9 +1841,18 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // caller's tensor into shared memory in the 128-byte-swizzled layout wgmma reads, filling zeros
 // past the matrix edges. So the producer issues per stage one copy per 64-wide slab of each
 // operand, from tensor maps built on the host; the rest is the TF32 kernel's pipeline: an mbarrier
-// ring, one producer warpgroup, two consumer warpgroups. Block tile 128 x 256 x 64 (48 KB a stage,
-// 4 stages); each consumer warpgroup owns 64 x 256 of C, 128 fp32 accumulators per thread, and
-// issues m64n256k16 wgmma, accumulating in fp32 like cuBLAS.
+// ring, one producer warpgroup, two consumer warpgroups. Block tile 128 x BN x 64, 4 stages; each
+// consumer warpgroup owns 64 x BN of C, BN / 2 fp32 accumulators per thread, and issues m64nBNk16
+// wgmma, accumulating in fp32 like cuBLAS. BN is 256, or 192 where that pads N less (384, 1152:
+// the large preset's widths, which 256 would pad by a third and a ninth).
+//
+// Epilogue: a consumer warpgroup writes its 64 x BN of C in 64 x 64 pieces into shared memory
+// (swizzled like the operands, so the stores are free of bank conflicts) and one thread hands each
+// piece to the copy engine (a TMA store, clipped at the matrix edges), then the warpgroup goes on to
+// its next tile while the store drains. Two buffers per warpgroup: a piece waits only for the store
+// two pieces back. Stores straight from registers write 16 bytes per row per instruction and keep the
+// tensor cores idle for as long (a third of the time of a K = 384 tile); they remain for fp32 outputs
+// (split-K partials) and outputs a tensor map cannot address.
 //
 // Split-K: an output of few tiles with a long K (a weight gradient: 1152 x 384 over 16384 tokens is
 // 18 tiles for 132 SMs) is cut along K; each split writes its fp32 partial tile to a workspace, and
@@ -1821,11 +1864,14 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 //   M/N-major slab: 64 K-rows of 64 M (or N) values, 8 K-rows per 1024 bytes; a k16 step moves it
 //                 two groups (2048 bytes); slabs for the next 64 of N sit 8192 bytes apart.
 
-constexpr int BF_BM = 128, BF_BN = 256, BF_BK = 64, BF_STAGES = 4;
-constexpr int BF_SLAB = 64 * BF_BK * 2;                          // one 64 x 64 bf16 slab (8 KB)
-constexpr int BF_A_BYTES = BF_BM * BF_BK * 2, BF_B_BYTES = BF_BN * BF_BK * 2;  // 16 KB, 32 KB
-constexpr int BF_STAGE_BYTES = BF_A_BYTES + BF_B_BYTES;
-constexpr int BF_SMEM = BF_STAGES * BF_STAGE_BYTES + 1024 + 2 * BF_STAGES * 8;
+constexpr int BF_BM = 128, BF_BK = 64, BF_STAGES = 4;
+constexpr int BF_SLAB = 64 * BF_BK * 2;     // one 64 x 64 bf16 slab (8 KB); also one epilogue piece
+constexpr int BF_A_BYTES = BF_BM * BF_BK * 2;  // 16 KB
+constexpr int BF_OUT_BYTES = 2 * 2 * BF_SLAB;  // epilogue: two pieces per consumer warpgroup
+__host__ __device__ constexpr int bf_stage_bytes(int bn) { return BF_A_BYTES + bn * BF_BK * 2; }  // 48 KB at 256
+__host__ __device__ constexpr int bf_smem(int bn) {
+  return BF_STAGES * bf_stage_bytes(bn) + BF_OUT_BYTES + 1024 + 2 * BF_STAGES * 8;  // 225 KB at 256
+}
 
 struct Bf16MatmulArgs {
   const __nv_bfloat16* bias;
@@ -1833,7 +1879,7 @@ struct Bf16MatmulArgs {
   int M, N, ktiles;
   int64_t ldc, sc;
   float alpha;
-  bool c_f32, vec_c, a_bcast, b_bcast;
+  bool c_f32, vec_c, c_tma, a_bcast, b_bcast;  // c_tma: bf16 C written through map_c
   int batch;
   int splits, kt_per_split;  // split-K: split s covers K tiles [s * kt_per_split, ...)
   int64_t split_stride;      // elements between the splits' outputs
@@ -1848,30 +1894,77 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// d (64 x 256 over the warpgroup) += a (64 x 16) * b (16 x 256), bf16 in, fp32 accumulate.
+// d (64 x BN over the warpgroup) += a (64 x 16) * b (16 x BN), bf16 in, fp32 accumulate; BN 256 or 192.
 // TA / TB: the operand is M- / N-major in shared memory (the transpose bits).
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
-#ifdef WG_ENABLED
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, %130, %131;\n}\n"
 #define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
-      : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56), WG_D8(64), WG_D8(72),
-        WG_D8(80), WG_D8(88), WG_D8(96), WG_D8(104), WG_D8(112), WG_D8(120)
-#undef WG_D8
-      : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+#define WG_D32(i) WG_D8(i), WG_D8(i + 8), WG_D8(i + 16), WG_D8(i + 24)
+#define WG_R16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
+  "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m \
+  ", %" #n ", %" #o ", %" #p
+template <int TA, int TB, int BN>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[BN / 2], uint64_t a, uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  static_assert(BN == 256 || BN == 192, "wgmma_bf16: BN is 256 or 192");
+  if constexpr (BN == 256) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                        14, 15) ", "
+        WG_R16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "
+        WG_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "
+        WG_R16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63) ", "
+        WG_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", "
+        WG_R16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95) ", "
+        WG_R16(96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111) ", "
+        WG_R16(112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127) "}, "
+        "%128, %129, p, 1, 1, %130, %131;\n}\n"
+        : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %100, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" WG_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                        14, 15) ", "
+        WG_R16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "
+        WG_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "
+        WG_R16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63) ", "
+        WG_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", "
+        WG_R16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95) "}, "
+        "%96, %97, p, 1, 1, %98, %99;\n}\n"
+        : WG_D32(0), WG_D32(32), WG_D32(64)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  }
 #endif
+}
+#undef WG_R16
+#undef WG_D32
+#undef WG_D8
+
+// The epilogue's copy-engine store: one box of shared memory to a 3-D tensor map (clipped at the
+// tensor's edges), committed as its own bulk group.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+      "cp.async.bulk.commit_group;" ::"l"(map),
+      "r"(src), "r"(x), "r"(y), "r"(z)
+      : "memory");
+}
+
+// Wait until at most n of this thread's bulk groups still read shared memory.
+template <int n>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(n) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Makes this thread's ordinary shared-memory stores visible to the copy engine (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Barrier over `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Tile `work` of a persistent block's share: grouped order within each batch entry.
@@ -1899,16 +1992,17 @@ __device__ __forceinline__ Bf16Unit bf16_unit(const Bf16MatmulArgs& p, int u, in
 // TA: A stored K x M (M contiguous); TB: B stored N x K (K contiguous), as in matmul().
 // Persistent: a block per SM walks units blockIdx.x, + gridDim.x, ... The stage ring runs on
 // across units, so the producer loads the next tile while the consumers store this one.
-template <bool TA, bool TB>
+template <bool TA, bool TB, int BN>
 __global__ void __launch_bounds__(384, 1)
     matmul_bf16_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                       Bf16MatmulArgs p) {
+                       const __grid_constant__ CUtensorMap map_c, Bf16MatmulArgs p) {
 #ifdef WG_ENABLED
+  constexpr int STAGE_BYTES = bf_stage_bytes(BN);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t base = smem_addr(smem);
-  const uint32_t full = base + BF_STAGES * BF_STAGE_BYTES, empty = full + 8 * BF_STAGES;
-  const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BF_BN - 1) / BF_BN;
+  const uint32_t base = smem_addr(smem), out_base = base + BF_STAGES * STAGE_BYTES;
+  const uint32_t full = out_base + BF_OUT_BYTES, empty = full + 8 * BF_STAGES;
+  const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BN - 1) / BN;
   const int units = tiles_m * tiles_n * p.batch * p.splits;
 
   if (threadIdx.x == 0) {
@@ -1927,12 +2021,12 @@ __global__ void __launch_bounds__(384, 1)
       for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
         const int za = p.a_bcast ? 0 : w.bz, zb = p.b_bcast ? 0 : w.bz;
-        const int m0 = w.tile_m * BF_BM, n0 = w.tile_n * BF_BN;
+        const int m0 = w.tile_m * BF_BM, n0 = w.tile_n * BN;
         for (int kt = w.kt0; kt < w.kt1; ++kt, ++it) {
           const int s = it % BF_STAGES, k0 = kt * BF_BK;
           mbar_wait(empty + 8 * s, ((it / BF_STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
-          const uint32_t bar = full + 8 * s, a = base + s * BF_STAGE_BYTES, b = a + BF_A_BYTES;
-          mbar_expect_bytes(bar, BF_STAGE_BYTES);  // out-of-range parts of a box still count
+          const uint32_t bar = full + 8 * s, a = base + s * STAGE_BYTES, b = a + BF_A_BYTES;
+          mbar_expect_bytes(bar, STAGE_BYTES);  // out-of-range parts of a box still count
           if (TA) {
             for (int h = 0; h < BF_BM / 64; ++h) tma_load(a + h * BF_SLAB, &map_a, m0 + 64 * h, k0, za, bar);
           } else {
@@ -1941,7 +2035,7 @@ __global__ void __launch_bounds__(384, 1)
           if (TB) {
             tma_load(b, &map_b, k0, n0, zb, bar);
           } else {
-            for (int j = 0; j < BF_BN / 64; ++j) tma_load(b + j * BF_SLAB, &map_b, n0 + 64 * j, k0, zb, bar);
+            for (int j = 0; j < BN / 64; ++j) tma_load(b + j * BF_SLAB, &map_b, n0 + 64 * j, k0, zb, bar);
           }
         }
       }
@@ -1952,24 +2046,29 @@ __global__ void __launch_bounds__(384, 1)
     // stage is issued before its loop, so the loop can keep one group in flight while it issues the
     // next and only then waits for the older one (wait_group 1) and hands its buffers back. Zeroing
     // acc instead of the first product's scale-d = 0 would make ptxas serialize every wgmma (C7515).
-    float acc[128];
+    float acc[BN / 2];
     int it = 0;  // stages consumed so far, as the producer counts them
     auto issue_stage = [&](int i) {
       const int s = (it + i) % BF_STAGES;
       mbar_wait(full + 8 * s, ((it + i) / BF_STAGES) & 1);
-      const uint32_t a = base + s * BF_STAGE_BYTES + half * BF_SLAB, b = base + s * BF_STAGE_BYTES + BF_A_BYTES;
+      const uint32_t a = base + s * STAGE_BYTES + half * BF_SLAB, b = base + s * STAGE_BYTES + BF_A_BYTES;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BF_BK / 16; ++kk) {
         const uint64_t da = TA ? smem_desc(a + kk * 2048, BF_SLAB, 1024) : smem_desc(a + kk * 32, 16, 1024);
         const uint64_t db = TB ? smem_desc(b + kk * 32, 16, 1024) : smem_desc(b + kk * 2048, BF_SLAB, 1024);
-        wgmma_bf16<TA, !TB>(acc, da, db, i > 0 || kk > 0);
+        wgmma_bf16<TA, !TB, BN>(acc, da, db, i > 0 || kk > 0);
       }
       wgmma_commit();
     };
     auto release_stage = [&](int i) {
       if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * ((it + i) % BF_STAGES));
     };
+    // Accumulator layout as in matmul_wgmma_kernel, BN / 8 column groups of 8: thread (warp, g, t)
+    // holds rows 16 * warp + g + 8h of the warpgroup's 64 and columns 8j + 2t, +1, in acc[4j + 2h + e].
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp = threadIdx.x % 128 / 32;
+    const bool leader = threadIdx.x % 128 == 0;  // issues this warpgroup's epilogue stores
+    int pieces = 0;                              // epilogue pieces this warpgroup has stored
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
       const int nk = w.kt1 - w.kt0;
@@ -1985,45 +2084,74 @@ __global__ void __launch_bounds__(384, 1)
         it += nk;
       } else {  // K == 0: C = bias
 #pragma unroll
-        for (int e = 0; e < 128; ++e) acc[e] = 0.f;
+        for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
       }
 
-      // Accumulator layout as in matmul_wgmma_kernel, 32 column groups of 8 instead of 16.
-      const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-      const int row0 = w.tile_m * BF_BM + half * 64 + (threadIdx.x % 128) / 32 * 16 + g;
+      const int m_tile = w.tile_m * BF_BM + half * 64, n_tile = w.tile_n * BN;
+      // alpha * acc + bias for the pair at column group j, row half h (column n_tile + 8j + 2t).
+      auto result = [&](int j, int h) {
+        const int n = n_tile + 8 * j + 2 * t;
+        float o[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          o[e] = p.alpha * acc[4 * j + 2 * h + e];
+          if (p.bias && n + e < p.N) o[e] += __bfloat162float(p.bias[n + e]);
+        }
+        return make_float2(o[0], o[1]);
+      };
+      if (p.c_tma) {
+        // Piece q: columns 64q .. 64q + 63 of the warpgroup's 64 x BN, 128-byte rows whose 16-byte
+        // chunks sit at (chunk ^ row % 8), the layout map_c's swizzle reads. A warp's store covers
+        // 8 rows (g) x one chunk, the chunks all different: no bank conflicts.
+#pragma unroll
+        for (int q = 0; q < BN / 64; ++q, ++pieces) {
+          const uint32_t buf = out_base + (2 * half + pieces % 2) * BF_SLAB;
+          if (leader) bulk_wait_read<1>();  // the store two pieces back has read this buffer
+          named_sync(1 + half, 128);
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float2 o = result(8 * q + jj, h);
+              const __nv_bfloat162 v = __floats2bfloat162_rn(o.x, o.y);
+              const uint32_t dst = buf + (16 * warp + g + 8 * h) * 128 + ((jj ^ g) << 4) + 4 * t;
+              asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst), "r"(*reinterpret_cast<const uint32_t*>(&v)));
+            }
+          fence_proxy_async();
+          named_sync(1 + half, 128);
+          if (leader) tma_store(&map_c, buf, n_tile + 64 * q, m_tile, w.bz);
+        }
+        continue;
+      }
       const int64_t c0 = w.split * p.split_stride + w.bz * p.sc;
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
+      for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int m = row0 + 8 * h, n = w.tile_n * BF_BN + 8 * j + 2 * t;
+          const int m = m_tile + 16 * warp + g + 8 * h, n = n_tile + 8 * j + 2 * t;
           if (m >= p.M) continue;
-          float o[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            o[e] = p.alpha * acc[4 * j + 2 * h + e];
-            if (p.bias && n + e < p.N) o[e] += __bfloat162float(p.bias[n + e]);
-          }
+          const float2 o = result(j, h);
           const int64_t off = c0 + (int64_t)m * p.ldc + n;
           if (p.c_f32) {
             float* dst = static_cast<float*>(p.c) + off;
             if (p.vec_c && n + 1 < p.N) {
-              *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
+              *reinterpret_cast<float2*>(dst) = o;
             } else {
-              if (n < p.N) dst[0] = o[0];
-              if (n + 1 < p.N) dst[1] = o[1];
+              if (n < p.N) dst[0] = o.x;
+              if (n + 1 < p.N) dst[1] = o.y;
             }
           } else {
             __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.c) + off;
             if (p.vec_c && n + 1 < p.N) {
-              *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o[0], o[1]);
+              *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o.x, o.y);
             } else {
-              if (n < p.N) dst[0] = __float2bfloat16_rn(o[0]);
-              if (n + 1 < p.N) dst[1] = __float2bfloat16_rn(o[1]);
+              if (n < p.N) dst[0] = __float2bfloat16_rn(o.x);
+              if (n + 1 < p.N) dst[1] = __float2bfloat16_rn(o.y);
             }
           }
         }
     }
+    if (leader) bulk_wait_all();  // shared memory stays until the last store has read it
   }
 #else
   __trap();  // built without sm_90a: the launcher refuses before launching
@@ -2227,15 +2355,17 @@ static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int
 // multiples of 8 elements.
 bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs) { return aligned16(x) && ld % 8 == 0 && bs % 8 == 0; }
 
-// How matmul_bf16 splits K: splits parts of kt_per_split K tiles each (1 part: no split).
+// How matmul_bf16 runs a problem: N tile bn, and K split into `splits` parts of kt_per_split K tiles
+// each (1 part: no split).
 struct Bf16Plan {
-  int splits, kt_per_split;
+  int bn, splits, kt_per_split;
 };
 
 static Bf16Plan bf16_plan(int batch, int M, int N, int K, bool has_workspace) {
   const int ktiles = ceil_div(K, BF_BK);
-  Bf16Plan plan{1, std::max(ktiles, 1)};
-  const int64_t tiles = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, BF_BN) * batch;
+  const auto padding = [N](int bn) { return ceil_div(N, bn) * bn - N; };
+  Bf16Plan plan{padding(192) < padding(256) ? 192 : 256, 1, std::max(ktiles, 1)};
+  const int64_t tiles = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, plan.bn) * batch;
   const int sms = num_sms();
   // Split K when the tiles fill under half the SMs and K is long (32 K tiles, 2048, or more), each
   // split keeping at least 8 K tiles (512): shorter ones pay more in partial sums written and read
@@ -2256,17 +2386,22 @@ size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K) {
   return plan.splits > 1 ? (size_t)plan.splits * batch * M * N : 0;
 }
 
-// Raises the bf16 kernels' shared-memory limit, once per device.
-static void bf16_raise_smem_limit() {
-  static bool done[64] = {};
+// Launches matmul_bf16_kernel for the operands' orientations, raising its shared-memory limit
+// the first time on each device.
+template <int BN>
+static void bf16_launch_kernel(bool ta, bool tb, int grid, const CUtensorMap& ma, const CUtensorMap& mb,
+                               const CUtensorMap& mc, const Bf16MatmulArgs& p, cudaStream_t s) {
+  auto* kernel = ta ? (tb ? matmul_bf16_kernel<true, true, BN> : matmul_bf16_kernel<true, false, BN>)
+                    : (tb ? matmul_bf16_kernel<false, true, BN> : matmul_bf16_kernel<false, false, BN>);
+  static bool raised[64][4] = {};
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev >= 0 && dev < 64 && done[dev]) return;
-  cudaFuncSetAttribute(matmul_bf16_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-  cudaFuncSetAttribute(matmul_bf16_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-  cudaFuncSetAttribute(matmul_bf16_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-  cudaFuncSetAttribute(matmul_bf16_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, BF_SMEM);
-  if (dev >= 0 && dev < 64) done[dev] = true;
+  bool* done = dev >= 0 && dev < 64 ? &raised[dev][2 * ta + tb] : nullptr;
+  if (!done || !*done) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bf_smem(BN));
+    if (done) *done = true;
+  }
+  kernel<<<grid, 384, bf_smem(BN), s>>>(ma, mb, mc, p);
 }
 
 static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv_bfloat16* b,
@@ -2282,14 +2417,13 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
     cudaSetDevice(dev);
     if (dev < 64) bound |= 1ull << dev;
   }
-  bf16_raise_smem_limit();
   // With K == 0 nothing is read, and a tensor map of an empty matrix cannot be built: C = bias.
-  CUtensorMap ma{}, mb{};
+  CUtensorMap ma{}, mb{}, mc{};
   if (K > 0) {
     ma = ta ? bf16_tile_map(a, M, K, lda, batch, sa, 64) : bf16_tile_map(a, K, M, lda, batch, sa, BF_BM);
-    mb = tb ? bf16_tile_map(b, K, N, ldb, batch, sb, BF_BN) : bf16_tile_map(b, N, K, ldb, batch, sb, 64);
+    mb = tb ? bf16_tile_map(b, K, N, ldb, batch, sb, plan.bn) : bf16_tile_map(b, N, K, ldb, batch, sb, 64);
   }
-  Bf16MatmulArgs p{bias, c, M, N, ceil_div(K, BF_BK), ldc, sc, alpha, c_f32, false, sa == 0, sb == 0, batch,
+  Bf16MatmulArgs p{bias, c, M, N, ceil_div(K, BF_BK), ldc, sc, alpha, c_f32, false, false, sa == 0, sb == 0, batch,
                    plan.splits, plan.kt_per_split, 0};
   if (plan.splits > 1) {  // fp32 partial products into the workspace, alpha and bias in the reduction
     p.bias = nullptr;
@@ -2302,13 +2436,15 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
   }
   const int64_t c_align = p.c_f32 ? 8 : 4;
   p.vec_c = p.ldc % 2 == 0 && p.sc % 2 == 0 && N % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % c_align == 0;
-  const int64_t units = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, BF_BN) * batch * plan.splits;
+  // A bf16 C whose rows a tensor map can address goes out through the copy engine.
+  const int64_t c_bs = batch == 1 ? 0 : p.sc;
+  p.c_tma = !p.c_f32 && matmul_bf16_operand_ok(p.c, p.ldc, c_bs);
+  if (p.c_tma) mc = bf16_tile_map(p.c, N, M, p.ldc, batch, c_bs, 64);
+  const int64_t units = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, plan.bn) * batch * plan.splits;
   if (units > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
   const int grid = (int)std::min<int64_t>(units, num_sms());  // persistent: one block per SM
-  if (ta && tb) matmul_bf16_kernel<true, true><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
-  else if (ta) matmul_bf16_kernel<true, false><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
-  else if (tb) matmul_bf16_kernel<false, true><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
-  else matmul_bf16_kernel<false, false><<<grid, 384, BF_SMEM, s>>>(ma, mb, p);
+  if (plan.bn == 192) bf16_launch_kernel<192>(ta, tb, grid, ma, mb, mc, p, s);
+  else bf16_launch_kernel<256>(ta, tb, grid, ma, mb, mc, p, s);
   check_launch("matmul (bf16)");
   if (plan.splits > 1) {
     const int blocks = (int)std::min<int64_t>(ceil_div(p.split_stride, 256), (int64_t)num_sms() * 8);
