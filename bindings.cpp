@@ -98,19 +98,27 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
           cudaStream_t s);
 bool attention_fused_supports(int);
 int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D);
-void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         const int64_t* kv_len, float* workspace, cudaStream_t s);
+struct AttnLayout {  // as in kernels.cu: (b, h, s, d) at b * sb + h * sh + s * ss + d
+  int64_t sb, sh, ss;
+  int heads;
+};
+struct AttnLayouts {
+  AttnLayout q, k, v, out, dout, dq, dk, dv;
+};
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2,
+                         const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
+                         bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s);
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
-                         const float* lse2, float* delta, float* dq, float* dk, float* dv, int BH, int group,
-                         int Sq, int Sk, int D, bool causal, float scale, bool precise, cudaStream_t s);
+                         const float* lse2, float* delta, float* dq, float* dk, float* dv, const AttnLayouts& l,
+                         int BH, int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
+                         cudaStream_t s);
 void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         __nv_bfloat16* out, float* lse2, int BH, int group, int Sq, int Sk, int D, bool causal,
-                         float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
+                         __nv_bfloat16* out, float* lse2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                         int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse2, float* delta,
-                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, int BH, int group, int Sq, int Sk,
-                         int D, bool causal, float scale, cudaStream_t s);
+                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
+                         int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s);
 
 // ---- checks -----------------------------------------------------------------------------------
 
@@ -1105,11 +1113,27 @@ static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor&
   return {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
 }
 
-// The fused kernels copy 16-byte chunks (cp.async): a view starting mid-chunk is copied first.
-static Tensor aligned_contiguous(const Tensor& t) {
+// The fused kernels read and write (B, H, S, D) tensors through their strides, D contiguous, in
+// 16-byte chunks (cp.async): q, k, v as views of one projection's output, out and the gradients in
+// (B, S, H, D) memory. A tensor whose rows do not start on 16 bytes (or lie 2^31 elements apart) is
+// copied first.
+static Tensor attention_operand(const Tensor& t) {
+  const int64_t chunk = 16 / t.element_size();
+  const bool ok = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                  t.stride(0) % chunk == 0 && t.stride(1) % chunk == 0 && t.stride(2) % chunk == 0 &&
+                  t.stride(2) <= INT32_MAX;  // the kernels keep the row stride in 32 bits
+  if (ok) return t;
   Tensor c = t.contiguous();
   return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
 }
+
+// A new (B, H, S, D) tensor in (B, S, H, D) memory: the layout the heads side by side (the next
+// projection's input) read without a copy.
+static Tensor empty_bshd(const Tensor& like) {
+  return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
+}
+
+static AttnLayout layout_of(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), (int)t.size(1)}; }
 
 // The head sizes the fused kernels support, asked of kernels.cu (the one place the list lives).
 static std::vector<int64_t> fused_head_sizes() {
@@ -1127,19 +1151,21 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
   REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ", at::IntArrayRef(fused_head_sizes()),
                 ", got D = ", s.D, " (mode='tiled' takes any D)");
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
+  const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
   const auto f32 = q.options().dtype(at::kFloat);  // lse2 and the splits' partial results stay fp32
-  Tensor out = at::empty_like(q), lse2 = at::empty({s.B, s.H, s.Sq}, f32);
+  Tensor out = empty_bshd(q), lse2 = at::empty({s.B, s.H, s.Sq}, f32);
+  AttnLayouts l{};
+  l.q = layout_of(q); l.k = layout_of(k); l.v = layout_of(v); l.out = layout_of(out);
   const int BH = to_int("attention", s.B * s.H, "B * H");
   const int64_t ws_floats = attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
-    attention_fwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), BH, s.group(),
+    attention_fwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), l, BH, s.group(),
                         (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, n, ws_ptr(ws), stream());
   else
     attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        lse2.data_ptr<float>(), BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
+                        lse2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
                         precise, n, ws_ptr(ws), stream());
   return {q, k, v, out, lse2};
 }
@@ -1159,22 +1185,27 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     const auto t = ctx->get_saved_variables();
     const Tensor &q = t[0], &k = t[1], &v = t[2], &out = t[3], &lse2 = t[4];
     const c10::cuda::CUDAGuard guard(q.device());
-    const Tensor dout = aligned_contiguous(grads[0].to(q.scalar_type()));
-    Tensor dq = at::empty_like(q), delta = at::empty_like(lse2);
+    const Tensor dout = attention_operand(grads[0].to(q.scalar_type()));
+    Tensor dq = empty_bshd(q), delta = at::empty_like(lse2), dk = empty_bshd(k), dv = empty_bshd(v);
     // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
-    Tensor dk = q.size(2) ? at::empty_like(k) : at::zeros_like(k), dv = q.size(2) ? at::empty_like(v) : at::zeros_like(v);
+    if (!q.size(2)) {
+      dk.zero_();
+      dv.zero_();
+    }
+    AttnLayouts l{layout_of(q), layout_of(k), layout_of(v), layout_of(out), layout_of(dout),
+                  layout_of(dq), layout_of(dk), layout_of(dv)};
     const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
     const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
     const bool causal = ctx->saved_data["causal"].toBool();
     const float scale = (float)ctx->saved_data["scale"].toDouble();
     if (q.scalar_type() == at::kBFloat16)
       attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout), lse2.data_ptr<float>(),
-                          delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk), ptr<bf16>(dv), BH, group, Sq, Sk, D,
+                          delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk), ptr<bf16>(dv), l, BH, group, Sq, Sk, D,
                           causal, scale, stream());
     else
       attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                           dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
-                          dk.data_ptr<float>(), dv.data_ptr<float>(), BH, group, Sq, Sk, D, causal, scale,
+                          dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D, causal, scale,
                           ctx->saved_data["precise"].toBool(), stream());
     return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
   }

@@ -769,13 +769,21 @@ __global__ void __launch_bounds__(256) colsum_partial_kernel(const TG* dy, const
   }
 }
 
+// Pass 2 over 32 columns a block: thread row y adds partial rows y, y + 8, ..., then the 8 sums are
+// added in order (one thread adding all ~180 partial rows of a column waited on each load in turn).
 template <class T>
-__global__ void colsum_finish_kernel(const float* part, T* out, int nchunk, int C) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+__global__ void __launch_bounds__(256) colsum_finish_kernel(const float* part, T* out, int nchunk, int C) {
+  __shared__ float sum[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
-  for (int i = 0; i < nchunk; ++i) acc += part[(int64_t)i * C + c];
-  out[c] = from_float<T>(acc);
+  if (c < C)
+    for (int i = threadIdx.y; i < nchunk; i += 8) acc += part[(int64_t)i * C + c];
+  sum[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int i = 1; i < 8; ++i) acc += sum[i][threadIdx.x];
+    out[c] = from_float<T>(acc);
+  }
 }
 
 // Number of row chunks; the caller allocates nchunk * C floats per partial buffer. About 4 blocks
@@ -803,8 +811,8 @@ static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean,
   else if (vec) colsum_partial_kernel<false, 4><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   else colsum_partial_kernel<false, 1><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
-  if (ln) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_w, dw, nchunk, C);
-  if (db) colsum_finish_kernel<<<ceil_div(C, 256), 256, 0, s>>>(part_b, db, nchunk, C);
+  if (ln) colsum_finish_kernel<<<ceil_div(C, 32), block, 0, s>>>(part_w, dw, nchunk, C);
+  if (db) colsum_finish_kernel<<<ceil_div(C, 32), block, 0, s>>>(part_b, db, nchunk, C);
   check_launch("colsum_finish");
 }
 
@@ -1868,9 +1876,10 @@ constexpr int BF_BM = 128, BF_BK = 64, BF_STAGES = 4;
 constexpr int BF_SLAB = 64 * BF_BK * 2;     // one 64 x 64 bf16 slab (8 KB); also one epilogue piece
 constexpr int BF_A_BYTES = BF_BM * BF_BK * 2;  // 16 KB
 constexpr int BF_OUT_BYTES = 2 * 2 * BF_SLAB;  // epilogue: two pieces per consumer warpgroup
+constexpr int BF_BIAS_BYTES = 2 * 256 * 2;     // the tile's bias (bf16), per consumer warpgroup
 __host__ __device__ constexpr int bf_stage_bytes(int bn) { return BF_A_BYTES + bn * BF_BK * 2; }  // 48 KB at 256
-__host__ __device__ constexpr int bf_smem(int bn) {
-  return BF_STAGES * bf_stage_bytes(bn) + BF_OUT_BYTES + 1024 + 2 * BF_STAGES * 8;  // 225 KB at 256
+__host__ __device__ constexpr int bf_smem(int bn) {  // 226 KB at 256, of the 227 KB a block may have
+  return BF_STAGES * bf_stage_bytes(bn) + BF_OUT_BYTES + BF_BIAS_BYTES + 1024 + 2 * BF_STAGES * 8;
 }
 
 struct Bf16MatmulArgs {
@@ -2001,7 +2010,7 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t base = smem_addr(smem), out_base = base + BF_STAGES * STAGE_BYTES;
-  const uint32_t full = out_base + BF_OUT_BYTES, empty = full + 8 * BF_STAGES;
+  const uint32_t full = out_base + BF_OUT_BYTES + BF_BIAS_BYTES, empty = full + 8 * BF_STAGES;
   const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BN - 1) / BN;
   const int units = tiles_m * tiles_n * p.batch * p.splits;
 
@@ -2069,9 +2078,21 @@ __global__ void __launch_bounds__(384, 1)
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp = threadIdx.x % 128 / 32;
     const bool leader = threadIdx.x % 128 == 0;  // issues this warpgroup's epilogue stores
     int pieces = 0;                              // epilogue pieces this warpgroup has stored
+    // This warpgroup's copy of the tile's bias: read from global memory before the main loop (thread i:
+    // columns i and 128 + i), so the load's latency hides behind the products; read in the epilogue,
+    // it stalled every piece on a global load.
+    __nv_bfloat16* bias_s = reinterpret_cast<__nv_bfloat16*>(smem + BF_STAGES * STAGE_BYTES + BF_OUT_BYTES) + 256 * half;
+    const int tid = threadIdx.x % 128;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
       const int nk = w.kt1 - w.kt0;
+      const int m_tile = w.tile_m * BF_BM + half * 64, n_tile = w.tile_n * BN;
+      __nv_bfloat16 bias_v[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int col = tid + 128 * i;
+        bias_v[i] = p.bias && col < BN && n_tile + col < p.N ? p.bias[n_tile + col] : __float2bfloat16_rn(0.f);
+      }
       if (nk > 0) {
         issue_stage(0);
         for (int i = 1; i < nk; ++i) {
@@ -2087,16 +2108,18 @@ __global__ void __launch_bounds__(384, 1)
         for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
       }
 
-      const int m_tile = w.tile_m * BF_BM + half * 64, n_tile = w.tile_n * BN;
+      // The previous tile's epilogue has read bias_s: the copy-engine path ends each piece on a barrier
+      // after its reads; the register path needs one.
+      if (!p.c_tma) named_sync(1 + half, 128);
+      bias_s[tid] = bias_v[0];
+      if (tid + 128 < BN) bias_s[tid + 128] = bias_v[1];
+      if (!p.c_tma) named_sync(1 + half, 128);  // the copy-engine path's first piece begins with one
       // alpha * acc + bias for the pair at column group j, row half h (column n_tile + 8j + 2t).
       auto result = [&](int j, int h) {
-        const int n = n_tile + 8 * j + 2 * t;
         float o[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          o[e] = p.alpha * acc[4 * j + 2 * h + e];
-          if (p.bias && n + e < p.N) o[e] += __bfloat162float(p.bias[n + e]);
-        }
+        for (int e = 0; e < 2; ++e)
+          o[e] = p.alpha * acc[4 * j + 2 * h + e] + __bfloat162float(bias_s[8 * j + 2 * t + e]);
         return make_float2(o[0], o[1]);
       };
       if (p.c_tma) {
@@ -3426,13 +3449,59 @@ template <class T, int D>
 __host__ __device__ constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
 
 // Rows [r0, r0 + ROWS) of a (S, D) matrix into smem rows of smem_row elements; rows >= S become zeros.
-template <int ROWS, int D, class T>
-__device__ __forceinline__ void load_rows_async(T* sm, const T* g, int r0, int S) {
+// Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
+// (D contiguous). q, k and v are often views of one (B, S, 3C) projection, and out is written as
+// (B, S, H, D) memory, so that the heads side by side again (the next projection's input) need no copy.
+struct AttnLayout {
+  int64_t sb, sh, ss;
+  int heads;
+};
+
+// The rows of one head: row r at p + r * row (row: the layout's ss, which the launcher keeps under
+// 2^31). The tile loops address rows through this: a multiply, as with contiguous heads.
+template <class T>
+struct AttnRows {
+  T* p;
+  int row;
+  __device__ __forceinline__ T* at(int r) const { return p + (int64_t)r * row; }
+};
+
+// The query heads that share a K/V head, stacked (the forward's rows): row r is position r % per of
+// head r / per. Read once per block (the Q tile, the output), so its divisions cost little.
+template <class T>
+struct AttnGroupRows {
+  T* p;
+  int64_t head;
+  int row, per;
+  __device__ __forceinline__ T* at(int r) const { return p + (int64_t)(r / per) * head + (int64_t)(r % per) * row; }
+};
+
+// Every tensor's layout, as the launchers take them (the forward reads q, k, v, out).
+struct AttnLayouts {
+  AttnLayout q, k, v, out, dout, dq, dk, dv;
+};
+
+template <class T>
+__device__ __forceinline__ T* head_start(T* base, const AttnLayout& l, int bh) {  // bh = b * heads + h
+  return base + (int64_t)(bh / l.heads) * l.sb + (int64_t)(bh % l.heads) * l.sh;
+}
+template <class T>
+__device__ __forceinline__ AttnRows<T> attn_rows(T* base, const AttnLayout& l, int bh) {
+  return {head_start(base, l, bh), (int)l.ss};
+}
+// Heads bh, bh + 1, ... of one batch entry, per rows each.
+template <class T>
+__device__ __forceinline__ AttnGroupRows<T> attn_group_rows(T* base, const AttnLayout& l, int bh, int per) {
+  return {head_start(base, l, bh), l.sh, (int)l.ss, per};
+}
+
+template <int ROWS, int D, class T, class Rows>
+__device__ __forceinline__ void load_rows_async(T* sm, const Rows& g, int r0, int S) {
   constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();
   for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
     const int r = e / CHUNKS, c = (e % CHUNKS) * W;
     const bool valid = r0 + r < S;
-    cp_async16(sm + r * LD + c, g + (int64_t)(valid ? r0 + r : 0) * D + c, valid);
+    cp_async16(sm + r * LD + c, g.at(valid ? r0 + r : 0) + c, valid);
   }
 }
 
@@ -3649,6 +3718,7 @@ template <class T>
 struct AttnArgs {
   const T *q, *k, *v, *dout;
   T *out, *dq, *dk, *dv;
+  AttnLayout lq, lk, lv, lout, ldout, ldq, ldk, ldv;  // each tensor's strides
   float *lse2, *delta;
   const int64_t* kv_len;  // forward only: valid keys, read on the device; nullptr: all Sk
   int Sq, Sk;
@@ -3668,15 +3738,17 @@ __device__ __forceinline__ int key_tiles(const AttnArgs<T>& p, int Sk, int q1, i
 
 // A warp's 16 x D accumulator rows (C fragments: rows row0 and row0 + 8) to rows of out (D wide),
 // scaled by s0 and s1, rows >= rows skipped.
-template <int N, class T>
-__device__ __forceinline__ void store_rows(T* out, const float (&acc)[N][4], int row0, int rows, float s0, float s1) {
-  constexpr int D = 8 * N;
+template <int N, class Rows>
+__device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N][4], int row0, int rows, float s0,
+                                           float s1) {
   const int t = threadIdx.x & 3;
+  auto* r0 = row0 < rows ? out.at(row0) : nullptr;
+  auto* r1 = row0 + 8 < rows ? out.at(row0 + 8) : nullptr;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
     const int c = n * 8 + 2 * t;
-    if (row0 < rows) store2(out + (int64_t)row0 * D + c, acc[n][0] * s0, acc[n][1] * s0);
-    if (row0 + 8 < rows) store2(out + (int64_t)(row0 + 8) * D + c, acc[n][2] * s1, acc[n][3] * s1);
+    if (r0) store2(r0 + c, acc[n][0] * s0, acc[n][1] * s0);
+    if (r1) store2(r1 + c, acc[n][2] * s1, acc[n][3] * s1);
   }
 }
 
@@ -3703,9 +3775,8 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Op
   const int r0 = p.Sq % BM == 0 ? (y % p.group) * p.Sq + (head_tiles - 1 - y / p.group) * BM
                                 : (gridDim.y - 1 - y) * BM;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const T* q = p.q + (int64_t)kvh * R * D;
-  const T* k = p.k + (int64_t)kvh * p.Sk * D;
-  const T* v = p.v + (int64_t)kvh * p.Sk * D;
+  const AttnGroupRows<const T> q = attn_group_rows(p.q, p.lq, kvh * p.group, p.Sq);
+  const AttnRows<const T> k = attn_rows(p.k, p.lk, kvh), v = attn_rows(p.v, p.lv, kvh);
   // row tile mt of this warp: rows row0[mt] (c0, c1) and row0[mt] + 8 (c2, c3), queries qi0, qi1
   int row0[MT], qi0[MT], qi1[MT];
 #pragma unroll
@@ -3806,8 +3877,12 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Op
     L1 += __shfl_xor_sync(0xffffffffu, L1, 1);
     L1 += __shfl_xor_sync(0xffffffffu, L1, 2);
     const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;  // no key seen: zeros
-    if (gridDim.z == 1) store_rows(p.out + (int64_t)kvh * R * D, o[mt], row0[mt], R, inv0, inv1);
-    else store_rows(p.part_o + split * rows_total * D + (int64_t)kvh * R * D, o[mt], row0[mt], R, inv0, inv1);
+    if (gridDim.z == 1) {
+      store_rows(attn_group_rows(p.out, p.lout, kvh * p.group, p.Sq), o[mt], row0[mt], R, inv0, inv1);
+    } else {  // the workspace: contiguous rows
+      float* part = p.part_o + (split * rows_total + (int64_t)kvh * R) * D;
+      store_rows(AttnRows<float>{part, D}, o[mt], row0[mt], R, inv0, inv1);
+    }
     if (t == 0) {
       if (row0[mt] < R) lse2[row0[mt]] = m0[mt] + log2f(L0);
       if (row0[mt] + 8 < R) lse2[row0[mt] + 8] = m1[mt] + log2f(L1);
@@ -3825,7 +3900,7 @@ constexpr int COMBINE_WARPS = 4;
 
 template <class T>
 __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(const float* part_o,
-    const float* part_lse2, T* out, float* lse2, int64_t rows, int D, int splits) {
+    const float* part_lse2, T* out, AttnLayout lout, int Sq, float* lse2, int64_t rows, int D, int splits) {
   __shared__ float partial[COMBINE_WARPS][128];  // D <= 128
   const int64_t r = blockIdx.x;
   const int lane = threadIdx.x, warp = threadIdx.y;
@@ -3852,24 +3927,44 @@ __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(c
   __syncthreads();
   if (warp != 0) return;
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* orow = attn_rows(out, lout, (int)(r / Sq)).at((int)(r % Sq));
   for (int d = lane; d < D; d += 32) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < COMBINE_WARPS; ++w) sum += partial[w][d];
-    out[r * D + d] = from_float<T>(sum * inv);
+    orow[d] = from_float<T>(sum * inv);
   }
   if (lane == 0) lse2[r] = mx + log2f(wsum);
 }
 
-// delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. Warp per row.
+// delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. 16 lanes per row,
+// each reading 16 bytes at a time (chunks lane, lane + 16, ...), added across the lanes in a fixed
+// order.
+constexpr int DELTA_LANES = 16;
+
 template <class T>
-__global__ void attention_delta_kernel(const T* out, const T* dout, float* delta, int64_t rows, int D) {
-  const int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if (r >= rows) return;
+__global__ void __launch_bounds__(256) attention_delta_kernel(const T* out, AttnLayout lout, const T* dout,
+                                                              AttnLayout ldout, float* delta, int Sq, int64_t rows,
+                                                              int D) {
+  constexpr int W = 16 / sizeof(T);
+  const int lane = threadIdx.x % DELTA_LANES;
+  const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / DELTA_LANES;
   float acc = 0.f;
-  for (int d = threadIdx.x; d < D; d += 32) acc += to_float(out[r * D + d]) * to_float(dout[r * D + d]);
-  acc = warp_sum(acc);
-  if (threadIdx.x == 0) delta[r] = acc;
+  if (r < rows) {
+    const int bh = (int)(r / Sq), s = (int)(r % Sq);
+    const T* o = attn_rows(out, lout, bh).at(s);
+    const T* g = attn_rows(dout, ldout, bh).at(s);
+    for (int c = lane * W; c < D; c += DELTA_LANES * W) {
+      float a[W], b[W];
+      unpack16(*reinterpret_cast<const float4*>(o + c), a);
+      unpack16(*reinterpret_cast<const float4*>(g + c), b);
+#pragma unroll
+      for (int i = 0; i < W; ++i) acc += a[i] * b[i];
+    }
+  }
+#pragma unroll
+  for (int m = DELTA_LANES / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (r < rows && lane == 0) delta[r] = acc;
 }
 
 // P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse2[q]),
@@ -3909,20 +4004,20 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
   float* Ds = Ls + BQ;
   const int k0 = kblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const int64_t kbase = (int64_t)kvh * p.Sk;
   const int key0 = k0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
 
-  load_rows_async<64, D>(Ks, p.k + kbase * D, k0, p.Sk);
-  load_rows_async<64, D>(Vs, p.v + kbase * D, k0, p.Sk);
+  load_rows_async<64, D>(Ks, attn_rows(p.k, p.lk, kvh), k0, p.Sk);
+  load_rows_async<64, D>(Vs, attn_rows(p.v, p.lv, kvh), k0, p.Sk);
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // Causal: query i reaches key k0 only if i >= k0 - offset.
   const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
   for (int hq = kvh * p.group; hq < (kvh + 1) * p.group; ++hq) {  // the query heads sharing this K/V head
-    const int64_t qbase = (int64_t)hq * p.Sq;
+    const int64_t qbase = (int64_t)hq * p.Sq;  // lse2 and delta: (B * H, Sq), contiguous
+    const AttnRows<const T> q = attn_rows(p.q, p.lq, hq), dout = attn_rows(p.dout, p.ldout, hq);
     for (int q0 = qstart; q0 < p.Sq; q0 += BQ) {
-      load_rows_async<BQ, D>(Qs, p.q + qbase * D, q0, p.Sq);
-      load_rows_async<BQ, D>(dOs, p.dout + qbase * D, q0, p.Sq);
+      load_rows_async<BQ, D>(Qs, q, q0, p.Sq);
+      load_rows_async<BQ, D>(dOs, dout, q0, p.Sq);
       cp_async_commit();
       for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
         const bool in = q0 + i < p.Sq;
@@ -3954,8 +4049,8 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     }
   }
   cp_async_wait<0>();
-  store_rows(p.dk + kbase * D, dk, key0, p.Sk, p.scale, p.scale);
-  store_rows(p.dv + kbase * D, dv, key0, p.Sk, 1.f, 1.f);
+  store_rows(attn_rows(p.dk, p.ldk, kvh), dk, key0, p.Sk, p.scale, p.scale);
+  store_rows(attn_rows(p.dv, p.ldv, kvh), dv, key0, p.Sk, 1.f, 1.f);
 }
 
 // dQ for 64 queries per block over key tiles of BK: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
@@ -3972,7 +4067,8 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
   T* Vs = Ks + BK * LD;
   const int q0 = qblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const int64_t qbase = (int64_t)bh * p.Sq, kbase = (int64_t)(bh / p.group) * p.Sk;
+  const int64_t qbase = (int64_t)bh * p.Sq;  // lse2 and delta: (B * H, Sq), contiguous
+  const AttnRows<const T> k = attn_rows(p.k, p.lk, bh / p.group), v = attn_rows(p.v, p.lv, bh / p.group);
   const int row0 = q0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
   const float lq[4] = {row0 < p.Sq ? p.lse2[qbase + row0] : INFINITY, 0.f,
@@ -3982,14 +4078,14 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
                        row0 + 8 < p.Sq ? p.delta[qbase + row0 + 8] : 0.f, 0.f};
   const float delta[4] = {dl[0], dl[0], dl[2], dl[2]};
 
-  load_rows_async<64, D>(Qs, p.q + qbase * D, q0, p.Sq);
-  load_rows_async<64, D>(dOs, p.dout + qbase * D, q0, p.Sq);
+  load_rows_async<64, D>(Qs, attn_rows(p.q, p.lq, bh), q0, p.Sq);
+  load_rows_async<64, D>(dOs, attn_rows(p.dout, p.ldout, bh), q0, p.Sq);
   float dq[D / 8][4] = {};
   const int ntiles = key_tiles(p, p.Sk, min(q0 + 64, p.Sq), BK);
   for (int kt = 0; kt < ntiles; ++kt) {
     const int k0 = kt * BK;
-    load_rows_async<BK, D>(Ks, p.k + kbase * D, k0, p.Sk);
-    load_rows_async<BK, D>(Vs, p.v + kbase * D, k0, p.Sk);
+    load_rows_async<BK, D>(Ks, k, k0, p.Sk);
+    load_rows_async<BK, D>(Vs, v, k0, p.Sk);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -4003,7 +4099,7 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
     Ops::template pm<BK / 8>(dq, dp, Ks);
     __syncthreads();  // before the next tiles overwrite Ks, Vs
   }
-  store_rows(p.dq + qbase * D, dq, row0, p.Sq, p.scale, p.scale);
+  store_rows(attn_rows(p.dq, p.ldq, bh), dq, row0, p.Sq, p.scale, p.scale);
 }
 
 // One launch for both backward halves: blocks y < kv_blocks compute dK/dV for a key block, the
@@ -4114,13 +4210,14 @@ int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D)
 }
 
 template <class T>
-static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse2, int BH, int group, int Sq,
-                          int Sk, int D, bool causal, float scale, bool precise, const int64_t* kv_len,
-                          float* workspace, cudaStream_t s) {
+static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse2, const AttnLayouts& l, int BH,
+                          int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
+                          const int64_t* kv_len, float* workspace, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_fwd_fused");
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
+  p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out;
   const int splits = attention_fwd_splits(BH, group, Sq, Sk);
   p.split_tiles = ceil_div(ceil_div(Sk, 64), splits);
   const int64_t rows = (int64_t)BH * Sq;
@@ -4131,52 +4228,54 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_fwd_dispatch<decltype(ops)>(p, BH / group, splits, s); });
   check_launch("attention_fwd_fused");
   if (splits > 1) {
-    attention_combine_kernel<<<rows, dim3(32, COMBINE_WARPS), 0, s>>>(p.part_o, p.part_lse2, out, lse2, rows, D,
-                                                                       splits);
+    attention_combine_kernel<<<rows, dim3(32, COMBINE_WARPS), 0, s>>>(p.part_o, p.part_lse2, out, l.out, Sq, lse2,
+                                                                       rows, D, splits);
     check_launch("attention_combine");
   }
 }
 
-// q, k, v: 16-byte aligned (cp.async). BH counts query heads (B * H_q); k and v hold BH / group
-// heads. lse2 receives BH * Sq floats (log2 units) for the backward. workspace: the floats
-// attention_fwd_workspace_floats asks for.
+// q, k, v, out laid out as l says (cp.async: 16-byte aligned base and strides). BH counts query
+// heads (B * H_q); k and v hold BH / group heads. lse2 receives BH * Sq floats (log2 units, (B, H, Sq)
+// contiguous) for the backward. workspace: the floats attention_fwd_workspace_floats asks for.
 // kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
-void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         const int64_t* kv_len, float* workspace, cudaStream_t s) {
-  attention_fwd(q, k, v, out, lse2, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2,
+                         const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
+                         bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s) {
+  attention_fwd(q, k, v, out, lse2, l, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
 }
 void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         __nv_bfloat16* out, float* lse2, int BH, int group, int Sq, int Sk, int D, bool causal,
-                         float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
-  attention_fwd(q, k, v, out, lse2, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
+                         __nv_bfloat16* out, float* lse2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                         int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
+  attention_fwd(q, k, v, out, lse2, l, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
 }
 
 template <class T>
 static void attention_bwd(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse2,
-                          float* delta, T* dq, T* dk, T* dv, int BH, int group, int Sq, int Sk, int D, bool causal,
-                          float scale, bool precise, cudaStream_t s) {
+                          float* delta, T* dq, T* dk, T* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                          int D, bool causal, float scale, bool precise, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_bwd_fused");
   const int64_t rows = (int64_t)BH * Sq;
-  attention_delta_kernel<<<ceil_div(rows, 8), dim3(32, 8), 0, s>>>(out, dout, delta, rows, D);
+  attention_delta_kernel<<<ceil_div(rows * DELTA_LANES, 256), 256, 0, s>>>(out, l.out, dout, l.dout, delta, Sq, rows,
+                                                                           D);
   check_launch("attention_delta");
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
+  p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.ldout = l.dout; p.ldq = l.dq; p.ldk = l.dk; p.ldv = l.dv;
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_bwd_dispatch<decltype(ops)>(p, BH, s); });
 }
 
 // delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads).
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
                          const float* dout, const float* lse2, float* delta, float* dq, float* dk,
-                         float* dv, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
-                         bool precise, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, BH, group, Sq, Sk, D, causal, scale, precise, s);
+                         float* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal,
+                         float scale, bool precise, cudaStream_t s) {
+  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise, s);
 }
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse2, float* delta,
-                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, int BH, int group, int Sq, int Sk,
-                         int D, bool causal, float scale, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, BH, group, Sq, Sk, D, causal, scale, false, s);
+                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
+                         int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s) {
+  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, s);
 }

@@ -115,8 +115,8 @@ def compare(f, tol, grad_tol=None, dy=None, **inputs):
     check("out", out, ref, tol)
     if grad_tol is None:
         return
-    if dy is None:
-        dy = torch.randn_like(out)
+    if dy is None:  # drawn by shape: out's memory layout (attention's is (B, S, H, D)) must not change it
+        dy = torch.randn(out.shape, device=out.device)
     assert dy.shape == out.shape, f"dy {tuple(dy.shape)} for an output of {tuple(out.shape)}"
     out.backward(dy)
     ref.backward(dy.double())
@@ -1381,7 +1381,7 @@ def compare_bf16(f, K, grad=True, tol=None, hopper=True, dy=None, **inputs):
     check_bf16("out", out, twin, ref, tol_of("out"))
     if not grad:
         return
-    dy = torch.randn_like(out) if dy is None else dy
+    dy = torch.randn(out.shape, device=out.device, dtype=out.dtype) if dy is None else dy  # as in compare()
     for y in (out, twin):
         y.backward(dy)
     ref.backward(dy.double())
@@ -1989,7 +1989,25 @@ ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
 ATTN_TOL = {"fused-fp32": (1e-4, 2e-4), "tiled": (1e-4, 2e-4), "fused-tf32": (5e-3, 1e-2)}
 
 
-def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None):
+def packed_qkv(B, S, H, Hkv, D, dtype=torch.float32):
+    """q, k, v as the model's attention makes them: head views (B, H, S, D) of one (B, S, (H + 2 Hkv) D)
+    projection, rows (H + 2 Hkv) D apart."""
+    parts = rand(B, S, (H + 2 * Hkv) * D).to(dtype).split([H * D, Hkv * D, Hkv * D], dim=2)
+    return [t.view(B, S, -1, D).transpose(1, 2) for t in parts]
+
+
+def attention_recording_layout(impl, seen, **kw):
+    """ops.attention(q, k, v, **kw) that notes, for our fused op, whether out came back in (B, S, H, D)
+    memory (the heads side by side, which the next projection reads without a copy)."""
+    def f(ops, q, k, v):
+        out = ops.attention(q, k, v, **kw, **ATTN_IMPLS.get(impl, {}))
+        if ops is kernels:
+            seen["out_bshd"] = out.transpose(1, 2).is_contiguous()
+        return out
+    return f
+
+
+def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False):
     def qkv(S, heads, m=1):
         # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
         return rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)
@@ -1999,8 +2017,15 @@ def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv
     # a shared K/V head's gradient sums H / Hkv heads' terms, its rounding error ~sqrt of that
     group = math.sqrt(H // Hkv)
     grad_tol = dict(q=g * mag, k=g * mag * mag * group, v=g * mag * group)
-    compare(lambda ops, q, k, v: ops.attention(q, k, v, causal=causal, scale=scale, **ATTN_IMPLS[impl]),
-            tol * mag, grad_tol, q=qkv(Sq, H, mag), k=qkv(Sk, Hkv), v=qkv(Sk, Hkv))
+    # packed: q, k, v views of one projection (Sq == Sk), read in place by the fused kernels
+    q, k, v = packed_qkv(B, Sq, H, Hkv, D) if packed else (qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv))
+    # packed: dout in (B, S, H, D) memory too, as the gradient of the model's heads side by side
+    dy = rand(B, Sq, H, D).transpose(1, 2) if packed else None
+    seen = {}
+    compare(attention_recording_layout(impl, seen, causal=causal, scale=scale), tol * mag, grad_tol, dy=dy,
+            q=q, k=k, v=v)
+    if impl != "tiled":
+        assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
 
 
 _C = True  # causal
@@ -2031,6 +2056,8 @@ ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
     ("fused-fp32", 2, 3, 1, 2048, 64, _C, dict(mag=30)),
     ("fused-fp32", 2, 3, 64, 64, 64, False, dict(scale=0.3)),
     ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(packed=True)),
+    ("fused-tf32", 2, 6, 256, 256, 64, _C, dict(packed=True)),
     ("tiled", 1, 1, 1, 1, 64, False, {}),
     ("tiled", 2, 3, 17, 17, 32, _C, dict(scale=0.3)),
     ("tiled", 2, 3, 17, 17, 48, False, {}),
@@ -2054,6 +2081,7 @@ ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
     ("fused-fp32", 2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
     ("fused-fp32", 2, 4, 64, 300, 32, _C, dict(kv_heads=2)),
     ("fused-fp32", 1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
+    ("fused-fp32", 1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
     ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
     ("fused-tf32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
     ("tiled", 2, 8, 17, 17, 48, _C, dict(kv_heads=2)),
@@ -2127,16 +2155,20 @@ def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
     return {"out": (4e-3, 2**-8), "q": (ds, 2**-7), "k": (ds * mag, 2**-7), "v": (g, 2**-7)}
 
 
-def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None):
+def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False):
     def qkv(S, heads, m=1):
         # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
         return (rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)).bfloat16()
     Hkv = kv_heads or H
-    q, k, v = qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv)
-    assert not bshd or not q.is_contiguous(), "the bshd case must hand the op a strided view"
+    q, k, v = (packed_qkv(B, Sq, H, Hkv, D, torch.bfloat16) if packed
+               else (qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv)))
+    assert not (bshd or packed) or not q.is_contiguous(), "the bshd case must hand the op a strided view"
     tol = attn_bf16_tol(mag, H // Hkv, 1.0 if scale is None else scale * math.sqrt(D))
-    compare_bf16(lambda ops, q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), D, tol=tol,
-                 hopper=False, q=q, k=k, v=v)
+    dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
+    seen = {}
+    compare_bf16(attention_recording_layout("fused-bf16", seen, causal=causal, scale=scale), D, tol=tol,
+                 hopper=False, dy=dy, q=q, k=k, v=v)
+    assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
 
 
 ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
@@ -2170,6 +2202,9 @@ ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
     (2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
     (1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
     (2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
+    (2, 3, 1000, 1000, 64, _C, dict(packed=True)),  # q, k, v in place in one projection's output
+    (4, 6, 256, 256, 64, _C, dict(packed=True)),
+    (1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
 ]
 for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
     _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
