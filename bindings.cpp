@@ -6,7 +6,8 @@
 // for the GPU.
 //
 // Non-contiguous inputs: matmul, linear and tiled attention read strided 2-D views (transposes,
-// slices) directly; every other op makes a contiguous copy first (cost: one extra copy).
+// slices) directly, fused attention any (B, H, S, D) view with D contiguous (attention_operand);
+// every other op makes a contiguous copy first (cost: one extra copy).
 
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -319,7 +320,9 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
     const Tensor bias = check_linear(x, w, b);
     const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor x2 = x.reshape({1, -1, w.size(1)});
+    // rows counted, not inferred: reshape cannot infer them from 0 elements (in_features = 0)
+    const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+    const Tensor x2 = x.reshape({1, rows, w.size(1)});
     auto out_shape = x.sizes().vec();
     out_shape.back() = w.size(0);
     Tensor y = at::empty({1, x2.size(1), w.size(0)}, x.options());
@@ -333,7 +336,7 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     const auto saved = ctx->get_saved_variables();
     const Tensor &x2 = saved[0], &w = saved[1];
     const c10::cuda::CUDAGuard guard(x2.device());
-    const Tensor dy = grads[0].reshape({1, -1, w.size(0)}).contiguous();
+    const Tensor dy = grads[0].reshape({1, x2.size(1), w.size(0)}).contiguous();
     Tensor dx = mm_new(dy, w.unsqueeze(0));                               // (M, N) @ (N, K)
     Tensor dw = mm_new(dy.transpose(1, 2), x2);                           // (N, M) @ (M, K)
     Tensor db;
@@ -1105,6 +1108,7 @@ static AttnShape check_attention(const Tensor& q, const Tensor& k, const Tensor&
   REQUIRE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
   REQUIRE(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q and k must agree in B and D, got q ",
           q.sizes(), " and k ", k.sizes());
+  REQUIRE(q.size(1) >= 1, op, ": q needs at least one head, got q of shape ", q.sizes());
   REQUIRE(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, op, ": q's heads (", q.size(1),
           ") must be a multiple of k's and v's (", k.size(1), "): each K/V head serves H / H_kv query heads");
   REQUIRE(k.size(2) >= 1, op, ": k and v need at least one key, got Sk = 0");

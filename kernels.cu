@@ -2460,8 +2460,10 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
   const int64_t c_align = p.c_f32 ? 8 : 4;
   p.vec_c = p.ldc % 2 == 0 && p.sc % 2 == 0 && N % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % c_align == 0;
   // A bf16 C whose rows a tensor map can address goes out through the copy engine.
+  // (sc == 0 with a batch, every entry writing one C, stays on the register path: a tensor map's
+  // batch stride of 0 means one matrix, which would clip the other entries' stores.)
   const int64_t c_bs = batch == 1 ? 0 : p.sc;
-  p.c_tma = !p.c_f32 && matmul_bf16_operand_ok(p.c, p.ldc, c_bs);
+  p.c_tma = !p.c_f32 && (batch == 1 || p.sc != 0) && matmul_bf16_operand_ok(p.c, p.ldc, c_bs);
   if (p.c_tma) mc = bf16_tile_map(p.c, N, M, p.ldc, batch, c_bs, 64);
   const int64_t units = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, plan.bn) * batch * plan.splits;
   if (units > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
@@ -3448,7 +3450,6 @@ __device__ __forceinline__ void cp_async_wait() {
 template <class T, int D>
 __host__ __device__ constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
 
-// Rows [r0, r0 + ROWS) of a (S, D) matrix into smem rows of smem_row elements; rows >= S become zeros.
 // Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
 // (D contiguous). q, k and v are often views of one (B, S, 3C) projection, and out is written as
 // (B, S, H, D) memory, so that the heads side by side again (the next projection's input) need no copy.
@@ -3495,6 +3496,8 @@ __device__ __forceinline__ AttnGroupRows<T> attn_group_rows(T* base, const AttnL
   return {head_start(base, l, bh), l.sh, (int)l.ss, per};
 }
 
+// Rows [r0, r0 + ROWS) of one head's (S, D) rows (AttnRows or AttnGroupRows) into smem rows of
+// smem_row elements; rows >= S become zeros.
 template <int ROWS, int D, class T, class Rows>
 __device__ __forceinline__ void load_rows_async(T* sm, const Rows& g, int r0, int S) {
   constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();

@@ -1407,8 +1407,8 @@ def t_linear_bf16(lead, K, N, bias=True):
         compare_bf16(lambda ops, x, w: ops.linear(x, w), max(math.prod(lead), K, N), x=x, w=w)
 
 
-# Tiles are 128 x 256 x 64, or 128 x 192 x 64 where that pads N less (N = 1, 65, 264, 300, 1031,
-# 2600 here): sizes of 1, odd sizes (rows that are not 16-byte multiples get padded copies), exact
+# Tiles are 128 x 256 x 64, or 128 x 192 x 64 where that pads N less (N = 1, 65, 72, 264, 300, 1031,
+# 2600 among the cases here): sizes of 1, odd sizes (rows that are not 16-byte multiples get padded copies), exact
 # tiles, many K tiles, every operand orientation, a batch. Outputs whose rows are 16-byte multiples
 # (N = 200, 256, 264, 2600, 3072, ...) are stored through the copy engine, the others from registers.
 for _dims in ((1, 1, 1), (17, 33, 65), (128, 64, 256), (257, 515, 1031), (300, 2048, 200)):
@@ -1424,9 +1424,12 @@ add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
 add("matmul_bf16/130x4100x72", t_matmul_bf16, 130, 4100, 72)
 add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=True)
 # (4, 2000) rows: the weight gradient is 200 x 96 over K = 8000, split along K
-# (2, 300) x 384 -> 1152: the large preset's qkv width, six 192-wide tiles, its bias gradient 4 columns a thread
+# (2, 300) x 384 -> 1152: the large preset's qkv width, six 192-wide tiles, its bias gradient 4 columns a thread.
+# (8, 1024) rows: 768 and 384 output tiles, several per persistent block, so each block restages the
+# bias between tiles, through the copy-engine store (N = 3072) and from registers (N = 1031).
 for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
-                             ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True)):
+                             ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True), ((8, 1024), 256, 3072, True),
+                             ((8, 1024), 256, 1031, True), ((3, 5), 0, 64, True)):  # K = 0: out = bias
     add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
         bias=_bias)
 
@@ -1434,7 +1437,8 @@ for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True)
 for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
                                   ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
                                   ((5,), 1000, 17, False, False), ((2, 7), 33, 65, True, True),
-                                  ((4, 1000), 64, 96, True, False)):  # weight grad splits K = 4000
+                                  ((4, 1000), 64, 96, True, False),  # weight grad splits K = 4000
+                                  ((3, 5), 0, 64, True, False)):  # in_features = 0: out = bias, like F.linear
     add(f"linear/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_transposed" * _tr,
         t_linear, _lead, _K, _N, bias=_bias, transposed=_tr)
 
@@ -1449,13 +1453,15 @@ def t_layernorm(shape, transposed=False, eps=1e-5):
     # which is exactly 0 in float64
     grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
     # dw and db add one term per row: their fp32 rounding grows like the square root of the rows
-    grad_tol *= max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
-    compare(lambda ops, x, w, b: ops.layernorm(x, w, b, eps=eps), LN_TOL, grad_tol, x=x, w=rand(C), b=rand(C))
+    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
+    compare(lambda ops, x, w, b: ops.layernorm(x, w, b, eps=eps), LN_TOL, dict(x=grad_tol, w=sum_tol, b=sum_tol),
+            x=x, w=rand(C), b=rand(C))
 
 
-# 5000 x 388: the weight gradients' column sums run 4 rows at a time with a shorter tail (38-row chunks)
+# 5000 x 388 and 3000 x 127: the weight gradients' column sums run 4 rows at a time with a shorter tail
+# (38-row chunks; 32-row chunks and a last one of 24), 4 columns a thread and (127 wide) one
 for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
-               (5000, 388)):
+               (5000, 388), (3000, 127)):
     add("layernorm/" + "x".join(map(str, _shape)), t_layernorm, _shape)
 add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
 add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
@@ -2508,6 +2514,8 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      lambda: kernels.attention(*_qkv((2, 6, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
     ("attention_more_kv_heads_than_q", RuntimeError,
      lambda: kernels.attention(*_qkv((2, 2, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
+    ("attention_zero_heads", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 0, 17, 64), (2, 1, 17, 64), (2, 1, 17, 64))), ("attention", "q", "head")),
     ("rope_odd_D", ValueError, lambda: kernels.rope(rand(2, 3, 5, 7), rand(5, 3), rand(5, 3)), ("rope", "D")),
     ("rope_table_shape", RuntimeError, lambda: kernels.rope(rand(2, 3, 5, 8), rand(4, 4), rand(4, 4)),
      ("rope", "cos", "sin")),

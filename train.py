@@ -577,7 +577,9 @@ class Block(nn.Module):
             cache.v[layer].index_copy_(2, cache.positions, v)
             k, v, kv_len = cache.k[layer], cache.v[layer], cache.kv_len  # (B, nkv, block_size, hs)
         y = ops.attention(q, k, v, causal=True, kv_len=kv_len)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        # (B, T, C): heads side by side again; no copy when the attention wrote (B, T, nh, hs) memory,
+        # as our fused kernels do (and q, k, v above reach them as views, read in place)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
         return ops.linear(y, self.attn_proj_w, self.attn_proj_b)
 
     def forward(self, x, ops, cache=None, layer=0, rope=None):
