@@ -1670,6 +1670,21 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       : "memory");
 }
 
+// The stage ring's barriers, set up by one thread before the block's first __syncthreads: full[s]
+// completes on the producer's arrive (with the copies' byte count), empty[s] on one arrive per
+// consumer warp (8: two consumer warpgroups).
+template <int STAGES>
+__device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                "l"(src), "r"(bytes), "r"(bar)
@@ -1762,14 +1777,7 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
   const int bz = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
   const int kt0 = split * p.kt_per_split, kt1 = min(p.ktiles, kt0 + p.kt_per_split);
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < WG_STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);   // the producer's arrive (with the copies' byte count)
-      mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers<WG_STAGES>(full, empty);
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
@@ -2011,14 +2019,7 @@ __global__ void __launch_bounds__(384, 1)
   const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BN - 1) / BN;
   const int units = tiles_m * tiles_n * p.batch * p.splits;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < BF_STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers<BF_STAGES>(full, empty);
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
