@@ -21,6 +21,7 @@
 #include <cub/device/device_radix_sort.cuh>  // CUB ships with the CUDA toolkit (header-only)
 #include <atomic>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -3401,8 +3402,11 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // the masked softmax, matmul for P V, and the same pieces backwards); it stores the S x S scores.
 //
 // Fused attention (FlashAttention-2 style) never stores them. A forward block owns 64 * MT queries
-// (4 warps x MT tiles of 16 rows; MT = 2 for bf16 at D <= 64, else 1); K and V stream through shared memory 64 keys at a time (cp.async, the next K tile
-// loads while the current V tile is used and the other way round); the softmax is online (running
+// (4 warps x MT tiles of 16 rows; MT = 2 for bf16 at D <= 64, else 1); K and V stream through shared
+// memory 64 keys at a time (cp.async). Where two blocks per SM still fit (attn_stages), K and V have two
+// stages: the next tile loads during the whole of the current one, one barrier per tile; else one
+// stage, the next K tile loading while the current V tile is used and the other way round. The
+// backward streams its Q/dO (dK/dV blocks) and K/V (dQ blocks) tiles the same way. The softmax is online (running
 // max m and sum l per row, the output accumulator rescaled when m grows), computed with exp2 on
 // scores pre-multiplied by scale * log2(e). The block saves lse2 = m + log2(l) per row (log2 units)
 // so the backward can rebuild P = exp2(s * scale * log2(e) - lse2) tile by tile.
@@ -3437,6 +3441,15 @@ __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 #endif
 }
+// 4 bytes (.ca: the sizes under 16 go through L1); valid = false writes zeros.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0));
+#else
+  __trap();
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -3447,6 +3460,23 @@ __device__ __forceinline__ void cp_async_wait() {
 // Elements of a shared-memory row holding D of them: one 16-byte chunk of padding.
 template <class T, int D>
 __host__ __device__ constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
+
+// Stages of the tiles a fused-attention block streams (see the section comment): two where a block
+// holding `fixed` rows plus two stages of `streamed` rows and `extra` bytes each leaves room for a second
+// block on the SM (228 KB of shared memory, 1 KB of it reserved per block), else one.
+template <class T, int D>
+__host__ __device__ constexpr int attn_stages(int fixed, int streamed, int extra = 0) {
+  return (fixed + 2 * streamed) * smem_row<T, D>() * (int)sizeof(T) + 2 * extra <= 113 * 1024 ? 2 : 1;
+}
+
+// 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
+// wraps in a fix-up for results below 2^-126, which flush to 0 here). The softmax's probabilities
+// are at most 1 against a row sum of at least 1, so one that small is 0 at fp32's resolution anyway.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
 // (D contiguous). q, k and v are often views of one (B, S, 3C) projection, and out is written as
@@ -3494,16 +3524,42 @@ __device__ __forceinline__ AttnGroupRows<T> attn_group_rows(T* base, const AttnL
   return {head_start(base, l, bh), l.sh, (int)l.ss, per};
 }
 
+// Threads of every fused-attention block (4 warps).
+constexpr int ATTN_THREADS = 128;
+
 // Rows [r0, r0 + ROWS) of one head's (S, D) rows (AttnRows or AttnGroupRows) into smem rows of
-// smem_row elements; rows >= S become zeros.
+// smem_row elements; rows >= S become zeros. Every tile here makes the 16-byte chunks a multiple of
+// the block's threads: the loop unrolls into straight cp.asyncs.
 template <int ROWS, int D, class T, class Rows>
 __device__ __forceinline__ void load_rows_async(T* sm, const Rows& g, int r0, int S) {
   constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();
-  for (int e = threadIdx.x; e < ROWS * CHUNKS; e += blockDim.x) {
-    const int r = e / CHUNKS, c = (e % CHUNKS) * W;
+  static_assert(ROWS * CHUNKS % ATTN_THREADS == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < ROWS * CHUNKS / ATTN_THREADS; ++i) {
+    const int e = threadIdx.x + i * ATTN_THREADS, r = e / CHUNKS, c = (e % CHUNKS) * W;
     const bool valid = r0 + r < S;
     cp_async16(sm + r * LD + c, g.at(valid ? r0 + r : 0) + c, valid);
   }
+}
+
+// The same for one head's rows, the tiles the main loops stream: a thread's chunks of a whole tile lie
+// a fixed number of rows apart, so after the first address each is an add (no per-chunk row math).
+template <int ROWS, int D, class T>
+__device__ __forceinline__ void load_rows_async(T* sm, const AttnRows<const T>& g, int r0, int S) {
+  constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();
+  if constexpr (ATTN_THREADS % CHUNKS == 0) {
+    if (r0 + ROWS <= S) {
+      constexpr int STEP = ATTN_THREADS / CHUNKS;  // rows between a thread's chunks
+      static_assert(ROWS % STEP == 0, "whole rows per pass");
+      const int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * W;
+      const T* src = g.at(r0 + r) + c;
+      const int64_t step = (int64_t)STEP * g.row;
+#pragma unroll
+      for (int i = 0; i < ROWS / STEP; ++i) cp_async16(sm + (r + i * STEP) * LD + c, src + i * step, true);
+      return;
+    }
+  }
+  load_rows_async<ROWS, D, T, AttnRows<const T>>(sm, g, r0, S);
 }
 
 // A fragment (rows row0 + g, row0 + g + 8; columns k0 + t, k0 + t + 4) of a smem matrix.
@@ -3737,6 +3793,20 @@ __device__ __forceinline__ int key_tiles(const AttnArgs<T>& p, int Sk, int q1, i
   return last > 0 ? (last + tile - 1) / tile : 0;
 }
 
+// Scores a query may not see to -inf, in a 16 x 8*NT tile of C fragments: element (j, e) is key
+// key0 + j * 8 + (e & 1) (key0: the tile's first key + 2t), hidden when past Sk or past last0 (rows g,
+// e < 2) / last1 (rows g + 8), the last key each row sees (INT_MAX: no causal limit).
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], int key0, int Sk, int last0, int last1) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + j * 8 + (e & 1);
+      if (key >= Sk || key > (e < 2 ? last0 : last1)) s[j][e] = -INFINITY;
+    }
+}
+
 // A warp's 16 x D accumulator rows (C fragments: rows row0 and row0 + 8) to rows of out (D wide),
 // scaled by s0 and s1, rows >= rows skipped.
 template <int N, class Rows>
@@ -3761,13 +3831,13 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
 // each writes its rows' output and lse2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
 template <class Ops, int MT>
-__global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
+__global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
   using T = typename Ops::T;
   constexpr int D = Ops::D, LD = smem_row<T, D>(), BM = 64 * MT;  // BM rows a block
+  constexpr int STAGES = attn_stages<T, D>(BM, 128);
   extern __shared__ __align__(16) unsigned char attn_smem[];
   T* Qs = reinterpret_cast<T*>(attn_smem);
-  T* Ks = Qs + BM * LD;
-  T* Vs = Ks + 64 * LD;
+  T* KVs = Qs + BM * LD;  // stage st: K rows at KVs + st * 128 * LD, V rows 64 * LD further
   const int kvh = blockIdx.x, split = blockIdx.z;
   const int R = p.group * p.Sq;  // rows per K/V head
   // Heaviest causal tiles (the last queries) first, so the light ones fill the last wave: when the
@@ -3801,37 +3871,54 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Op
   const int t_begin = split * p.split_tiles, t_end = min(ntiles, t_begin + p.split_tiles);
 
   load_rows_async<BM, D>(Qs, q, r0, R);
-  load_rows_async<64, D>(Ks, k, t_begin * 64, Sk);
+  load_rows_async<64, D>(KVs, k, t_begin * 64, Sk);
   cp_async_commit();
-  load_rows_async<64, D>(Vs, v, t_begin * 64, Sk);
+  load_rows_async<64, D>(KVs + 64 * LD, v, t_begin * 64, Sk);
   cp_async_commit();
   for (int kt = t_begin; kt < t_end; ++kt) {
-    const int k0 = kt * 64;
-    cp_async_wait<1>();  // Q and this K tile have landed
+    const int k0 = kt * 64, st = STAGES == 1 ? 0 : (kt - t_begin) & 1;
+    T* Ks = KVs + st * 128 * LD;
+    T* Vs = Ks + 64 * LD;
+    // Two stages: tile kt has landed, and every warp is done with tile kt - 1, whose stage takes tile
+    // kt + 1 now. One stage: Q and this K tile have landed (V follows).
+    cp_async_wait<STAGES == 1 ? 1 : 0>();
     __syncthreads();
+    if (STAGES == 2) {
+      if (kt + 1 < t_end) {
+        load_rows_async<64, D>(KVs + (st ^ 1) * 128 * LD, k, k0 + 64, Sk);
+        load_rows_async<64, D>(KVs + (st ^ 1) * 128 * LD + 64 * LD, v, k0 + 64, Sk);
+      }
+      cp_async_commit();
+    }
     float s[MT][8][4] = {};
     Ops::template abt<8>(s, Qs, warp * 16, Ks);
-    __syncthreads();  // all warps are done with Ks
-    if (kt + 1 < t_end) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
-    cp_async_commit();
+    if (STAGES == 1) {
+      __syncthreads();  // all warps are done with Ks
+      if (kt + 1 < t_end) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
+      cp_async_commit();
+    }
 
-    // online softmax on this tile
-    const bool mask = k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset);
+    // online softmax on this tile. Scores in log2 units; the tiles with hidden keys (past Sk, or past
+    // the causal diagonal) mask them behind one uniform branch, so the others carry no index math.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] *= p.scale_log2;
+    if (k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset)) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mask_scores(s[mt], k0 + 2 * t, Sk, p.causal ? qi0[mt] + offset : INT_MAX,
+                                                  p.causal ? qi1[mt] + offset : INT_MAX);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[mt][j][e] * p.scale_log2;
-          if (mask) {
-            const int col = k0 + j * 8 + 2 * t + (e & 1), qi = e < 2 ? qi0[mt] : qi1[mt];
-            if (col >= Sk || (p.causal && col > qi + offset)) x = -INFINITY;
-          }
-          s[mt][j][e] = x;
-          if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
-        }
+      for (int j = 0; j < 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[mt][j][0], s[mt][j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[mt][j][2], s[mt][j][3]));
+      }
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -3839,15 +3926,15 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Op
       const float n0 = fmaxf(m0[mt], mx0), n1 = fmaxf(m1[mt], mx1);
       // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
       const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
-      const float a0 = exp2f(m0[mt] - c0), a1 = exp2f(m1[mt] - c1);
+      const float a0 = fast_exp2(m0[mt] - c0), a1 = fast_exp2(m1[mt] - c1);
       m0[mt] = n0;
       m1[mt] = n1;
       l0[mt] *= a0;  // l stays a per-thread partial sum; the 4 lanes of a row are added at the end
       l1[mt] *= a1;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        s[mt][j][0] = exp2f(s[mt][j][0] - c0); s[mt][j][1] = exp2f(s[mt][j][1] - c0);
-        s[mt][j][2] = exp2f(s[mt][j][2] - c1); s[mt][j][3] = exp2f(s[mt][j][3] - c1);
+        s[mt][j][0] = fast_exp2(s[mt][j][0] - c0); s[mt][j][1] = fast_exp2(s[mt][j][1] - c0);
+        s[mt][j][2] = fast_exp2(s[mt][j][2] - c1); s[mt][j][3] = fast_exp2(s[mt][j][3] - c1);
         l0[mt] += s[mt][j][0] + s[mt][j][1];
         l1[mt] += s[mt][j][2] + s[mt][j][3];
       }
@@ -3857,12 +3944,16 @@ __global__ void __launch_bounds__(128) attention_fwd_kernel(AttnArgs<typename Op
       }
     }
 
-    cp_async_wait<1>();  // this V tile has landed
-    __syncthreads();
+    if (STAGES == 1) {
+      cp_async_wait<1>();  // this V tile has landed
+      __syncthreads();
+    }
     Ops::template pm<8>(o, s, Vs);
-    __syncthreads();  // all warps are done with Vs
-    if (kt + 1 < t_end) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
-    cp_async_commit();
+    if (STAGES == 1) {
+      __syncthreads();  // all warps are done with Vs
+      if (kt + 1 < t_end) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
+      cp_async_commit();
+    }
   }
   cp_async_wait<0>();
 
@@ -3969,20 +4060,22 @@ __global__ void __launch_bounds__(256) attention_delta_kernel(const T* out, Attn
 }
 
 // P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse2[q]),
-// dp -> dS = P * (dp - delta[q]). The query index of element (j, e) comes from qidx(j, e), the key
-// from kidx(j, e); masked pairs get P = 0.
-template <int NT, class T, class QI, class KI>
+// dp -> dS = P * (dp - delta[q]). With MASK (the tiles that hold hidden pairs: callers branch on it
+// once per tile), the query index of element (j, e) comes from qidx(j, e), the key from kidx(j, e), and
+// pairs out of range or past the causal diagonal get P = 0.
+template <bool MASK, int NT, class T, class QI, class KI>
 __device__ __forceinline__ void softmax_grad_tile(const AttnArgs<T>& p, float (&s)[NT][4], float (&dp)[NT][4],
-                                                  QI qidx, KI kidx, const float* lse2, const float* delta,
-                                                  bool mask) {
+                                                  QI qidx, KI kidx, const float* lse2, const float* delta) {
   const int offset = p.Sk - p.Sq;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int qi = qidx(j, e), ki = kidx(j, e);
-      float pr = exp2f(s[j][e] * p.scale_log2 - lse2[e]);
-      if (mask && (qi >= p.Sq || ki >= p.Sk || (p.causal && ki > qi + offset))) pr = 0.f;
+      float pr = fast_exp2(s[j][e] * p.scale_log2 - lse2[e]);
+      if (MASK) {
+        const int qi = qidx(j, e), ki = kidx(j, e);
+        if (qi >= p.Sq || ki >= p.Sk || (p.causal && ki > qi + offset)) pr = 0.f;
+      }
       s[j][e] = pr;
       dp[j][e] = pr * (dp[j][e] - delta[e]);
     }
@@ -3991,81 +4084,99 @@ __device__ __forceinline__ void softmax_grad_tile(const AttnArgs<T>& p, float (&
 // dK, dV for 64 keys per block (4 warps x 16 keys) of K/V head kvh, looping over the query tiles
 // (BQ rows) of every query head that shares it. Works in the transposed frame: S^T = K Q^T, P^T,
 // dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block writes its own rows of dK and dV, summed
-// over the group in a fixed order: no atomics, deterministic.
-template <class Ops, int BQ>
+// over the group in a fixed order: no atomics, deterministic. Tile i's Q, dO, lse2 and delta load
+// into stage i % STAGES.
+template <class Ops, int BQ, int STAGES>
 __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int kvh,
                                                   int kblock) {
   using T = typename Ops::T;
   constexpr int D = Ops::D, LD = smem_row<T, D>();
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + 64 * LD;
-  T* Qs = Vs + 64 * LD;
-  T* dOs = Qs + BQ * LD;
-  float* Ls = reinterpret_cast<float*>(dOs + BQ * LD);
-  float* Ds = Ls + BQ;
+  T* QdO = Vs + 64 * LD;  // stage st: Q rows at QdO + st * 2 * BQ * LD, dO rows BQ * LD further
+  float* stats = reinterpret_cast<float*>(QdO + STAGES * 2 * BQ * LD);  // stage st: lse2 at stats + st * 2 * BQ,
+                                                                        // delta BQ further
   const int k0 = kblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int key0 = k0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
+  // Causal: query i reaches key k0 only if i >= k0 - offset. The tiles: per_head of each query head
+  // sharing this K/V head, in head order.
+  const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
+  const int per_head = (p.Sq - qstart + BQ - 1) / BQ, tiles = p.group * per_head;
+  auto load_tile = [&](int i, int st) {
+    const int hq = kvh * p.group + i / per_head, q0 = qstart + i % per_head * BQ;
+    T* Qs = QdO + st * 2 * BQ * LD;
+    load_rows_async<BQ, D>(Qs, attn_rows(p.q, p.lq, hq), q0, p.Sq);
+    load_rows_async<BQ, D>(Qs + BQ * LD, attn_rows(p.dout, p.ldout, hq), q0, p.Sq);
+    // lse2 and delta: (B * H, Sq), contiguous; threads [0, BQ) copy lse2, [BQ, 2 BQ) delta. Rows past Sq
+    // read as 0 (the mask zeroes their P).
+    static_assert(2 * BQ <= ATTN_THREADS, "a thread per value");
+    if (threadIdx.x < 2 * BQ) {
+      const int r = threadIdx.x % BQ;
+      const bool in = q0 + r < p.Sq;
+      const float* src = threadIdx.x < BQ ? p.lse2 : p.delta;
+      cp_async4(stats + st * 2 * BQ + threadIdx.x, src + (int64_t)hq * p.Sq + (in ? q0 + r : 0), in);
+    }
+    cp_async_commit();
+  };
 
   load_rows_async<64, D>(Ks, attn_rows(p.k, p.lk, kvh), k0, p.Sk);
   load_rows_async<64, D>(Vs, attn_rows(p.v, p.lv, kvh), k0, p.Sk);
+  load_tile(0, 0);  // one group with K and V
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  // Causal: query i reaches key k0 only if i >= k0 - offset.
-  const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
-  for (int hq = kvh * p.group; hq < (kvh + 1) * p.group; ++hq) {  // the query heads sharing this K/V head
-    const int64_t qbase = (int64_t)hq * p.Sq;  // lse2 and delta: (B * H, Sq), contiguous
-    const AttnRows<const T> q = attn_rows(p.q, p.lq, hq), dout = attn_rows(p.dout, p.ldout, hq);
-    for (int q0 = qstart; q0 < p.Sq; q0 += BQ) {
-      load_rows_async<BQ, D>(Qs, q, q0, p.Sq);
-      load_rows_async<BQ, D>(dOs, dout, q0, p.Sq);
-      cp_async_commit();
-      for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
-        const bool in = q0 + i < p.Sq;
-        Ls[i] = in ? p.lse2[qbase + q0 + i] : INFINITY;
-        Ds[i] = in ? p.delta[qbase + q0 + i] : 0.f;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
-      float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
-      Ops::template abt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
-      Ops::template abt<BQ / 8>(dp, Vs, warp * 16, dOs); // dP^T
-      const bool mask = q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset);
+  for (int i = 0; i < tiles; ++i) {
+    const int st = STAGES == 1 ? 0 : i & 1, q0 = qstart + i % per_head * BQ;
+    const T* Qs = QdO + st * 2 * BQ * LD;
+    const T* dOs = Qs + BQ * LD;
+    const float* Ls = stats + st * 2 * BQ;
+    const float* Ds = Ls + BQ;
+    cp_async_wait<0>();  // tile i has landed
+    __syncthreads();     // two stages: and every warp is done with tile i - 1, whose stage takes tile i + 1
+    if (STAGES == 2 && i + 1 < tiles) load_tile(i + 1, st ^ 1);
+    float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
+    Ops::template abt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
+    Ops::template abt<BQ / 8>(dp, Vs, warp * 16, dOs); // dP^T
+    auto grads = [&](auto masked) {
 #pragma unroll
       for (int j = 0; j < BQ / 8; ++j) {
         // lse2 and delta are per query: the column of the element
-        const float lq[4] = {Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1], Ls[j * 8 + 2 * t], Ls[j * 8 + 2 * t + 1]};
-        const float dq[4] = {Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1], Ds[j * 8 + 2 * t], Ds[j * 8 + 2 * t + 1]};
+        const float2 l2 = *reinterpret_cast<const float2*>(Ls + j * 8 + 2 * t);
+        const float2 d2 = *reinterpret_cast<const float2*>(Ds + j * 8 + 2 * t);
+        const float lq[4] = {l2.x, l2.y, l2.x, l2.y}, dq[4] = {d2.x, d2.y, d2.x, d2.y};
         float sj[1][4] = {{s[j][0], s[j][1], s[j][2], s[j][3]}};
         float dj[1][4] = {{dp[j][0], dp[j][1], dp[j][2], dp[j][3]}};
-        softmax_grad_tile<1>(p, sj, dj,
+        softmax_grad_tile<decltype(masked)::value>(p, sj, dj,
             [&](int, int e) { return q0 + j * 8 + 2 * t + (e & 1); },
-            [&](int, int e) { return key0 + (e < 2 ? 0 : 8); }, lq, dq, mask);
+            [&](int, int e) { return key0 + (e < 2 ? 0 : 8); }, lq, dq);
 #pragma unroll
         for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e]; dp[j][e] = dj[0][e]; }
       }
-      Ops::template pm<BQ / 8>(dv, s, dOs);  // dV += P^T dO
-      Ops::template pm<BQ / 8>(dk, dp, Qs);  // dK += dS^T Q
-      __syncthreads();  // before the next tiles overwrite Qs, dOs
+    };
+    if (q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset)) grads(std::true_type{});
+    else grads(std::false_type{});
+    Ops::template pm<BQ / 8>(dv, s, dOs);  // dV += P^T dO
+    Ops::template pm<BQ / 8>(dk, dp, Qs);  // dK += dS^T Q
+    if (STAGES == 1) {
+      __syncthreads();  // every warp is done with the stage tile i + 1 takes
+      if (i + 1 < tiles) load_tile(i + 1, 0);
     }
   }
-  cp_async_wait<0>();
   store_rows(attn_rows(p.dk, p.ldk, kvh), dk, key0, p.Sk, p.scale, p.scale);
   store_rows(attn_rows(p.dv, p.ldv, kvh), dv, key0, p.Sk, 1.f, 1.f);
 }
 
 // dQ for 64 queries per block over key tiles of BK: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Recomputing S and dP here (instead of atomically adding dQ in the dK/dV kernel) keeps dQ
-// deterministic.
-template <class Ops, int BK>
+// deterministic. Key tile kt's K and V load into stage kt % STAGES.
+template <class Ops, int BK, int STAGES>
 __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int bh,
                                                  int qblock) {
   using T = typename Ops::T;
   constexpr int D = Ops::D, LD = smem_row<T, D>();
   T* Qs = reinterpret_cast<T*>(smem);
   T* dOs = Qs + 64 * LD;
-  T* Ks = dOs + 64 * LD;
-  T* Vs = Ks + BK * LD;
+  T* KV = dOs + 64 * LD;  // stage st: K rows at KV + st * 2 * BK * LD, V rows BK * LD further
   const int q0 = qblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int64_t qbase = (int64_t)bh * p.Sq;  // lse2 and delta: (B * H, Sq), contiguous
@@ -4078,28 +4189,42 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
   const float dl[4] = {row0 < p.Sq ? p.delta[qbase + row0] : 0.f, 0.f,
                        row0 + 8 < p.Sq ? p.delta[qbase + row0 + 8] : 0.f, 0.f};
   const float delta[4] = {dl[0], dl[0], dl[2], dl[2]};
+  auto load_tile = [&](int kt, int st) {
+    T* Ks = KV + st * 2 * BK * LD;
+    load_rows_async<BK, D>(Ks, k, kt * BK, p.Sk);
+    load_rows_async<BK, D>(Ks + BK * LD, v, kt * BK, p.Sk);
+    cp_async_commit();
+  };
 
   load_rows_async<64, D>(Qs, attn_rows(p.q, p.lq, bh), q0, p.Sq);
   load_rows_async<64, D>(dOs, attn_rows(p.dout, p.ldout, bh), q0, p.Sq);
+  cp_async_commit();
   float dq[D / 8][4] = {};
   const int ntiles = key_tiles(p, p.Sk, min(q0 + 64, p.Sq), BK);
+  if (ntiles > 0) load_tile(0, 0);
   for (int kt = 0; kt < ntiles; ++kt) {
-    const int k0 = kt * BK;
-    load_rows_async<BK, D>(Ks, k, k0, p.Sk);
-    load_rows_async<BK, D>(Vs, v, k0, p.Sk);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+    const int k0 = kt * BK, st = STAGES == 1 ? 0 : kt & 1;
+    T* Ks = KV + st * 2 * BK * LD;
+    T* Vs = Ks + BK * LD;
+    cp_async_wait<0>();  // tile kt has landed
+    __syncthreads();     // two stages: and every warp is done with tile kt - 1, whose stage takes kt + 1
+    if (STAGES == 2 && kt + 1 < ntiles) load_tile(kt + 1, st ^ 1);
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
     Ops::template abt<BK / 8>(s, Qs, warp * 16, Ks);
     Ops::template abt<BK / 8>(dp, dOs, warp * 16, Vs);
-    const bool mask = q0 + 64 > p.Sq || k0 + BK > p.Sk || (p.causal && k0 + BK - 1 > q0 + offset);
-    softmax_grad_tile<BK / 8>(p, s, dp,
-        [&](int, int e) { return row0 + (e < 2 ? 0 : 8); },
-        [&](int j, int e) { return k0 + j * 8 + 2 * t + (e & 1); }, lse, delta, mask);
+    auto qidx = [&](int, int e) { return row0 + (e < 2 ? 0 : 8); };
+    auto kidx = [&](int j, int e) { return k0 + j * 8 + 2 * t + (e & 1); };
+    if (q0 + 64 > p.Sq || k0 + BK > p.Sk || (p.causal && k0 + BK - 1 > q0 + offset))
+      softmax_grad_tile<true>(p, s, dp, qidx, kidx, lse, delta);
+    else
+      softmax_grad_tile<false>(p, s, dp, qidx, kidx, lse, delta);
     Ops::template pm<BK / 8>(dq, dp, Ks);
-    __syncthreads();  // before the next tiles overwrite Ks, Vs
+    if (STAGES == 1) {
+      __syncthreads();  // every warp is done with the stage tile kt + 1 takes
+      if (kt + 1 < ntiles) load_tile(kt + 1, 0);
+    }
   }
+  cp_async_wait<0>();  // no tile: Q and dO may still be in flight
   store_rows(attn_rows(p.dq, p.ldq, bh), dq, row0, p.Sq, p.scale, p.scale);
 }
 
@@ -4107,14 +4232,14 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
 // rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
 // fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
 // x runs over the query heads; with grouped K/V heads only the first BH / group x have a dK/dV block.
-template <class Ops, int BQ, int BK>
-__global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int kv_blocks) {
+template <class Ops, int BQ, int BK, int STAGES>
+__global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int kv_blocks) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
   const int y = blockIdx.y;
   if (y < kv_blocks) {
-    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ>(p, attn_smem, blockIdx.x, y);
+    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, attn_smem, blockIdx.x, y);
   } else {
-    attention_bwd_dq<Ops, BK>(p, attn_smem, blockIdx.x, gridDim.y - 1 - y);
+    attention_bwd_dq<Ops, BK, STAGES>(p, attn_smem, blockIdx.x, gridDim.y - 1 - y);
   }
 }
 
@@ -4122,7 +4247,7 @@ __global__ void __launch_bounds__(128) attention_bwd_kernel(AttnArgs<typename Op
 template <class Kernel, class T>
 static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnArgs<T>& p, cudaStream_t s) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  kernel<<<grid, 128, smem, s>>>(p);
+  kernel<<<grid, ATTN_THREADS, smem, s>>>(p);
 }
 
 template <class T>
@@ -4142,7 +4267,7 @@ static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale
 template <class Ops, int MT>
 static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
   using T = typename Ops::T;
-  const size_t smem = (MT + 2) * 64 * smem_row<T, Ops::D>() * sizeof(T);
+  const size_t smem = (64 * MT + attn_stages<T, Ops::D>(64 * MT, 128) * 128) * smem_row<T, Ops::D>() * sizeof(T);
   const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
   launch_attention(attention_fwd_kernel<Ops, MT>, grid, smem, p, s);
 }
@@ -4168,14 +4293,15 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
   using T = typename Ops::T;
   constexpr int D = Ops::D, LD = smem_row<T, D>();
   constexpr int BQ = D > 64 ? 32 : 64, BK = D > 64 ? 32 : 64;  // register budget at D = 128
-  // dK/dV blocks hold K, V (64 rows) + Q, dO (BQ rows) + lse2, delta; dQ blocks Q, dO (64) + K, V (BK)
-  constexpr size_t smem_kv = (128 + 2 * BQ) * LD * sizeof(T) + 2 * BQ * sizeof(float);
-  constexpr size_t smem_q = (128 + 2 * BK) * LD * sizeof(T);
+  // dK/dV blocks hold K, V (64 rows) + per stage Q, dO (BQ rows each), lse2, delta; dQ blocks Q, dO
+  // (64 rows each) + per stage K, V (BK rows each). The larger of the two sets the stages.
+  constexpr int STAGES = attn_stages<T, D>(128, 2 * std::max(BQ, BK), 2 * BQ * (int)sizeof(float));
+  constexpr size_t smem_kv = (128 + STAGES * 2 * BQ) * LD * sizeof(T) + STAGES * 2 * BQ * sizeof(float);
+  constexpr size_t smem_q = (128 + STAGES * 2 * BK) * LD * sizeof(T);
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
-  cudaFuncSetAttribute(attention_bwd_kernel<Ops, BQ, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       (int)std::max(smem_kv, smem_q));
-  attention_bwd_kernel<Ops, BQ, BK>
-      <<<dim3(BH, kv_blocks + q_blocks), 128, std::max(smem_kv, smem_q), s>>>(p, kv_blocks);
+  auto kernel = attention_bwd_kernel<Ops, BQ, BK, STAGES>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)std::max(smem_kv, smem_q));
+  kernel<<<dim3(BH, kv_blocks + q_blocks), ATTN_THREADS, std::max(smem_kv, smem_q), s>>>(p, kv_blocks);
   check_launch("attention_bwd");
 }
 
