@@ -1156,20 +1156,24 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
                 ", got D = ", s.D, " (mode='tiled' takes any D)");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
+  // The forward kernel keeps its row max over raw scores, which takes scale >= 0: a negative scale
+  // runs as (-q, -scale), the same products exactly (the backward takes q and scale as given).
+  const Tensor q_fwd = scale < 0 ? attention_operand(q.neg()) : q;
+  const float scale_fwd = (float)std::abs(scale);
   const auto f32 = q.options().dtype(at::kFloat);  // lse2 and the splits' partial results stay fp32
   Tensor out = empty_bshd(q), lse2 = at::empty({s.B, s.H, s.Sq}, f32);
   AttnLayouts l{};
-  l.q = layout_of(q); l.k = layout_of(k); l.v = layout_of(v); l.out = layout_of(out);
+  l.q = layout_of(q_fwd); l.k = layout_of(k); l.v = layout_of(v); l.out = layout_of(out);
   const int BH = to_int("attention", s.B * s.H, "B * H");
   const int64_t ws_floats = attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
-    attention_fwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), l, BH, s.group(),
-                        (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale, n, ws_ptr(ws), stream());
+    attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), l, BH,
+                        s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd, n, ws_ptr(ws), stream());
   else
-    attention_fwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        lse2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, (float)scale,
+    attention_fwd_fused(q_fwd.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                        lse2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd,
                         precise, n, ws_ptr(ws), stream());
   return {q, k, v, out, lse2};
 }

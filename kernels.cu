@@ -3406,10 +3406,11 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // memory 64 keys at a time (cp.async). Where two blocks per SM still fit (attn_stages), K and V have two
 // stages: the next tile loads during the whole of the current one, one barrier per tile; else one
 // stage, the next K tile loading while the current V tile is used and the other way round. The
-// backward streams its Q/dO (dK/dV blocks) and K/V (dQ blocks) tiles the same way. The softmax is online (running
-// max m and sum l per row, the output accumulator rescaled when m grows), computed with exp2 on
-// scores pre-multiplied by scale * log2(e). The block saves lse2 = m + log2(l) per row (log2 units)
-// so the backward can rebuild P = exp2(s * scale * log2(e) - lse2) tile by tile.
+// backward streams its Q/dO (dK/dV blocks) and K/V (dQ blocks) tiles the same way. The softmax is
+// online (running max m and sum l per row, the output accumulator rescaled when m grows), in log2
+// units: m is the max of s * scale * log2(e), a probability exp2(s * scale * log2(e) - m), one FFMA
+// and one ex2. The block saves lse2 = m + log2(l) per row so the backward can rebuild
+// P = exp2(s * scale * log2(e) - lse2) tile by tile.
 //
 // The products run on the tensor cores (helpers above), 3xTF32 by default ('fp32'), one TF32
 // product with precision='tf32'. A score tile from a C fragment feeds the next product as its A
@@ -3898,15 +3899,13 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       cp_async_commit();
     }
 
-    // online softmax on this tile. Scores in log2 units; the tiles with hidden keys (past Sk, or past
-    // the causal diagonal) mask them behind one uniform branch, so the others carry no index math.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][j][e] *= p.scale_log2;
-    if (k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset)) {
+    // online softmax on this tile. The row max is taken over the raw scores s and kept in log2 units
+    // (m = max * scale_log2, which needs scale_log2 > 0: see attention_fwd), so a probability is one
+    // FFMA and one ex2: exp2(s * scale_log2 - m). Tiles with hidden keys (past Sk, or past the causal
+    // diagonal) set them to -inf behind one uniform branch; the other tiles carry no index math.
+    const float k2 = p.scale_log2;
+    const bool masked = k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset);
+    if (masked) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) mask_scores(s[mt], k0 + 2 * t, Sk, p.causal ? qi0[mt] + offset : INT_MAX,
                                                   p.causal ? qi1[mt] + offset : INT_MAX);
@@ -3923,7 +3922,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float n0 = fmaxf(m0[mt], mx0), n1 = fmaxf(m1[mt], mx1);
+      const float n0 = fmaxf(m0[mt], mx0 == -INFINITY ? -INFINITY : mx0 * k2);
+      const float n1 = fmaxf(m1[mt], mx1 == -INFINITY ? -INFINITY : mx1 * k2);
       // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
       const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
       const float a0 = fast_exp2(m0[mt] - c0), a1 = fast_exp2(m1[mt] - c1);
@@ -3933,8 +3933,11 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       l1[mt] *= a1;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        s[mt][j][0] = fast_exp2(s[mt][j][0] - c0); s[mt][j][1] = fast_exp2(s[mt][j][1] - c0);
-        s[mt][j][2] = fast_exp2(s[mt][j][2] - c1); s[mt][j][3] = fast_exp2(s[mt][j][3] - c1);
+        s[mt][j][0] = fast_exp2(fmaf(s[mt][j][0], k2, -c0)); s[mt][j][1] = fast_exp2(fmaf(s[mt][j][1], k2, -c0));
+        s[mt][j][2] = fast_exp2(fmaf(s[mt][j][2], k2, -c1)); s[mt][j][3] = fast_exp2(fmaf(s[mt][j][3], k2, -c1));
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
         l0[mt] += s[mt][j][0] + s[mt][j][1];
         l1[mt] += s[mt][j][2] + s[mt][j][3];
       }
@@ -4100,40 +4103,48 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int key0 = k0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
-  // Causal: query i reaches key k0 only if i >= k0 - offset. The tiles: per_head of each query head
-  // sharing this K/V head, in head order.
+  // Causal: query i reaches key k0 only if i >= k0 - offset. The tiles: q0 = qstart, qstart + BQ, ...
+  // (< Sq) of each query head sharing this K/V head, in head order. The loads walk them with a cursor
+  // (hq_load, q0_load): an add per tile, a head's row addresses looked up when it starts.
   const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
-  const int per_head = (p.Sq - qstart + BQ - 1) / BQ, tiles = p.group * per_head;
-  auto load_tile = [&](int i, int st) {
-    const int hq = kvh * p.group + i / per_head, q0 = qstart + i % per_head * BQ;
+  const int tiles = p.group * ((p.Sq - qstart + BQ - 1) / BQ);
+  int hq_load = kvh * p.group, q0_load = qstart;
+  AttnRows<const T> q_rows = attn_rows(p.q, p.lq, hq_load), do_rows = attn_rows(p.dout, p.ldout, hq_load);
+  auto load_next = [&](int st) {
     T* Qs = QdO + st * 2 * BQ * LD;
-    load_rows_async<BQ, D>(Qs, attn_rows(p.q, p.lq, hq), q0, p.Sq);
-    load_rows_async<BQ, D>(Qs + BQ * LD, attn_rows(p.dout, p.ldout, hq), q0, p.Sq);
+    load_rows_async<BQ, D>(Qs, q_rows, q0_load, p.Sq);
+    load_rows_async<BQ, D>(Qs + BQ * LD, do_rows, q0_load, p.Sq);
     // lse2 and delta: (B * H, Sq), contiguous; threads [0, BQ) copy lse2, [BQ, 2 BQ) delta. Rows past Sq
     // read as 0 (the mask zeroes their P).
     static_assert(2 * BQ <= ATTN_THREADS, "a thread per value");
     if (threadIdx.x < 2 * BQ) {
       const int r = threadIdx.x % BQ;
-      const bool in = q0 + r < p.Sq;
+      const bool in = q0_load + r < p.Sq;
       const float* src = threadIdx.x < BQ ? p.lse2 : p.delta;
-      cp_async4(stats + st * 2 * BQ + threadIdx.x, src + (int64_t)hq * p.Sq + (in ? q0 + r : 0), in);
+      cp_async4(stats + st * 2 * BQ + threadIdx.x, src + (int64_t)hq_load * p.Sq + (in ? q0_load + r : 0), in);
     }
     cp_async_commit();
+    if ((q0_load += BQ) >= p.Sq) {
+      q0_load = qstart;
+      ++hq_load;
+      q_rows = attn_rows(p.q, p.lq, hq_load);
+      do_rows = attn_rows(p.dout, p.ldout, hq_load);
+    }
   };
 
   load_rows_async<64, D>(Ks, attn_rows(p.k, p.lk, kvh), k0, p.Sk);
   load_rows_async<64, D>(Vs, attn_rows(p.v, p.lv, kvh), k0, p.Sk);
-  load_tile(0, 0);  // one group with K and V
+  load_next(0);  // one group with K and V
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int i = 0; i < tiles; ++i) {
-    const int st = STAGES == 1 ? 0 : i & 1, q0 = qstart + i % per_head * BQ;
+  for (int i = 0, q0 = qstart; i < tiles; ++i, q0 = q0 + BQ < p.Sq ? q0 + BQ : qstart) {
+    const int st = STAGES == 1 ? 0 : i & 1;
     const T* Qs = QdO + st * 2 * BQ * LD;
     const T* dOs = Qs + BQ * LD;
     const float* Ls = stats + st * 2 * BQ;
     const float* Ds = Ls + BQ;
     cp_async_wait<0>();  // tile i has landed
     __syncthreads();     // two stages: and every warp is done with tile i - 1, whose stage takes tile i + 1
-    if (STAGES == 2 && i + 1 < tiles) load_tile(i + 1, st ^ 1);
+    if (STAGES == 2 && i + 1 < tiles) load_next(st ^ 1);
     float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
     Ops::template abt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
     Ops::template abt<BQ / 8>(dp, Vs, warp * 16, dOs); // dP^T
@@ -4159,7 +4170,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     Ops::template pm<BQ / 8>(dk, dp, Qs);  // dK += dS^T Q
     if (STAGES == 1) {
       __syncthreads();  // every warp is done with the stage tile i + 1 takes
-      if (i + 1 < tiles) load_tile(i + 1, 0);
+      if (i + 1 < tiles) load_next(0);
     }
   }
   store_rows(attn_rows(p.dk, p.ldk, kvh), dk, key0, p.Sk, p.scale, p.scale);
@@ -4342,6 +4353,11 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
                           const int64_t* kv_len, float* workspace, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_fwd_fused");
+  // The forward's row max over raw scores needs scale > 0. A negative scale is the caller's to turn
+  // into (-q, -scale); a zero one runs as FLT_MIN, whose products round every weight to exactly 1, as
+  // zero's do, while hidden keys stay at -inf (0 * -inf would be NaN).
+  if (!(scale >= 0.f)) throw std::invalid_argument("attention_fwd_fused: scale must be >= 0 (pass -q for a negative one)");
+  scale = std::max(scale, FLT_MIN);
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out;
