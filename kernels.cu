@@ -3429,10 +3429,17 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
 // the online softmax, the splits and their merge do not depend on it.
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+// One asynchronous copy of BYTES from global to shared memory: 16 (.cg, past L1) or 4 (.ca: copies
+// under 16 bytes must go through L1); valid = false writes zeros.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool valid) {
+  static_assert(BYTES == 16 || BYTES == 4, "the two sizes the kernels copy");
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem), n = valid ? BYTES : 0;
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
 #else
   __trap();
 #endif
@@ -3440,15 +3447,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-// 4 bytes (.ca: the sizes under 16 go through L1); valid = false writes zeros.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0));
-#else
-  __trap();
 #endif
 }
 template <int N>
@@ -3460,7 +3458,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Elements of a shared-memory row holding D of them: one 16-byte chunk of padding.
 template <class T, int D>
-__host__ __device__ constexpr int smem_row() { return D + 16 / (int)sizeof(T); }
+__host__ __device__ constexpr int smem_row() { return D + per16<T>(); }
 
 // Stages of the tiles a fused-attention block streams (see the section comment): two where a block
 // holding `fixed` rows plus two stages of `streamed` rows and `extra` bytes each leaves room for a second
@@ -3533,13 +3531,13 @@ constexpr int ATTN_THREADS = 128;
 // the block's threads: the loop unrolls into straight cp.asyncs.
 template <int ROWS, int D, class T, class Rows>
 __device__ __forceinline__ void load_rows_async(T* sm, const Rows& g, int r0, int S) {
-  constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();
+  constexpr int W = per16<T>(), CHUNKS = D / W, LD = smem_row<T, D>();
   static_assert(ROWS * CHUNKS % ATTN_THREADS == 0, "whole chunks per thread");
 #pragma unroll
   for (int i = 0; i < ROWS * CHUNKS / ATTN_THREADS; ++i) {
     const int e = threadIdx.x + i * ATTN_THREADS, r = e / CHUNKS, c = (e % CHUNKS) * W;
     const bool valid = r0 + r < S;
-    cp_async16(sm + r * LD + c, g.at(valid ? r0 + r : 0) + c, valid);
+    cp_async<16>(sm + r * LD + c, g.at(valid ? r0 + r : 0) + c, valid);
   }
 }
 
@@ -3547,7 +3545,7 @@ __device__ __forceinline__ void load_rows_async(T* sm, const Rows& g, int r0, in
 // a fixed number of rows apart, so after the first address each is an add (no per-chunk row math).
 template <int ROWS, int D, class T>
 __device__ __forceinline__ void load_rows_async(T* sm, const AttnRows<const T>& g, int r0, int S) {
-  constexpr int W = 16 / sizeof(T), CHUNKS = D / W, LD = smem_row<T, D>();
+  constexpr int W = per16<T>(), CHUNKS = D / W, LD = smem_row<T, D>();
   if constexpr (ATTN_THREADS % CHUNKS == 0) {
     if (r0 + ROWS <= S) {
       constexpr int STEP = ATTN_THREADS / CHUNKS;  // rows between a thread's chunks
@@ -3556,7 +3554,7 @@ __device__ __forceinline__ void load_rows_async(T* sm, const AttnRows<const T>& 
       const T* src = g.at(r0 + r) + c;
       const int64_t step = (int64_t)STEP * g.row;
 #pragma unroll
-      for (int i = 0; i < ROWS / STEP; ++i) cp_async16(sm + (r + i * STEP) * LD + c, src + i * step, true);
+      for (int i = 0; i < ROWS / STEP; ++i) cp_async<16>(sm + (r + i * STEP) * LD + c, src + i * step, true);
       return;
     }
   }
@@ -4041,7 +4039,7 @@ template <class T>
 __global__ void __launch_bounds__(256) attention_delta_kernel(const T* out, AttnLayout lout, const T* dout,
                                                               AttnLayout ldout, float* delta, int Sq, int64_t rows,
                                                               int D) {
-  constexpr int W = 16 / sizeof(T);
+  constexpr int W = per16<T>();
   const int lane = threadIdx.x % DELTA_LANES;
   const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / DELTA_LANES;
   float acc = 0.f;
@@ -4121,7 +4119,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
       const int r = threadIdx.x % BQ;
       const bool in = q0_load + r < p.Sq;
       const float* src = threadIdx.x < BQ ? p.lse2 : p.delta;
-      cp_async4(stats + st * 2 * BQ + threadIdx.x, src + (int64_t)hq_load * p.Sq + (in ? q0_load + r : 0), in);
+      cp_async<4>(stats + st * 2 * BQ + threadIdx.x, src + (int64_t)hq_load * p.Sq + (in ? q0_load + r : 0), in);
     }
     cp_async_commit();
     if ((q0_load += BQ) >= p.Sq) {
