@@ -186,7 +186,8 @@ static T* ptr(const Tensor& t) {
 template <class F>
 static void with_type(at::ScalarType dtype, F&& f) {
   if (dtype == at::kBFloat16) f(bf16());
-  else f(float());
+  else if (dtype == at::kFloat) f(float());
+  else TORCH_CHECK(false, "internal: a kernel reached with dtype ", dtype, " (float32 or bfloat16 expected)");
 }
 
 static void check_index_cuda(const char* op, const Tensor& t, const char* name) {

@@ -317,6 +317,10 @@ def choose_paths(cfg):
             kernels, err = train.import_kernels()
             if kernels is None:
                 why = f"`import kernels` failed ({err})"
+            elif "bf16" in cfg.dtypes and torch.cuda.get_device_capability(dev) != (9, 0):
+                # the bf16 prefill's linear runs our bf16 matmul, Hopper's wgmma only (as in train.py)
+                why = (f"--dtype with bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
+                       f"{torch.cuda.get_device_name(dev)} is {torch.cuda.get_device_capability(dev)}")
         if why:
             if cfg.backend == "cuda":
                 fail(f"--backend=cuda cannot run: {why}; it needs a GPU and `python setup.py build_ext --inplace`")

@@ -406,11 +406,12 @@ def choose_op_sets(cfg):
             why = (f"--dtype=bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
                    f"{torch.cuda.get_device_name(cfg.device)} is {torch.cuda.get_device_capability(cfg.device)}")
     if why is not None:
+        # the build hint only where a build could help (not for a GPU that is not Hopper)
+        hint = "" if kernels is not None else ("; the cuda op set needs a GPU and the extension built with "
+                                               "`python setup.py build_ext --inplace`")
         if cfg.backend == "cuda":
-            fail(f"--backend=cuda cannot run: {why}. The cuda op set needs a GPU and the compiled extension; "
-                 f"build it with `python setup.py build_ext --inplace`")
-        return [torch_ops], [f"note: training the PyTorch op set only: {why}; the cuda op set needs a GPU and "
-                             f"the extension built with `python setup.py build_ext --inplace`"]
+            fail(f"--backend=cuda cannot run: {why}{hint}")
+        return [torch_ops], [f"note: training the PyTorch op set only: {why}{hint}"]
     head_size = cfg.n_embd // cfg.n_head
     notes = []
     if head_size not in kernels.FUSED_HEAD_SIZES:
