@@ -310,20 +310,11 @@ def choose_paths(cfg):
     names = ["torch", "cuda"] if cfg.backend == "both" else [cfg.backend]
     notes, kernels = [], None
     if "cuda" in names:
-        why = None
-        if dev.type != "cuda":
-            why = f"device is {cfg.device}" + ("" if torch.cuda.is_available() else " (no GPU visible to PyTorch)")
-        else:
-            kernels, err = train.import_kernels()
-            if kernels is None:
-                why = f"`import kernels` failed ({err})"
-            elif "bf16" in cfg.dtypes and torch.cuda.get_device_capability(dev) != (9, 0):
-                # the bf16 prefill's linear runs our bf16 matmul, Hopper's wgmma only (as in train.py)
-                why = (f"--dtype with bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
-                       f"{torch.cuda.get_device_name(dev)} is {torch.cuda.get_device_capability(dev)}")
+        # with bf16, the prefill's linear runs our bf16 matmul (Hopper only), as in train.py
+        kernels, why = train.cuda_kernels_for(cfg.device, "bf16" in cfg.dtypes)
         if why:
             if cfg.backend == "cuda":
-                fail(f"--backend=cuda cannot run: {why}; it needs a GPU and `python setup.py build_ext --inplace`")
+                fail(f"--backend=cuda cannot run: {why}")
             notes.append(f"note: decoding with the PyTorch op set only: {why}")
             names = ["torch"]
     paths = []

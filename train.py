@@ -390,28 +390,33 @@ def import_kernels():
     return kernels, None
 
 
+def cuda_kernels_for(device, bf16):
+    """(kernels, None) where the cuda op set can run on device (with bf16: Hopper's wgmma), else (None, why),
+    the reason with the build hint where a build could help (not for a GPU that is not Hopper). train.py
+    and inference.py both ask here."""
+    hint = "; the cuda op set needs a GPU and the extension built with `python setup.py build_ext --inplace`"
+    if torch.device(device).type != "cuda":
+        seen = "" if torch.cuda.is_available() else " (no GPU visible to PyTorch)"
+        return None, f"device is {device}{seen}{hint}"
+    kernels, err = import_kernels()
+    if kernels is None:
+        return None, f"`import kernels` failed ({err}){hint}"
+    if bf16 and torch.cuda.get_device_capability(device) != (9, 0):
+        return None, (f"bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
+                      f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
+    return kernels, None
+
+
 def choose_op_sets(cfg):
     """The op sets to train, in order, plus notes to print. Exits if --backend=cuda cannot run."""
     torch_ops = torch_op_set(cfg.dtype, cfg.device)
     if cfg.backend == "torch":
         return [torch_ops], []
-    why, kernels = None, None
-    if torch.device(cfg.device).type != "cuda":
-        why = f"device is {cfg.device}" + ("" if torch.cuda.is_available() else " (no GPU visible to PyTorch)")
-    else:
-        kernels, err = import_kernels()
-        if kernels is None:
-            why = f"`import kernels` failed ({err})"
-        elif cfg.dtype == "bf16" and torch.cuda.get_device_capability(cfg.device) != (9, 0):
-            why = (f"--dtype=bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
-                   f"{torch.cuda.get_device_name(cfg.device)} is {torch.cuda.get_device_capability(cfg.device)}")
+    kernels, why = cuda_kernels_for(cfg.device, cfg.dtype == "bf16")
     if why is not None:
-        # the build hint only where a build could help (not for a GPU that is not Hopper)
-        hint = "" if kernels is not None else ("; the cuda op set needs a GPU and the extension built with "
-                                               "`python setup.py build_ext --inplace`")
         if cfg.backend == "cuda":
-            fail(f"--backend=cuda cannot run: {why}{hint}")
-        return [torch_ops], [f"note: training the PyTorch op set only: {why}{hint}"]
+            fail(f"--backend=cuda cannot run: {why}")
+        return [torch_ops], [f"note: training the PyTorch op set only: {why}"]
     head_size = cfg.n_embd // cfg.n_head
     notes = []
     if head_size not in kernels.FUSED_HEAD_SIZES:
