@@ -35,16 +35,20 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
                    cudaStream_t s);
 bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit);
 template <class TI, class TO>
-void layernorm_fwd(const TI*, const TI*, const TI*, TO*, float*, float*, int, int, float, cudaStream_t);
+void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum, float* mean, float* rstd,
+                   int R, int C, float eps, cudaStream_t s);
 template <class TI, class TO>
-void layernorm_bwd_dx(const TI*, const TI*, const TO*, const float*, const float*, TI*, int, int, cudaStream_t);
+void layernorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
+                      TI* dx, TO* daddend, int R, int C, cudaStream_t s);
 template <class TI, class TO>
 void layernorm_bwd_params(const TI*, const TO*, const float*, const float*, float*, float*, TI*, TI*, int, int,
                           cudaStream_t);
 template <class TI, class TO>
-void rmsnorm_fwd(const TI*, const TI*, TO*, float*, int, int, float, cudaStream_t);
+void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum, float* rstd, int R, int C, float eps,
+                 cudaStream_t s);
 template <class TI, class TO>
-void rmsnorm_bwd_dx(const TI*, const TI*, const TO*, const float*, TI*, int, int, cudaStream_t);
+void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
+                    int R, int C, cudaStream_t s);
 template <class TI, class TO>
 void rmsnorm_bwd_weight(const TI*, const TO*, const float*, float*, TI*, int, int, cudaStream_t);
 int64_t sinkhorn_workspace_floats(int, int, int);
@@ -420,22 +424,33 @@ Tensor matmul_op(const Tensor& a, const Tensor& b) {
 // x and the weights float32 or bfloat16 (all one dtype); y in out_dtype (default x's), so mixed
 // precision can normalize the fp32 residual stream straight into the bf16 input of the next matmul.
 // Statistics and arithmetic are fp32; dx comes back in x's dtype, dy in y's.
+// add_layernorm / add_rmsnorm first add an addend (a sublayer's output, in out_dtype) to x: they return
+// s = x + addend (x's dtype: the residual stream goes on from it) and the norm of s, in one pass, and
+// their backward adds s's own gradient to the norm's (kernels.cu, "Residual add").
 struct NormShape {
   int R, C;
 };
 
-static NormShape check_norm(const char* op, const Tensor& x, const Tensor& w, const Tensor* b) {
+static NormShape check_norm(const char* op, const Tensor& x, const Tensor& addend, const Tensor& w, const Tensor& b,
+                            at::ScalarType out_dtype) {
   check_fp_cuda(op, x, "x", x, "x");
   check_fp_cuda(op, w, "weight", x, "x");
   check_same_device(op, x, "x", w, "weight");
-  if (b) {
-    check_fp_cuda(op, *b, "bias", x, "x");
-    check_same_device(op, x, "x", *b, "bias");
+  if (b.defined()) {
+    check_fp_cuda(op, b, "bias", x, "x");
+    check_same_device(op, x, "x", b, "bias");
   }
   REQUIRE(x.dim() >= 1, op, ": x must have at least one dim");
   const int64_t C = x.size(-1);
   REQUIRE(w.dim() == 1 && w.size(0) == C, op, ": weight must have shape (", C, ",), got ", w.sizes());
-  if (b) REQUIRE(b->dim() == 1 && b->size(0) == C, op, ": bias must have shape (", C, ",), got ", b->sizes());
+  if (b.defined()) REQUIRE(b.dim() == 1 && b.size(0) == C, op, ": bias must have shape (", C, ",), got ", b.sizes());
+  if (addend.defined()) {
+    REQUIRE(addend.is_cuda(), op, ": y must be a CUDA tensor, got ", addend.device());
+    check_same_device(op, x, "x", addend, "y");
+    REQUIRE(addend.sizes() == x.sizes(), op, ": y must have x's shape ", x.sizes(), ", got ", addend.sizes());
+    REQUIRE(addend.scalar_type() == out_dtype, op, ": y must be ", out_dtype,
+            " (out_dtype: the norm's output dtype, which a sublayer's output has), got ", addend.scalar_type());
+  }
   return {to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), to_int(op, C, "C")};
 }
 
@@ -445,44 +460,70 @@ static void with_types(const Tensor& x, at::ScalarType y_dtype, F&& f) {
   with_type(x.scalar_type(), [&](auto ti) { with_type(y_dtype, [&](auto to) { f(ti, to); }); });
 }
 
-struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, double eps,
-                        at::ScalarType y_dtype) {
-    const auto [R, C] = check_norm("layernorm", x_in, w_in, &b_in);
+// Layernorm (a bias) or RMSNorm (bias undefined) of x, or of x + addend when the addend is defined.
+// Returns {y}, or {s, y} with the add.
+struct NormFn : torch::autograd::Function<NormFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& addend_in, const Tensor& w_in,
+                               const Tensor& b_in, double eps, at::ScalarType y_dtype, const char* op) {
+    const auto [R, C] = check_norm(op, x_in, addend_in, w_in, b_in, y_dtype);
     const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = b_in.contiguous();
+    const bool add = addend_in.defined(), rms = !b_in.defined();
+    const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = rms ? Tensor() : b_in.contiguous();
+    const Tensor addend = add ? addend_in.contiguous() : Tensor();
     const auto stats = x.options().dtype(at::kFloat);
-    Tensor y = at::empty_like(x, x.options().dtype(y_dtype)), mean = at::empty({R}, stats), rstd = at::empty({R}, stats);
+    Tensor y = at::empty_like(x, x.options().dtype(y_dtype)), sum = add ? at::empty_like(x) : Tensor();
+    Tensor mean = rms ? Tensor() : at::empty({R}, stats), rstd = at::empty({R}, stats);
     if (C > 0)
       with_types(x, y_dtype, [&](auto ti, auto to) {
         using TI = decltype(ti);
         using TO = decltype(to);
-        layernorm_fwd(ptr<TI>(x), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<float>(mean), ptr<float>(rstd), R, C,
+        if (rms)
+          rmsnorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TO>(y), ptr<TI>(sum), ptr<float>(rstd), R, C,
                       (float)eps, stream());
+        else
+          layernorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<TI>(sum),
+                        ptr<float>(mean), ptr<float>(rstd), R, C, (float)eps, stream());
       });
-    ctx->save_for_backward({x, w, mean, rstd});
-    return y;
+    ctx->save_for_backward({add ? sum : x, w, mean, rstd});
+    ctx->saved_data["add"] = add;
+    ctx->saved_data["y_dtype"] = y_dtype;
+    if (add) return {sum, y};
+    return {y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const Tensor &x = s[0], &w = s[1], &mean = s[2], &rstd = s[3];
+    const bool add = ctx->saved_data["add"].toBool(), rms = !mean.defined();
     const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dy = grads[0].contiguous();
-    const int C = (int)w.size(0), R = (int)mean.size(0);
-    Tensor dx = at::empty_like(x), dw = at::empty_like(w), db = at::empty_like(w);
+    const auto y_dtype = ctx->saved_data["y_dtype"].toScalarType();  // also the addend's
+    const Tensor dsum = add && grads[0].defined() ? grads[0].contiguous() : Tensor();
+    Tensor dy = grads[add ? 1 : 0];  // undefined when only s was used downstream
+    dy = dy.defined() ? dy.contiguous() : at::zeros_like(x, x.options().dtype(y_dtype));
+    const int C = (int)w.size(0), R = (int)rstd.size(0);
+    Tensor dx = at::empty_like(x), dw = at::empty_like(w), db = rms ? Tensor() : at::empty_like(w);
+    // The addend's gradient is dx itself when the dtypes agree, else dx again in the addend's dtype.
+    Tensor daddend = add && y_dtype != x.scalar_type() ? at::empty_like(x, x.options().dtype(y_dtype)) : Tensor();
     if (C > 0) {
-      Tensor part = at::empty({2, (int64_t)colsum_chunks(R, C) * C}, mean.options());
+      Tensor part = at::empty({2, (int64_t)colsum_chunks(R, C) * C}, rstd.options());
       with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
         using TI = decltype(ti);
         using TO = decltype(to);
-        layernorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dx), R, C,
-                         stream());
-        layernorm_bwd_params(ptr<TI>(x), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<float>(part[0]),
-                             ptr<float>(part[1]), ptr<TI>(dw), ptr<TI>(db), R, C, stream());
+        if (rms) {
+          rmsnorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
+                         ptr<TO>(daddend), R, C, stream());
+          rmsnorm_bwd_weight(ptr<TI>(x), ptr<TO>(dy), ptr<float>(rstd), ptr<float>(part[0]), ptr<TI>(dw), R, C,
+                             stream());
+        } else {
+          layernorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
+                           ptr<TI>(dx), ptr<TO>(daddend), R, C, stream());
+          layernorm_bwd_params(ptr<TI>(x), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<float>(part[0]),
+                               ptr<float>(part[1]), ptr<TI>(dw), ptr<TI>(db), R, C, stream());
+        }
       });
     }
-    return {dx, dw, db, Tensor(), Tensor()};
+    if (add && !daddend.defined()) daddend = dx;
+    return {dx, daddend, dw, db, Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -490,50 +531,33 @@ Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, doub
                  std::optional<at::ScalarType> out_dtype) {
   raise_pending_index_error();
   check_fp_cuda("layernorm", x, "x", x, "x");
-  return LayerNormFn::apply(x, weight, bias, eps, out_dtype_or("layernorm", out_dtype, x));
+  check_fp_cuda("layernorm", bias, "bias", x, "x");  // defined: an undefined bias would mean RMSNorm
+  return NormFn::apply(x, Tensor(), weight, bias, eps, out_dtype_or("layernorm", out_dtype, x), "layernorm")[0];
 }
-
-struct RMSNormFn : torch::autograd::Function<RMSNormFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& w_in, double eps,
-                        at::ScalarType y_dtype) {
-    const auto [R, C] = check_norm("rmsnorm", x_in, w_in, nullptr);
-    const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous(), w = w_in.contiguous();
-    Tensor y = at::empty_like(x, x.options().dtype(y_dtype)), rstd = at::empty({R}, x.options().dtype(at::kFloat));
-    if (C > 0)
-      with_types(x, y_dtype, [&](auto ti, auto to) {
-        using TI = decltype(ti);
-        using TO = decltype(to);
-        rmsnorm_fwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(y), ptr<float>(rstd), R, C, (float)eps, stream());
-      });
-    ctx->save_for_backward({x, w, rstd});
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const Tensor &x = s[0], &w = s[1], &rstd = s[2];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dy = grads[0].contiguous();
-    const int C = (int)w.size(0), R = (int)rstd.size(0);
-    Tensor dx = at::empty_like(x), dw = at::empty_like(w);
-    if (C > 0) {
-      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, rstd.options());
-      with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
-        using TI = decltype(ti);
-        using TO = decltype(to);
-        rmsnorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dx), R, C, stream());
-        rmsnorm_bwd_weight(ptr<TI>(x), ptr<TO>(dy), ptr<float>(rstd), ptr<float>(part), ptr<TI>(dw), R, C, stream());
-      });
-    }
-    return {dx, dw, Tensor(), Tensor()};
-  }
-};
 
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
   raise_pending_index_error();
   check_fp_cuda("rmsnorm", x, "x", x, "x");
-  return RMSNormFn::apply(x, weight, eps, out_dtype_or("rmsnorm", out_dtype, x));
+  return NormFn::apply(x, Tensor(), weight, Tensor(), eps, out_dtype_or("rmsnorm", out_dtype, x), "rmsnorm")[0];
+}
+
+std::tuple<Tensor, Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                                         double eps, std::optional<at::ScalarType> out_dtype) {
+  raise_pending_index_error();
+  check_fp_cuda("add_layernorm", x, "x", x, "x");
+  check_fp_cuda("add_layernorm", bias, "bias", x, "x");
+  REQUIRE(y.defined(), "add_layernorm: y must be a tensor, got None");
+  const auto r = NormFn::apply(x, y, weight, bias, eps, out_dtype_or("add_layernorm", out_dtype, x), "add_layernorm");
+  return {r[0], r[1]};
+}
+
+std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
+                                       std::optional<at::ScalarType> out_dtype) {
+  raise_pending_index_error();
+  check_fp_cuda("add_rmsnorm", x, "x", x, "x");
+  REQUIRE(y.defined(), "add_rmsnorm: y must be a tensor, got None");
+  const auto r = NormFn::apply(x, y, weight, Tensor(), eps, out_dtype_or("add_rmsnorm", out_dtype, x), "add_rmsnorm");
+  return {r[0], r[1]};
 }
 
 // ---- Sinkhorn ---------------------------------------------------------------------------------
@@ -1297,6 +1321,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "layer norm over the last dim, like F.layer_norm; x, weight, bias float32 or bfloat16 (one dtype), the "
         "result in out_dtype (None: x's)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps") = 1e-5,
         py::arg("out_dtype") = py::none());
+  m.def("add_layernorm", &add_layernorm,
+        "(s, layernorm(s)) with s = x + y, in one pass, forward and backward (the residual add that ends a "
+        "sublayer, fused with the norm that starts the next); s in x's dtype, y and the norm in out_dtype (None: x's)",
+        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("eps") = 1e-5,
+        py::arg("out_dtype") = py::none());
   m.def("softmax", &softmax, "softmax over the last dim, the result in out_dtype (None: x's)", py::arg("x"),
         py::arg("out_dtype") = py::none());
   m.def("gelu", &gelu, "GELU, approximate='none' (erf) or 'tanh', like F.gelu", py::arg("x"),
@@ -1336,6 +1365,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RMS norm over the last dim, like F.rms_norm; x and weight float32 or bfloat16 (one dtype), the result in "
         "out_dtype (None: x's)", py::arg("x"), py::arg("weight"), py::arg("eps") = 1e-5,
         py::arg("out_dtype") = py::none());
+  m.def("add_rmsnorm", &add_rmsnorm, "(s, rmsnorm(s)) with s = x + y in one pass, as add_layernorm", py::arg("x"),
+        py::arg("y"), py::arg("weight"), py::arg("eps") = 1e-5, py::arg("out_dtype") = py::none());
   m.def("sinkhorn", &sinkhorn,
         "Sinkhorn-Knopp in the log domain: logits (..., n, n), n <= 8 -> doubly stochastic, like "
         "mhc.sinkhorn_torch (each iteration normalises columns, then rows)",

@@ -527,14 +527,35 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
 // mean = 0, and the mean's loads and reductions drop out at compile time (a run-time flag made
 // layernorm's 1024-thread backward spill). rstd (and the mean) are saved per row. The variance is
 // computed two-pass from the registers (no E[x^2] - mean^2 cancellation).
+//
+// Residual add (add_layernorm, add_rmsnorm): given an addend (a sublayer's output, in y's dtype), the
+// row normalized is s = x + addend, rounded to x's dtype (the residual stream's) as a separate add
+// would round it; s is written out (the stream goes on from it) and saved for the backward. The add
+// rides on the norm's pass over the row: one read of each input and one write of s, where an add
+// kernel would write s and the norm read it back. The backward adds the gradient that reaches s from
+// downstream (dsum) to the norm's dx, and writes it once more in the addend's dtype when that
+// differs (the sublayer's output gradient), so the residual stream's backward is one pass as well.
+
+// Unit u of the row sum = x + addend, rounded to TI: v holds x's unit on entry and the sum on exit.
+template <int VEC, class TI, class TO>
+__device__ __forceinline__ void add_unit(const TO* addend, TI* sum, int u, int C, float (&v)[VEC]) {
+  float a[VEC];
+  load_unit<VEC>(addend, u, C, a, 0.f);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] = to_float(from_float<TI>(v[i] + a[i]));
+  store_unit<VEC>(sum, u, C, v);
+}
 
 template <int TX, int N, int VEC, bool RMS, class TI, class TO>
-__device__ __forceinline__ void norm_fwd_row(const TI* x, const TI* w, const TI* b, TO* y,
-                                             float* mean_out, float* rstd_out, int R, int C, float eps) {
+__device__ __forceinline__ void norm_fwd_row(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y,
+                                             TI* sum_out, float* mean_out, float* rstd_out, int R, int C, float eps) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
   const TI* xr = x + (int64_t)r * C;
+  const TO* ar = addend ? addend + (int64_t)r * C : nullptr;
+  TI* sr = addend ? sum_out + (int64_t)r * C : nullptr;
+  const TI* src = addend ? sr : xr;  // where passes after the first read the row (this thread wrote its units)
   TO* yr = y + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   float v[N][VEC];
@@ -542,18 +563,19 @@ __device__ __forceinline__ void norm_fwd_row(const TI* x, const TI* w, const TI*
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     load_unit<VEC>(xr, threadIdx.x + j * TX, C, v[j], 0.f);
+    if (ar) add_unit<VEC>(ar, sr, threadIdx.x + j * TX, C, v[j]);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) sum += v[j][i];
   }
   float mean = 0.f;
-  if (!RMS) {
+  if (!RMS || ar)  // the tail's first pass: layernorm's sum, and the residual add
     for (int u = threadIdx.x + N * TX; u < units; u += TX) {
       float t[VEC];
       load_unit<VEC>(xr, u, C, t, 0.f);
+      if (ar) add_unit<VEC>(ar, sr, u, C, t);
       for (int i = 0; i < VEC; ++i) sum += t[i];
     }
-    mean = row_reduce<TX, false>(sum, red) / C;
-  }
+  if (!RMS) mean = row_reduce<TX, false>(sum, red) / C;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j)
@@ -562,7 +584,7 @@ __device__ __forceinline__ void norm_fwd_row(const TI* x, const TI* w, const TI*
       for (int i = 0; i < VEC; ++i) { float d = v[j][i] - mean; sq += d * d; }
   for (int u = threadIdx.x + N * TX; u < units; u += TX) {
     float t[VEC];
-    load_unit<VEC>(xr, u, C, t, mean);
+    load_unit<VEC>(src, u, C, t, mean);
     for (int i = 0; i < VEC; ++i) { float d = t[i] - mean; sq += d * d; }
   }
   const float rstd = rsqrtf(row_reduce<TX, false>(sq, red) / C + eps);
@@ -582,7 +604,7 @@ __device__ __forceinline__ void norm_fwd_row(const TI* x, const TI* w, const TI*
   }
   for (int u = threadIdx.x + N * TX; u < units; u += TX) {
     float t[VEC], wv[VEC], bv[VEC] = {}, o[VEC];
-    load_unit<VEC>(xr, u, C, t, 0.f);
+    load_unit<VEC>(src, u, C, t, 0.f);
     load_unit<VEC>(w, u, C, wv, 0.f);
     if (!RMS) load_unit<VEC>(b, u, C, bv, 0.f);
     for (int i = 0; i < VEC; ++i) o[i] = (t[i] - mean) * rstd * wv[i] + bv[i];
@@ -591,23 +613,25 @@ __device__ __forceinline__ void norm_fwd_row(const TI* x, const TI* w, const TI*
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const TI* x, const TI* w,
-    const TI* b, TO* y, float* mean_out, float* rstd_out, int R, int C, float eps) {
-  norm_fwd_row<TX, N, VEC, false>(x, w, b, y, mean_out, rstd_out, R, C, eps);
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const TI* x, const TO* addend,
+    const TI* w, const TI* b, TO* y, TI* sum_out, float* mean_out, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, false>(x, addend, w, b, y, sum_out, mean_out, rstd_out, R, C, eps);
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const TI* x, const TI* w,
-    TO* y, float* rstd_out, int R, int C, float eps) {
-  norm_fwd_row<TX, N, VEC, true>(x, w, (const TI*)nullptr, y, nullptr, rstd_out, R, C, eps);
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const TI* x, const TO* addend,
+    const TI* w, TO* y, TI* sum_out, float* rstd_out, int R, int C, float eps) {
+  norm_fwd_row<TX, N, VEC, true>(x, addend, w, (const TI*)nullptr, y, sum_out, nullptr, rstd_out, R, C, eps);
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd.
 // RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd (the mean(g) term comes from
-// the subtracted mean, which RMSNorm does not have).
+// the subtracted mean, which RMSNorm does not have). With the residual add, x is the saved sum, dsum
+// (if any) is added to dx, and daddend (if any) gets dx again in the addend's dtype.
 template <int TX, int N, int VEC, bool RMS, class TI, class TO>
-__device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const TO* dy,
-                                                const float* mean_in, const float* rstd_in, TI* dx, int R, int C) {
+__device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const TO* dy, const float* mean_in,
+                                                const float* rstd_in, const TI* dsum, TI* dx, TO* daddend, int R,
+                                                int C) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -646,12 +670,24 @@ __device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const 
   const float mg = RMS ? 0.f : row_reduce<TX, false>(sg, red) / C;
   const float mgx = row_reduce<TX, false>(sgx, red) / C;
   TI* dxr = dx + (int64_t)r * C;
+  const TI* dsr = dsum ? dsum + (int64_t)r * C : nullptr;
+  TO* dar = daddend ? daddend + (int64_t)r * C : nullptr;
+  auto store_dx = [&](int u, float (&o)[VEC]) {
+    if (dsr) {
+      float d[VEC];
+      load_unit<VEC>(dsr, u, C, d, 0.f);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o[i] += d[i];
+    }
+    store_unit<VEC>(dxr, u, C, o);
+    if (dar) store_unit<VEC>(dar, u, C, o);
+  };
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     float o[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) o[i] = rstd * (g[j][i] - mg - xh[j][i] * mgx);
-    store_unit<VEC>(dxr, threadIdx.x + j * TX, C, o);
+    store_dx(threadIdx.x + j * TX, o);
   }
   for (int u = threadIdx.x + N * TX; u < units; u += TX) {
     float xv[VEC], dv[VEC], wv[VEC], o[VEC];
@@ -659,54 +695,60 @@ __device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const 
     load_unit<VEC>(dyr, u, C, dv, 0.f);
     load_unit<VEC>(w, u, C, wv, 0.f);
     for (int i = 0; i < VEC; ++i) o[i] = rstd * (dv[i] * wv[i] - mg - (xv[i] - mean) * rstd * mgx);
-    store_unit<VEC>(dxr, u, C, o);
+    store_dx(u, o);
   }
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const TI* x, const TI* w,
-    const TO* dy, const float* mean_in, const float* rstd_in, TI* dx, int R, int C) {
-  norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dx, R, C);
+    const TO* dy, const float* mean_in, const float* rstd_in, const TI* dsum, TI* dx, TO* daddend, int R, int C) {
+  norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dsum, dx, daddend, R, C);
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const TI* x, const TI* w,
-    const TO* dy, const float* rstd_in, TI* dx, int R, int C) {
-  norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dx, R, C);
+    const TO* dy, const float* rstd_in, const TI* dsum, TI* dx, TO* daddend, int R, int C) {
+  norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dsum, dx, daddend, R, C);
 }
 
-// TI: x, the weights and dx (fp32 or bf16); TO: y and dy. Statistics and arithmetic are fp32.
+// TI: x, the weights, dx and the residual sum (fp32 or bf16); TO: y, dy and the addend. Statistics and
+// arithmetic are fp32. A null addend is the plain norm (sum_out unused); null dsum / daddend: none.
 template <class TI, class TO>
-void layernorm_fwd(const TI* x, const TI* w, const TI* b, TO* y, float* mean, float* rstd, int R, int C, float eps,
-                   cudaStream_t s) {
+void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum_out, float* mean,
+                   float* rstd, int R, int C, float eps, cudaStream_t s) {
   if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(b));
-  LAUNCH_ROW(layernorm_fwd_kernel, (TI, TO), L, R, s, x, w, b, y, mean, rstd, R, C, eps);
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(b) && aligned16(addend) &&
+                                  aligned16(sum_out));
+  LAUNCH_ROW(layernorm_fwd_kernel, (TI, TO), L, R, s, x, addend, w, b, y, sum_out, mean, rstd, R, C, eps);
   check_launch("layernorm_fwd");
 }
 
 template <class TI, class TO>
-void layernorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, TI* dx, int R,
-                      int C, cudaStream_t s) {
+void layernorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
+                      TI* dx, TO* daddend, int R, int C, cudaStream_t s) {
   if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
-  LAUNCH_ROW(layernorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, mean, rstd, dx, R, C);
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx) && aligned16(dsum) &&
+                                  aligned16(daddend));
+  LAUNCH_ROW(layernorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, mean, rstd, dsum, dx, daddend, R, C);
   check_launch("layernorm_bwd_dx");
 }
 
 template <class TI, class TO>
-void rmsnorm_fwd(const TI* x, const TI* w, TO* y, float* rstd, int R, int C, float eps, cudaStream_t s) {
+void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum_out, float* rstd, int R, int C, float eps,
+                 cudaStream_t s) {
   if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w));
-  LAUNCH_ROW(rmsnorm_fwd_kernel, (TI, TO), L, R, s, x, w, y, rstd, R, C, eps);
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(addend) && aligned16(sum_out));
+  LAUNCH_ROW(rmsnorm_fwd_kernel, (TI, TO), L, R, s, x, addend, w, y, sum_out, rstd, R, C, eps);
   check_launch("rmsnorm_fwd");
 }
 
 template <class TI, class TO>
-void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, TI* dx, int R, int C, cudaStream_t s) {
+void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
+                    int R, int C, cudaStream_t s) {
   if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx));
-  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, rstd, dx, R, C);
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx) && aligned16(dsum) &&
+                                  aligned16(daddend));
+  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, rstd, dsum, dx, daddend, R, C);
   check_launch("rmsnorm_bwd_dx");
 }
 
@@ -842,15 +884,16 @@ template void bias_grad<__nv_bfloat16>(const __nv_bfloat16*, float*, __nv_bfloat
 // mixed-precision training (fp32 residual stream in, bf16 out) and back.
 #define FOR_ROW_TYPES(M) M(float, float) M(float, __nv_bfloat16) M(__nv_bfloat16, __nv_bfloat16) M(__nv_bfloat16, float)
 #define INSTANTIATE_NORMS(TI, TO)                                                                                \
-  template void layernorm_fwd<TI, TO>(const TI*, const TI*, const TI*, TO*, float*, float*, int, int, float,    \
-                                      cudaStream_t);                                                             \
-  template void layernorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, TI*, int,  \
-                                         int, cudaStream_t);                                                     \
+  template void layernorm_fwd<TI, TO>(const TI*, const TO*, const TI*, const TI*, TO*, TI*, float*, float*, int,  \
+                                      int, float, cudaStream_t);                                                 \
+  template void layernorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, const TI*, \
+                                         TI*, TO*, int, int, cudaStream_t);                                      \
   template void layernorm_bwd_params<TI, TO>(const TI*, const TO*, const float*, const float*, float*, float*,  \
                                              TI*, TI*, int, int, cudaStream_t);                                  \
-  template void rmsnorm_fwd<TI, TO>(const TI*, const TI*, TO*, float*, int, int, float, cudaStream_t);           \
-  template void rmsnorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, TI*, int, int,              \
-                                       cudaStream_t);                                                            \
+  template void rmsnorm_fwd<TI, TO>(const TI*, const TO*, const TI*, TO*, TI*, float*, int, int, float,          \
+                                    cudaStream_t);                                                               \
+  template void rmsnorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, const TI*, TI*, TO*, int,   \
+                                       int, cudaStream_t);                                                       \
   template void rmsnorm_bwd_weight<TI, TO>(const TI*, const TO*, const float*, float*, TI*, int, int, cudaStream_t);
 FOR_ROW_TYPES(INSTANTIATE_NORMS)
 #undef INSTANTIATE_NORMS

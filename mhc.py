@@ -7,6 +7,7 @@ projecting it with Sinkhorn-Knopp. Plain hyper-connections (HC, arXiv 2409.19606
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -48,6 +49,15 @@ def stream_mix_torch(x, h_res, h_post, y):
 # Written against the op namespace (softmax, sinkhorn, rmsnorm, linear; stream_merge and stream_mix
 # for the mixing), so each variant runs on both op sets. On the cuda op set each mixing step is one
 # fused kernel per direction that reads the streams once, instead of PyTorch's chain of kernels.
+# A residual module gets a sublayer as two callables: norm(x) -> (x as a tensor, the sublayer's
+# normalized input), and f, the sublayer's body on that input.
+
+class PendingSum(NamedTuple):
+    """The residual stream x + y with the add not yet done. The baseline hands its sum on like this and
+    the norm that reads the stream next does the add in its own pass (train.pre_norm: ops.add_layernorm),
+    which saves a pass over the stream each way (forward and backward) on the cuda op set."""
+    x: torch.Tensor
+    y: torch.Tensor
 
 VARIANTS = ("baseline", "hc", "mhc", "mhc-dynamic")
 
@@ -63,10 +73,11 @@ def pre_logits_init(n, index):
 
 
 class PlainResidual(nn.Module):
-    """baseline: x + F(x), one stream."""
+    """baseline: x + F(norm(x)), one stream, the add left to the next norm (a PendingSum)."""
 
-    def forward(self, x, f, ops):  # x (B, T, C)
-        return x + f(x)
+    def forward(self, x, norm, f, ops):  # x (B, T, C), or a PendingSum of two
+        x, h = norm(x)
+        return PendingSum(x, f(h))
 
 
 class StaticHyperConnection(nn.Module):
@@ -84,11 +95,11 @@ class StaticHyperConnection(nn.Module):
         self.res_logits = nn.Parameter(2 * torch.eye(n) - 1)
         self.last_res = None  # H_res of the latest forward, detached, for the gain metrics
 
-    def forward(self, x, f, ops):  # x (B, T, n, C)
+    def forward(self, x, norm, f, ops):  # x (B, T, n, C)
         h_pre, h_post = ops.softmax(self.pre_logits), ops.softmax(self.post_logits)  # (n,) each
         h_res = ops.sinkhorn(self.res_logits, self.iters) if self.constrained else torch.exp(self.res_logits)
         self.last_res = h_res.detach()  # (n, n)
-        y = f(ops.stream_merge(x, h_pre))  # H_pre x: (B, T, C)
+        y = f(norm(ops.stream_merge(x, h_pre))[1])  # F of H_pre x: (B, T, C)
         return ops.stream_mix(x, h_res, h_post, y)  # H_res x + H_post^T y: (B, T, n, C)
 
 
@@ -111,7 +122,7 @@ class DynamicHyperConnection(nn.Module):
         self.bias = nn.Parameter(torch.cat([b_pre, b_post, (2 * torch.eye(n) - 1).flatten()]))
         self.last_res = None
 
-    def forward(self, x, f, ops):  # x (B, T, n, C)
+    def forward(self, x, norm, f, ops):  # x (B, T, n, C)
         B, T, n, C = x.shape
         h = ops.linear(ops.rmsnorm(x.reshape(B, T, n * C), self.norm_w), self.phi_w, None)  # (B, T, 2n + n^2)
         a_pre, a_post, a_res = self.alpha
@@ -121,7 +132,7 @@ class DynamicHyperConnection(nn.Module):
         h_post = 2 * torch.sigmoid(h[..., n:2 * n])  # (B, T, n)
         h_res = ops.sinkhorn(h[..., 2 * n:].reshape(B, T, n, n), self.iters)  # (B, T, n, n)
         self.last_res = h_res.detach()
-        y = f(ops.stream_merge(x, h_pre))  # (B, T, C)
+        y = f(norm(ops.stream_merge(x, h_pre))[1])  # (B, T, C)
         return ops.stream_mix(x, h_res, h_post, y)  # (B, T, n, C)
 
 
@@ -150,7 +161,7 @@ class Streams:
     def expand(self, x):  # (B, T, C) -> (B, T, n, C)
         return x if self.variant == "baseline" else x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
 
-    def collapse(self, x):  # (B, T, n, C) -> (B, T, C)
+    def collapse(self, x):  # (B, T, n, C) -> (B, T, C); the baseline's (a PendingSum) as it is
         return x if self.variant == "baseline" else x.mean(-2)
 
 

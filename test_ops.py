@@ -101,25 +101,33 @@ def check(label, ours, ref, tol):
     CHECKS.append(f"{label} {err:.1e}/{tol_text}")
 
 
+def outputs(out):
+    """An op's result as a tuple of (label, tensor): ('out', out), or ('out0', ..), ('out1', ..) for a tuple."""
+    return (("out", out),) if torch.is_tensor(out) else tuple((f"out{i}", t) for i, t in enumerate(out))
+
+
 def compare(f, tol, grad_tol=None, dy=None, **inputs):
-    """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies. Given grad_tol (one for
-    all, or by input name), one dy (random unless given) goes back through both autograds and every
-    float input's gradient is checked too. Float32 inputs and dy reach our op as they are (same memory,
-    same strides and offset); the reference gets float64 copies."""
+    """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies; f may return a tuple, each
+    output checked. Given grad_tol (one for all, or by input name), one dy per output (random unless
+    given) goes back through both autograds and every float input's gradient is checked too. Float32
+    inputs and dy reach our op as they are (same memory, same strides and offset); the reference gets
+    float64 copies."""
     def leaves(dtype):
         return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None)
                 if t is not None and t.is_floating_point() else t for n, t in inputs.items()}
     ours_in, ref_in = leaves(torch.float32), leaves(torch.float64)
-    out, ref = f(kernels, **ours_in), f(REF, **ref_in)
-    assert out.dtype == torch.float32, f"output dtype {out.dtype}, expected float32"
-    check("out", out, ref, tol)
+    outs, refs = outputs(f(kernels, **ours_in)), outputs(f(REF, **ref_in))
+    for (label, out), (_, ref) in zip(outs, refs, strict=True):
+        assert out.dtype == torch.float32, f"{label} dtype {out.dtype}, expected float32"
+        check(label, out, ref, tol)
     if grad_tol is None:
         return
-    if dy is None:  # drawn by shape: out's memory layout (attention's is (B, S, H, D)) must not change it
-        dy = torch.randn(out.shape, device=out.device)
-    assert dy.shape == out.shape, f"dy {tuple(dy.shape)} for an output of {tuple(out.shape)}"
-    out.backward(dy)
-    ref.backward(dy.double())
+    # drawn by shape: an output's memory layout (attention's is (B, S, H, D)) must not change it
+    dys = [torch.randn(out.shape, device=out.device) for _, out in outs] if dy is None else [dy]
+    for (label, out), d in zip(outs, dys, strict=True):
+        assert d.shape == out.shape, f"dy {tuple(d.shape)} for {label} of {tuple(out.shape)}"
+    torch.autograd.backward([out for _, out in outs], dys)
+    torch.autograd.backward([ref for _, ref in refs], [d.double() for d in dys])
     for n, t in ours_in.items():
         if t is not None and t.is_floating_point():
             assert t.grad is not None, f"no gradient reached {n}"
@@ -1488,6 +1496,38 @@ add("rmsnorm/37x768_transposed", t_rmsnorm, (37, 768), transposed=True)
 add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
 add("empty/rmsnorm_0x768", t_rmsnorm, (0, 768))
 
+
+def t_add_norm(kind, shape, use=("s", "y")):
+    """add_layernorm / add_rmsnorm in fp32: (s, norm(s)), s = x + y. use: the outputs the caller goes on
+    with, so the backward meets both gradients, the norm's alone (s unused: the model's final norm) or
+    s's alone (the norm unused; its weights then get no gradient and are left out of the check)."""
+    C = shape[-1]
+    w, b = rand(C), rand(C)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)  # as in t_layernorm
+    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
+
+    def pick(out):
+        return out if len(use) == 2 else out[("s", "y").index(use[0])]
+    if "y" not in use:  # weights in x's dtype, as the reference runs in float64
+        compare(lambda ops, x, y: pick(getattr(ops, "add_" + kind)(
+            x, y, w.to(x.dtype), *([b.to(x.dtype)] if kind == "layernorm" else []))), LN_TOL, grad_tol,
+            x=rand(*shape), y=rand(*shape))
+    elif kind == "layernorm":
+        compare(lambda ops, x, y, w, b: pick(ops.add_layernorm(x, y, w, b)), LN_TOL,
+                dict(x=grad_tol, y=grad_tol, w=sum_tol, b=sum_tol), x=rand(*shape), y=rand(*shape), w=w, b=b)
+    else:
+        compare(lambda ops, x, y, w: pick(ops.add_rmsnorm(x, y, w)), LN_TOL, dict(x=grad_tol, y=grad_tol, w=sum_tol),
+                x=rand(*shape), y=rand(*shape), w=w)
+
+
+# widths as for the norms: 1 (zero variance), odd (one column a thread), 768 (4 a thread, cached in registers),
+# 9001 and 65536 (rows past the register cache: the tail loops form s on their first pass and re-read it)
+for _kind in ("layernorm", "rmsnorm"):
+    for _shape in ((1, 1), (37, 127), (2, 7, 768), (2, 9001), (2, 65536), (3000, 388)):
+        add(f"add_{_kind}/" + "x".join(map(str, _shape)), t_add_norm, _kind, _shape)
+    add(f"add_{_kind}/37x768_norm_only", t_add_norm, _kind, (37, 768), use=("y",))
+    add(f"add_{_kind}/37x768_sum_only", t_add_norm, _kind, (37, 768), use=("s",))
+
 # probabilities run from 1 down to 1e-7 and below, so the bound is mostly relative
 SM_TOL, SM_GRAD_TOL = (1e-7, 1e-5), (1e-6, 1e-5)
 
@@ -1687,23 +1727,27 @@ def bf16_tolerance(dtype, tol):
 def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, **inputs):
     """ours(**inputs) on our kernels, every input in the dtype it comes in (bf16 or fp32; integer ones as
     they are), against torch_fn on the same values twice: in float64 (the reference) and in those dtypes
-    with its result cast to out_dtype (PyTorch's own, the twin), through check_bf16. With grad_tol, one dy
-    in out_dtype goes back through all three, and every float input's gradient must come back in that
-    input's dtype and pass the same checks."""
+    with its result cast to out_dtype (PyTorch's own, the twin), through check_bf16. For ops with a tuple
+    of outputs, out_dtype is a tuple too. With grad_tol, one dy per output, in its dtype, goes back through
+    all three, and every float input's gradient must come back in that input's dtype and pass the same
+    checks."""
     grad = grad_tol is not None
 
     def leaves(cast):
         return {n: cast(t).detach().requires_grad_(grad) if t.is_floating_point() else t for n, t in inputs.items()}
     ours_in, twin_in, ref_in = leaves(lambda t: t), leaves(lambda t: t), leaves(lambda t: t.double())
-    out, twin, ref = ours(**ours_in), torch_fn(**twin_in).to(out_dtype), torch_fn(**ref_in)
-    assert out.dtype == out_dtype, f"output dtype {out.dtype}, expected {out_dtype}"
-    check_bf16("out", out, twin, ref, bf16_tolerance(out_dtype, tol))
+    outs, twins, refs = outputs(ours(**ours_in)), outputs(torch_fn(**twin_in)), outputs(torch_fn(**ref_in))
+    dtypes = (out_dtype,) if isinstance(out_dtype, torch.dtype) else out_dtype
+    twins = [(label, t.to(dt)) for (label, t), dt in zip(twins, dtypes, strict=True)]
+    for (label, out), (_, twin), (_, ref), dt in zip(outs, twins, refs, dtypes, strict=True):
+        assert out.dtype == dt, f"{label} dtype {out.dtype}, expected {dt}"
+        check_bf16(label, out, twin, ref, bf16_tolerance(dt, tol))
     if not grad:
         return
-    dy = torch.randn(out.shape, device=out.device, dtype=out.dtype)  # by shape, as in compare()
-    out.backward(dy)
-    twin.backward(dy)
-    ref.backward(dy.double())
+    dys = [torch.randn(out.shape, device=out.device, dtype=out.dtype) for _, out in outs]  # by shape, as in compare()
+    for results in (outs, twins):
+        torch.autograd.backward([t for _, t in results], dys)
+    torch.autograd.backward([t for _, t in refs], [d.double() for d in dys])
     for n, t in ours_in.items():
         if t.is_floating_point():
             assert t.grad is not None and t.grad.dtype == t.dtype, f"d{n}: {None if t.grad is None else t.grad.dtype}, not {t.dtype}"
@@ -1734,6 +1778,35 @@ for _kind in ("layernorm", "rmsnorm"):
                           ((37, 768), "bf16_to_fp32")):
         add(f"{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_norm_bf16, _kind,
             _shape, _mode)
+
+
+def t_add_norm_bf16(kind, shape, mode):
+    """add_layernorm / add_rmsnorm with bf16: mode 'fp32_to_bf16' is mixed-precision training (fp32 stream x
+    and sum s, bf16 sublayer output y and norm), 'bf16' is bf16 decoding (all bf16). The sum is rounded to
+    the stream's dtype, by our kernel and by a separate add alike; the float64 reference rounds it too
+    (forward only), or that one rounding, scaled up by the norm, would dominate the comparison."""
+    dt, out = NORM_MODES[mode]
+    C = shape[-1]
+    x, y, w, b = rand(*shape).to(dt), rand(*shape).to(out), rand(C).to(dt), rand(C).to(dt)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+
+    def twin(x, y, w, b=None):
+        s = x + y
+        s = s + (s.to(dt).to(s.dtype) - s).detach()
+        return s, (F.layer_norm(s, (C,), w, b, 1e-5) if b is not None else F.rms_norm(s, (C,), w, 1e-5))
+    if kind == "layernorm":
+        compare_dtypes(lambda x, y, w, b: kernels.add_layernorm(x, y, w, b, out_dtype=out), twin, LN_TOL, grad_tol,
+                       (dt, out), x=x, y=y, w=w, b=b)
+    else:
+        compare_dtypes(lambda x, y, w: kernels.add_rmsnorm(x, y, w, out_dtype=out), twin, LN_TOL, grad_tol, (dt, out),
+                       x=x, y=y, w=w)
+
+
+for _kind in ("layernorm", "rmsnorm"):
+    for _shape, _mode in (((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 9001), "fp32_to_bf16"),
+                          ((2, 7, 768), "bf16"), ((37, 1), "bf16"), ((3, 9001), "bf16")):
+        add(f"add_{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_add_norm_bf16,
+            _kind, _shape, _mode)
 
 
 def t_softmax_bf16(shape, scale, out):
@@ -2567,6 +2640,18 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("layernorm_out_float16", ValueError,
      lambda: kernels.layernorm(rand(4, 8), rand(8), rand(8), out_dtype=torch.float16), ("layernorm", "out_dtype")),
     ("rmsnorm_float16_x", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8).half(), rand(8).half()), ("rmsnorm", "x")),
+    # the residual add: y has x's shape, the norm's output dtype, x's device
+    ("add_layernorm_y_shape", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), rand(4, 7), rand(8), rand(8)),
+     ("add_layernorm", "y", "shape")),
+    ("add_layernorm_y_float32_out_bf16", RuntimeError,
+     lambda: kernels.add_layernorm(rand(4, 8), rand(4, 8), rand(8), rand(8), out_dtype=torch.bfloat16),
+     ("add_layernorm", "y", "BFloat16", "out_dtype")),
+    ("add_layernorm_y_none", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), None, rand(8), rand(8)),
+     ("add_layernorm", "y")),
+    ("add_rmsnorm_cpu_y", RuntimeError, lambda: kernels.add_rmsnorm(rand(4, 8), torch.randn(4, 8), rand(8)),
+     ("add_rmsnorm", "y")),
+    ("add_rmsnorm_bf16_x_float32_weight", RuntimeError,
+     lambda: kernels.add_rmsnorm(rand(4, 8).bfloat16(), rand(4, 8).bfloat16(), rand(8)), ("add_rmsnorm", "weight")),
     ("softmax_out_float64", ValueError, lambda: kernels.softmax(rand(4, 8), out_dtype=torch.float64),
      ("softmax", "out_dtype")),
     ("swiglu_bf16_a_float32_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8).bfloat16(), rand(4, 8)),
@@ -2758,6 +2843,11 @@ def print_header_once(rows):
         print(md_row(["---"] * 8))
 
 
+def grads_like(y):
+    """Random output gradients for y, a tensor or a tuple of them (one each)."""
+    return torch.randn_like(y) if torch.is_tensor(y) else tuple(torch.randn_like(t) for t in y)
+
+
 def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check, copy_rate=None):
     """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
     torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
@@ -2776,7 +2866,7 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
         leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
         wrt = [t for t in leaves if t.requires_grad]
         y_torch, y_ours = f(REF, *leaves), f(kernels, *leaves)
-        dy = torch.randn_like(y_torch)
+        dy = grads_like(y_torch)
 
         def run_torch():
             return torch.autograd.grad(y_torch, wrt, dy, retain_graph=True)
@@ -2787,7 +2877,7 @@ def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel
         assert pas == "fwd+bwd", f"unknown pass {pas!r}"
         leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
         wrt = [t for t in leaves if t.requires_grad]
-        dy = torch.randn_like(f(REF, *leaves))
+        dy = grads_like(f(REF, *leaves))
 
         def run_torch():
             return torch.autograd.grad(f(REF, *leaves), wrt, dy)
@@ -2820,6 +2910,21 @@ def bench_bf16_row_ops(rows):
                              ("softmax bf16", lambda ops, x: ops.softmax(x), [x], 1)):
         bench_op(rows, op, f"{R}x{n_in * C}", "fwd", f, ins, 2 * 2 * n_in * R * C, "GB/s", tol=1e-2)
         bench_op(rows, op, f"{R}x{n_in * C}", "bwd", f, ins, 3 * 2 * n_in * R * C, "GB/s", tol=1e-2)
+    # The residual add that ends a sublayer with the norm that starts the next, at the large preset's shape
+    # (16384 tokens, 384 wide): fp32 stream + bf16 sublayer output -> fp32 stream, bf16 norm; against
+    # what autocast runs, the add, layer_norm in fp32 and the next matmul's cast. fwd reads x, y and writes
+    # s, y_norm (12 bytes an element); bwd reads s, dy_norm, ds and writes dx, dy (16), and the weight
+    # gradients read s and dy_norm again (6)
+    R2, C2 = 16384, 384
+    ins = [rand(R2, C2), rand(R2, C2).to(bf), rand(C2), rand(C2)]
+
+    def add_ln(ops, x, y, w, b):
+        if ops is kernels:
+            return kernels.add_layernorm(x, y, w, b, out_dtype=bf)
+        s = x + y
+        return s, F.layer_norm(s, (C2,), w, b).to(bf)
+    bench_op(rows, "add_layernorm fp32+bf16", f"{R2}x{C2}", "fwd", add_ln, ins, 12 * R2 * C2, "GB/s", tol=1e-2)
+    bench_op(rows, "add_layernorm fp32+bf16", f"{R2}x{C2}", "bwd", add_ln, ins, 22 * R2 * C2, "GB/s", tol=1e-2)
     N, V = 16384, 65
     ins = [rand(N, V).to(bf), torch.randint(0, V, (N,), device=DEV)]
     for pas, nbytes in (("fwd", 2 * N * V), ("bwd", 4 * N * V)):
@@ -2872,6 +2977,7 @@ def bench_ops(rows):
         # fwd reads x and writes y; bwd reads x (or y) and dy and writes dx
         row_ops = (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
                    ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), [x, w]),
+                   ("add_layernorm", lambda ops, x, y, w, b: ops.add_layernorm(x, y, w, b), [x, rand(R, C), w, b]),
                    ("softmax", lambda ops, x: ops.softmax(x), [x]),
                    ("gelu", lambda ops, x: ops.gelu(x), [x]),
                    ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x]))
@@ -2880,9 +2986,13 @@ def bench_ops(rows):
         copy_rate = None
         if (R, C) == (16384, 4096) and any(ONLY in op for op in ("copy", *(r[0] for r in row_ops))):
             copy_rate = bench_copy(rows, x)
+        # rows moved (fwd, bwd): add_layernorm reads x, y and writes s, y_norm; its backward reads s, dy_norm
+        # and ds and writes dx (which is also dy)
+        moved = {"add_layernorm": (4, 4)}
         for op, f, ins in row_ops:
-            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, 2 * nbytes, "GB/s", copy_rate=copy_rate)
-            bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, 3 * nbytes, "GB/s")
+            n_fwd, n_bwd = moved.get(op, (2, 3))
+            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, n_fwd * nbytes, "GB/s", copy_rate=copy_rate)
+            bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, n_bwd * nbytes, "GB/s")
     # SwiGLU's gate at a feed-forward's width (tokens x hidden): fwd reads a, b and writes y; bwd reads
     # a, b, dy and writes da, db
     R, C = 8192, 2048

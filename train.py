@@ -307,6 +307,19 @@ def torch_rope_dtype(x, cos, sin):
     return torch_rope(x, cos, sin).to(x.dtype)
 
 
+def torch_add_layernorm(x, y, weight, bias, eps=LN_EPS):
+    """(s, layernorm(s)) with s = x + y: the residual add that ends a sublayer and the norm that starts the
+    next, one op so that our kernels can do both in one pass (kernels.add_layernorm)."""
+    s = x + y
+    return s, F.layer_norm(s, s.shape[-1:], weight, bias, eps)
+
+
+def torch_add_rmsnorm(x, y, weight, eps=LN_EPS):
+    """(s, rmsnorm(s)) with s = x + y, as torch_add_layernorm."""
+    s = x + y
+    return s, F.rms_norm(s, s.shape[-1:], weight, eps)
+
+
 def torch_check_errors():
     """The twin of kernels.check_errors, which raises a bad index our kernels found on the GPU. PyTorch reports
     its own: at once on the CPU, as a device-side assert at the next sync on the GPU. Nothing is left to raise."""
@@ -318,6 +331,8 @@ TORCH_OPS = SimpleNamespace(
     embedding=F.embedding,
     layernorm=lambda x, weight, bias, eps=LN_EPS: F.layer_norm(x, x.shape[-1:], weight, bias, eps),
     rmsnorm=lambda x, weight, eps=LN_EPS: F.rms_norm(x, x.shape[-1:], weight, eps),
+    add_layernorm=torch_add_layernorm,
+    add_rmsnorm=torch_add_rmsnorm,
     linear=F.linear,
     matmul=torch.matmul,
     attention=torch_attention,
@@ -365,13 +380,18 @@ def bf16_op_set(ops, kernels, mode):
     as autocast does, so gradients reach them in fp32. The norms compute in fp32 and write bf16, the
     input of the next matmul that autocast would cast anyway (one pass instead of two). Activations and
     RoPE keep bf16; the cross-entropy reads bf16 logits and returns an fp32 loss; the router's softmax
-    returns fp32. The rest (embedding, residual adds) stays fp32."""
+    returns fp32. The embedding and the residual stream stay fp32: add_layernorm adds a sublayer's bf16
+    output to the fp32 stream (fp32 sum) as autocast's promoting add does, and hands the stream's
+    gradient back in fp32 and, for the sublayer, in bf16."""
     def bf16(t):
         return None if t is None else t.to(BF16)
     ops.linear = lambda x, weight, bias=None: kernels.linear(bf16(x), bf16(weight), bf16(bias))
     ops.matmul = lambda a, b: kernels.matmul(bf16(a), bf16(b))
     ops.layernorm = lambda x, weight, bias, eps=LN_EPS: kernels.layernorm(x, weight, bias, eps, out_dtype=BF16)
     ops.rmsnorm = lambda x, weight, eps=LN_EPS: kernels.rmsnorm(x, weight, eps, out_dtype=BF16)
+    ops.add_layernorm = lambda x, y, weight, bias, eps=LN_EPS: kernels.add_layernorm(x, y, weight, bias, eps,
+                                                                                    out_dtype=BF16)
+    ops.add_rmsnorm = lambda x, y, weight, eps=LN_EPS: kernels.add_rmsnorm(x, y, weight, eps, out_dtype=BF16)
     ops.softmax = lambda x: kernels.softmax(x, out_dtype=torch.float32)
     if mode == "fused":
         ops.attention = lambda q, k, v, **kw: kernels.attention(bf16(q), bf16(k), bf16(v), mode="fused", **kw)
@@ -428,8 +448,9 @@ def choose_op_sets(cfg):
 
 # -----------------------------------------------------------------------------
 # the model, written once against an op namespace.
-# Residual adds, splits, views and transposes are plain PyTorch tensor ops in both op sets: they are
-# memory moves or single elementwise adds, and keeping them shared keeps the model definition single.
+# Splits, views, transposes and the few elementwise adds left are plain PyTorch tensor ops in both op
+# sets: memory moves or single adds, and keeping them shared keeps the model definition single. The
+# residual adds are not among them: each is done by the norm that reads the stream next (pre_norm).
 # Three seams let other scripts reuse the one model: the residual connection (mhc.py's streams), the
 # feed-forward (dense MLP or mixture of experts), and the attention's KV cache (inference.py).
 # Two architectures share it: gpt (GPT-2: LayerNorm, learned positions, GELU MLP, biases) and llama
@@ -455,6 +476,23 @@ def swiglu_hidden(n_embd):
 def norm(ops, x, weight, bias):
     """LayerNorm (gpt, with a bias) or RMSNorm (llama, none)."""
     return ops.layernorm(x, weight, bias) if bias is not None else ops.rmsnorm(x, weight)
+
+
+def pre_norm(ops, x, weight, bias):
+    """The residual stream x and its norm, a sublayer's input: (x, norm(x)). A stream whose last add is
+    pending (mhc.PendingSum) is added in the norm's own pass (add_layernorm / add_rmsnorm) and comes back
+    as a tensor."""
+    if isinstance(x, mhc.PendingSum):
+        if bias is not None:
+            return ops.add_layernorm(x.x, x.y, weight, bias)
+        return ops.add_rmsnorm(x.x, x.y, weight)
+    return x, norm(ops, x, weight, bias)
+
+
+def last_position(x):  # (B, T, C) -> (B, 1, C), of a tensor or of both terms of a PendingSum
+    if isinstance(x, mhc.PendingSum):
+        return mhc.PendingSum(x.x[:, -1:, :], x.y[:, -1:, :])
+    return x[:, -1:, :]
 
 
 class MLP(nn.Module):
@@ -588,10 +626,10 @@ class Block(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return ops.linear(y, self.attn_proj_w, self.attn_proj_b)
 
-    def forward(self, x, ops, cache=None, layer=0, rope=None):
-        x = self.res_attn(x, lambda s: self.attention(norm(ops, s, self.ln_1_w, self.ln_1_b), ops, cache, layer,
-                                                      rope), ops)
-        return self.res_mlp(x, lambda s: self.mlp(norm(ops, s, self.ln_2_w, self.ln_2_b), ops), ops)
+    def forward(self, x, ops, cache=None, layer=0, rope=None):  # x: the residual stream, maybe a PendingSum
+        x = self.res_attn(x, lambda s: pre_norm(ops, s, self.ln_1_w, self.ln_1_b),
+                          lambda h: self.attention(h, ops, cache, layer, rope), ops)
+        return self.res_mlp(x, lambda s: pre_norm(ops, s, self.ln_2_w, self.ln_2_b), lambda h: self.mlp(h, ops), ops)
 
 
 def is_weight_matrix(name, p):
@@ -661,13 +699,14 @@ class GPT(nn.Module):
         x = self.streams.expand(x)  # (B, T, n, C) with n residual streams, else unchanged
         for layer, block in enumerate(self.blocks):
             x = block(x, ops, cache, layer, rope)
-        x = self.streams.collapse(x)  # (B, T, C)
+        x = self.streams.collapse(x)  # (B, T, C), or the baseline's PendingSum: ln_f does the last add
         if cache is not None:
             cache.pos += T
         if targets is None:
             # Generation needs the next-character logits only.
-            return ops.linear(norm(ops, x[:, -1:, :], self.ln_f_w, self.ln_f_b), self.wte, None), None
-        x = norm(ops, x, self.ln_f_w, self.ln_f_b)  # (B, T, C)
+            h = pre_norm(ops, last_position(x), self.ln_f_w, self.ln_f_b)[1]  # (B, 1, C)
+            return ops.linear(h, self.wte, None), None
+        x = pre_norm(ops, x, self.ln_f_w, self.ln_f_b)[1]  # (B, T, C)
         logits = ops.linear(x, self.wte, None)  # (B, T, V)
         loss = ops.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
         return logits, loss
