@@ -450,6 +450,10 @@ static NormShape check_norm(const char* op, const Tensor& x, const Tensor& adden
     REQUIRE(addend.sizes() == x.sizes(), op, ": y must have x's shape ", x.sizes(), ", got ", addend.sizes());
     REQUIRE(addend.scalar_type() == out_dtype, op, ": y must be ", out_dtype,
             " (out_dtype: the norm's output dtype, which a sublayer's output has), got ", addend.scalar_type());
+    // the residual stream is the precise one: a bf16 stream with fp32 sublayer outputs would round y's
+    // gradient differently from x's
+    REQUIRE(!(x.scalar_type() == at::kBFloat16 && out_dtype == at::kFloat), op,
+            ": a bfloat16 x takes a bfloat16 y (out_dtype), got float32");
   }
   return {to_int(op, x.numel() / std::max<int64_t>(C, 1), "rows"), to_int(op, C, "C")};
 }
@@ -460,13 +464,18 @@ static void with_types(const Tensor& x, at::ScalarType y_dtype, F&& f) {
   with_type(x.scalar_type(), [&](auto ti) { with_type(y_dtype, [&](auto to) { f(ti, to); }); });
 }
 
-// Layernorm (a bias) or RMSNorm (bias undefined) of x, or of x + addend when the addend is defined.
-// Returns {y}, or {s, y} with the add.
+// Layernorm (a bias) or RMSNorm (no bias) of x, or of x + addend when there is an addend. Returns {y},
+// or {s, y} with the add. The optional tensors are std::optional, not undefined Tensors: autograd's
+// apply() reads the device of every Tensor argument, which an undefined one does not have.
 struct NormFn : torch::autograd::Function<NormFn> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& addend_in, const Tensor& w_in,
-                               const Tensor& b_in, double eps, at::ScalarType y_dtype, const char* op) {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x_in, const std::optional<Tensor>& addend_opt,
+                               const Tensor& w_in, const std::optional<Tensor>& b_opt, double eps,
+                               at::ScalarType y_dtype, const char* op) {
+    const Tensor addend_in = addend_opt.value_or(Tensor()), b_in = b_opt.value_or(Tensor());
     const auto [R, C] = check_norm(op, x_in, addend_in, w_in, b_in, y_dtype);
     const c10::cuda::CUDAGuard guard(x_in.device());
+    // An output nobody used (s after the last layer) then reaches backward undefined, not as zeros.
+    ctx->set_materialize_grads(false);
     const bool add = addend_in.defined(), rms = !b_in.defined();
     const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = rms ? Tensor() : b_in.contiguous();
     const Tensor addend = add ? addend_in.contiguous() : Tensor();
@@ -527,36 +536,45 @@ struct NormFn : torch::autograd::Function<NormFn> {
   }
 };
 
+// The four entry points. x is checked first: out_dtype_or reads its dtype. y is optional to pybind so that
+// None gets this file's message rather than pybind's signature dump.
+static variable_list norm_op(const char* op, const Tensor& x, const std::optional<Tensor>& y, const Tensor& weight,
+                             const std::optional<Tensor>& bias, double eps, std::optional<at::ScalarType> out_dtype) {
+  raise_pending_index_error();
+  check_fp_cuda(op, x, "x", x, "x");
+  return NormFn::apply(x, y, weight, bias, eps, out_dtype_or(op, out_dtype, x), op);
+}
+
+static Tensor require_y(const char* op, const std::optional<Tensor>& y) {
+  REQUIRE(y.has_value() && y->defined(), op, ": y must be a tensor, got None");
+  return *y;
+}
+
+static Tensor require_bias(const char* op, const Tensor& bias) {  // layernorm's is not optional
+  REQUIRE(bias.defined(), op, ": bias must be a tensor, got None");
+  return bias;
+}
+
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                  std::optional<at::ScalarType> out_dtype) {
-  raise_pending_index_error();
-  check_fp_cuda("layernorm", x, "x", x, "x");
-  check_fp_cuda("layernorm", bias, "bias", x, "x");  // defined: an undefined bias would mean RMSNorm
-  return NormFn::apply(x, Tensor(), weight, bias, eps, out_dtype_or("layernorm", out_dtype, x), "layernorm")[0];
+  return norm_op("layernorm", x, std::nullopt, weight, require_bias("layernorm", bias), eps, out_dtype)[0];
 }
 
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
-  raise_pending_index_error();
-  check_fp_cuda("rmsnorm", x, "x", x, "x");
-  return NormFn::apply(x, Tensor(), weight, Tensor(), eps, out_dtype_or("rmsnorm", out_dtype, x), "rmsnorm")[0];
+  return norm_op("rmsnorm", x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
 }
 
-std::tuple<Tensor, Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
-                                         double eps, std::optional<at::ScalarType> out_dtype) {
-  raise_pending_index_error();
-  check_fp_cuda("add_layernorm", x, "x", x, "x");
-  check_fp_cuda("add_layernorm", bias, "bias", x, "x");
-  REQUIRE(y.defined(), "add_layernorm: y must be a tensor, got None");
-  const auto r = NormFn::apply(x, y, weight, bias, eps, out_dtype_or("add_layernorm", out_dtype, x), "add_layernorm");
+std::tuple<Tensor, Tensor> add_layernorm(const Tensor& x, const std::optional<Tensor>& y, const Tensor& weight,
+                                         const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
+  const char* op = "add_layernorm";
+  const auto r = norm_op(op, x, require_y(op, y), weight, require_bias(op, bias), eps, out_dtype);
   return {r[0], r[1]};
 }
 
-std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
-                                       std::optional<at::ScalarType> out_dtype) {
-  raise_pending_index_error();
-  check_fp_cuda("add_rmsnorm", x, "x", x, "x");
-  REQUIRE(y.defined(), "add_rmsnorm: y must be a tensor, got None");
-  const auto r = NormFn::apply(x, y, weight, Tensor(), eps, out_dtype_or("add_rmsnorm", out_dtype, x), "add_rmsnorm");
+std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const std::optional<Tensor>& y, const Tensor& weight,
+                                       double eps, std::optional<at::ScalarType> out_dtype) {
+  const char* op = "add_rmsnorm";
+  const auto r = norm_op(op, x, require_y(op, y), weight, std::nullopt, eps, out_dtype);
   return {r[0], r[1]};
 }
 

@@ -1497,12 +1497,14 @@ add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
 add("empty/rmsnorm_0x768", t_rmsnorm, (0, 768))
 
 
-def t_add_norm(kind, shape, use=("s", "y")):
+def t_add_norm(kind, shape, use=("s", "y"), y_misaligned=False):
     """add_layernorm / add_rmsnorm in fp32: (s, norm(s)), s = x + y. use: the outputs the caller goes on
     with, so the backward meets both gradients, the norm's alone (s unused: the model's final norm) or
-    s's alone (the norm unused; its weights then get no gradient and are left out of the check)."""
+    s's alone (the norm unused; its weights then get no gradient and are left out of the check).
+    y_misaligned: y starts one float into its allocation, so the kernels take their one-wide path."""
     C = shape[-1]
     w, b = rand(C), rand(C)
+    y = misaligned(*shape) if y_misaligned else rand(*shape)
     grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)  # as in t_layernorm
     sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
 
@@ -1511,20 +1513,22 @@ def t_add_norm(kind, shape, use=("s", "y")):
     if "y" not in use:  # weights in x's dtype, as the reference runs in float64
         compare(lambda ops, x, y: pick(getattr(ops, "add_" + kind)(
             x, y, w.to(x.dtype), *([b.to(x.dtype)] if kind == "layernorm" else []))), LN_TOL, grad_tol,
-            x=rand(*shape), y=rand(*shape))
+            x=rand(*shape), y=y)
     elif kind == "layernorm":
         compare(lambda ops, x, y, w, b: pick(ops.add_layernorm(x, y, w, b)), LN_TOL,
-                dict(x=grad_tol, y=grad_tol, w=sum_tol, b=sum_tol), x=rand(*shape), y=rand(*shape), w=w, b=b)
+                dict(x=grad_tol, y=grad_tol, w=sum_tol, b=sum_tol), x=rand(*shape), y=y, w=w, b=b)
     else:
         compare(lambda ops, x, y, w: pick(ops.add_rmsnorm(x, y, w)), LN_TOL, dict(x=grad_tol, y=grad_tol, w=sum_tol),
-                x=rand(*shape), y=rand(*shape), w=w)
+                x=rand(*shape), y=y, w=w)
 
 
-# widths as for the norms: 1 (zero variance), odd (one column a thread), 768 (4 a thread, cached in registers),
-# 9001 and 65536 (rows past the register cache: the tail loops form s on their first pass and re-read it)
+# widths as for the norms: 1 (zero variance), odd (one column a thread), 768 (4 a thread, a warp a row),
+# 1536 and 4096 (256 threads a row), 9001 and 65536 (1024 threads, rows past the register cache: the tail
+# loops form s on their first pass and re-read it); a misaligned y (the one-wide path at a 4-wide width)
 for _kind in ("layernorm", "rmsnorm"):
-    for _shape in ((1, 1), (37, 127), (2, 7, 768), (2, 9001), (2, 65536), (3000, 388)):
+    for _shape in ((1, 1), (37, 127), (2, 7, 768), (3, 1536), (5, 4096), (2, 9001), (2, 65536), (3000, 388)):
         add(f"add_{_kind}/" + "x".join(map(str, _shape)), t_add_norm, _kind, _shape)
+    add(f"add_{_kind}/37x768_y_misaligned", t_add_norm, _kind, (37, 768), y_misaligned=True)
     add(f"add_{_kind}/37x768_norm_only", t_add_norm, _kind, (37, 768), use=("y",))
     add(f"add_{_kind}/37x768_sum_only", t_add_norm, _kind, (37, 768), use=("s",))
 
@@ -1804,7 +1808,8 @@ def t_add_norm_bf16(kind, shape, mode):
 
 for _kind in ("layernorm", "rmsnorm"):
     for _shape, _mode in (((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 9001), "fp32_to_bf16"),
-                          ((2, 7, 768), "bf16"), ((37, 1), "bf16"), ((3, 9001), "bf16")):
+                          ((2, 7, 768), "bf16"), ((37, 1), "bf16"), ((3, 9001), "bf16"),
+                          ((2, 16388), "bf16")):  # 4-wide bf16 rows past the register cache (16384 columns)
         add(f"add_{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_add_norm_bf16,
             _kind, _shape, _mode)
 
@@ -2648,6 +2653,9 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      ("add_layernorm", "y", "BFloat16", "out_dtype")),
     ("add_layernorm_y_none", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), None, rand(8), rand(8)),
      ("add_layernorm", "y")),
+    ("add_layernorm_bf16_x_float32_y", RuntimeError,
+     lambda: kernels.add_layernorm(rand(4, 8).bfloat16(), rand(4, 8), rand(8).bfloat16(), rand(8).bfloat16(),
+                                   out_dtype=torch.float32), ("add_layernorm", "y", "bfloat16")),
     ("add_rmsnorm_cpu_y", RuntimeError, lambda: kernels.add_rmsnorm(rand(4, 8), torch.randn(4, 8), rand(8)),
      ("add_rmsnorm", "y")),
     ("add_rmsnorm_bf16_x_float32_weight", RuntimeError,
