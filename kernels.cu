@@ -547,8 +547,10 @@ __device__ __forceinline__ void add_unit(const TO* addend, TI* sum, int u, int C
 }
 
 template <int TX, int N, int VEC, bool RMS, class TI, class TO>
-__device__ __forceinline__ void norm_fwd_row(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y,
-                                             TI* sum_out, float* mean_out, float* rstd_out, int R, int C, float eps) {
+__device__ __forceinline__ void norm_fwd_row(const TI* __restrict__ x, const TO* __restrict__ addend,
+                                             const TI* __restrict__ w, const TI* __restrict__ b, TO* __restrict__ y,
+                                             TI* __restrict__ sum_out, float* mean_out, float* rstd_out, int R, int C,
+                                             float eps) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -560,13 +562,17 @@ __device__ __forceinline__ void norm_fwd_row(const TI* x, const TO* addend, cons
   const int units = (C + VEC - 1) / VEC;
   float v[N][VEC];
   float sum = 0.f;
+  // Loads first, in loops of their own: a store to s between two loads (or a branch around one) would
+  // keep the later load from being issued before the earlier one returned.
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    load_unit<VEC>(xr, threadIdx.x + j * TX, C, v[j], 0.f);
-    if (ar) add_unit<VEC>(ar, sr, threadIdx.x + j * TX, C, v[j]);
+  for (int j = 0; j < N; ++j) load_unit<VEC>(xr, threadIdx.x + j * TX, C, v[j], 0.f);
+  if (ar)
+#pragma unroll
+    for (int j = 0; j < N; ++j) add_unit<VEC>(ar, sr, threadIdx.x + j * TX, C, v[j]);
+#pragma unroll
+  for (int j = 0; j < N; ++j)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) sum += v[j][i];
-  }
   float mean = 0.f;
   if (!RMS || ar)  // the tail's first pass: layernorm's sum, and the residual add
     for (int u = threadIdx.x + N * TX; u < units; u += TX) {
@@ -613,14 +619,16 @@ __device__ __forceinline__ void norm_fwd_row(const TI* x, const TO* addend, cons
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const TI* x, const TO* addend,
-    const TI* w, const TI* b, TO* y, TI* sum_out, float* mean_out, float* rstd_out, int R, int C, float eps) {
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_fwd_kernel(const TI* __restrict__ x,
+    const TO* __restrict__ addend, const TI* __restrict__ w, const TI* __restrict__ b, TO* __restrict__ y,
+    TI* __restrict__ sum_out, float* mean_out, float* rstd_out, int R, int C, float eps) {
   norm_fwd_row<TX, N, VEC, false>(x, addend, w, b, y, sum_out, mean_out, rstd_out, R, C, eps);
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const TI* x, const TO* addend,
-    const TI* w, TO* y, TI* sum_out, float* rstd_out, int R, int C, float eps) {
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(const TI* __restrict__ x,
+    const TO* __restrict__ addend, const TI* __restrict__ w, TO* __restrict__ y, TI* __restrict__ sum_out,
+    float* rstd_out, int R, int C, float eps) {
   norm_fwd_row<TX, N, VEC, true>(x, addend, w, (const TI*)nullptr, y, sum_out, nullptr, rstd_out, R, C, eps);
 }
 
@@ -629,9 +637,10 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(con
 // the subtracted mean, which RMSNorm does not have). With the residual add, x is the saved sum, dsum
 // (if any) is added to dx, and daddend (if any) gets dx again in the addend's dtype.
 template <int TX, int N, int VEC, bool RMS, class TI, class TO>
-__device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const TO* dy, const float* mean_in,
-                                                const float* rstd_in, const TI* dsum, TI* dx, TO* daddend, int R,
-                                                int C) {
+__device__ __forceinline__ void norm_bwd_dx_row(const TI* __restrict__ x, const TI* __restrict__ w,
+                                                const TO* __restrict__ dy, const float* mean_in, const float* rstd_in,
+                                                const TI* __restrict__ dsum, TI* __restrict__ dx,
+                                                TO* __restrict__ daddend, int R, int C) {
   __shared__ float red[32];
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -700,14 +709,16 @@ __device__ __forceinline__ void norm_bwd_dx_row(const TI* x, const TI* w, const 
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const TI* x, const TI* w,
-    const TO* dy, const float* mean_in, const float* rstd_in, const TI* dsum, TI* dx, TO* daddend, int R, int C) {
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const TI* __restrict__ x,
+    const TI* __restrict__ w, const TO* __restrict__ dy, const float* mean_in, const float* rstd_in,
+    const TI* __restrict__ dsum, TI* __restrict__ dx, TO* __restrict__ daddend, int R, int C) {
   norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dsum, dx, daddend, R, C);
 }
 
 template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const TI* x, const TI* w,
-    const TO* dy, const float* rstd_in, const TI* dsum, TI* dx, TO* daddend, int R, int C) {
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const TI* __restrict__ x,
+    const TI* __restrict__ w, const TO* __restrict__ dy, const float* rstd_in, const TI* __restrict__ dsum,
+    TI* __restrict__ dx, TO* __restrict__ daddend, int R, int C) {
   norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dsum, dx, daddend, R, C);
 }
 
