@@ -64,8 +64,8 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
                     float* dx, float* dy, float* dh_res, float* dh_post, float* ws, float* part, int M, int n,
                     int C, bool per_token, cudaStream_t s);
 int colsum_chunks(int, int);
-template <class T>
-void bias_grad(const T*, float*, T*, int, int, cudaStream_t);
+template <class TG, class TD>
+void bias_grad(const TG*, float*, TD*, int, int, cudaStream_t);
 template <class TI, class TO>
 void softmax_fwd(const TI*, TO*, int, int, float, int, int, cudaStream_t);
 template <class TI, class TO>
@@ -304,17 +304,25 @@ static Tensor mm_new(const Tensor& a, const Tensor& b, float alpha = 1.f) {
 
 // ---- linear -----------------------------------------------------------------------------------
 
+// Mixed precision as autocast runs F.linear: a bf16 x with an fp32 (master) weight and bias. The product is
+// bf16 from the weight rounded to bf16; the weight's and bias's gradients come back in fp32.
+static bool master_weight(const Tensor& x, const Tensor& w) {
+  return x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat;
+}
+
 // Checks x (..., K), weight (N, K) and bias (N,) of linear; returns the bias, contiguous, or undefined.
 static Tensor check_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
   const char* op = "linear";
   check_fp_cuda(op, x, "x", x, "x");
-  check_fp_cuda(op, w, "weight", x, "x");
+  REQUIRE(w.defined(), op, ": weight must be a tensor, got None");
+  if (master_weight(x, w)) check_fp_cuda(op, w, "weight", w, "weight");
+  else check_fp_cuda(op, w, "weight", x, "x");
   check_dim(op, w, "weight", 2, "(out_features, in_features)");
   check_same_device(op, x, "x", w, "weight");
   REQUIRE(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dim must equal weight.shape[1] = ",
               w.size(1), ", got x of shape ", x.sizes());
   if (!b.has_value() || !b->defined()) return Tensor();
-  check_fp_cuda(op, *b, "bias", x, "x");
+  check_fp_cuda(op, *b, "bias", w, "weight");
   check_same_device(op, x, "x", *b, "bias");
   REQUIRE(b->dim() == 1 && b->size(0) == w.size(0), op, ": bias must have shape (", w.size(0), ",), got ",
               b->sizes());
@@ -331,9 +339,12 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     auto out_shape = x.sizes().vec();
     out_shape.back() = w.size(0);
     Tensor y = at::empty({1, x2.size(1), w.size(0)}, x.options());
-    mm(x2, w.t().unsqueeze(0), y, bias);
-    ctx->save_for_backward({x2, w});
+    const bool master = master_weight(x, w);
+    const Tensor wc = master ? w.to(at::kBFloat16) : w, bc = master && bias.defined() ? bias.to(at::kBFloat16) : bias;
+    mm(x2, wc.t().unsqueeze(0), y, bc);
+    ctx->save_for_backward({x2, wc});
     ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["master"] = master;
     return y.view(out_shape);
   }
 
@@ -342,16 +353,22 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     const Tensor &x2 = saved[0], &w = saved[1];
     const c10::cuda::CUDAGuard guard(x2.device());
     const Tensor dy = grads[0].reshape({1, x2.size(1), w.size(0)}).contiguous();
+    // a master weight's gradients are written in fp32 by the kernels (the matmul's fp32 output, the
+    // column sums' fp32 finish), not rounded to bf16 and cast back as autocast's would be
+    const bool master = ctx->saved_data["master"].toBool();
+    const auto grad_options = master ? dy.options().dtype(at::kFloat) : dy.options();
     Tensor dx = mm_new(dy, w.unsqueeze(0));                               // (M, N) @ (N, K)
-    Tensor dw = mm_new(dy.transpose(1, 2), x2);                           // (N, M) @ (M, K)
+    Tensor dw = at::empty({1, w.size(0), w.size(1)}, grad_options);
+    mm(dy.transpose(1, 2), x2, dw);                                       // (N, M) @ (M, K)
     Tensor db;
     if (ctx->saved_data["has_bias"].toBool()) {
       const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
-      db = at::empty({C}, dy.options());
+      db = at::empty({C}, grad_options);
       Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
       with_type(dy.scalar_type(), [&](auto t) {
         using T = decltype(t);
-        bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
+        if (master) bias_grad(ptr<T>(dy), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
+        else bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
       });
     }
     auto x_shape = grads[0].sizes().vec();
@@ -374,7 +391,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
     const c10::cuda::CUDAGuard guard(x.device());
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
-    return gemv_launch("linear", weight.contiguous(), x.reshape({1, -1}).contiguous(), b, Tensor()).view(out_shape);
+    const bool master = master_weight(x, weight);  // the GEMV reads one dtype: round the master weight first
+    const Tensor w = (master ? weight.to(at::kBFloat16) : weight).contiguous();
+    const Tensor bc = master && b.defined() ? b.to(at::kBFloat16) : b;
+    return gemv_launch("linear", w, x.reshape({1, -1}).contiguous(), bc, Tensor()).view(out_shape);
   }
   return LinearFn::apply(x, weight, bias);
 }
@@ -1331,7 +1351,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Hand-written CUDA kernels for transformer training and inference (fp32 and bf16).";
-  m.def("linear", &linear, "y = x @ weight.T + bias, like F.linear", py::arg("x"), py::arg("weight"),
+  m.def("linear", &linear, "y = x @ weight.T + bias, like F.linear; a bf16 x may take an fp32 (master) weight and bias",
+        py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
   m.def("matmul", &matmul_op, "a @ b for 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N)", py::arg("a"),
         py::arg("b"));

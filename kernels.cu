@@ -884,12 +884,15 @@ void rmsnorm_bwd_weight(const TI* x, const TO* dy, const float* rstd, float* par
   colsum_launch<TO, TI>(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
 }
 
-template <class T>
-void bias_grad(const T* dy, float* part, T* db, int R, int C, cudaStream_t s) {
-  colsum_launch<T, T>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
+// dy of type TG, db of type TD: the same, or a bf16 dy summed into an fp32 db (a master bias's gradient).
+template <class TG, class TD>
+void bias_grad(const TG* dy, float* part, TD* db, int R, int C, cudaStream_t s) {
+  colsum_launch<TG, TD>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
 }
-template void bias_grad<float>(const float*, float*, float*, int, int, cudaStream_t);
-template void bias_grad<__nv_bfloat16>(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int, cudaStream_t);
+template void bias_grad<float, float>(const float*, float*, float*, int, int, cudaStream_t);
+template void bias_grad<__nv_bfloat16, __nv_bfloat16>(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int,
+                                                      cudaStream_t);
+template void bias_grad<__nv_bfloat16, float>(const __nv_bfloat16*, float*, float*, int, int, cudaStream_t);
 
 // The element-type pairs (TI, TO) the row ops are built for: fp32, bf16, and the mixed pairs of
 // mixed-precision training (fp32 residual stream in, bf16 out) and back.

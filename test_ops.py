@@ -1447,6 +1447,33 @@ for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True)
         bias=_bias)
 
 
+def t_linear_master(lead, K, N, bias=True, grad=True):
+    # mixed precision's linear: a bf16 x with the fp32 master weight and bias, against autocast's F.linear
+    # (weight and bias cast to bf16). The weight and bias hold bf16 values, so the float64 reference
+    # multiplies what our kernel does; their gradients must come back in fp32. grad=False with one row:
+    # the GEMV path, which rounds the weight first.
+    if grad and torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    x, w, b = rand(*lead, K).to(BF16), rand(N, K).to(BF16).float(), rand(N).to(BF16).float()
+    tol = bf16_tol(max(math.prod(lead), K, N))
+    grad_tol = tol if grad else None
+    if bias:
+        compare_dtypes(lambda x, w, b: kernels.linear(x, w, b), lambda x, w, b: F.linear(x, w.to(x.dtype), b.to(
+            x.dtype)), tol, grad_tol, x=x, w=w, b=b)
+    else:
+        compare_dtypes(lambda x, w: kernels.linear(x, w), lambda x, w: F.linear(x, w.to(x.dtype)), tol, grad_tol,
+                       x=x, w=w)
+
+
+# odd sizes (padded copies of the rounded weight), the weight gradient split along K (fp32 through the
+# split-K sum), the large preset's qkv width, no bias, K = 0 (out = bias), one row through the GEMV
+for _lead, _K, _N, _bias, _grad in (((2, 7), 33, 65, True, True), ((4, 2000), 96, 200, True, True),
+                                    ((2, 300), 384, 1152, True, True), ((3, 100), 768, 3072, False, True),
+                                    ((3, 5), 0, 64, True, True), ((1,), 768, 3072, True, False)):
+    add(f"linear_bf16_master/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_gemv" * (not _grad),
+        t_linear_master, _lead, _K, _N, bias=_bias, grad=_grad)
+
+
 for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
                                   ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
                                   ((5,), 1000, 17, False, False), ((2, 7), 33, 65, True, True),
@@ -2564,6 +2591,10 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      ("matmul", "b", "BFloat16")),
     ("linear_bf16_float32_bias", RuntimeError,
      lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8).bfloat16(), rand(5)), ("linear", "bias", "BFloat16")),
+    ("linear_float32_x_bf16_weight", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 8).bfloat16()),
+     ("linear", "weight", "Float")),  # the fp32 master weight goes with a bf16 x, not the other way round
+    ("linear_master_weight_bf16_bias", RuntimeError,
+     lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8), rand(5).bfloat16()), ("linear", "bias", "Float")),
     ("matmul_float16_a", RuntimeError, lambda: kernels.matmul(rand(4, 8).half(), rand(8, 5).half()),
      ("matmul", "a", "bfloat16")),
     ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),

@@ -376,8 +376,10 @@ def cuda_op_set(kernels, head_size, dtype="fp32"):
 
 def bf16_op_set(ops, kernels, mode):
     """autocast's choices, made by hand on our kernels (its lists: matmuls and attention in bf16; norms,
-    softmax and the loss in fp32). Matmuls cast their operands to bf16: the fp32 master weights each call,
-    as autocast does, so gradients reach them in fp32. The norms compute in fp32 and write bf16, the
+    softmax and the loss in fp32). Matmuls compute in bf16 from the fp32 master weights rounded each call,
+    as autocast does, so gradients reach them in fp32: linear takes the fp32 weight and bias as they are
+    (kernels.linear rounds them and writes their gradients in fp32, where a cast's backward would add a
+    kernel per parameter), matmul casts both operands. The norms compute in fp32 and write bf16, the
     input of the next matmul that autocast would cast anyway (one pass instead of two). Activations and
     RoPE keep bf16; the cross-entropy reads bf16 logits and returns an fp32 loss; the router's softmax
     returns fp32. The embedding and the residual stream stay fp32: add_layernorm adds a sublayer's bf16
@@ -385,7 +387,7 @@ def bf16_op_set(ops, kernels, mode):
     gradient back in fp32 and, for the sublayer, in bf16."""
     def bf16(t):
         return None if t is None else t.to(BF16)
-    ops.linear = lambda x, weight, bias=None: kernels.linear(bf16(x), bf16(weight), bf16(bias))
+    ops.linear = lambda x, weight, bias=None: kernels.linear(bf16(x), weight, bias)
     ops.matmul = lambda a, b: kernels.matmul(bf16(a), bf16(b))
     ops.layernorm = lambda x, weight, bias, eps=LN_EPS: kernels.layernorm(x, weight, bias, eps, out_dtype=BF16)
     ops.rmsnorm = lambda x, weight, eps=LN_EPS: kernels.rmsnorm(x, weight, eps, out_dtype=BF16)
