@@ -4310,10 +4310,16 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<ty
 }
 
 
-template <class Kernel, class T>
-static void launch_attention(Kernel kernel, dim3 grid, size_t smem, const AttnArgs<T>& p, cudaStream_t s) {
+// Raises kernel's dynamic shared-memory limit to smem (the same for every launch of it), once per
+// device: the attribute stays set, and a driver call on every launch cost host time per step.
+template <auto kernel>
+static void raise_smem_limit(size_t smem) {
+  static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && (raised.load() >> dev & 1)) return;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  kernel<<<grid, ATTN_THREADS, smem, s>>>(p);
+  if (dev < 64) raised.fetch_or(uint64_t(1) << dev);
 }
 
 template <class T>
@@ -4335,7 +4341,8 @@ static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_head
   using T = typename Ops::T;
   const size_t smem = (64 * MT + attn_stages<T, Ops::D>(64 * MT, 128) * 128) * smem_row<T, Ops::D>() * sizeof(T);
   const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
-  launch_attention(attention_fwd_kernel<Ops, MT>, grid, smem, p, s);
+  raise_smem_limit<attention_fwd_kernel<Ops, MT>>(smem);
+  attention_fwd_kernel<Ops, MT><<<grid, ATTN_THREADS, smem, s>>>(p);
 }
 template <class Ops>
 static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
@@ -4365,9 +4372,9 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
   constexpr size_t smem_kv = (128 + STAGES * 2 * BQ) * LD * sizeof(T) + STAGES * 2 * BQ * sizeof(float);
   constexpr size_t smem_q = (128 + STAGES * 2 * BK) * LD * sizeof(T);
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
-  auto kernel = attention_bwd_kernel<Ops, BQ, BK, STAGES>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)std::max(smem_kv, smem_q));
-  kernel<<<dim3(BH, kv_blocks + q_blocks), ATTN_THREADS, std::max(smem_kv, smem_q), s>>>(p, kv_blocks);
+  constexpr size_t smem = std::max(smem_kv, smem_q);
+  raise_smem_limit<attention_bwd_kernel<Ops, BQ, BK, STAGES>>(smem);
+  attention_bwd_kernel<Ops, BQ, BK, STAGES><<<dim3(BH, kv_blocks + q_blocks), ATTN_THREADS, smem, s>>>(p, kv_blocks);
   check_launch("attention_bwd");
 }
 
