@@ -310,6 +310,12 @@ static bool master_weight(const Tensor& x, const Tensor& w) {
   return x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat;
 }
 
+// The weight and bias the product reads: a master weight and its bias rounded to bf16, others as they are.
+static std::pair<Tensor, Tensor> product_weights(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!master_weight(x, w)) return {w, b};
+  return {w.to(at::kBFloat16), b.defined() ? b.to(at::kBFloat16) : b};
+}
+
 // Checks x (..., K), weight (N, K) and bias (N,) of linear; returns the bias, contiguous, or undefined.
 static Tensor check_linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
   const char* op = "linear";
@@ -339,12 +345,11 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     auto out_shape = x.sizes().vec();
     out_shape.back() = w.size(0);
     Tensor y = at::empty({1, x2.size(1), w.size(0)}, x.options());
-    const bool master = master_weight(x, w);
-    const Tensor wc = master ? w.to(at::kBFloat16) : w, bc = master && bias.defined() ? bias.to(at::kBFloat16) : bias;
+    const auto [wc, bc] = product_weights(x, w, bias);
     mm(x2, wc.t().unsqueeze(0), y, bc);
     ctx->save_for_backward({x2, wc});
     ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["master"] = master;
+    ctx->saved_data["master"] = master_weight(x, w);
     return y.view(out_shape);
   }
 
@@ -391,10 +396,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>
     const c10::cuda::CUDAGuard guard(x.device());
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
-    const bool master = master_weight(x, weight);  // the GEMV reads one dtype: round the master weight first
-    const Tensor w = (master ? weight.to(at::kBFloat16) : weight).contiguous();
-    const Tensor bc = master && b.defined() ? b.to(at::kBFloat16) : b;
-    return gemv_launch("linear", w, x.reshape({1, -1}).contiguous(), bc, Tensor()).view(out_shape);
+    const auto [w, bc] = product_weights(x, weight, b);  // the GEMV reads one dtype: a master weight rounded
+    return gemv_launch("linear", w.contiguous(), x.reshape({1, -1}).contiguous(), bc, Tensor()).view(out_shape);
   }
   return LinearFn::apply(x, weight, bias);
 }

@@ -56,6 +56,18 @@ static int num_sms() {
   return cached[dev];
 }
 
+// Raises kernel's dynamic shared-memory limit to smem (the same for every launch of it), once per
+// device: the attribute stays set, and a driver call on every launch cost host time per step.
+template <auto kernel>
+static void raise_smem_limit(size_t smem) {
+  static std::atomic<uint64_t> raised{0};  // bit d: done on device d
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && (raised.load() >> dev & 1)) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (dev < 64) raised.fetch_or(uint64_t(1) << dev);
+}
+
 static void require_tensor_cores(const char* what) {
   int dev = 0, major = 0;
   cudaGetDevice(&dev);
@@ -2350,13 +2362,7 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
   const bool vec_c = ldo % 2 == 0 && so % 2 == 0 && N % 2 == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
   const int zmax = 65535 / plan.splits;  // grid.z limit
   if (plan.wgmma) {
-    static bool smem_set[64] = {};  // per device: raise the kernel's shared-memory limit once
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev >= 0 && dev < 64 && !smem_set[dev]) {
-      cudaFuncSetAttribute(matmul_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM);
-      smem_set[dev] = true;
-    }
+    raise_smem_limit<matmul_wgmma_kernel>(WG_SMEM);
     float* pa = workspace;
     float* pb = workspace + plan.packed_a;
     const int64_t a_bs = matmul_pack(a, pa, batch, M, K, ta ? 1 : lda, ta ? lda : 1, sa, s);
@@ -2465,22 +2471,21 @@ size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K) {
   return plan.splits > 1 ? (size_t)plan.splits * batch * M * N : 0;
 }
 
-// Launches matmul_bf16_kernel for the operands' orientations, raising its shared-memory limit
-// the first time on each device.
+// Launches matmul_bf16_kernel for the operands' orientations, its shared-memory limit raised once per device.
+template <bool TA, bool TB, int BN>
+static void bf16_launch_one(int grid, const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc,
+                            const Bf16MatmulArgs& p, cudaStream_t s) {
+  raise_smem_limit<matmul_bf16_kernel<TA, TB, BN>>(bf_smem(BN));
+  matmul_bf16_kernel<TA, TB, BN><<<grid, 384, bf_smem(BN), s>>>(ma, mb, mc, p);
+}
+
 template <int BN>
 static void bf16_launch_kernel(bool ta, bool tb, int grid, const CUtensorMap& ma, const CUtensorMap& mb,
                                const CUtensorMap& mc, const Bf16MatmulArgs& p, cudaStream_t s) {
-  auto* kernel = ta ? (tb ? matmul_bf16_kernel<true, true, BN> : matmul_bf16_kernel<true, false, BN>)
-                    : (tb ? matmul_bf16_kernel<false, true, BN> : matmul_bf16_kernel<false, false, BN>);
-  static bool raised[64][4] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  bool* done = dev >= 0 && dev < 64 ? &raised[dev][2 * ta + tb] : nullptr;
-  if (!done || !*done) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bf_smem(BN));
-    if (done) *done = true;
-  }
-  kernel<<<grid, 384, bf_smem(BN), s>>>(ma, mb, mc, p);
+  if (ta && tb) bf16_launch_one<true, true, BN>(grid, ma, mb, mc, p, s);
+  else if (ta) bf16_launch_one<true, false, BN>(grid, ma, mb, mc, p, s);
+  else if (tb) bf16_launch_one<false, true, BN>(grid, ma, mb, mc, p, s);
+  else bf16_launch_one<false, false, BN>(grid, ma, mb, mc, p, s);
 }
 
 static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv_bfloat16* b,
@@ -4309,18 +4314,6 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<ty
   }
 }
 
-
-// Raises kernel's dynamic shared-memory limit to smem (the same for every launch of it), once per
-// device: the attribute stays set, and a driver call on every launch cost host time per step.
-template <auto kernel>
-static void raise_smem_limit(size_t smem) {
-  static std::atomic<uint64_t> raised{0};  // bit d: done on device d
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 64 && (raised.load() >> dev & 1)) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (dev < 64) raised.fetch_or(uint64_t(1) << dev);
-}
 
 template <class T>
 static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale) {
