@@ -38,19 +38,15 @@ template <class TI, class TO>
 void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum, float* mean, float* rstd,
                    int R, int C, float eps, cudaStream_t s);
 template <class TI, class TO>
-void layernorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
-                      TI* dx, TO* daddend, int R, int C, cudaStream_t s);
-template <class TI, class TO>
-void layernorm_bwd_params(const TI*, const TO*, const float*, const float*, float*, float*, TI*, TI*, int, int,
-                          cudaStream_t);
+void layernorm_bwd(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum, TI* dx,
+                   TO* daddend, TI* dw, TI* db, float* ws, int R, int C, cudaStream_t s);
 template <class TI, class TO>
 void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum, float* rstd, int R, int C, float eps,
                  cudaStream_t s);
 template <class TI, class TO>
-void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
-                    int R, int C, cudaStream_t s);
-template <class TI, class TO>
-void rmsnorm_bwd_weight(const TI*, const TO*, const float*, float*, TI*, int, int, cudaStream_t);
+void rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
+                 TI* dw, float* ws, int R, int C, cudaStream_t s);
+int64_t norm_bwd_workspace_floats(int R, int C);
 int64_t sinkhorn_workspace_floats(int, int, int);
 void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
 void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
@@ -537,21 +533,16 @@ struct NormFn : torch::autograd::Function<NormFn> {
     // The addend's gradient is dx itself when the dtypes agree, else dx again in the addend's dtype.
     Tensor daddend = add && y_dtype != x.scalar_type() ? at::empty_like(x, x.options().dtype(y_dtype)) : Tensor();
     if (C > 0) {
-      Tensor part = at::empty({2, (int64_t)colsum_chunks(R, C) * C}, rstd.options());
+      Tensor ws = at::empty({norm_bwd_workspace_floats(R, C)}, rstd.options());  // the column sums' partial rows
       with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
         using TI = decltype(ti);
         using TO = decltype(to);
-        if (rms) {
-          rmsnorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
-                         ptr<TO>(daddend), R, C, stream());
-          rmsnorm_bwd_weight(ptr<TI>(x), ptr<TO>(dy), ptr<float>(rstd), ptr<float>(part[0]), ptr<TI>(dw), R, C,
-                             stream());
-        } else {
-          layernorm_bwd_dx(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
-                           ptr<TI>(dx), ptr<TO>(daddend), R, C, stream());
-          layernorm_bwd_params(ptr<TI>(x), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<float>(part[0]),
-                               ptr<float>(part[1]), ptr<TI>(dw), ptr<TI>(db), R, C, stream());
-        }
+        if (rms)
+          rmsnorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
+                      ptr<TO>(daddend), ptr<TI>(dw), ptr<float>(ws), R, C, stream());
+        else
+          layernorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
+                        ptr<TI>(dx), ptr<TO>(daddend), ptr<TI>(dw), ptr<TI>(db), ptr<float>(ws), R, C, stream());
       });
     }
     if (add && !daddend.defined()) daddend = dx;

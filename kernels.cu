@@ -531,8 +531,9 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
   check_launch("embedding_bwd");
 }
 // ------------------------------------------------------------------------------------------------
-// layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row,
-// norm_bwd_dx_row) in one of two modes, the compile-time flag RMS, picked by thin kernels:
+// layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row, norm_bwd_row)
+// in one of two modes, the compile-time flag RMS (thin kernels pick it forward; the backward kernel
+// takes it as a template argument):
 //   layernorm (RMS = false): y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
 //   RMSNorm   (RMS = true):  y = x * rstd * w,               rstd = 1 / sqrt(mean(x^2) + eps)
 // RMSNorm is layernorm with the mean fixed at 0 and no bias: every formula reads the same with
@@ -648,40 +649,79 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(con
 // RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd (the mean(g) term comes from
 // the subtracted mean, which RMSNorm does not have). With the residual add, x is the saved sum, dsum
 // (if any) is added to dx, and daddend (if any) gets dx again in the addend's dtype.
-template <int TX, int N, int VEC, bool RMS, class TI, class TO>
-__device__ __forceinline__ void norm_bwd_dx_row(const TI* __restrict__ x, const TI* __restrict__ w,
-                                                const TO* __restrict__ dy, const float* mean_in, const float* rstd_in,
-                                                const TI* __restrict__ dsum, TI* __restrict__ dx,
-                                                TO* __restrict__ daddend, int R, int C) {
-  __shared__ float red[32];
-  const int r = blockIdx.x * blockDim.y + threadIdx.y;
-  if (r >= R) return;
-  const TI* xr = x + (int64_t)r * C;
-  const TO* dyr = dy + (int64_t)r * C;
-  const int units = (C + VEC - 1) / VEC;
-  const float mean = RMS ? 0.f : mean_in[r], rstd = rstd_in[r];
+//
+// The weight and bias gradients, dw = sum over rows of dy * xhat and db = sum of dy, are made of
+// values this pass already holds in registers, so it adds them up as well: each block walks its rows
+// (blockIdx.x * rows_per_block + y, then a grid's worth further on), keeps its column sums (NormSums:
+// in registers or shared memory) and writes them as one partial row; colsum_finish adds the partial
+// rows in a fixed order (same bits every run). A second pass over x and dy for them read 37 MB more
+// per norm of the large preset. Rows of over 2048 units (C > 8192 fp32), which take 1024 threads,
+// keep two passes: this kernel for dx (part_w null), then colsum_partial.
+template <class TI, class TO>
+struct NormBwdArgs {
+  const TI* x;         // the normalized input: the saved sum, with the add
+  const TI* w;
+  const TO* dy;
+  const float* mean;   // null for RMSNorm
+  const float* rstd;
+  const TI* dsum;      // gradient reaching the sum from downstream, or null
+  TI* dx;
+  TO* daddend;         // dx again in the addend's dtype, or null
+  float* part_w;       // gridDim.x partial rows of C, or null: dx alone
+  float* part_b;       // the same for the bias; null for RMSNorm
+  int R, C;
+};
+
+// Where the backward keeps its column sums while it walks rows. A block a row (256 threads): each
+// thread its own columns' sums, in registers. A warp a row: each warp in its own slice of shared
+// memory, each column read and written by the one thread that owns it (no barrier until the end); in
+// registers they took the warp-a-row kernel from 78 to 120 registers a thread, a third of its warps,
+// and slowed its pass by as much. 1024 threads a row: none (64 registers a thread leave no room; a
+// second pass adds them).
+enum NormSums { kSumsNone, kSumsRegs, kSumsShared };
+__host__ __device__ constexpr NormSums norm_sums(int tx) {
+  return tx == 1024 ? kSumsNone : tx == 256 ? kSumsRegs : kSumsShared;
+}
+
+// Row r: dx, and its dy * xhat and dy added to this thread's column sums (units u = x + j * TX): in
+// aw, ab, or at [u * VEC + i] and [SLICE + u * VEC + i] of its warp's slice of shared memory, sw.
+template <int TX, int N, int VEC, bool RMS, NormSums SUMS, class TI, class TO>
+__device__ __forceinline__ void norm_bwd_row(const NormBwdArgs<TI, TO>& a, int r, float* red, float (&aw)[N][VEC],
+                                             float (&ab)[N][VEC], float* sw) {
+  constexpr int SLICE = 32 * N * VEC;
+  const int C = a.C, units = (C + VEC - 1) / VEC;
+  const TI* xr = a.x + (int64_t)r * C;
+  const TO* dyr = a.dy + (int64_t)r * C;
+  const float mean = RMS ? 0.f : a.mean[r], rstd = a.rstd[r];
   float xh[N][VEC], g[N][VEC];
   float sg = 0.f, sgx = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int u = threadIdx.x + j * TX;
     float wv[VEC];
-    load_unit<VEC>(xr, u, C, xh[j], mean);
+    load_unit<VEC>(xr, u, C, xh[j], mean);  // units past C: xhat 0, dy 0
     load_unit<VEC>(dyr, u, C, g[j], 0.f);
-    load_unit<VEC>(w, u, C, wv, 0.f);
+    load_unit<VEC>(a.w, u, C, wv, 0.f);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       xh[j][i] = (xh[j][i] - mean) * rstd;
+      if constexpr (SUMS == kSumsRegs) {
+        aw[j][i] += g[j][i] * xh[j][i];
+        if (!RMS) ab[j][i] += g[j][i];
+      } else if constexpr (SUMS == kSumsShared) {
+        sw[u * VEC + i] += g[j][i] * xh[j][i];
+        if (!RMS) sw[SLICE + u * VEC + i] += g[j][i];
+      }
       g[j][i] *= wv[i];
       sg += g[j][i];
       sgx += g[j][i] * xh[j][i];
     }
   }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {  // the tail (1024 threads: no column sums)
     float xv[VEC], dv[VEC], wv[VEC];
     load_unit<VEC>(xr, u, C, xv, mean);
     load_unit<VEC>(dyr, u, C, dv, 0.f);
-    load_unit<VEC>(w, u, C, wv, 0.f);
+    load_unit<VEC>(a.w, u, C, wv, 0.f);
     for (int i = 0; i < VEC; ++i) {
       float gi = dv[i] * wv[i];
       sg += gi;
@@ -690,9 +730,9 @@ __device__ __forceinline__ void norm_bwd_dx_row(const TI* __restrict__ x, const 
   }
   const float mg = RMS ? 0.f : row_reduce<TX, false>(sg, red) / C;
   const float mgx = row_reduce<TX, false>(sgx, red) / C;
-  TI* dxr = dx + (int64_t)r * C;
-  const TI* dsr = dsum ? dsum + (int64_t)r * C : nullptr;
-  TO* dar = daddend ? daddend + (int64_t)r * C : nullptr;
+  TI* dxr = a.dx + (int64_t)r * C;
+  const TI* dsr = a.dsum ? a.dsum + (int64_t)r * C : nullptr;
+  TO* dar = a.daddend ? a.daddend + (int64_t)r * C : nullptr;
   auto store_dx = [&](int u, float (&o)[VEC]) {
     if (dsr) {
       float d[VEC];
@@ -714,28 +754,67 @@ __device__ __forceinline__ void norm_bwd_dx_row(const TI* __restrict__ x, const 
     float xv[VEC], dv[VEC], wv[VEC], o[VEC];
     load_unit<VEC>(xr, u, C, xv, mean);
     load_unit<VEC>(dyr, u, C, dv, 0.f);
-    load_unit<VEC>(w, u, C, wv, 0.f);
+    load_unit<VEC>(a.w, u, C, wv, 0.f);
     for (int i = 0; i < VEC; ++i) o[i] = rstd * (dv[i] * wv[i] - mg - (xv[i] - mean) * rstd * mgx);
     store_dx(u, o);
   }
 }
 
-template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) layernorm_bwd_dx_kernel(const TI* __restrict__ x,
-    const TI* __restrict__ w, const TO* __restrict__ dy, const float* mean_in, const float* rstd_in,
-    const TI* __restrict__ dsum, TI* __restrict__ dx, TO* __restrict__ daddend, int R, int C) {
-  norm_bwd_dx_row<TX, N, VEC, false>(x, w, dy, mean_in, rstd_in, dsum, dx, daddend, R, C);
-}
+// Rows a block of the norm backward: a warp a row, 8 of them (4 where each thread caches 8 units),
+// so that their slices of shared memory (2 x 32 x N x VEC floats each) take 32 KB; else a block a row.
+__host__ __device__ constexpr int norm_bwd_rows(int tx, int n) { return tx == 32 ? (n == 8 ? 4 : 8) : 1; }
 
-template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_bwd_dx_kernel(const TI* __restrict__ x,
-    const TI* __restrict__ w, const TO* __restrict__ dy, const float* rstd_in, const TI* __restrict__ dsum,
-    TI* __restrict__ dx, TO* __restrict__ daddend, int R, int C) {
-  norm_bwd_dx_row<TX, N, VEC, true>(x, w, dy, nullptr, rstd_in, dsum, dx, daddend, R, C);
+// A warp a row: at least 3 blocks (24 or 12 warps) an SM, which holds the 8-row kernel to 85 registers
+// a thread; at 92 it kept 16 warps an SM, and each warp waits on a row's loads, reductions and stores.
+template <int TX, int N, int VEC, bool RMS, class TI, class TO>
+__global__ void __launch_bounds__(TX * norm_bwd_rows(TX, N), TX == 32 ? 3 : 1) norm_bwd_kernel(NormBwdArgs<TI, TO> a) {
+  constexpr NormSums SUMS = norm_sums(TX);
+  constexpr int ROWS = norm_bwd_rows(TX, N), SLICE = 32 * N * VEC;
+  __shared__ float red[32];
+  __shared__ float slices[SUMS == kSumsShared ? ROWS * 2 * SLICE : 1];
+  float aw[N][VEC] = {}, ab[N][VEC] = {};
+  float* sw = slices + (SUMS == kSumsShared ? threadIdx.y * 2 * SLICE : 0);
+  const int r0 = blockIdx.x * blockDim.y + threadIdx.y;
+  if constexpr (SUMS == kSumsNone) {  // dx alone, a block for every row (a row loop here spilled registers)
+    if (r0 < a.R) norm_bwd_row<TX, N, VEC, RMS, SUMS>(a, r0, red, aw, ab, sw);
+  } else {  // rows a grid's worth apart, then the block's column sums as its partial row
+    if constexpr (SUMS == kSumsShared)  // each thread zeroes the sums it adds to
+#pragma unroll
+      for (int k = 0; k < N * VEC; ++k) {
+        const int c = (threadIdx.x + k / VEC * TX) * VEC + k % VEC;
+        sw[c] = 0.f;
+        sw[SLICE + c] = 0.f;
+      }
+    for (int r = r0; r < a.R; r += gridDim.x * blockDim.y) norm_bwd_row<TX, N, VEC, RMS, SUMS>(a, r, red, aw, ab, sw);
+    const int64_t row = (int64_t)blockIdx.x * a.C;
+    if constexpr (SUMS == kSumsRegs) {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int c = (threadIdx.x + j * TX) * VEC + i;
+          if (c >= a.C) continue;
+          a.part_w[row + c] = aw[j][i];
+          if (!RMS) a.part_b[row + c] = ab[j][i];
+        }
+    } else {  // the warps' slices added in warp order
+      __syncthreads();
+      for (int c = threadIdx.y * TX + threadIdx.x; c < a.C; c += ROWS * TX) {
+        float w = 0.f, b = 0.f;
+        for (int y = 0; y < ROWS; ++y) {
+          w += slices[y * 2 * SLICE + c];
+          b += slices[y * 2 * SLICE + SLICE + c];
+        }
+        a.part_w[row + c] = w;
+        if (!RMS) a.part_b[row + c] = b;
+      }
+    }
+  }
 }
 
 // TI: x, the weights, dx and the residual sum (fp32 or bf16); TO: y, dy and the addend. Statistics and
-// arithmetic are fp32. A null addend is the plain norm (sum_out unused); null dsum / daddend: none.
+// arithmetic are fp32. A null addend is the plain norm (sum_out unused). The backwards are further
+// down, after the column sums they finish with.
 template <class TI, class TO>
 void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum_out, float* mean,
                    float* rstd, int R, int C, float eps, cudaStream_t s) {
@@ -747,32 +826,12 @@ void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* 
 }
 
 template <class TI, class TO>
-void layernorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
-                      TI* dx, TO* daddend, int R, int C, cudaStream_t s) {
-  if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx) && aligned16(dsum) &&
-                                  aligned16(daddend));
-  LAUNCH_ROW(layernorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, mean, rstd, dsum, dx, daddend, R, C);
-  check_launch("layernorm_bwd_dx");
-}
-
-template <class TI, class TO>
 void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum_out, float* rstd, int R, int C, float eps,
                  cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(addend) && aligned16(sum_out));
   LAUNCH_ROW(rmsnorm_fwd_kernel, (TI, TO), L, R, s, x, addend, w, y, sum_out, rstd, R, C, eps);
   check_launch("rmsnorm_fwd");
-}
-
-template <class TI, class TO>
-void rmsnorm_bwd_dx(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
-                    int R, int C, cudaStream_t s) {
-  if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(dy) && aligned16(w) && aligned16(dx) && aligned16(dsum) &&
-                                  aligned16(daddend));
-  LAUNCH_ROW(rmsnorm_bwd_dx_kernel, (TI, TO), L, R, s, x, w, dy, rstd, dsum, dx, daddend, R, C);
-  check_launch("rmsnorm_bwd_dx");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -835,21 +894,35 @@ __global__ void __launch_bounds__(256) colsum_partial_kernel(const TG* dy, const
   }
 }
 
-// Pass 2 over 32 columns a block: thread row y adds partial rows y, y + 8, ..., then the 8 sums are
+// Pass 2 over 32 columns a block: thread row y adds partial rows y, y + 16, ..., then the 16 sums are
 // added in order (one thread adding all ~180 partial rows of a column waited on each load in turn).
+// blockIdx.y picks the sum: 0 part0 into out0, 1 part1 into out1 (a norm's weight and bias at once).
 template <class T>
-__global__ void __launch_bounds__(256) colsum_finish_kernel(const float* part, T* out, int nchunk, int C) {
-  __shared__ float sum[8][33];
+__global__ void __launch_bounds__(512) colsum_finish_kernel(const float* part0, T* out0, const float* part1, T* out1,
+                                                             int nchunk, int C) {
+  __shared__ float sum[16][33];
+  const float* part = blockIdx.y ? part1 : part0;
+  T* out = blockIdx.y ? out1 : out0;
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < C)
-    for (int i = threadIdx.y; i < nchunk; i += 8) acc += part[(int64_t)i * C + c];
+#pragma unroll 4
+    for (int i = threadIdx.y; i < nchunk; i += 16) acc += part[(int64_t)i * C + c];
   sum[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
-    for (int i = 1; i < 8; ++i) acc += sum[i][threadIdx.x];
+    for (int i = 1; i < 16; ++i) acc += sum[i][threadIdx.x];
     out[c] = from_float<T>(acc);
   }
+}
+
+// out0 = the column sums of nchunk partial rows at part0, and out1 of those at part1 (if out1).
+template <class T>
+static void colsum_finish(const float* part0, T* out0, const float* part1, T* out1, int nchunk, int C,
+                          cudaStream_t s) {
+  colsum_finish_kernel<<<dim3(ceil_div(C, 32), out1 ? 2 : 1), dim3(32, 16), 0, s>>>(part0, out0, part1, out1, nchunk,
+                                                                                    C);
+  check_launch("colsum_finish");
 }
 
 // Number of row chunks; the caller allocates nchunk * C floats per partial buffer. About 4 blocks
@@ -863,7 +936,8 @@ int colsum_chunks(int R, int C) {
   return std::max(1, ceil_div(R, chunk));
 }
 
-// dy of type TG, x and the sums of type TX.
+// dy of type TG, x and the sums of type TX. ln: dw (part_w, from x) and db (part_b, if db) as the norm
+// backward wants them; else db alone.
 template <class TG, class TX>
 static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean, const float* rstd, float* part_w,
                           float* part_b, TX* dw, TX* db, int R, int C, cudaStream_t s) {
@@ -877,23 +951,93 @@ static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean,
   else if (vec) colsum_partial_kernel<false, 4><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   else colsum_partial_kernel<false, 1><<<grid, block, 0, s>>>(dy, x, mean, rstd, part_w, part_b, R, C, chunk);
   check_launch("colsum_partial");
-  if (ln) colsum_finish_kernel<<<ceil_div(C, 32), block, 0, s>>>(part_w, dw, nchunk, C);
-  if (db) colsum_finish_kernel<<<ceil_div(C, 32), block, 0, s>>>(part_b, db, nchunk, C);
-  check_launch("colsum_finish");
+  if (ln) colsum_finish(part_w, dw, part_b, db, nchunk, C, s);
+  else colsum_finish(part_b, db, (const float*)nullptr, (TX*)nullptr, nchunk, C, s);
 }
 
-// x and the weight gradients of type TI, dy of type TO (as in layernorm_fwd<TI, TO>).
-template <class TI, class TO>
-void layernorm_bwd_params(const TI* x, const TO* dy, const float* mean, const float* rstd, float* part_w,
-                          float* part_b, TI* dw, TI* db, int R, int C, cudaStream_t s) {
-  colsum_launch<TO, TI>(true, dy, x, mean, rstd, part_w, part_b, dw, db, R, C, s);
+// Calls f(tx, n, vec) with a RowLaunch's shape as std::integral_constant values, so that f can name
+// the kernel instance (the norm backward asks its occupancy before launching it).
+template <class F>
+static void with_row_shape(const RowLaunch& L, F&& f) {
+  auto with_n = [&](auto tx, auto vec) {
+    constexpr int TX = decltype(tx)::value, VEC = decltype(vec)::value;
+    switch (L.n) {
+      case 1: f(tx, std::integral_constant<int, 1>(), vec); break;
+      case 2: f(tx, std::integral_constant<int, 2>(), vec); break;
+      case 4: f(tx, std::integral_constant<int, 4>(), vec); break;
+      default: f(tx, std::integral_constant<int, (TX * VEC > 2048 ? 4 : 8)>(), vec);
+    }
+  };
+  auto with_vec = [&](auto tx) {
+    if (L.vec == 4) with_n(tx, std::integral_constant<int, 4>());
+    else with_n(tx, std::integral_constant<int, 1>());
+  };
+  if (L.tx == 32) with_vec(std::integral_constant<int, 32>());
+  else if (L.tx == 256) with_vec(std::integral_constant<int, 256>());
+  else with_vec(std::integral_constant<int, 1024>());
 }
 
-// part: colsum_chunks(R, C) * C floats.
+// The norm backward's shape: the forward's, with norm_bwd_rows rows a block.
+static RowLaunch norm_bwd_shape(int C, bool vec_ok) {
+  RowLaunch L = row_launch(C, vec_ok);
+  L.ty = norm_bwd_rows(L.tx, L.n);
+  return L;
+}
+
+// The most blocks (partial rows) the fused backward launches: a full GPU's worth of resident threads.
+static int norm_bwd_blocks_cap(int R, const RowLaunch& L) {
+  return std::max(1, std::min(ceil_div(R, L.ty), num_sms() * std::max(1, 2048 / (L.tx * L.ty))));
+}
+
+// Floats of workspace the norm backwards take: two partial sums (weight, bias), either path.
+int64_t norm_bwd_workspace_floats(int R, int C) {
+  int rows = colsum_chunks(R, C);
+  for (bool vec : {false, true}) rows = std::max(rows, norm_bwd_blocks_cap(R, norm_bwd_shape(C, vec)));
+  return 2 * (int64_t)rows * C;
+}
+
+// The norm backward: dx, and dw (and db unless RMS) through the partial rows in ws.
+template <bool RMS, class TI, class TO>
+static void norm_bwd(NormBwdArgs<TI, TO> a, TI* dw, TI* db, float* ws, cudaStream_t s) {
+  if (a.C == 0) return;
+  const RowLaunch L = norm_bwd_shape(a.C, aligned16(a.x) && aligned16(a.dy) && aligned16(a.w) && aligned16(a.dx) &&
+                                              aligned16(a.dsum) && aligned16(a.daddend));
+  const bool fused = L.tx < 1024;  // as norm_bwd_kernel decides
+  int blocks = ceil_div(a.R, L.ty);
+  with_row_shape(L, [&](auto tx, auto n, auto vec) {
+    const auto kernel = norm_bwd_kernel<decltype(tx)::value, decltype(n)::value, decltype(vec)::value, RMS, TI, TO>;
+    if (fused) {  // a block per resident slot walks the rows, one partial row each
+      int per_sm = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L.tx * L.ty, 0);
+      blocks = std::min(norm_bwd_blocks_cap(a.R, L), num_sms() * std::max(1, per_sm));
+      a.part_w = ws;
+      a.part_b = RMS ? nullptr : ws + (int64_t)blocks * a.C;
+    }
+    if (blocks > 0) kernel<<<blocks, dim3(L.tx, L.ty), 0, s>>>(a);
+  });
+  check_launch(RMS ? "rmsnorm_bwd" : "layernorm_bwd");
+  if (fused) {
+    colsum_finish(a.part_w, dw, a.part_b, db, blocks, a.C, s);
+  } else {
+    const int nchunk = colsum_chunks(a.R, a.C);
+    colsum_launch<TO, TI>(true, a.dy, a.x, a.mean, a.rstd, ws, RMS ? nullptr : ws + (int64_t)nchunk * a.C, dw, db,
+                          a.R, a.C, s);
+  }
+}
+
+// x, w, dx, the sum's gradients and dw, db of type TI; dy and daddend of type TO (as in
+// layernorm_fwd<TI, TO>). ws: norm_bwd_workspace_floats(R, C) floats.
 template <class TI, class TO>
-void rmsnorm_bwd_weight(const TI* x, const TO* dy, const float* rstd, float* part, TI* dw, int R, int C,
-                        cudaStream_t s) {
-  colsum_launch<TO, TI>(true, dy, x, nullptr, rstd, part, nullptr, dw, nullptr, R, C, s);
+void layernorm_bwd(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
+                   TI* dx, TO* daddend, TI* dw, TI* db, float* ws, int R, int C, cudaStream_t s) {
+  norm_bwd<false>(NormBwdArgs<TI, TO>{x, w, dy, mean, rstd, dsum, dx, daddend, nullptr, nullptr, R, C}, dw, db, ws, s);
+}
+
+template <class TI, class TO>
+void rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
+                 TI* dw, float* ws, int R, int C, cudaStream_t s) {
+  norm_bwd<true>(NormBwdArgs<TI, TO>{x, w, dy, nullptr, rstd, dsum, dx, daddend, nullptr, nullptr, R, C}, dw,
+                 (TI*)nullptr, ws, s);
 }
 
 // dy of type TG, db of type TD: the same, or a bf16 dy summed into an fp32 db (a master bias's gradient).
@@ -912,15 +1056,12 @@ template void bias_grad<__nv_bfloat16, float>(const __nv_bfloat16*, float*, floa
 #define INSTANTIATE_NORMS(TI, TO)                                                                                \
   template void layernorm_fwd<TI, TO>(const TI*, const TO*, const TI*, const TI*, TO*, TI*, float*, float*, int,  \
                                       int, float, cudaStream_t);                                                 \
-  template void layernorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, const TI*, \
-                                         TI*, TO*, int, int, cudaStream_t);                                      \
-  template void layernorm_bwd_params<TI, TO>(const TI*, const TO*, const float*, const float*, float*, float*,  \
-                                             TI*, TI*, int, int, cudaStream_t);                                  \
+  template void layernorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, const TI*,    \
+                                      TI*, TO*, TI*, TI*, float*, int, int, cudaStream_t);                       \
   template void rmsnorm_fwd<TI, TO>(const TI*, const TO*, const TI*, TO*, TI*, float*, int, int, float,          \
                                     cudaStream_t);                                                               \
-  template void rmsnorm_bwd_dx<TI, TO>(const TI*, const TI*, const TO*, const float*, const TI*, TI*, TO*, int,   \
-                                       int, cudaStream_t);                                                       \
-  template void rmsnorm_bwd_weight<TI, TO>(const TI*, const TO*, const float*, float*, TI*, int, int, cudaStream_t);
+  template void rmsnorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const TI*, TI*, TO*, TI*,       \
+                                    float*, int, int, cudaStream_t);
 FOR_ROW_TYPES(INSTANTIATE_NORMS)
 #undef INSTANTIATE_NORMS
 
