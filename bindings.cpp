@@ -16,6 +16,7 @@
 
 #include <cuda_bf16.h>
 
+#include <array>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -1194,6 +1195,26 @@ static Tensor empty_bshd(const Tensor& like) {
   return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
 }
 
+// Gradient buffers for q, k, v, in the layout of the inputs when those are the model's views of one
+// projection, (B, S, (H + 2 H_kv) * D) memory holding q's, k's and v's heads side by side in that
+// order: then dq, dk and dv are the same views of one new buffer, which train.JoinedSplit hands back
+// whole (a concatenation of the three copied 37 MB a layer of the large preset). Otherwise each is a
+// (B, S, H, D) buffer of its own. Only the gradients' layout hangs on the test.
+static std::array<Tensor, 3> attention_grad_buffers(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), D = q.size(3), W = (H + 2 * Hkv) * D;
+  const auto addr = [](const Tensor& t) { return static_cast<const char*>(t.data_ptr()); };
+  const int64_t e = q.element_size();
+  bool packed = S == k.size(2) && addr(k) == addr(q) + H * D * e && addr(v) == addr(k) + Hkv * D * e;
+  for (const Tensor* t : {&q, &k, &v})
+    packed = packed && t->stride(0) == S * W && t->stride(1) == D && t->stride(2) == W && t->stride(3) == 1;
+  if (!packed) return {empty_bshd(q), empty_bshd(k), empty_bshd(v)};
+  const Tensor buf = at::empty({B, S, W}, q.options());
+  const auto heads = [&](int64_t first, int64_t n) {  // heads first .. first + n - 1 as (B, n, S, D)
+    return buf.narrow(2, first * D, n * D).view({B, S, n, D}).transpose(1, 2);
+  };
+  return {heads(0, H), heads(H, Hkv), heads(H + Hkv, Hkv)};
+}
+
 static AttnLayout layout_of(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), (int)t.size(1)}; }
 
 // The head sizes the fused kernels support, asked of kernels.cu (the one place the list lives).
@@ -1251,7 +1272,8 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
     const Tensor &q = t[0], &k = t[1], &v = t[2], &out = t[3], &lse2 = t[4];
     const c10::cuda::CUDAGuard guard(q.device());
     const Tensor dout = attention_operand(grads[0].to(q.scalar_type()));
-    Tensor dq = empty_bshd(q), delta = at::empty_like(lse2), dk = empty_bshd(k), dv = empty_bshd(v);
+    auto [dq, dk, dv] = attention_grad_buffers(q, k, v);
+    Tensor delta = at::empty_like(lse2);
     // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
     if (!q.size(2)) {
       dk.zero_();

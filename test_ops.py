@@ -1285,8 +1285,26 @@ def ref_causal_alignment():
               torch.softmax(scores, -1) @ v[..., :Sk, :], 1e-12)
 
 
+def ref_join_last():
+    """train.join_last, the cuda op set's join of split gradients: parts side by side in one tensor come
+    back as a view of it (no copy); any other parts as torch.cat would give them."""
+    base = torch.randn(2, 5, 12)
+    for parts, joins in ((base.split([4, 4, 4], -1), True), (base.split([3, 4, 5], -1)[:2], True),
+                         ([t.clone() for t in base.split([4, 4, 4], -1)], False),  # apart
+                         ([base[..., :4], base[..., 8:]], False),                  # a gap between
+                         ([base[..., 4:8], base[..., :4]], False),                 # out of order
+                         ([base[0, :, :4], base[1, :, 4:8]], False)):              # different rows
+        joined = train.join_last(list(parts))
+        check(f"{len(parts)}_parts", joined, torch.cat(parts, -1), 0)
+        assert (joined.data_ptr() == parts[0].data_ptr()) == joins, f"joined in place: expected {joins}"
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: train.JoinedSplit.apply(x, [2, 5]), (x,))
+    return "side by side: a view; otherwise a copy; JoinedSplit passes gradcheck"
+
+
 add("ref/topk_order", ref_topk_order, gpu=False)
 add("ref/causal_alignment", ref_causal_alignment, gpu=False)
+add("ref/join_last", ref_join_last, gpu=False)
 
 # -----------------------------------------------------------------------------
 # GPU cases. Inputs are unit normals unless a case says otherwise; tolerances are absolute
@@ -2243,6 +2261,35 @@ def t_attention_misaligned(impl):
 
 for _impl in ("fused-fp32", "tiled"):
     add(f"attention/{_impl}/misaligned_qkv_dout", t_attention_misaligned, _impl)
+
+
+def t_attention_joined_split():
+    """The model's path on the cuda op set: q, k, v split from one projection x by train.joined_split; the
+    fused backward writes dq, dk, dv side by side in one buffer, which the split's backward hands back as
+    x's gradient without a copy. x's gradient against float64 split + attention."""
+    B, S, H, Hkv, D = 2, 100, 4, 2, 64
+    joined, join = [], train.join_last
+
+    def recording(parts):
+        out = join(parts)
+        joined.append(out.data_ptr() == parts[0].data_ptr())
+        return out
+
+    def f(ops, x):
+        split = ops.split if ops is REF else train.joined_split
+        q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in split(x, [H * D, Hkv * D, Hkv * D]))
+        return ops.attention(q, k, v, causal=True)
+    train.join_last = recording
+    try:
+        tol, g = ATTN_TOL["fused-fp32"]
+        compare(f, tol, g * math.sqrt(H // Hkv), x=rand(B, S, (H + 2 * Hkv) * D))
+    finally:
+        train.join_last = join
+    assert joined == [True], f"the split's backward copied: {joined}"
+    return "dq, dk, dv joined in place"
+
+
+add("attention/fused-fp32/joined_split", t_attention_joined_split)
 
 
 def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):

@@ -2,13 +2,13 @@
 
 The model is written once against an op namespace (embedding, layernorm, linear, attention, gelu,
 cross_entropy; for the llama arch rmsnorm, rope and swiglu; for the other uses of the model softmax, topk,
-gemv, expert_gemv, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES). The "torch"
-op set maps those names to PyTorch; the "cuda" op set maps them to this repo's kernels (forward and
-backward). Both runs start from the same weights and see the same batches, so their loss curves should
-agree to float32 rounding and the tokens/s ratio is the speedup. With --dtype=bf16 both compute in bf16
-from fp32 master weights (mixed precision): the torch op set under torch.autocast, the cuda op set on
-the bf16 kernels with autocast's choices made by hand (bf16_op_set); their curves then agree to bf16
-rounding, and results report how close.
+gemv, expert_gemv, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES; and split,
+which is no kernel). The "torch" op set maps those names to PyTorch; the "cuda" op set maps them to this
+repo's kernels (forward and backward). Both runs start from the same weights and see the same batches,
+so their loss curves should agree to float32 rounding and the tokens/s ratio is the speedup. With
+--dtype=bf16 both compute in bf16 from fp32 master weights (mixed precision): the torch op set under
+torch.autocast, the cuda op set on the bf16 kernels with autocast's choices made by hand (bf16_op_set);
+their curves then agree to bf16 rounding, and results report how close.
 
     python train.py                                   # both op sets, default tiny config
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
@@ -320,6 +320,46 @@ def torch_add_rmsnorm(x, y, weight, eps=LN_EPS):
     return s, F.rms_norm(s, s.shape[-1:], weight, eps)
 
 
+def join_last(parts):
+    """torch.cat(parts, dim=-1), with no copy when the parts already lie side by side in one tensor: same
+    storage, dtype, shape but the last dim and strides, each starting where the one before ends, rows
+    contiguous and at least as far apart as the joined width."""
+    first, offset = parts[0], parts[0].storage_offset()
+    for p in parts:
+        if (p.dtype != first.dtype or p.device != first.device or p.stride() != first.stride()
+                or p.shape[:-1] != first.shape[:-1] or p.storage_offset() != offset
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(parts, -1)
+        offset += p.shape[-1]
+    width = offset - first.storage_offset()
+    if first.stride(-1) != 1 or (first.dim() > 1 and first.stride(-2) < width):
+        return torch.cat(parts, -1)
+    return first.as_strided((*first.shape[:-1], width), first.stride(), first.storage_offset())
+
+
+class JoinedSplit(torch.autograd.Function):
+    """x.split(sizes, dim=-1), the cuda op set's split of the attention's q, k, v projection: its backward
+    joins the parts' gradients with join_last, where split's concatenates them into a new tensor. The
+    fused attention's backward writes dq, dk and dv side by side in one buffer when q, k and v are such
+    views, so the join is free (the concatenation copied 37 MB a layer of the large preset)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        return x.split(sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return join_last(grads), None
+
+
+def joined_split(x, sizes):
+    """The cuda op set's split: JoinedSplit where a gradient will flow back, else a plain split (decoding
+    skips autograd.Function's overhead, once per layer and token)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return JoinedSplit.apply(x, sizes)
+    return x.split(sizes, dim=-1)
+
+
 def torch_check_errors():
     """The twin of kernels.check_errors, which raises a bad index our kernels found on the GPU. PyTorch reports
     its own: at once on the CPU, as a device-side assert at the next sync on the GPU. Nothing is left to raise."""
@@ -336,6 +376,7 @@ TORCH_OPS = SimpleNamespace(
     linear=F.linear,
     matmul=torch.matmul,
     attention=torch_attention,
+    split=lambda x, sizes: x.split(sizes, dim=-1),
     gelu=F.gelu,
     silu=F.silu,
     swiglu=lambda a, b: F.silu(a) * b,
@@ -350,7 +391,8 @@ TORCH_OPS = SimpleNamespace(
     stream_mix=mhc.stream_mix_torch,
     check_errors=torch_check_errors,
 )
-OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k not in ("name", "autocast"))
+# the ops kernels.cu implements; split is no kernel (the cuda op set's is joined_split)
+OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k not in ("name", "autocast", "split"))
 DTYPES = ("fp32", "bf16")
 BF16 = torch.bfloat16
 
@@ -369,7 +411,7 @@ def cuda_op_set(kernels, head_size, dtype="fp32"):
     'fp32' (3xTF32) matches SDPA's fp32 accuracy, which the curve comparison relies on."""
     mode = "fused" if head_size in kernels.FUSED_HEAD_SIZES else "tiled"
     ops = SimpleNamespace(name="cuda", autocast=contextlib.nullcontext,
-                          **{n: getattr(kernels, n) for n in OP_NAMES})
+                          split=joined_split, **{n: getattr(kernels, n) for n in OP_NAMES})
     ops.attention = functools.partial(kernels.attention, mode=mode, precision="fp32")
     return bf16_op_set(ops, kernels, mode) if dtype == "bf16" else ops
 
@@ -611,7 +653,7 @@ class Block(nn.Module):
     def attention(self, h, ops, cache, layer, rope):  # h (B, T, C); rope: (cos, sin) (T, hs/2) each, or None
         B, T, C = h.shape
         nh, nkv, hs = self.n_head, self.n_kv_head, C // self.n_head
-        q, k, v = ops.linear(h, self.attn_w, self.attn_b).split([C, nkv * hs, nkv * hs], dim=2)
+        q, k, v = ops.split(ops.linear(h, self.attn_w, self.attn_b), [C, nkv * hs, nkv * hs])
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
