@@ -47,7 +47,8 @@ void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum, flo
 template <class TI, class TO>
 void rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
                  TI* dw, float* ws, int R, int C, cudaStream_t s);
-int64_t norm_bwd_workspace_floats(int R, int C);
+template <class TI, class TO>
+int64_t norm_bwd_workspace_floats(bool rms, int R, int C);
 int64_t sinkhorn_workspace_floats(int, int, int);
 void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
 void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
@@ -534,10 +535,11 @@ struct NormFn : torch::autograd::Function<NormFn> {
     // The addend's gradient is dx itself when the dtypes agree, else dx again in the addend's dtype.
     Tensor daddend = add && y_dtype != x.scalar_type() ? at::empty_like(x, x.options().dtype(y_dtype)) : Tensor();
     if (C > 0) {
-      Tensor ws = at::empty({norm_bwd_workspace_floats(R, C)}, rstd.options());  // the column sums' partial rows
       with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
         using TI = decltype(ti);
         using TO = decltype(to);
+        // the column sums' partial rows
+        const Tensor ws = at::empty({norm_bwd_workspace_floats<TI, TO>(rms, R, C)}, rstd.options());
         if (rms)
           rmsnorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
                       ptr<TO>(daddend), ptr<TI>(dw), ptr<float>(ws), R, C, stream());
@@ -1199,10 +1201,11 @@ static Tensor empty_bshd(const Tensor& like) {
 // projection, (B, S, (H + 2 H_kv) * D) memory holding q's, k's and v's heads side by side in that
 // order: then dq, dk and dv are the same views of one new buffer, which train.JoinedSplit hands back
 // whole (a concatenation of the three copied 37 MB a layer of the large preset). Otherwise each is a
-// (B, S, H, D) buffer of its own. Only the gradients' layout hangs on the test.
+// (B, S, H, D) buffer of its own (the llama arch's q and k are RoPE's new tensors, so it joins them by
+// a copy). Only the gradients' layout hangs on the test.
 static std::array<Tensor, 3> attention_grad_buffers(const Tensor& q, const Tensor& k, const Tensor& v) {
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), D = q.size(3), W = (H + 2 * Hkv) * D;
-  const auto addr = [](const Tensor& t) { return static_cast<const char*>(t.data_ptr()); };
+  const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); };
   const int64_t e = q.element_size();
   bool packed = S == k.size(2) && addr(k) == addr(q) + H * D * e && addr(v) == addr(k) + Hkv * D * e;
   for (const Tensor* t : {&q, &k, &v})

@@ -655,8 +655,8 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) rmsnorm_fwd_kernel(con
 // (blockIdx.x * rows_per_block + y, then a grid's worth further on), keeps its column sums (NormSums:
 // in registers or shared memory) and writes them as one partial row; colsum_finish adds the partial
 // rows in a fixed order (same bits every run). A second pass over x and dy for them read 37 MB more
-// per norm of the large preset. Rows of over 2048 units (C > 8192 fp32), which take 1024 threads,
-// keep two passes: this kernel for dx (part_w null), then colsum_partial.
+// per norm of the large preset. Rows of over 2048 units (C > 8192 with 4-wide loads, C > 2048
+// without), which take 1024 threads, keep two passes: this kernel for dx, then colsum_launch.
 template <class TI, class TO>
 struct NormBwdArgs {
   const TI* x;         // the normalized input: the saved sum, with the add
@@ -984,15 +984,41 @@ static RowLaunch norm_bwd_shape(int C, bool vec_ok) {
   return L;
 }
 
-// The most blocks (partial rows) the fused backward launches: a full GPU's worth of resident threads.
-static int norm_bwd_blocks_cap(int R, const RowLaunch& L) {
-  return std::max(1, std::min(ceil_div(R, L.ty), num_sms() * std::max(1, 2048 / (L.tx * L.ty))));
+// Blocks of kernel resident on one SM at `threads` a block (the occupancy API), asked once per device.
+template <auto kernel>
+static int resident_blocks(int threads) {
+  static std::atomic<int> cached[kMaxDevices];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= kMaxDevices) dev = 0;
+  int n = cached[dev].load();
+  if (n == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess || n < 1) n = 1;
+    cached[dev].store(n);
+  }
+  return n;
 }
 
-// Floats of workspace the norm backwards take: two partial sums (weight, bias), either path.
-int64_t norm_bwd_workspace_floats(int R, int C) {
+// Blocks (so partial rows) the fused backward launches for this shape: one per block slot of the GPU,
+// at most one per row group.
+template <bool RMS, class TI, class TO>
+static int norm_bwd_blocks(int R, const RowLaunch& L) {
+  int per_sm = 1;
+  with_row_shape(L, [&](auto tx, auto n, auto vec) {
+    per_sm = resident_blocks<norm_bwd_kernel<decltype(tx)::value, decltype(n)::value, decltype(vec)::value, RMS,
+                                             TI, TO>>(L.tx * L.ty);
+  });
+  return std::max(1, std::min(ceil_div(R, L.ty), num_sms() * per_sm));
+}
+
+// Floats of workspace the norm backward takes: two partial sums (weight, bias), either path.
+template <class TI, class TO>
+int64_t norm_bwd_workspace_floats(bool rms, int R, int C) {
   int rows = colsum_chunks(R, C);
-  for (bool vec : {false, true}) rows = std::max(rows, norm_bwd_blocks_cap(R, norm_bwd_shape(C, vec)));
+  for (bool vec : {false, true}) {
+    const RowLaunch L = norm_bwd_shape(C, vec);
+    if (L.tx < 1024) rows = std::max(rows, rms ? norm_bwd_blocks<true, TI, TO>(R, L) : norm_bwd_blocks<false, TI, TO>(R, L));
+  }
   return 2 * (int64_t)rows * C;
 }
 
@@ -1002,17 +1028,15 @@ static void norm_bwd(NormBwdArgs<TI, TO> a, TI* dw, TI* db, float* ws, cudaStrea
   if (a.C == 0) return;
   const RowLaunch L = norm_bwd_shape(a.C, aligned16(a.x) && aligned16(a.dy) && aligned16(a.w) && aligned16(a.dx) &&
                                               aligned16(a.dsum) && aligned16(a.daddend));
-  const bool fused = L.tx < 1024;  // as norm_bwd_kernel decides
-  int blocks = ceil_div(a.R, L.ty);
+  const bool fused = L.tx < 1024;  // as norm_bwd_kernel decides; its column sums skip a row's tail
+  if (fused && (int64_t)L.n * L.tx * L.vec < a.C) throw std::logic_error("norm_bwd: a fused row shape leaves a tail");
+  const int blocks = fused ? norm_bwd_blocks<RMS, TI, TO>(a.R, L) : ceil_div(a.R, L.ty);
+  if (fused) {
+    a.part_w = ws;
+    a.part_b = RMS ? nullptr : ws + (int64_t)blocks * a.C;
+  }
   with_row_shape(L, [&](auto tx, auto n, auto vec) {
     const auto kernel = norm_bwd_kernel<decltype(tx)::value, decltype(n)::value, decltype(vec)::value, RMS, TI, TO>;
-    if (fused) {  // a block per resident slot walks the rows, one partial row each
-      int per_sm = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L.tx * L.ty, 0);
-      blocks = std::min(norm_bwd_blocks_cap(a.R, L), num_sms() * std::max(1, per_sm));
-      a.part_w = ws;
-      a.part_b = RMS ? nullptr : ws + (int64_t)blocks * a.C;
-    }
     if (blocks > 0) kernel<<<blocks, dim3(L.tx, L.ty), 0, s>>>(a);
   });
   check_launch(RMS ? "rmsnorm_bwd" : "layernorm_bwd");
@@ -1061,7 +1085,8 @@ template void bias_grad<__nv_bfloat16, float>(const __nv_bfloat16*, float*, floa
   template void rmsnorm_fwd<TI, TO>(const TI*, const TO*, const TI*, TO*, TI*, float*, int, int, float,          \
                                     cudaStream_t);                                                               \
   template void rmsnorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const TI*, TI*, TO*, TI*,       \
-                                    float*, int, int, cudaStream_t);
+                                    float*, int, int, cudaStream_t);                                             \
+  template int64_t norm_bwd_workspace_floats<TI, TO>(bool, int, int);
 FOR_ROW_TYPES(INSTANTIATE_NORMS)
 #undef INSTANTIATE_NORMS
 

@@ -1516,11 +1516,14 @@ def t_layernorm(shape, transposed=False, eps=1e-5):
             x=x, w=rand(C), b=rand(C))
 
 
-# The weight gradients' column sums ride on the dx pass up to 8192 columns: 5000 x 388, 3000 x 127 and
-# 3000 x 1000 (a warp a row, 16 or 8 rows a block), 3000 x 1536 and 600 x 8192 (a block a row), each
-# block walking several rows into one partial row. Wider rows sum in a pass of their own (4 x 65536).
+# The weight gradients' column sums ride on the dx pass up to 2048 units a row (8192 columns 4-wide):
+# a warp a row, 8 rows a block (4 where a thread caches 8 units), or a block a row. The blocks walk the
+# rows a grid apart, as many blocks as the GPU holds, so these row counts (past an H100's 132 SMs' worth)
+# make each block sum several rows: 40000 x 127 and 3000 x 1001 (one-wide loads), 5000 x 388, 3000 x
+# 1000, 3000 x 1536, 600 x 8192. Wider rows sum in a pass of their own (4 x 65536).
 for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
-               (5000, 388), (3000, 127), (3000, 1000), (3000, 1536), (600, 8192), (4, 65536)):
+               (5000, 388), (3000, 127), (40000, 127), (3000, 1000), (3000, 1001), (3000, 1536), (600, 8192),
+               (4, 65536)):
     add("layernorm/" + "x".join(map(str, _shape)), t_layernorm, _shape)
 add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
 add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
@@ -1537,7 +1540,7 @@ def t_rmsnorm(shape, transposed=False, eps=1e-5):
 
 
 for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
-               (5000, 388), (3000, 1000), (600, 8192), (4, 65536)):
+               (5000, 388), (3000, 1000), (20000, 255), (600, 8192), (4, 65536)):
     add("rmsnorm/" + "x".join(map(str, _shape)), t_rmsnorm, _shape)
 add("rmsnorm/37x768_transposed", t_rmsnorm, (37, 768), transposed=True)
 add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
@@ -2437,7 +2440,8 @@ add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention
 
 
 def op_sets_same_names():
-    # both op sets of train.py expose exactly the kernels module's ops, under the same names
+    # the kernels module's ops are train.OP_NAMES, and both op sets expose them under the same names
+    # (plus split, which is no kernel)
     ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)))
     assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
     cuda = train.cuda_op_set(kernels, 64)

@@ -341,7 +341,8 @@ class JoinedSplit(torch.autograd.Function):
     """x.split(sizes, dim=-1), the cuda op set's split of the attention's q, k, v projection: its backward
     joins the parts' gradients with join_last, where split's concatenates them into a new tensor. The
     fused attention's backward writes dq, dk and dv side by side in one buffer when q, k and v are such
-    views, so the join is free (the concatenation copied 37 MB a layer of the large preset)."""
+    views, so the join is free (the concatenation copied 37 MB a layer of the large preset). The llama
+    arch's q and k reach attention through RoPE, as new tensors: there join_last copies."""
 
     @staticmethod
     def forward(ctx, x, sizes):
