@@ -91,9 +91,10 @@ void matmul(const float*, const float*, const float*, float*, int, int, int, int
             int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
 size_t matmul_workspace_floats(int, int, int, int);
 bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs);
-size_t matmul_bf16_workspace_floats(int, int, int, int);
+size_t matmul_bf16_workspace_floats(int, int, int, int, bool);
 void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*, bool, int, int, int, int,
-                 bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
+                 bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
+                 cudaStream_t);
 template <class T>
 void gemv(const T*, const T*, const T*, T*, int, int, int, const int64_t*, int64_t, cudaStream_t);
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
@@ -271,19 +272,28 @@ static Mat tma_ready(const Mat& m) {
 // c (batch, M, N), contiguous, = alpha * a (batch, M, K) @ b (batch, K, N) + bias. Small outputs
 // with a long K (weight gradients) are split along K into a workspace from PyTorch's allocator.
 // bf16 operands go to the Hopper bf16 kernel; c may then be bf16 or fp32.
-static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias = Tensor(), float alpha = 1.f) {
+// a_rowsum (bf16 only; fp32, M): also a's row sums, for one a whose rows are contiguous (M, K) with
+// stride (1, ld): the transpose of a contiguous dy, as a linear's weight gradient reads it.
+static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias = Tensor(), float alpha = 1.f,
+               const Tensor& a_rowsum = Tensor()) {
   const char* op = "matmul";
   if (a.scalar_type() == at::kBFloat16) {
-    const Mat A = tma_ready(as_mat(a)), B = tma_ready(as_mat(b));
+    const bool rowsum = a_rowsum.defined();
+    REQUIRE(!rowsum || (a.size(0) == 1 && a.stride(1) == 1), op, ": row sums need one M-major a");
+    // as_mat would call a one-column or one-row a row-major; the kernel sums rows of an M-major A
+    const Mat A = tma_ready(rowsum ? Mat{a, true, std::max<int64_t>(a.stride(2), 1), 0} : as_mat(a));
+    const Mat B = tma_ready(as_mat(b));
     const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"),
               N = to_int(op, c.size(2), "N"), K = to_int(op, a.size(2), "K");
-    const size_t ws_floats = matmul_bf16_workspace_floats(batch, M, N, K);
+    const size_t ws_floats = matmul_bf16_workspace_floats(batch, M, N, K, rowsum);
     Tensor ws = ws_floats ? at::empty({(int64_t)ws_floats}, c.options().dtype(at::kFloat)) : Tensor();
     matmul_bf16(ptr<bf16>(A.t), ptr<bf16>(B.t), ptr<bf16>(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
                 N, K, A.trans, B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride,
-                batch == 1 ? 0 : (int64_t)M * N, alpha, ws_ptr(ws), stream());
+                batch == 1 ? 0 : (int64_t)M * N, alpha, rowsum ? a_rowsum.data_ptr<float>() : nullptr, ws_ptr(ws),
+                stream());
     return;
   }
+  REQUIRE(!a_rowsum.defined(), op, ": row sums are for bf16 operands");
   const Mat A = as_mat(a), B = as_mat(b);
   const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"), N = to_int(op, c.size(2), "N"),
             K = to_int(op, a.size(2), "K");
@@ -362,9 +372,14 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     const auto grad_options = master ? dy.options().dtype(at::kFloat) : dy.options();
     Tensor dx = mm_new(dy, w.unsqueeze(0));                               // (M, N) @ (N, K)
     Tensor dw = at::empty({1, w.size(0), w.size(1)}, grad_options);
-    mm(dy.transpose(1, 2), x2, dw);                                       // (N, M) @ (M, K)
-    Tensor db;
-    if (ctx->saved_data["has_bias"].toBool()) {
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    // bf16: the bias gradient, dy's column sums, comes out of the weight gradient's product, which reads
+    // dy anyway (as A's row sums); fp32, and in_features = 0 (no product), sum the columns on their own.
+    const bool bias_in_product = has_bias && dy.scalar_type() == at::kBFloat16 && w.size(1) > 0;
+    Tensor db = bias_in_product ? at::empty({w.size(0)}, dy.options().dtype(at::kFloat)) : Tensor();
+    mm(dy.transpose(1, 2), x2, dw, Tensor(), 1.f, db);                  // (N, M) @ (M, K)
+    if (bias_in_product && !master) db = db.to(at::kBFloat16);
+    if (has_bias && !bias_in_product) {
       const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
       db = at::empty({C}, grad_options);
       Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));

@@ -43,29 +43,42 @@ static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-static int num_sms() {
-  static int cached[64] = {};  // per device: the attribute query is not free and never changes
+constexpr int kMaxDevices = 64;
+
+// ask(device) once per device, its answer (a positive int) kept: attribute and occupancy queries and
+// attribute settings are driver calls that cost host time on every launch, and their answers never
+// change. Each call site's lambda is a type of its own, so each has its own cache (per kernel, where
+// the call site is in a kernel's template). Devices past kMaxDevices are asked every time.
+template <class Ask>
+static int once_per_device(Ask ask) {
+  static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (cached[dev] == 0) {
+  if (dev < 0 || dev >= kMaxDevices) return ask(dev);
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = ask(dev);
+    cached[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+static int num_sms() {
+  return once_per_device([](int dev) {
     int n = 0;
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cached[dev] = n > 0 ? n : 1;
-  }
-  return cached[dev];
+    return n > 0 ? n : 1;
+  });
 }
 
 // Raises kernel's dynamic shared-memory limit to smem (the same for every launch of it), once per
-// device: the attribute stays set, and a driver call on every launch cost host time per step.
+// device: the attribute stays set.
 template <auto kernel>
 static void raise_smem_limit(size_t smem) {
-  static std::atomic<uint64_t> raised{0};  // bit d: done on device d
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 64 && (raised.load() >> dev & 1)) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (dev < 64) raised.fetch_or(uint64_t(1) << dev);
+  once_per_device([smem](int) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    return 1;
+  });
 }
 
 static void require_tensor_cores(const char* what) {
@@ -244,7 +257,6 @@ struct IndexErrorBox {  // one per device, in pinned host memory mapped into the
   unsigned armed;       // the claim count at which the next error may write here
 };
 
-constexpr int kMaxDevices = 64;
 __device__ unsigned index_error_claims;  // one per device: each device holds its own copy of this module
 static std::atomic<IndexErrorBox*> g_error_boxes{nullptr};  // host view, kMaxDevices boxes
 static std::atomic<IndexErrorBox*> g_error_box_dev[kMaxDevices];  // device views
@@ -761,7 +773,8 @@ __device__ __forceinline__ void norm_bwd_row(const NormBwdArgs<TI, TO>& a, int r
 }
 
 // Rows a block of the norm backward: a warp a row, 8 of them (4 where each thread caches 8 units),
-// so that their slices of shared memory (2 x 32 x N x VEC floats each) take 32 KB; else a block a row.
+// so that their slices of shared memory (2 x 32 x N x VEC floats each, half that for RMSNorm) take at
+// most 32 KB; else a block a row.
 __host__ __device__ constexpr int norm_bwd_rows(int tx, int n) { return tx == 32 ? (n == 8 ? 4 : 8) : 1; }
 
 // A warp a row: at least 3 blocks (24 or 12 warps) an SM, which holds the 8-row kernel to 85 registers
@@ -769,11 +782,11 @@ __host__ __device__ constexpr int norm_bwd_rows(int tx, int n) { return tx == 32
 template <int TX, int N, int VEC, bool RMS, class TI, class TO>
 __global__ void __launch_bounds__(TX * norm_bwd_rows(TX, N), TX == 32 ? 3 : 1) norm_bwd_kernel(NormBwdArgs<TI, TO> a) {
   constexpr NormSums SUMS = norm_sums(TX);
-  constexpr int ROWS = norm_bwd_rows(TX, N), SLICE = 32 * N * VEC;
+  constexpr int ROWS = norm_bwd_rows(TX, N), SLICE = 32 * N * VEC, WARP_SLICES = RMS ? 1 : 2;  // dw (and db)
   __shared__ float red[32];
-  __shared__ float slices[SUMS == kSumsShared ? ROWS * 2 * SLICE : 1];
+  __shared__ float slices[SUMS == kSumsShared ? ROWS * WARP_SLICES * SLICE : 1];
   float aw[N][VEC] = {}, ab[N][VEC] = {};
-  float* sw = slices + (SUMS == kSumsShared ? threadIdx.y * 2 * SLICE : 0);
+  float* sw = slices + (SUMS == kSumsShared ? threadIdx.y * WARP_SLICES * SLICE : 0);
   const int r0 = blockIdx.x * blockDim.y + threadIdx.y;
   if constexpr (SUMS == kSumsNone) {  // dx alone, a block for every row (a row loop here spilled registers)
     if (r0 < a.R) norm_bwd_row<TX, N, VEC, RMS, SUMS>(a, r0, red, aw, ab, sw);
@@ -783,7 +796,7 @@ __global__ void __launch_bounds__(TX * norm_bwd_rows(TX, N), TX == 32 ? 3 : 1) n
       for (int k = 0; k < N * VEC; ++k) {
         const int c = (threadIdx.x + k / VEC * TX) * VEC + k % VEC;
         sw[c] = 0.f;
-        sw[SLICE + c] = 0.f;
+        if (!RMS) sw[SLICE + c] = 0.f;
       }
     for (int r = r0; r < a.R; r += gridDim.x * blockDim.y) norm_bwd_row<TX, N, VEC, RMS, SUMS>(a, r, red, aw, ab, sw);
     const int64_t row = (int64_t)blockIdx.x * a.C;
@@ -802,8 +815,8 @@ __global__ void __launch_bounds__(TX * norm_bwd_rows(TX, N), TX == 32 ? 3 : 1) n
       for (int c = threadIdx.y * TX + threadIdx.x; c < a.C; c += ROWS * TX) {
         float w = 0.f, b = 0.f;
         for (int y = 0; y < ROWS; ++y) {
-          w += slices[y * 2 * SLICE + c];
-          b += slices[y * 2 * SLICE + SLICE + c];
+          w += slices[y * WARP_SLICES * SLICE + c];
+          if (!RMS) b += slices[y * WARP_SLICES * SLICE + SLICE + c];
         }
         a.part_w[row + c] = w;
         if (!RMS) a.part_b[row + c] = b;
@@ -984,19 +997,13 @@ static RowLaunch norm_bwd_shape(int C, bool vec_ok) {
   return L;
 }
 
-// Blocks of kernel resident on one SM at `threads` a block (the occupancy API), asked once per device.
+// Blocks of kernel resident on one SM at `threads` a block (the same for every launch of it).
 template <auto kernel>
 static int resident_blocks(int threads) {
-  static std::atomic<int> cached[kMaxDevices];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= kMaxDevices) dev = 0;
-  int n = cached[dev].load();
-  if (n == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess || n < 1) n = 1;
-    cached[dev].store(n);
-  }
-  return n;
+  return once_per_device([threads](int) {
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) == cudaSuccess && n > 0 ? n : 1;
+  });
 }
 
 // Blocks (so partial rows) the fused backward launches for this shape: one per block slot of the GPU,
@@ -1908,13 +1915,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
 
 // The stage ring's barriers, set up by one thread before the block's first __syncthreads: full[s]
 // completes on the producer's arrive (with the copies' byte count), empty[s] on one arrive per
-// consumer warp (8: two consumer warpgroups).
+// reading warp (8: two consumer warpgroups, plus any other warps that read the stages).
 template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty) {
+__device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty, int readers = 8) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 8);
+      mbar_init(empty + 8 * s, readers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -2110,6 +2117,12 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // 18 tiles for 132 SMs) is cut along K; each split writes its fp32 partial tile to a workspace, and
 // matmul_bf16_reduce_kernel adds the splits in a fixed order (deterministic), then alpha and bias.
 //
+// Row sums of A: a linear's bias gradient is dy's column sums, and its weight gradient dy^T x reads dy
+// as A (M-major: M = out_features, K = tokens), so every element of it passes through shared memory
+// in this kernel. Two warps of the producer warpgroup, idle otherwise, read each stage's A tile once
+// more and add it along K: the bias gradient without a pass of its own over dy (which cost about 5%
+// of a large-preset training step). They arrive on the stage's empty barrier like the consumers.
+//
 // Shared-memory layouts (all 1024-byte aligned, 128-byte swizzle):
 //   K-major slab: rows of 64 K values (128 bytes), 8-row groups 1024 bytes apart; a k16 step moves
 //                 the descriptor 32 bytes along the row.
@@ -2136,6 +2149,7 @@ struct Bf16MatmulArgs {
   int batch;
   int splits, kt_per_split;  // split-K: split s covers K tiles [s * kt_per_split, ...)
   int64_t split_stride;      // elements between the splits' outputs
+  float* a_rowsum = nullptr;  // TA, batch 1: A's row sums over this split's K, at a_rowsum + split * M
 };
 
 // Copies one box of a 3-D tensor map (x fastest) into shared memory; completion counted on bar.
@@ -2239,6 +2253,64 @@ __device__ __forceinline__ Bf16Unit bf16_unit(const Bf16MatmulArgs& p, int u, in
   return w;
 }
 
+__device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// The row sums of A (stored K x M, M-major), by warps 1 and 2 of the producer warpgroup: warp 1+h sums
+// the tile's rows 64h .. 64h + 63 (A slab h of each stage). Lane (c, q) adds the 8 values of 16-byte
+// chunk c over K-rows q, q + 4, ..., q + 60; chunk c of K-row r sits at chunk c ^ (r % 8) of the row
+// (the 128-byte swizzle), so a load of the warp reads 4 whole rows: 4 wavefronts, no conflicts. The
+// four lanes of a chunk then add their sums by shuffles (in a fixed order: the same bits every run).
+// Every block reads and releases every stage, but only units on the first column of tiles add: the
+// other columns hold the same rows of A.
+template <int STAGE_BYTES>
+__device__ __forceinline__ void bf16_a_rowsums(const Bf16MatmulArgs& p, uint32_t base, uint32_t full, uint32_t empty,
+                                               int tiles_m, int tiles_n, int units) {
+  const int h = threadIdx.x / 32 - 1, lane = threadIdx.x % 32, c = lane % 8, q = lane / 8;
+  int it = 0;  // stages consumed so far, as the producer counts them
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
+    const bool add = w.tile_n == 0;
+    float sum[8] = {};
+    for (int kt = w.kt0; kt < w.kt1; ++kt, ++it) {
+      const int s = it % BF_STAGES;
+      mbar_wait(full + 8 * s, (it / BF_STAGES) & 1);
+      if (add) {
+        const uint32_t slab = base + s * STAGE_BYTES + h * BF_SLAB;
+#pragma unroll
+        for (int j = 0; j < BF_BK / 4; ++j) {
+          const int r = q + 4 * j;
+          const uint4 v = ld_shared16(slab + r * 128 + ((c ^ (r % 8)) << 4));
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+            sum[2 * i] += f.x;
+            sum[2 * i + 1] += f.y;
+          }
+        }
+      }
+      __syncwarp();  // the warp's reads are done before the stage goes back to the producer
+      if (lane == 0) mbar_arrive(empty + 8 * s);
+    }
+    if (!add) continue;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 8);
+      sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 16);
+    }
+    const int m0 = w.tile_m * BF_BM + 64 * h + 8 * c;
+    if (q == 0)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (m0 + i < p.M) p.a_rowsum[(int64_t)w.split * p.M + m0 + i] = sum[i];
+  }
+}
+
 // TA: A stored K x M (M contiguous); TB: B stored N x K (K contiguous), as in matmul().
 // Persistent: a block per SM walks units blockIdx.x, + gridDim.x, ... The stage ring runs on
 // across units, so the producer loads the next tile while the consumers store this one.
@@ -2255,11 +2327,14 @@ __global__ void __launch_bounds__(384, 1)
   const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BN - 1) / BN;
   const int units = tiles_m * tiles_n * p.batch * p.splits;
 
-  init_stage_barriers<BF_STAGES>(full, empty);
+  const bool rowsum = TA && p.a_rowsum;
+  init_stage_barriers<BF_STAGES>(full, empty, rowsum ? 10 : 8);
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
-    if (threadIdx.x == 0) {
+    if (rowsum && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
+      bf16_a_rowsums<STAGE_BYTES>(p, base, full, empty, tiles_m, tiles_n, units);
+    } else if (threadIdx.x == 0) {
       int it = 0;  // stages filled so far, over all of this block's units
       for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
@@ -2416,10 +2491,18 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 // Split-K's second pass: c = alpha * (split 0 + split 1 + ...) + bias, the fp32 partials (batch x M x
-// N each, contiguous) added in split order so every run gives the same bits.
+// N each, contiguous) added in split order so every run gives the same bits; likewise A's row sums
+// (M floats a split at rowsum_part) into rowsum, when asked for.
 __global__ void matmul_bf16_reduce_kernel(const float* part, const __nv_bfloat16* bias, void* c, bool c_f32, int splits,
-                                          int64_t split_stride, int M, int N, int64_t ldc, int64_t sc, float alpha) {
+                                          int64_t split_stride, int M, int N, int64_t ldc, int64_t sc, float alpha,
+                                          const float* rowsum_part, float* rowsum) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x, mn = (int64_t)M * N;
+  if (rowsum)
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < M; i += stride) {
+      float acc = 0.f;
+      for (int sp = 0; sp < splits; ++sp) acc += rowsum_part[sp * M + i];
+      rowsum[i] = acc;
+    }
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < split_stride; i += stride) {
     float acc = 0.f;
     for (int sp = 0; sp < splits; ++sp) acc += part[sp * split_stride + i];
@@ -2433,17 +2516,12 @@ __global__ void matmul_bf16_reduce_kernel(const float* part, const __nv_bfloat16
 
 #if defined(KERNELS_SM90A)
 static bool hopper_wgmma() {  // compute capability 9.0, and this build has sm_90a code for it
-  static int cached[64] = {};  // per device: 1 yes, 2 no
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    cached[dev] = major == 9 && minor == 0 ? 1 : 2;
-  }
-  return cached[dev] == 1;
+  return once_per_device([](int dev) {
+           int major = 0, minor = 0;
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+           return major == 9 && minor == 0 ? 1 : 2;
+         }) == 1;
 }
 #else
 static bool hopper_wgmma() { return false; }
@@ -2631,10 +2709,11 @@ static Bf16Plan bf16_plan(int batch, int M, int N, int K, bool has_workspace) {
   return plan;
 }
 
-// Floats of workspace matmul_bf16 wants for these sizes (0: it never splits K for them).
-size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K) {
+// Floats of workspace matmul_bf16 wants for these sizes (0: it never splits K for them); a_rowsum: with
+// A's row sums.
+size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K, bool a_rowsum) {
   const Bf16Plan plan = bf16_plan(batch, M, N, K, true);
-  return plan.splits > 1 ? (size_t)plan.splits * batch * M * N : 0;
+  return plan.splits > 1 ? (size_t)plan.splits * batch * M * N + (a_rowsum ? (size_t)plan.splits * M : 0) : 0;
 }
 
 // Launches matmul_bf16_kernel for the operands' orientations, its shared-memory limit raised once per device.
@@ -2657,7 +2736,7 @@ static void bf16_launch_kernel(bool ta, bool tb, int grid, const CUtensorMap& ma
 static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv_bfloat16* b,
                         const __nv_bfloat16* bias, void* c, bool c_f32, int batch, int M, int N, int K, bool ta,
                         bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb, int64_t sc,
-                        float alpha, float* workspace, cudaStream_t s) {
+                        float alpha, float* a_rowsum, float* workspace, cudaStream_t s) {
   int dev = 0;
   cudaGetDevice(&dev);
   // The tensor-map encoder is a driver call and needs the device's context current on this thread;
@@ -2674,7 +2753,8 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
     mb = tb ? bf16_tile_map(b, K, N, ldb, batch, sb, plan.bn) : bf16_tile_map(b, N, K, ldb, batch, sb, 64);
   }
   Bf16MatmulArgs p{bias, c, M, N, ceil_div(K, BF_BK), ldc, sc, alpha, c_f32, false, false, sa == 0, sb == 0, batch,
-                   plan.splits, plan.kt_per_split, 0};
+                   plan.splits, plan.kt_per_split, 0, a_rowsum};
+  float* rowsum_part = plan.splits > 1 ? workspace + (size_t)plan.splits * batch * M * N : nullptr;
   if (plan.splits > 1) {  // fp32 partial products into the workspace, alpha and bias in the reduction
     p.bias = nullptr;
     p.c = workspace;
@@ -2683,6 +2763,7 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
     p.ldc = N;
     p.sc = (int64_t)M * N;
     p.split_stride = (int64_t)batch * M * N;
+    if (a_rowsum) p.a_rowsum = rowsum_part;  // a partial row of sums a split, after the products'
   }
   const int64_t c_align = p.c_f32 ? 8 : 4;
   p.vec_c = p.ldc % 2 == 0 && p.sc % 2 == 0 && N % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % c_align == 0;
@@ -2701,17 +2782,22 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
   if (plan.splits > 1) {
     const int blocks = (int)std::min<int64_t>(ceil_div(p.split_stride, 256), (int64_t)num_sms() * 8);
     matmul_bf16_reduce_kernel<<<blocks, 256, 0, s>>>(workspace, bias, c, c_f32, plan.splits, p.split_stride, M, N,
-                                                     ldc, sc, alpha);
+                                                     ldc, sc, alpha, rowsum_part, a_rowsum);
     check_launch("matmul_reduce (bf16)");
   }
 }
 
 // matmul() for bf16 operands: c = alpha * op(A) op(B) + bias, fp32 accumulation, c in bf16 (or fp32
 // when c_f32). Same operand conventions as matmul(); each operand must pass matmul_bf16_operand_ok.
-// workspace: matmul_bf16_workspace_floats(...) floats, or nullptr (then K is never split).
+// a_rowsum (or nullptr): also A's row sums over K, M floats (fp32 sums of the bf16 values), for one
+// A stored K x M (ta, batch 1) and N > 0: a linear's bias gradient next to its weight gradient.
+// workspace: matmul_bf16_workspace_floats(..., a_rowsum != nullptr) floats, or nullptr (then K is
+// never split).
 void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
                  int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
-                 int64_t sb, int64_t sc, float alpha, float* workspace, cudaStream_t s) {
+                 int64_t sb, int64_t sc, float alpha, float* a_rowsum, float* workspace, cudaStream_t s) {
+  if (a_rowsum && (!ta || batch != 1 || N == 0))
+    throw std::invalid_argument("matmul: A's row sums need one A stored K x M (ta, batch 1) and N > 0");
   if (batch == 0 || M == 0 || N == 0) return;
   if (!hopper_wgmma())
     throw std::runtime_error("matmul: bfloat16 runs on Hopper's wgmma: it needs a compute capability 9.0 GPU and a "
@@ -2720,7 +2806,7 @@ void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bflo
     throw std::runtime_error("matmul: bfloat16 operands need 16-byte aligned rows (leading dims and batch strides "
                              "multiples of 8 elements)");
   bf16_launch(bf16_plan(batch, M, N, K, workspace != nullptr), a, b, bias, c, c_f32, batch, M, N, K, ta, tb, lda, ldb,
-              ldc, sa, sb, sc, alpha, workspace, s);
+              ldc, sa, sb, sc, alpha, a_rowsum, workspace, s);
 }
 
 // ------------------------------------------------------------------------------------------------

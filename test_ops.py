@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import types
+import unittest.mock
 import warnings
 import zipfile
 import zlib
@@ -1458,9 +1459,14 @@ add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=T
 # (2, 300) x 384 -> 1152: the large preset's qkv width, six 192-wide tiles, its bias gradient 4 columns a thread.
 # (8, 1024) rows: 768 and 384 output tiles, several per persistent block, so each block restages the
 # bias between tiles, through the copy-engine store (N = 3072) and from registers (N = 1031).
+# The bias gradient comes from the weight gradient's product (A's row sums): (2, 1500) x 520 -> 130 has
+# two tile rows (the lower one 2 rows tall) and three tile columns, of which only the first adds, over
+# 5 splits of K = 3000; one row ((1,): K = 1) and one output (M = 1, A copied into padded rows); K = 0 has
+# no product and sums the columns on its own.
 for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
                              ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True), ((8, 1024), 256, 3072, True),
-                             ((8, 1024), 256, 1031, True), ((3, 5), 0, 64, True)):  # K = 0: out = bias
+                             ((8, 1024), 256, 1031, True), ((2, 1500), 520, 130, True), ((1,), 40, 3, True),
+                             ((3, 7), 24, 1, True), ((3, 5), 0, 64, True)):  # K = 0: out = bias
     add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
         bias=_bias)
 
@@ -1486,6 +1492,7 @@ def t_linear_master(lead, K, N, bias=True, grad=True):
 # odd sizes (padded copies of the rounded weight), the weight gradient split along K (fp32 through the
 # split-K sum), the large preset's qkv width, no bias, K = 0 (out = bias), one row through the GEMV
 for _lead, _K, _N, _bias, _grad in (((2, 7), 33, 65, True, True), ((4, 2000), 96, 200, True, True),
+                                    ((2, 1500), 520, 130, True, True),
                                     ((2, 300), 384, 1152, True, True), ((3, 100), 768, 3072, False, True),
                                     ((3, 5), 0, 64, True, True), ((1,), 768, 3072, True, False)):
     add(f"linear_bf16_master/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_gemv" * (not _grad),
@@ -2282,12 +2289,9 @@ def t_attention_joined_split():
         split = ops.split if ops is REF else train.joined_split
         q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in split(x, [H * D, Hkv * D, Hkv * D]))
         return ops.attention(q, k, v, causal=True)
-    train.join_last = recording
-    try:
+    with unittest.mock.patch.object(train, "join_last", recording):
         tol, g = ATTN_TOL["fused-fp32"]
         compare(f, tol, g * math.sqrt(H // Hkv), x=rand(B, S, (H + 2 * Hkv) * D))
-    finally:
-        train.join_last = join
     assert joined == [True], f"the split's backward copied: {joined}"
     return "dq, dk, dv joined in place"
 
