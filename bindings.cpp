@@ -272,16 +272,21 @@ static Mat tma_ready(const Mat& m) {
 // c (batch, M, N), contiguous, = alpha * a (batch, M, K) @ b (batch, K, N) + bias. Small outputs
 // with a long K (weight gradients) are split along K into a workspace from PyTorch's allocator.
 // bf16 operands go to the Hopper bf16 kernel; c may then be bf16 or fp32.
-// a_rowsum (bf16 only; fp32, M): also a's row sums, for one a whose rows are contiguous (M, K) with
-// stride (1, ld): the transpose of a contiguous dy, as a linear's weight gradient reads it.
+// a_rowsum (bf16 only; fp32, M): also a's row sums over K, for one M-major a (M, K), strides (1, ld):
+// the transpose of a contiguous dy, as a linear's weight gradient reads it.
 static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias = Tensor(), float alpha = 1.f,
                const Tensor& a_rowsum = Tensor()) {
   const char* op = "matmul";
   if (a.scalar_type() == at::kBFloat16) {
     const bool rowsum = a_rowsum.defined();
-    REQUIRE(!rowsum || (a.size(0) == 1 && a.stride(1) == 1), op, ": row sums need one M-major a");
+    // (the stride of a size-1 dim is arbitrary, even in a contiguous tensor: it does not count)
+    REQUIRE(!rowsum || (a.size(0) == 1 && (a.size(1) == 1 || a.stride(1) == 1)), op,
+            ": row sums need one M-major a");
+    REQUIRE(!rowsum || (a_rowsum.scalar_type() == at::kFloat && a_rowsum.is_contiguous() &&
+                        a_rowsum.numel() == a.size(1)), op, ": row sums go to a contiguous fp32 (M,)");
     // as_mat would call a one-column or one-row a row-major; the kernel sums rows of an M-major A
-    const Mat A = tma_ready(rowsum ? Mat{a, true, std::max<int64_t>(a.stride(2), 1), 0} : as_mat(a));
+    const int64_t ld = a.size(2) == 1 ? a.size(1) : std::max<int64_t>(a.stride(2), 1);
+    const Mat A = tma_ready(rowsum ? Mat{a, true, ld, 0} : as_mat(a));
     const Mat B = tma_ready(as_mat(b));
     const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"),
               N = to_int(op, c.size(2), "N"), K = to_int(op, a.size(2), "K");

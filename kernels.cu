@@ -48,17 +48,18 @@ constexpr int kMaxDevices = 64;
 // ask(device) once per device, its answer (a positive int) kept: attribute and occupancy queries and
 // attribute settings are driver calls that cost host time on every launch, and their answers never
 // change. Each call site's lambda is a type of its own, so each has its own cache (per kernel, where
-// the call site is in a kernel's template). Devices past kMaxDevices are asked every time.
+// the call site is in a kernel's template); what a lambda captures must therefore be the same on
+// every call (a kernel's shared memory or block size). Devices past kMaxDevices are asked every time.
 template <class Ask>
 static int once_per_device(Ask ask) {
   static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= kMaxDevices) return ask(dev);
-  int v = cached[dev].load(std::memory_order_relaxed);
+  int v = cached[dev].load();
   if (v == 0) {
-    v = ask(dev);
-    cached[dev].store(v, std::memory_order_relaxed);
+    v = ask(dev);  // two threads may both ask: the same answer, stored twice
+    cached[dev].store(v);
   }
   return v;
 }
@@ -1915,7 +1916,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
 
 // The stage ring's barriers, set up by one thread before the block's first __syncthreads: full[s]
 // completes on the producer's arrive (with the copies' byte count), empty[s] on one arrive per
-// reading warp (8: two consumer warpgroups, plus any other warps that read the stages).
+// reading warp: `readers`, 8 for two consumer warpgroups (10 in the bf16 matmul with its row-sum warps).
 template <int STAGES>
 __device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty, int readers = 8) {
   if (threadIdx.x == 0) {
@@ -2265,8 +2266,9 @@ __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
 // chunk c over K-rows q, q + 4, ..., q + 60; chunk c of K-row r sits at chunk c ^ (r % 8) of the row
 // (the 128-byte swizzle), so a load of the warp reads 4 whole rows: 4 wavefronts, no conflicts. The
 // four lanes of a chunk then add their sums by shuffles (in a fixed order: the same bits every run).
-// Every block reads and releases every stage, but only units on the first column of tiles add: the
-// other columns hold the same rows of A.
+// A stage's 16 values are added apart, then to the running sum: 64 terms a chain, not K / 4, at 16K
+// tokens. Every block reads and releases every stage, but only units on the first column of tiles
+// add (the other columns would write the same sums again: that filter is for speed).
 template <int STAGE_BYTES>
 __device__ __forceinline__ void bf16_a_rowsums(const Bf16MatmulArgs& p, uint32_t base, uint32_t full, uint32_t empty,
                                                int tiles_m, int tiles_n, int units) {
@@ -2281,6 +2283,7 @@ __device__ __forceinline__ void bf16_a_rowsums(const Bf16MatmulArgs& p, uint32_t
       mbar_wait(full + 8 * s, (it / BF_STAGES) & 1);
       if (add) {
         const uint32_t slab = base + s * STAGE_BYTES + h * BF_SLAB;
+        float stage[8] = {};
 #pragma unroll
         for (int j = 0; j < BF_BK / 4; ++j) {
           const int r = q + 4 * j;
@@ -2289,10 +2292,12 @@ __device__ __forceinline__ void bf16_a_rowsums(const Bf16MatmulArgs& p, uint32_t
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-            sum[2 * i] += f.x;
-            sum[2 * i + 1] += f.y;
+            stage[2 * i] += f.x;
+            stage[2 * i + 1] += f.y;
           }
         }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] += stage[i];
       }
       __syncwarp();  // the warp's reads are done before the stage goes back to the producer
       if (lane == 0) mbar_arrive(empty + 8 * s);
@@ -2742,9 +2747,10 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
   // The tensor-map encoder is a driver call and needs the device's context current on this thread;
   // autograd's backward thread may not have made it so yet (CUDA_ERROR_INVALID_CONTEXT).
   thread_local uint64_t bound = 0;  // devices whose context this thread has made current
-  if (dev >= 64 || !(bound >> dev & 1)) {
+  static_assert(kMaxDevices <= 64, "one bit a device");
+  if (dev >= kMaxDevices || !(bound >> dev & 1)) {
     cudaSetDevice(dev);
-    if (dev < 64) bound |= 1ull << dev;
+    if (dev < kMaxDevices) bound |= 1ull << dev;
   }
   // With K == 0 nothing is read, and a tensor map of an empty matrix cannot be built: C = bias.
   CUtensorMap ma{}, mb{}, mc{};

@@ -1459,16 +1459,29 @@ add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=T
 # (2, 300) x 384 -> 1152: the large preset's qkv width, six 192-wide tiles, its bias gradient 4 columns a thread.
 # (8, 1024) rows: 768 and 384 output tiles, several per persistent block, so each block restages the
 # bias between tiles, through the copy-engine store (N = 3072) and from registers (N = 1031).
-# The bias gradient comes from the weight gradient's product (A's row sums): (2, 1500) x 520 -> 130 has
-# two tile rows (the lower one 2 rows tall) and three tile columns, of which only the first adds, over
-# 5 splits of K = 3000; one row ((1,): K = 1) and one output (M = 1, A copied into padded rows); K = 0 has
-# no product and sums the columns on its own.
+# The bias gradient comes from the weight gradient's product dy^T x (A's row sums over the tokens):
+# (2, 1500) x 520 -> 130 has two tile rows (the lower one 2 rows tall) and three tile columns, of which
+# only the first adds, over 5 splits of 3000 tokens; (2, 200) x 1100 -> 4200, 198 tiles unsplit, has
+# each block walk several tiles (its stage ring wrapping inside one, its row sums restarting); one
+# token, no tokens, and one output (M = 1, A copied into padded rows). in_features = 0 has no product
+# and sums the columns on their own.
 for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
                              ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True), ((8, 1024), 256, 3072, True),
-                             ((8, 1024), 256, 1031, True), ((2, 1500), 520, 130, True), ((1,), 40, 3, True),
-                             ((3, 7), 24, 1, True), ((3, 5), 0, 64, True)):  # K = 0: out = bias
+                             ((8, 1024), 256, 1031, True), ((2, 1500), 520, 130, True), ((2, 200), 1100, 4200, True),
+                             ((1,), 40, 3, True), ((0,), 32, 64, True), ((3, 7), 24, 1, True),
+                             ((3, 5), 0, 64, True)):  # in_features = 0: out = bias
     add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
         bias=_bias)
+
+
+def t_linear_bf16_one_output_strided_dy():
+    # one output feature and a dy whose size-1 dim has a stride other than 1 (as a transpose downstream
+    # leaves it): the stride of a size-1 dim means nothing, and the bias gradient's row sums must not ask it
+    dy = torch.randn(3, 1, 7, device=DEV).to(BF16).transpose(1, 2)
+    compare_bf16(lambda ops, x, w, b: ops.linear(x, w, b), 21, dy=dy, x=rand(3, 7, 24), w=rand(1, 24), b=rand(1))
+
+
+add("linear_bf16/3x7x24_to_1_bias_strided_dy", t_linear_bf16_one_output_strided_dy)
 
 
 def t_linear_master(lead, K, N, bias=True, grad=True):
