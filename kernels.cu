@@ -212,26 +212,37 @@ static RowLaunch row_launch(int C, bool vec_ok) {
   return L;
 }
 
-// Instantiates KERNEL<TX, N, VEC, TYPES...> for the chosen RowLaunch and launches it with ARGS. TYPES is
-// a parenthesized list of the element types, e.g. (float, __nv_bfloat16).
+// Calls f(tx, n, vec) with a RowLaunch's shape as std::integral_constant values, so that f can name
+// the kernel instance: LAUNCH_ROW launches it; the norm backward asks its occupancy first.
+template <class F>
+static void with_row_shape(const RowLaunch& L, F&& f) {
+  auto with_n = [&](auto tx, auto vec) {
+    constexpr int TX = decltype(tx)::value, VEC = decltype(vec)::value;
+    switch (L.n) {
+      case 1: f(tx, std::integral_constant<int, 1>(), vec); break;
+      case 2: f(tx, std::integral_constant<int, 2>(), vec); break;
+      case 4: f(tx, std::integral_constant<int, 4>(), vec); break;
+      default: f(tx, std::integral_constant<int, (TX * VEC > 2048 ? 4 : 8)>(), vec);
+    }
+  };
+  auto with_vec = [&](auto tx) {
+    if (L.vec == 4) with_n(tx, std::integral_constant<int, 4>());
+    else with_n(tx, std::integral_constant<int, 1>());
+  };
+  if (L.tx == 32) with_vec(std::integral_constant<int, 32>());
+  else if (L.tx == 256) with_vec(std::integral_constant<int, 256>());
+  else with_vec(std::integral_constant<int, 1024>());
+}
+
+// Instantiates KERNEL<TX, N, VEC, TYPES...> for the chosen RowLaunch and launches it with ARGS, a block
+// of L.tx x L.ty threads for every L.ty rows. TYPES is a parenthesized list of the element types, e.g.
+// (float, __nv_bfloat16).
 #define ROW_TYPES(...) __VA_ARGS__
-#define LAUNCH_ROW_N(KERNEL, TYPES, TX, VEC, L, grid, stream, ...)                                        \
-  switch (L.n) {                                                                                         \
-    case 1: KERNEL<TX, 1, VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break; \
-    case 2: KERNEL<TX, 2, VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break; \
-    case 4: KERNEL<TX, 4, VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); break; \
-    default: KERNEL<TX, (TX * VEC > 2048 ? 4 : 8), VEC, ROW_TYPES TYPES><<<grid, dim3(TX, L.ty), 0, stream>>>(__VA_ARGS__); \
-  }
-#define LAUNCH_ROW_VEC(KERNEL, TYPES, TX, L, grid, stream, ...)                                   \
-  if (L.vec == 4) { LAUNCH_ROW_N(KERNEL, TYPES, TX, 4, L, grid, stream, __VA_ARGS__) }           \
-  else { LAUNCH_ROW_N(KERNEL, TYPES, TX, 1, L, grid, stream, __VA_ARGS__) }
-#define LAUNCH_ROW(KERNEL, TYPES, L, rows, stream, ...)                                           \
-  do {                                                                                         \
-    dim3 grid_(ceil_div(rows, L.ty));                                                          \
-    if (L.tx == 32) { LAUNCH_ROW_VEC(KERNEL, TYPES, 32, L, grid_, stream, __VA_ARGS__) }       \
-    else if (L.tx == 256) { LAUNCH_ROW_VEC(KERNEL, TYPES, 256, L, grid_, stream, __VA_ARGS__) } \
-    else { LAUNCH_ROW_VEC(KERNEL, TYPES, 1024, L, grid_, stream, __VA_ARGS__) }                \
-  } while (0)
+#define LAUNCH_ROW(KERNEL, TYPES, L, rows, stream, ...)                                                  \
+  with_row_shape(L, [&](auto tx_, auto n_, auto vec_) {                                             \
+    KERNEL<decltype(tx_)::value, decltype(n_)::value, decltype(vec_)::value, ROW_TYPES TYPES>          \
+        <<<ceil_div(rows, L.ty), dim3(L.tx, L.ty), 0, stream>>>(__VA_ARGS__);                         \
+  })
 
 // ------------------------------------------------------------------------------------------------
 // bad indices: the error mailbox. embedding (idx), cross_entropy (targets) and expert_gemv (experts)
@@ -967,28 +978,6 @@ static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean,
   check_launch("colsum_partial");
   if (ln) colsum_finish(part_w, dw, part_b, db, nchunk, C, s);
   else colsum_finish(part_b, db, (const float*)nullptr, (TX*)nullptr, nchunk, C, s);
-}
-
-// Calls f(tx, n, vec) with a RowLaunch's shape as std::integral_constant values, so that f can name
-// the kernel instance (the norm backward asks its occupancy before launching it).
-template <class F>
-static void with_row_shape(const RowLaunch& L, F&& f) {
-  auto with_n = [&](auto tx, auto vec) {
-    constexpr int TX = decltype(tx)::value, VEC = decltype(vec)::value;
-    switch (L.n) {
-      case 1: f(tx, std::integral_constant<int, 1>(), vec); break;
-      case 2: f(tx, std::integral_constant<int, 2>(), vec); break;
-      case 4: f(tx, std::integral_constant<int, 4>(), vec); break;
-      default: f(tx, std::integral_constant<int, (TX * VEC > 2048 ? 4 : 8)>(), vec);
-    }
-  };
-  auto with_vec = [&](auto tx) {
-    if (L.vec == 4) with_n(tx, std::integral_constant<int, 4>());
-    else with_n(tx, std::integral_constant<int, 1>());
-  };
-  if (L.tx == 32) with_vec(std::integral_constant<int, 32>());
-  else if (L.tx == 256) with_vec(std::integral_constant<int, 256>());
-  else with_vec(std::integral_constant<int, 1024>());
 }
 
 // The norm backward's shape: the forward's, with norm_bwd_rows rows a block.
