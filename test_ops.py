@@ -2327,8 +2327,9 @@ for _H, _Sq, _cap, _n, _D in ((8, 1, 256, 1, 96), (8, 1, 256, 37, 96), (8, 1, 25
     add(f"attention/kv_len/h{_H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D)
 add("attention/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_kv_len, 3, 17, 100, 40, 64, causal=False)
 # a cache of 4096 splits its key tiles over 16 blocks: with 37 valid keys 15 of them see none
+# 8 rows a K/V head (2 heads x 4 queries, the first seeing one key); 3 queries against 1024 keys at D = 128
 for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1), (8, 1, 4096, 4000, 128, 2),
-                                  (8, 1, 4096, 37, 128, 2)):
+                                  (8, 1, 4096, 37, 128, 2), (8, 4, 300, 4, 64, 4), (4, 3, 1024, 1024, 128, 4)):
     add(f"attention/kv_len/h{_H}_kv{_kv}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D,
         kv_heads=_kv)
 
@@ -2399,11 +2400,36 @@ ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
     (2, 3, 1000, 1000, 64, _C, dict(packed=True)),  # q, k, v in place in one projection's output
     (4, 6, 256, 256, 64, _C, dict(packed=True)),
     (1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
+    # many key blocks against few query tiles, 32-query tiles of the backward at D = 96 and 128
+    (1, 2, 300, 1000, 96, False, {}),
+    (1, 4, 129, 1100, 128, _C, dict(kv_heads=2)),
 ]
 for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
     _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
     _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
     add(_name, t_attention_bf16, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def t_attention_bf16_deterministic(B, H, S, D, causal, kv_heads=None):
+    # Each gradient row is written by one block, its sums in a fixed order (dQ recomputes S and dP
+    # rather than adding across key blocks; dK and dV add a group's heads in order): three backward
+    # passes give bitwise the same gradients, many blocks running at a time.
+    Hkv = kv_heads or H
+    q, k, v = (rand(B, h, S, D).bfloat16().requires_grad_() for h in (H, Hkv, Hkv))
+    dy = rand(B, H, S, D).bfloat16()
+    runs = [torch.autograd.grad(kernels.attention(q, k, v, causal=causal), (q, k, v), dy) for _ in range(3)]
+    for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
+        for r in runs[1:]:
+            assert torch.equal(runs[0][i], r[i]), \
+                f"{name}: backward passes differ, by up to {(runs[0][i] - r[i]).float().abs().max().item():.2e}"
+    assert runs[0][0].abs().max() > 0, "dq is all zeros"
+    return "dq, dk, dv bitwise identical three times"
+
+
+for _B, _H, _S, _D, _causal, _kv in ((4, 8, 2048, 64, False, None), (4, 8, 2048, 64, True, None),
+                                     (2, 8, 1000, 128, True, 2), (1, 3, 1500, 96, False, None)):
+    add(f"attention/fused-bf16/bwd_deterministic_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal
+        + f"_kv_heads{_kv}" * bool(_kv), t_attention_bf16_deterministic, _B, _H, _S, _D, _causal, _kv)
 
 
 def misaligned_bf16(*shape):
@@ -2449,7 +2475,8 @@ def t_attention_bf16_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=N
 # seeing no valid key), a few queries, grouped heads, every head size
 for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 1024, 1000, 64, None), (8, 1, 8192, 8000, 128, None),
                                   (8, 1, 8192, 37, 128, 2), (8, 1, 256, 1, 96, None), (8, 5, 256, 70, 64, 1),
-                                  (3, 17, 100, 17, 32, None), (2, 64, 300, 129, 128, None)):
+                                  (3, 17, 100, 17, 32, None), (2, 64, 300, 129, 128, None), (8, 4, 300, 4, 64, 4),
+                                  (4, 3, 1024, 1024, 128, None), (2, 8, 1024, 1000, 32, None)):
     add(f"attention/fused-bf16/kv_len/h{_H}_kv{_kv or _H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_bf16_kv_len,
         _H, _Sq, _cap, _n, _D, kv_heads=_kv)
 add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_bf16_kv_len, 3, 17, 100, 40, 64,
