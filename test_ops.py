@@ -2327,7 +2327,8 @@ for _H, _Sq, _cap, _n, _D in ((8, 1, 256, 1, 96), (8, 1, 256, 37, 96), (8, 1, 25
     add(f"attention/kv_len/h{_H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D)
 add("attention/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_kv_len, 3, 17, 100, 40, 64, causal=False)
 # a cache of 4096 splits its key tiles over 16 blocks: with 37 valid keys 15 of them see none
-# 8 rows a K/V head (2 heads x 4 queries, the first seeing one key); 3 queries against 1024 keys at D = 128
+# fewer query rows a K/V head than a 64-row tile: 8 (2 heads x 4 queries, the first seeing one key), and 3
+# against 1024 keys at D = 128
 for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1), (8, 1, 4096, 4000, 128, 2),
                                   (8, 1, 4096, 37, 128, 2), (8, 4, 300, 4, 64, 4), (4, 3, 1024, 1024, 128, 4)):
     add(f"attention/kv_len/h{_H}_kv{_kv}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D,
