@@ -97,6 +97,10 @@ void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16
                  cudaStream_t);
 template <class T>
 void gemv(const T*, const T*, const T*, T*, int, int, int, const int64_t*, int64_t, cudaStream_t);
+void set_pdl(bool on);
+template <class T>
+void kv_write(T*, T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
+              cudaStream_t);
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
           cudaStream_t s);
@@ -207,8 +211,8 @@ static void check_dim(const char* op, const Tensor& t, const char* name, int64_t
   REQUIRE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", shape, ", got shape ", t.sizes());
 }
 
-// Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts) are found by
-// the kernels, on the device: checking them here would copy them to the host and stall the stream on
+// Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
+// positions) are found by the kernels, on the device: checking them here would copy them to the host and stall the stream on
 // every call, and could not run inside a CUDA graph. A bad index gives NaN in its rows, and the first
 // one is left in a mailbox in pinned host memory (kernels.cu, "bad indices"). Every op raises it at
 // entry, a host memory read with no sync, as a ValueError that names the op, the argument, the value
@@ -1142,6 +1146,47 @@ Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optiona
   return gemv_launch(op, w_in.contiguous(), x_in.contiguous(), b, experts_in.contiguous());
 }
 
+// ---- KV cache write (inference only, no autograd) ---------------------------------------------
+
+// k_cache[:, :, positions[t]] = k[:, :, t] and the same for v, in place: the caches (B, H, S, D)
+// contiguous, k and v (B, H, T, D) any strides with the last dim contiguous (views of a QKV output).
+void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions, const Tensor& k, const Tensor& v) {
+  raise_pending_index_error();
+  const char* op = "kv_write";
+  check_fp_cuda(op, k_cache, "k_cache", k_cache, "k_cache");
+  check_fp_cuda(op, v_cache, "v_cache", k_cache, "k_cache");
+  check_fp_cuda(op, k, "k", k_cache, "k_cache");
+  check_fp_cuda(op, v, "v", k_cache, "k_cache");
+  check_index_cuda(op, positions, "positions");
+  check_same_device(op, k_cache, "k_cache", v_cache, "v_cache");
+  check_same_device(op, k_cache, "k_cache", k, "k");
+  check_same_device(op, k_cache, "k_cache", v, "v");
+  check_same_device(op, k_cache, "k_cache", positions, "positions");
+  check_dim(op, k_cache, "k_cache", 4, "(B, H, S, D)");
+  check_dim(op, k, "k", 4, "(B, H, T, D)");
+  REQUIRE(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
+          v_cache.sizes());
+  REQUIRE(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3), T = k.size(2);
+  REQUIRE(k.size(0) == B && k.size(1) == H && k.size(3) == D, op, ": k must have shape (", B, ", ", H, ", T, ", D,
+          ") to fit k_cache ", k_cache.sizes(), ", got ", k.sizes());
+  REQUIRE(positions.dim() == 1 && positions.size(0) == T, op, ": positions must have shape (", T,
+          ",), one per row of k along dim 2, got ", positions.sizes());
+  REQUIRE(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
+  REQUIRE(k.stride(3) == 1 && v.stride(3) == 1, op, ": k and v must have a contiguous last dim, got strides ",
+          k.strides(), " and ", v.strides());
+  REQUIRE(!at::GradMode::is_enabled() || !(k.requires_grad() || v.requires_grad()), op,
+          ": writes to a cache and has no gradient; call it under torch.no_grad()");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const Tensor pos = positions.contiguous();
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  with_type(k_cache.scalar_type(), [&](auto t) {
+    using E = decltype(t);
+    kv_write(ptr<E>(k_cache), ptr<E>(v_cache), ptr<E>(k), ptr<E>(v), ks, vs, ptr<int64_t>(pos), to_int(op, B, "B"),
+             to_int(op, H, "H"), to_int(op, T, "T"), to_int(op, S, "S"), to_int(op, D, "D"), stream());
+  });
+}
+
 // ---- top-k (no autograd) ----------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
@@ -1422,6 +1467,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row s = weight[experts[s]] @ x[s] + bias[experts[s]]: weight (E, N, K), x (S, K), experts (S,) int64. "
         "An expert outside [0, E) gives a NaN row, and a ValueError from the next op call or check_errors()",
         py::arg("weight"), py::arg("x"), py::arg("bias"), py::arg("experts"));
+  m.def("kv_write", &kv_write_op,
+        "k_cache[:, :, positions[t]] = k[:, :, t] and v_cache likewise, in place, like index_copy_(2, positions, k) "
+        "on each: caches (B, H, S, D) contiguous, k and v (B, H, T, D). A position outside [0, S) writes nothing, "
+        "and raises ValueError from the next op call or check_errors()",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("k"), py::arg("v"));
   m.def("topk", &topk_op, "k largest over the last dim, sorted; ties -> lower index first, NaN largest", py::arg("x"),
         py::arg("k"));
   m.def("attention", &attention,
@@ -1459,11 +1509,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "like mhc.stream_mix_torch; n <= 8",
         py::arg("x"), py::arg("h_res"), py::arg("h_post"), py::arg("y"));
   m.def("check_errors", &check_errors,
-        "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy or "
-        "expert_gemv call met an index out of range (naming the op, the argument, the first bad value and the "
+        "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy, "
+        "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad value and the "
         "valid range) and clear it. Every op does the same check at entry without waiting, so a bad index "
         "surfaces at the next call anyway; this is for when that must be now (a log point, the end of a run, "
         "after replaying a CUDA graph). While the stream is captured it does not wait",
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_pdl", &set_pdl,
+        "on (the default): the GEMV, norm, softmax, GELU and other elementwise, embedding and attention-forward "
+        "kernels are launched with programmatic dependent launch (compute capability 9.0+): each may start while "
+        "the kernel before it runs, and a GEMV reads its first weights then. off: ordinary launches, to measure the "
+        "difference. Applies to launches from then on (a captured CUDA graph keeps how it was captured)",
+        py::arg("on"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

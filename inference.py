@@ -49,6 +49,8 @@ OPTIONS = dict(
     device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu; cpu runs the PyTorch path only"),
     backend=("both", "which op sets decode: both, torch or cuda"),
     cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
+    pdl=(True, "cuda op set: launch the decode step's kernels with programmatic dependent launch (Hopper: each "
+               "may start while the one before runs); false: ordinary launches, to measure the difference"),
     dtype=("fp32", "fp32, bf16 or fp32,bf16: the model's weights, activations and KV cache (bf16: half the bytes per "
                    "decoded token; each op still computes in fp32); both: the bf16 / fp32 speed ratio too"),
     out_dir=("out", "folder for inference.json"),
@@ -317,6 +319,10 @@ def choose_paths(cfg):
                 fail(f"--backend=cuda cannot run: {why}")
             notes.append(f"note: decoding with the PyTorch op set only: {why}")
             names = ["torch"]
+        else:
+            kernels.set_pdl(cfg.pdl)
+            if not cfg.pdl:
+                notes.append("note: --pdl=false: our kernels are launched the ordinary way")
     paths = []
     for name in names:
         ops = train.TORCH_OPS

@@ -7,7 +7,7 @@
 // Sections, top to bottom:
 //   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
 //   -> softmax -> cross-entropy -> GELU -> RoPE -> tensor-core helpers -> matmul (mma.sync, then
-//   Hopper's pack + wgmma, bf16 on Hopper, then the launchers) -> GEMV -> top-k -> Sinkhorn
+//   Hopper's pack + wgmma, bf16 on Hopper, then the launchers) -> GEMV -> KV cache write -> top-k -> Sinkhorn
 //   -> stream mixing (hyper-connections) -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 // ------------------------------------------------------------------------------------------------
 // helpers
@@ -80,6 +81,62 @@ static void raise_smem_limit(size_t smem) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     return 1;
   });
+}
+
+// Programmatic dependent launch (compute capability 9.0+). A decode step is a chain of small kernels,
+// each reading what the one before wrote; even inside a CUDA graph, every link costs the next
+// kernel's launch and ramp-up (a few µs), while a 768-wide layer's GEMVs read their weights in about
+// as long. A kernel launched through launch_pdl may be launched while the kernel before it in the
+// stream still runs: its blocks get resident, may read what no kernel of the stream writes (a GEMV's
+// weights), and wait in pdl_wait_upstream() until the kernel before has finished and its writes are
+// visible. pdl_launch_downstream() at a kernel's start lets the next such kernel launch as soon as
+// every block of this one is running. The rule that keeps stream order for all the kernels after:
+// every thread of a launch_pdl kernel passes pdl_wait_upstream() before it writes global memory,
+// reads anything a kernel writes, or returns. Both calls compile to nothing before sm_90, and the
+// wait returns at once in a kernel launched the ordinary way.
+__device__ __forceinline__ void pdl_wait_upstream() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+}
+__device__ __forceinline__ void pdl_launch_downstream() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+// The start of a launch_pdl kernel with nothing to read before the wait.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_launch_downstream();
+  pdl_wait_upstream();
+}
+
+static std::atomic<bool> pdl_enabled{true};  // set_pdl: off to measure what the early launches save
+void set_pdl(bool on) { pdl_enabled.store(on); }
+
+static bool pdl_supported() {
+  return once_per_device([](int dev) {
+           int major = 0;
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+           return major >= 9 ? 1 : 2;
+         }) == 1;
+}
+
+// kernel<<<grid, block, smem, s>>>(args...), allowed to launch before the kernel ahead of it ends.
+template <class... Params, class... Args>
+static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                       Args&&... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled.load() && pdl_supported() ? 1 : 0;
+  cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);  // a failure is left for check_launch
 }
 
 static void require_tensor_cores(const char* what) {
@@ -240,13 +297,13 @@ static void with_row_shape(const RowLaunch& L, F&& f) {
 #define ROW_TYPES(...) __VA_ARGS__
 #define LAUNCH_ROW(KERNEL, TYPES, L, rows, stream, ...)                                                  \
   with_row_shape(L, [&](auto tx_, auto n_, auto vec_) {                                             \
-    KERNEL<decltype(tx_)::value, decltype(n_)::value, decltype(vec_)::value, ROW_TYPES TYPES>          \
-        <<<ceil_div(rows, L.ty), dim3(L.tx, L.ty), 0, stream>>>(__VA_ARGS__);                         \
+    launch_pdl(KERNEL<decltype(tx_)::value, decltype(n_)::value, decltype(vec_)::value, ROW_TYPES TYPES>, \
+               dim3(ceil_div(rows, L.ty)), dim3(L.tx, L.ty), 0, stream, __VA_ARGS__);                 \
   })
 
 // ------------------------------------------------------------------------------------------------
-// bad indices: the error mailbox. embedding (idx), cross_entropy (targets) and expert_gemv (experts)
-// take indices that live on the device. Checking them on the host would copy them back and stall the
+// bad indices: the error mailbox. embedding (idx), cross_entropy (targets), expert_gemv (experts) and
+// kv_write (positions) take indices that live on the device. Checking them on the host would copy them back and stall the
 // stream on every call (it made a 1024-token embedding 5x slower than PyTorch's), and cannot run at
 // all inside a CUDA graph. So the kernels check them where they read them: a bad index gives NaN
 // where its row would go (never a silent value, never an out-of-bounds access), and the first bad
@@ -260,7 +317,9 @@ static void with_row_shape(const RowLaunch& L, F&& f) {
 // host (a stream-ordered reset would end up inside a graph being captured). An error that comes while
 // the host is taking the previous one may be dropped; its NaN stays.
 
-enum IndexErrorWhat { kBadEmbeddingIdx = 1, kBadCrossEntropyTarget = 2, kBadExpert = 3 };
+enum IndexErrorWhat { kBadEmbeddingIdx = 1, kBadCrossEntropyTarget = 2, kBadExpert = 3, kBadCachePosition = 4 };
+constexpr const char* kIndexErrorOp[] = {"", "embedding", "cross_entropy", "expert_gemv", "kv_write"};
+constexpr const char* kIndexErrorArg[] = {"", "idx", "targets", "experts", "positions"};
 
 struct IndexErrorBox {  // one per device, in pinned host memory mapped into the device's address space
   int full;             // set by the device after the fields below, cleared by the host
@@ -334,8 +393,8 @@ bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t
     if (!b->full) continue;  // another thread took it
     std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before the flag
     const int what = b->what;
-    *op = what == kBadEmbeddingIdx ? "embedding" : what == kBadCrossEntropyTarget ? "cross_entropy" : "expert_gemv";
-    *arg = what == kBadEmbeddingIdx ? "idx" : what == kBadCrossEntropyTarget ? "targets" : "experts";
+    *op = kIndexErrorOp[what];
+    *arg = kIndexErrorArg[what];
     *value = b->value;
     *limit = b->limit;
     b->full = 0;
@@ -371,6 +430,7 @@ static dim3 embedding_block(int units) {
 template <int VEC, class T>
 __global__ void embedding_fwd_kernel(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C,
                                      IndexErrorBox* box) {
+  pdl_begin();
   const int64_t t = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
   if (t >= T_) return;
   const int64_t row = idx[t];
@@ -397,8 +457,8 @@ void embedding_fwd(const int64_t* idx, const T* weight, T* out, int64_t T_, int6
   const dim3 block = embedding_block(vec ? C / 4 : C);
   const unsigned grid = (unsigned)ceil_div(T_, block.y);
   IndexErrorBox* box = index_error_box();
-  if (vec) embedding_fwd_kernel<4, T><<<grid, block, 0, s>>>(idx, weight, out, T_, V, C, box);
-  else embedding_fwd_kernel<1, T><<<grid, block, 0, s>>>(idx, weight, out, T_, V, C, box);
+  if (vec) launch_pdl(embedding_fwd_kernel<4, T>, dim3(grid), block, 0, s, idx, weight, out, T_, V, C, box);
+  else launch_pdl(embedding_fwd_kernel<1, T>, dim3(grid), block, 0, s, idx, weight, out, T_, V, C, box);
   check_launch("embedding_fwd");
 }
 template void embedding_fwd<float>(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
@@ -589,6 +649,7 @@ __device__ __forceinline__ void norm_fwd_row(const TI* __restrict__ x, const TO*
                                              TI* __restrict__ sum_out, float* mean_out, float* rstd_out, int R, int C,
                                              float eps) {
   __shared__ float red[32];
+  pdl_begin();
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
   const TI* xr = x + (int64_t)r * C;
@@ -1097,6 +1158,7 @@ template <int TX, int N, int VEC, class TI, class TO>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const TI* x, TO* y, int R, int C,
                                                            float scale, int sq, int offset) {
   __shared__ float red[32];
+  pdl_begin();
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
   const TI* xr = x + (int64_t)r * C;
@@ -1154,6 +1216,7 @@ template <int TX, int N, int VEC, class TI, class TO>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(const TO* y, const TO* dy, TI* dx,
                                                            int R, int C, float scale) {
   __shared__ float red[32];
+  pdl_begin();
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
   const TO* yr = y + (int64_t)r * C;
@@ -1402,6 +1465,7 @@ __device__ __forceinline__ float4 load_stream4(const void* p) {
 // issued before any math so that several are in flight per thread. The arithmetic is fp32.
 template <class F, int NIN, int NOUT, int VEC, int PER, class T>
 __global__ void elementwise_kernel(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n) {
+  pdl_begin();
   const F f;
   const int64_t items = n / VEC;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x * PER + threadIdx.x;
@@ -1448,8 +1512,8 @@ static void elementwise(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n, const 
   const int64_t items = vec ? n / VEC : n;
   // 2 vectors per thread in blocks of 128: the fastest of the shapes measured on an H200.
   const unsigned blocks = (unsigned)((items + 255) / 256);
-  if (vec) elementwise_kernel<F, NIN, NOUT, VEC, 2, T><<<blocks, 128, 0, s>>>(in, out, n);
-  else elementwise_kernel<F, NIN, NOUT, 1, 2, T><<<blocks, 128, 0, s>>>(in, out, n);
+  if (vec) launch_pdl(elementwise_kernel<F, NIN, NOUT, VEC, 2, T>, dim3(blocks), dim3(128), 0, s, in, out, n);
+  else launch_pdl(elementwise_kernel<F, NIN, NOUT, 1, 2, T>, dim3(blocks), dim3(128), 0, s, in, out, n);
   check_launch(what);
 }
 
@@ -2829,31 +2893,45 @@ __device__ __forceinline__ float dot16(const float4& w_raw, const float4& x_raw)
 }
 
 // T: W, x, bias and y, fp32 or bf16 (bf16 halves the bytes per row); the sums are fp32.
+// Launched with launch_pdl: a plain matrix is a constant of the decode step, so each lane's first
+// eight loads of W go out before the wait for the kernel upstream (which writes x), and a GEMV
+// reads its first 4 KB a warp while the norm or activation before it still runs. An expert's
+// index comes from the router upstream: the expert GEMV waits first.
 template <bool VEC, int KSPLIT, class T>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const T* x, const T* bias, T* y, int N,
                                                                 int K, const int64_t* experts, int64_t E,
                                                                 IndexErrorBox* box) {
   __shared__ float part[GEMV_WARPS];
+  pdl_launch_downstream();
+  if (experts) pdl_wait_upstream();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
   const int s = blockIdx.y;
   const int64_t e = experts ? experts[s] : 0;
   const bool expert_ok = e >= 0 && e < E, ok = row < N && expert_ok;
+  const T* w = W + (e * N + row) * (int64_t)K;
+  const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
+  const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  int u = u0 + lane;
+  float4 a[8];  // all loads of a round first: eight in flight per lane
+  if (VEC && ok)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (u + 32 * j < u1) a[j] = __ldcs(w4 + u + 32 * j);
+  pdl_wait_upstream();
   if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
   float acc = 0.f;
   if (ok) {
-    const T* w = W + (e * N + row) * (int64_t)K;
     const T* xs = x + (int64_t)s * K;
-    const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
-    const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
-    int u = u0 + lane;
     if (VEC) {
-      const float4* w4 = reinterpret_cast<const float4*>(w);
       const float4* x4 = reinterpret_cast<const float4*>(xs);
-      for (; u + 32 * 7 < u1; u += 32 * 8) {
-        float4 a[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) a[j] = __ldcs(w4 + u + 32 * j);  // all loads first: eight in flight per lane
+      for (int j = 0; j < 8; ++j)
+        if (u + 32 * j < u1) acc += dot16<T>(a[j], x4[u + 32 * j]);
+      for (u += 32 * 8; u + 32 * 7 < u1; u += 32 * 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] = __ldcs(w4 + u + 32 * j);
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc += dot16<T>(a[j], x4[u + 32 * j]);
       }
@@ -2881,7 +2959,7 @@ template <bool VEC, int KSPLIT, class T>
 static void gemv_launch(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts,
                         int64_t E, IndexErrorBox* box, cudaStream_t s) {
   dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), S);
-  gemv_kernel<VEC, KSPLIT, T><<<grid, 32 * GEMV_WARPS, 0, s>>>(W, x, bias, y, N, K, experts, E, box);
+  launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x, bias, y, N, K, experts, E, box);
 }
 
 // y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
@@ -2908,6 +2986,70 @@ template void gemv<float>(const float*, const float*, const float*, float*, int,
                           cudaStream_t);
 template void gemv<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
                                   int, int, int, const int64_t*, int64_t, cudaStream_t);
+
+// ------------------------------------------------------------------------------------------------
+// KV cache write for decoding: k and v (B, H, T, D), rows of this step's keys and values, go to rows
+// positions[t] of the caches (B, H, S, D), in place; one kernel for both (index_copy_ twice in the
+// torch op set), launched with launch_pdl like the attention that reads the caches next. A warp copies
+// a row, in 16-byte units where the rows allow. A position outside [0, S) writes nothing and goes to
+// the error mailbox.
+
+template <class T>
+struct KvWriteArgs {
+  T *k_cache, *v_cache;       // (B, H, S, D) contiguous
+  const T *k, *v;             // (B, H, T, D), last dim contiguous
+  int64_t ksb, ksh, kst;      // k's strides (b, h, t); v's below
+  int64_t vsb, vsh, vst;
+  const int64_t* positions;   // (T,)
+  int B, H, NT, S, D;         // NT: the T of k and v (tokens this call writes)
+  IndexErrorBox* box;
+};
+
+template <int VEC, class T>
+__global__ void __launch_bounds__(128) kv_write_kernel(KvWriteArgs<T> a) {
+  pdl_begin();
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;  // (b, h, t), t fastest
+  if (row >= (int64_t)a.B * a.H * a.NT) return;
+  const int t = row % a.NT, h = (row / a.NT) % a.H, b = row / ((int64_t)a.NT * a.H);
+  const int64_t pos = a.positions[t];
+  if (pos < 0 || pos >= a.S) {
+    if (threadIdx.x == 0 && h == 0 && b == 0) report_bad_index(a.box, kBadCachePosition, pos, a.S);
+    return;
+  }
+  const int64_t dst = (((int64_t)b * a.H + h) * a.S + pos) * a.D;
+  const T* k = a.k + b * a.ksb + h * a.ksh + t * a.kst;
+  const T* v = a.v + b * a.vsb + h * a.vsh + t * a.vst;
+  for (int u = threadIdx.x; u < a.D / VEC; u += 32) {
+    if constexpr (VEC == 1) {
+      a.k_cache[dst + u] = k[u];
+      a.v_cache[dst + u] = v[u];
+    } else {
+      reinterpret_cast<float4*>(a.k_cache + dst)[u] = reinterpret_cast<const float4*>(k)[u];
+      reinterpret_cast<float4*>(a.v_cache + dst)[u] = reinterpret_cast<const float4*>(v)[u];
+    }
+  }
+}
+
+template <class T>
+void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const int64_t* k_strides, const int64_t* v_strides,
+              const int64_t* positions, int B, int H, int T_, int S, int D, cudaStream_t s) {
+  const int64_t rows = (int64_t)B * H * T_;
+  if (rows == 0 || D == 0) return;
+  KvWriteArgs<T> a{k_cache, v_cache, k, v, k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1],
+                   v_strides[2], positions, B, H, T_, S, D, index_error_box()};
+  constexpr int VEC = per16<T>();
+  bool vec = D % VEC == 0 && aligned16(k_cache) && aligned16(v_cache) && aligned16(k) && aligned16(v);
+  for (int i = 0; i < 3; ++i) vec = vec && k_strides[i] % VEC == 0 && v_strides[i] % VEC == 0;
+  const dim3 block(32, 4), grid((unsigned)ceil_div(rows, 4));
+  if (vec) launch_pdl(kv_write_kernel<VEC, T>, grid, block, 0, s, a);
+  else launch_pdl(kv_write_kernel<1, T>, grid, block, 0, s, a);
+  check_launch("kv_write");
+}
+template void kv_write<float>(float*, float*, const float*, const float*, const int64_t*, const int64_t*,
+                              const int64_t*, int, int, int, int, int, cudaStream_t);
+template void kv_write<__nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                      const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
+                                      cudaStream_t);
 
 // ------------------------------------------------------------------------------------------------
 // top-k over the last dim, sorted descending like torch.topk. Order: larger value first, NaN above
@@ -4144,6 +4286,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
   constexpr int D = Ops::D, LD = smem_row<T, D>(), BM = 64 * MT;  // BM rows a block
   constexpr int STAGES = attn_stages<T, D>(BM, 128);
   extern __shared__ __align__(16) unsigned char attn_smem[];
+  pdl_begin();
   T* Qs = reinterpret_cast<T*>(attn_smem);
   T* KVs = Qs + BM * LD;  // stage st: K rows at KVs + st * 128 * LD, V rows 64 * LD further
   const int kvh = blockIdx.x, split = blockIdx.z;
@@ -4304,6 +4447,7 @@ template <class T>
 __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(const float* part_o,
     const float* part_lse2, T* out, AttnLayout lout, int Sq, float* lse2, int64_t rows, int D, int splits) {
   __shared__ float partial[COMBINE_WARPS][128];  // D <= 128
+  pdl_begin();
   const int64_t r = blockIdx.x;
   const int lane = threadIdx.x, warp = threadIdx.y;
   float mx = -INFINITY;
@@ -4582,7 +4726,7 @@ static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_head
   const size_t smem = (64 * MT + attn_stages<T, Ops::D>(64 * MT, 128) * 128) * smem_row<T, Ops::D>() * sizeof(T);
   const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
   raise_smem_limit<attention_fwd_kernel<Ops, MT>>(smem);
-  attention_fwd_kernel<Ops, MT><<<grid, ATTN_THREADS, smem, s>>>(p);
+  launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p);
 }
 template <class Ops>
 static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
@@ -4673,8 +4817,8 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_fwd_dispatch<decltype(ops)>(p, BH / group, splits, s); });
   check_launch("attention_fwd_fused");
   if (splits > 1) {
-    attention_combine_kernel<<<rows, dim3(32, COMBINE_WARPS), 0, s>>>(p.part_o, p.part_lse2, out, l.out, Sq, lse2,
-                                                                       rows, D, splits);
+    launch_pdl(attention_combine_kernel<T>, dim3((unsigned)rows), dim3(32, COMBINE_WARPS), 0, s, p.part_o,
+               p.part_lse2, out, l.out, Sq, lse2, rows, D, splits);
     check_launch("attention_combine");
   }
 }

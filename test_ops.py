@@ -995,20 +995,30 @@ for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, in
 
 def inference_gpu_paths_agree():
     # both op sets, eager and graphed, decode the same tokens with nearly the same margins: greedy for
-    # the dense and the MoE model, and sampling (temperature, top-k, the same uniforms) for the dense one
+    # the dense and the MoE model, and sampling (temperature, top-k, the same uniforms) for the dense one;
+    # ours also with ordinary launches (kernels.set_pdl(False)), which must not change a bit
     kernels_ops = train.cuda_op_set(kernels, 32)
     uniforms = torch.rand(20)
     for arch, n_expert, temperature, k in (("gpt", 0, 0.0, 0), ("gpt", 4, 0.0, 0), ("gpt", 0, 0.8, 5),
                                            ("llama", 0, 0.0, 0), ("llama", 4, 0.0, 0), ("llama", 0, 0.8, 5)):
         model = _decoder_gpt(n_expert, DEV, n_embd=64, arch=arch)  # head size 32: the fused attention's
         toks, margins = {}, {}
-        for name, ops in (("torch", train.TORCH_OPS), ("cuda", kernels_ops)):
+        for name, ops, pdl in (("torch", train.TORCH_OPS, True), ("cuda", kernels_ops, True),
+                               ("cuda_ordinary_launch", kernels_ops, False)):
             for graphed in (False, True):
                 model.ops = ops
                 dec = inference.Decoder(model, 20, temperature, k, uniforms, graphed)
-                with torch.no_grad():
-                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                kernels.set_pdl(pdl)
+                try:
+                    with torch.no_grad():
+                        inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                finally:
+                    kernels.set_pdl(True)
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins
+            for graphed in (False, True):
+                if name == "cuda_ordinary_launch":
+                    assert torch.equal(margins[name, graphed], margins["cuda", graphed]), \
+                        f"{arch}, n_expert={n_expert}: ordinary launches changed the margins"
         ref = toks["torch", False]
         assert all(t == ref for t in toks.values()), f"{arch}, n_expert={n_expert}, temperature {temperature}: {toks}"
         for key in margins:
@@ -1762,6 +1772,61 @@ for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, Fals
     add(f"gemv/{_N}x{_K}" + "_bias" * _bias + f"_xstep{_step}" * (_step != 1), t_gemv, _N, _K, _bias, _step)
 
 
+# Programmatic dependent launch (kernels.set_pdl, on by default): a GEMV may be launched while the kernel
+# ahead of it runs, and reads its first weights before it waits for that kernel. Here its x is the last
+# K values of a GELU over 2^26 values (~0.2 ms), written into memory that held NaN just before (the
+# caching allocator hands the freed block back: checked), so a GEMV that read x before the GELU ended
+# would give NaN or stale sums. Then a LayerNorm of the GEMV's output and a GEMV of that, each reading
+# what the one before wrote; with launches ordinary and early, the same bits.
+def t_gemv_pdl_chain(N, K):
+    x, w1, w2, ln_w, ln_b = rand(1 << 26), rand(N, K), rand(N, N), rand(N), rand(N)
+
+    def chain(pdl):
+        kernels.set_pdl(pdl)
+        try:
+            poison = torch.full_like(x, float("nan"))
+            ptr = poison.data_ptr()
+            del poison
+            h = kernels.gelu(x)
+            assert h.data_ptr() == ptr, "the GELU's output did not reuse the NaN-filled block: nothing would be tested"
+            y1 = kernels.gemv(w1, h[-K:])
+            return y1, kernels.gemv(w2, kernels.layernorm(y1, ln_w, ln_b))
+        finally:
+            kernels.set_pdl(True)
+    early, ordinary = chain(True), chain(False)
+    ref1 = REF.gemv(w1.double(), REF.gelu(x[-K:].double()))
+    check("gemv_after_gelu", early[0], ref1, mm_tol(K))
+    check("gemv_after_layernorm", early[1], REF.gemv(w2.double(), REF.layernorm(ref1, ln_w.double(), ln_b.double())),
+          mm_tol(K, N))
+    for a, b, what in zip(early, ordinary, ("first GEMV", "second GEMV")):
+        assert torch.equal(a, b), f"{what}: early launches changed the bits"
+
+
+add("gemv/pdl_chain_1000x1001", t_gemv_pdl_chain, 1000, 1001)
+add("gemv/pdl_chain_3072x768", t_gemv_pdl_chain, 3072, 768)
+
+
+# The KV cache write of decoding: the same bits as the torch op set's two index_copy_ calls. k and v
+# are strided views of one QKV output, as the model passes them; positions in any order.
+@torch.no_grad()
+def t_kv_write(B, H, T, S, D, positions, dtype):
+    k_cache, v_cache = rand(B, H, S, D).to(dtype), rand(B, H, S, D).to(dtype)
+    qkv = rand(B, T, 3 * H * D).to(dtype)
+    k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1)[1:])  # (B, H, T, D) views
+    pos = torch.tensor(positions, device=DEV)
+    ours, ref = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    kernels.kv_write(*ours, pos, k, v)
+    train.torch_kv_write(*ref, pos, k, v)
+    check("k_cache", ours[0], ref[0], 0.0)
+    check("v_cache", ours[1], ref[1], 0.0)
+
+
+for _B, _H, _T, _S, _D, _pos in ((1, 8, 1, 256, 96, [37]), (1, 16, 1, 1024, 128, [1023]), (2, 3, 5, 40, 64, [7, 2, 39, 0, 5]),
+                                 (1, 2, 3, 9, 5, [8, 0, 4]), (3, 1, 1, 1, 1, [0])):
+    for _dt in ("fp32", "bf16"):
+        add(f"kv_write/{_dt}_b{_B}h{_H}t{_T}_cache{_S}_d{_D}", t_kv_write, _B, _H, _T, _S, _D, _pos,
+            torch.float32 if _dt == "fp32" else torch.bfloat16)
+
 
 def t_linear_one_row(K, N, bias):
     # one row without autograd (decoding) takes the GEMV kernel inside kernels.linear
@@ -2487,7 +2552,8 @@ add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention
 def op_sets_same_names():
     # the kernels module's ops are train.OP_NAMES, and both op sets expose them under the same names
     # (plus split, which is no kernel)
-    ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)))
+    # (set_pdl is a launch setting, no op)
+    ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)) and n != "set_pdl")
     assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
     cuda = train.cuda_op_set(kernels, 64)
     assert sorted(vars(cuda)) == sorted(vars(train.TORCH_OPS)), "cuda and torch op sets differ in names"
@@ -2677,6 +2743,10 @@ def _qkv(*shapes):
     return [rand(*s) for s in shapes]
 
 
+def _pos(*positions):  # int64 cache positions on the GPU
+    return torch.tensor(positions, device=DEV)
+
+
 BAD_CASES = [  # name, exception, call, words its message must hold
     ("layernorm_cpu_x", RuntimeError, lambda: kernels.layernorm(torch.randn(4, 8), rand(8), rand(8)),
      ("layernorm", "x")),
@@ -2768,6 +2838,25 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("attention_cpu_q", RuntimeError,
      lambda: kernels.attention(torch.randn(2, 3, 17, 64), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
      ("attention", "q")),
+    # the KV cache write: one dtype, shapes that fit the cache, contiguous caches, no gradient
+    ("kv_write_bf16_k", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).bfloat16(), rand(1, 2, 1, 8)),
+     ("kv_write", "k", "Float", "k_cache")),
+    ("kv_write_heads_mismatch", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 3, 1, 8), rand(1, 3, 1, 8)),
+     ("kv_write", "k", "shape")),
+    ("kv_write_positions_length", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3, 4), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
+     ("kv_write", "positions", "shape")),
+    ("kv_write_int32_positions", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3).int(), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
+     ("kv_write", "positions")),
+    ("kv_write_strided_cache", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 16)[..., ::2], rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8),
+                              rand(1, 2, 1, 8)), ("kv_write", "contiguous")),
+    ("kv_write_grad", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).requires_grad_(),
+                              rand(1, 2, 1, 8)), ("kv_write", "no_grad")),
     # bf16 row ops: one dtype for an op's inputs, and out_dtype float32 or bfloat16
     ("layernorm_bf16_weight_float32_x", RuntimeError,
      lambda: kernels.layernorm(rand(4, 8), rand(8).bfloat16(), rand(8)), ("layernorm", "weight", "Float")),
@@ -2870,6 +2959,21 @@ for _bad in (-1, 65):
     add(f"cross_entropy/bad_target_{_bad}", bad_cross_entropy_target, _bad)
 for _bad in (-1, 4):
     add(f"expert_gemv/bad_expert_{_bad}", bad_expert, _bad)
+
+
+@torch.no_grad()
+def bad_cache_position(bad):
+    S = 16
+    k_cache, v_cache = torch.zeros(1, 2, S, 8, device=DEV), torch.zeros(1, 2, S, 8, device=DEV)
+    k, v = rand(1, 2, 2, 8), rand(1, 2, 2, 8)
+    kernels.kv_write(k_cache, v_cache, torch.tensor([3, bad], device=DEV), k, v)
+    assert torch.equal(k_cache[:, :, 3], k[:, :, 0]) and torch.equal(v_cache[:, :, 3], v[:, :, 0]), "row 3 not written"
+    assert k_cache.count_nonzero() == 16 and v_cache.count_nonzero() == 16, "something besides row 3 was written"
+    return one_line(expect_index_error(kernels.check_errors, "kv_write", "positions", bad, S))
+
+
+for _bad in (-1, 16):
+    add(f"kv_write/bad_position_{_bad}", bad_cache_position, _bad)
 
 
 def bad_index_in_cuda_graph():

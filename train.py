@@ -2,7 +2,7 @@
 
 The model is written once against an op namespace (embedding, layernorm, linear, attention, gelu,
 cross_entropy; for the llama arch rmsnorm, rope and swiglu; for the other uses of the model softmax, topk,
-gemv, expert_gemv, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES; and split,
+gemv, expert_gemv, kv_write, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES; and split,
 which is no kernel). The "torch" op set maps those names to PyTorch; the "cuda" op set maps them to this
 repo's kernels (forward and backward). Both runs start from the same weights and see the same batches,
 so their loss curves should agree to float32 rounding and the tokens/s ratio is the speedup. With
@@ -294,6 +294,12 @@ def torch_expert_gemv(weight, x, bias, experts):
     return y if bias is None else y + bias[experts]
 
 
+def torch_kv_write(k_cache, v_cache, positions, k, v):
+    """Writes k and v (B, H, T, D) into the caches (B, H, S, D) at positions (T,) along dim 2, in place."""
+    k_cache.index_copy_(2, positions, k)
+    v_cache.index_copy_(2, positions, v)
+
+
 def torch_rope(x, cos, sin):
     """Rotary position embedding with the 'rotate half' pairing (element i with i + D/2): x (B, H, T, D),
     cos and sin (T, D/2) the angles of the T tokens' positions."""
@@ -386,6 +392,7 @@ TORCH_OPS = SimpleNamespace(
     cross_entropy=F.cross_entropy,
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
     expert_gemv=torch_expert_gemv,
+    kv_write=torch_kv_write,
     topk=lambda x, k: torch.topk(x, k),
     sinkhorn=mhc.sinkhorn_torch,
     stream_merge=mhc.stream_merge_torch,
@@ -662,8 +669,7 @@ class Block(nn.Module):
             q, k = ops.rope(q, *rope), ops.rope(k, *rope)
         kv_len = None
         if cache is not None:  # write this step's keys and values at their positions, attend to all so far
-            cache.k[layer].index_copy_(2, cache.positions, k)
-            cache.v[layer].index_copy_(2, cache.positions, v)
+            ops.kv_write(cache.k[layer], cache.v[layer], cache.positions, k, v)
             k, v, kv_len = cache.k[layer], cache.v[layer], cache.kv_len  # (B, nkv, block_size, hs)
         y = ops.attention(q, k, v, causal=True, kv_len=kv_len)  # (B, nh, T, hs)
         # (B, T, C): heads side by side again; no copy when the attention wrote (B, T, nh, hs) memory,
