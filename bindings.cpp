@@ -6,8 +6,9 @@
 // for the GPU.
 //
 // Non-contiguous inputs: matmul, linear and tiled attention read strided 2-D views (transposes,
-// slices) directly, fused attention any (B, H, S, D) view with D contiguous (attention_operand);
-// every other op makes a contiguous copy first (cost: one extra copy).
+// slices) directly, fused attention any (B, H, S, D) view with D contiguous (attention_operand),
+// kv_write its k and v likewise (its caches must be contiguous: it writes them in place); every other
+// op makes a contiguous copy first (cost: one extra copy).
 
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -212,9 +213,9 @@ static void check_dim(const char* op, const Tensor& t, const char* name, int64_t
 }
 
 // Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
-// positions) are found by the kernels, on the device: checking them here would copy them to the host and stall the stream on
-// every call, and could not run inside a CUDA graph. A bad index gives NaN in its rows, and the first
-// one is left in a mailbox in pinned host memory (kernels.cu, "bad indices"). Every op raises it at
+// positions) are found by the kernels, on the device: checking them here would copy them to the host
+// and stall the stream on every call, and could not run inside a CUDA graph. A bad index gives NaN in
+// its rows (a bad kv_write position writes nothing), and the first one is left in a mailbox in pinned host memory (kernels.cu, "bad indices"). Every op raises it at
 // entry, a host memory read with no sync, as a ValueError that names the op, the argument, the value
 // and the valid range, and clears it; check_errors() waits for the current stream first.
 static void raise_pending_index_error() {
@@ -1154,13 +1155,12 @@ void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos
   raise_pending_index_error();
   const char* op = "kv_write";
   check_fp_cuda(op, k_cache, "k_cache", k_cache, "k_cache");
-  check_fp_cuda(op, v_cache, "v_cache", k_cache, "k_cache");
-  check_fp_cuda(op, k, "k", k_cache, "k_cache");
-  check_fp_cuda(op, v, "v", k_cache, "k_cache");
+  const std::pair<const Tensor*, const char*> others[] = {{&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
+  for (const auto& [t, name] : others) {
+    check_fp_cuda(op, *t, name, k_cache, "k_cache");
+    check_same_device(op, k_cache, "k_cache", *t, name);
+  }
   check_index_cuda(op, positions, "positions");
-  check_same_device(op, k_cache, "k_cache", v_cache, "v_cache");
-  check_same_device(op, k_cache, "k_cache", k, "k");
-  check_same_device(op, k_cache, "k_cache", v, "v");
   check_same_device(op, k_cache, "k_cache", positions, "positions");
   check_dim(op, k_cache, "k_cache", 4, "(B, H, S, D)");
   check_dim(op, k, "k", 4, "(B, H, T, D)");
@@ -1175,7 +1175,8 @@ void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos
   REQUIRE(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
   REQUIRE(k.stride(3) == 1 && v.stride(3) == 1, op, ": k and v must have a contiguous last dim, got strides ",
           k.strides(), " and ", v.strides());
-  REQUIRE(!at::GradMode::is_enabled() || !(k.requires_grad() || v.requires_grad()), op,
+  REQUIRE(!at::GradMode::is_enabled() || !(k.requires_grad() || v.requires_grad() || k_cache.requires_grad() ||
+                                           v_cache.requires_grad()), op,
           ": writes to a cache and has no gradient; call it under torch.no_grad()");
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const Tensor pos = positions.contiguous();
@@ -1185,6 +1186,8 @@ void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos
     kv_write(ptr<E>(k_cache), ptr<E>(v_cache), ptr<E>(k), ptr<E>(v), ks, vs, ptr<int64_t>(pos), to_int(op, B, "B"),
              to_int(op, H, "H"), to_int(op, T, "T"), to_int(op, S, "S"), to_int(op, D, "D"), stream());
   });
+  torch::autograd::impl::bump_version(k_cache);  // written in place, as index_copy_ records it
+  torch::autograd::impl::bump_version(v_cache);
 }
 
 // ---- top-k (no autograd) ----------------------------------------------------------------------
@@ -1516,10 +1519,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "after replaying a CUDA graph). While the stream is captured it does not wait",
         py::call_guard<py::gil_scoped_release>());
   m.def("set_pdl", &set_pdl,
-        "on (the default): the GEMV, norm, softmax, GELU and other elementwise, embedding and attention-forward "
-        "kernels are launched with programmatic dependent launch (compute capability 9.0+): each may start while "
-        "the kernel before it runs, and a GEMV reads its first weights then. off: ordinary launches, to measure the "
-        "difference. Applies to launches from then on (a captured CUDA graph keeps how it was captured)",
+        "on (the default): the GEMV, norm forward, softmax, cross-entropy, elementwise (GELU, SiLU, SwiGLU), "
+        "embedding forward, kv_write and attention-forward kernels are launched with programmatic dependent launch "
+        "(a compute capability 9.0 GPU running the sm_90a build): each may start while the kernel before it runs, "
+        "and a GEMV asks L2 for its weights then. off: ordinary launches, to measure the difference. Process-wide, "
+        "for launches from then on (a captured CUDA graph keeps how it was captured)",
         py::arg("on"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

@@ -2,8 +2,9 @@
 
 The model is train.py's GPT with its KV-cache seam: the prompt is prefilled in one pass, then one token
 per step is decoded against a cache preallocated at the context length. The same weights run on the
-PyTorch op set and on our kernels (GEMV for every projection, fused attention of one query against the
-cache, layernorm, GELU, embedding, softmax and top-k for the router and the sampler), eagerly and with
+PyTorch op set and on our kernels (GEMV for every projection, the cache write, fused attention of one
+query against the cache, layernorm, GELU, embedding, softmax and top-k for the router and the sampler;
+on Hopper launched early, each while the one before runs: kernels.set_pdl), eagerly and with
 the decode step captured in a CUDA graph; the generated tokens are compared one by one.
 
     python inference.py                              # dense and MoE, random weights, seeds 0-4
@@ -49,8 +50,8 @@ OPTIONS = dict(
     device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu; cpu runs the PyTorch path only"),
     backend=("both", "which op sets decode: both, torch or cuda"),
     cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
-    pdl=(True, "cuda op set: launch the decode step's kernels with programmatic dependent launch (Hopper: each "
-               "may start while the one before runs); false: ordinary launches, to measure the difference"),
+    pdl=(True, "cuda op set: launch our kernels (prefill and decode) with programmatic dependent launch (Hopper: "
+               "each may start while the one before runs); false: ordinary launches, to measure the difference"),
     dtype=("fp32", "fp32, bf16 or fp32,bf16: the model's weights, activations and KV cache (bf16: half the bytes per "
                    "decoded token; each op still computes in fp32); both: the bf16 / fp32 speed ratio too"),
     out_dir=("out", "folder for inference.json"),

@@ -1772,14 +1772,20 @@ for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, Fals
     add(f"gemv/{_N}x{_K}" + "_bias" * _bias + f"_xstep{_step}" * (_step != 1), t_gemv, _N, _K, _bias, _step)
 
 
-# Programmatic dependent launch (kernels.set_pdl, on by default): a GEMV may be launched while the kernel
-# ahead of it runs, and reads its first weights before it waits for that kernel. Here its x is the last
-# K values of a GELU over 2^26 values (~0.2 ms), written into memory that held NaN just before (the
-# caching allocator hands the freed block back: checked), so a GEMV that read x before the GELU ended
-# would give NaN or stale sums. Then a LayerNorm of the GEMV's output and a GEMV of that, each reading
-# what the one before wrote; with launches ordinary and early, the same bits.
+# Programmatic dependent launch (kernels.set_pdl, on by default): on a compute capability 9.0 GPU our row,
+# elementwise, GEMV and attention-forward kernels may be launched while the kernel ahead of them runs,
+# and wait inside for it. Here a LayerNorm of one 2^22-wide row (one block, a long time) writes, over
+# memory that held NaN just before (the caching allocator hands the freed block back: checked), the x of
+# a GEMV that is launched as soon as that block starts; then a LayerNorm, a GEMV and a cross-entropy,
+# each reading what the one before wrote. A kernel that read before its wait would see NaN or stale
+# values; with launches early and ordinary, the same bits.
 def t_gemv_pdl_chain(N, K):
-    x, w1, w2, ln_w, ln_b = rand(1 << 26), rand(N, K), rand(N, N), rand(N), rand(N)
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("early launches need a compute capability 9.0 GPU")
+    C = 1 << 22
+    x, ln_w, ln_b = rand(C), rand(C), rand(C)
+    w1, w2, ln2_w, ln2_b = rand(N, K), rand(N, N), rand(N), rand(N)
+    tgt = torch.tensor([N // 3], device=DEV)
 
     def chain(pdl):
         kernels.set_pdl(pdl)
@@ -1787,32 +1793,35 @@ def t_gemv_pdl_chain(N, K):
             poison = torch.full_like(x, float("nan"))
             ptr = poison.data_ptr()
             del poison
-            h = kernels.gelu(x)
-            assert h.data_ptr() == ptr, "the GELU's output did not reuse the NaN-filled block: nothing would be tested"
+            h = kernels.layernorm(x, ln_w, ln_b)
+            assert h.data_ptr() == ptr, "the norm's output did not reuse the NaN-filled block: nothing would be tested"
             y1 = kernels.gemv(w1, h[-K:])
-            return y1, kernels.gemv(w2, kernels.layernorm(y1, ln_w, ln_b))
+            y2 = kernels.gemv(w2, kernels.layernorm(y1, ln2_w, ln2_b))
+            return y1, y2, kernels.cross_entropy(y2[None], tgt)
         finally:
             kernels.set_pdl(True)
     early, ordinary = chain(True), chain(False)
-    ref1 = REF.gemv(w1.double(), REF.gelu(x[-K:].double()))
-    check("gemv_after_gelu", early[0], ref1, mm_tol(K))
-    check("gemv_after_layernorm", early[1], REF.gemv(w2.double(), REF.layernorm(ref1, ln_w.double(), ln_b.double())),
-          mm_tol(K, N))
-    for a, b, what in zip(early, ordinary, ("first GEMV", "second GEMV")):
+    h_ref = REF.layernorm(x.double(), ln_w.double(), ln_b.double())[-K:]
+    ref1 = REF.gemv(w1.double(), h_ref)
+    ref2 = REF.gemv(w2.double(), REF.layernorm(ref1, ln2_w.double(), ln2_b.double()))
+    check("gemv_after_long_norm", early[0], ref1, mm_tol(K))
+    check("gemv_after_norm", early[1], ref2, mm_tol(K, N))
+    check("cross_entropy_after_gemv", early[2], F.cross_entropy(ref2[None], tgt), mm_tol(K, N))
+    for a, b, what in zip(early, ordinary, ("first GEMV", "second GEMV", "cross-entropy")):
         assert torch.equal(a, b), f"{what}: early launches changed the bits"
 
 
-add("gemv/pdl_chain_1000x1001", t_gemv_pdl_chain, 1000, 1001)
-add("gemv/pdl_chain_3072x768", t_gemv_pdl_chain, 3072, 768)
+for _N, _K in ((1000, 1001), (3072, 768), (512, 8192)):  # scalar loads; 16-byte; 8 rounds of loads a lane
+    add(f"gemv/pdl_chain_{_N}x{_K}", t_gemv_pdl_chain, _N, _K)
 
 
 # The KV cache write of decoding: the same bits as the torch op set's two index_copy_ calls. k and v
 # are strided views of one QKV output, as the model passes them; positions in any order.
 @torch.no_grad()
-def t_kv_write(B, H, T, S, D, positions, dtype):
+def t_kv_write(B, H, T, S, D, positions, dtype, pad=0):
     k_cache, v_cache = rand(B, H, S, D).to(dtype), rand(B, H, S, D).to(dtype)
-    qkv = rand(B, T, 3 * H * D).to(dtype)
-    k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1)[1:])  # (B, H, T, D) views
+    qkv = rand(B, T, 3 * H * D + pad).to(dtype)  # pad: rows off 16 bytes, so the kernel copies value by value
+    k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1)[1:3])  # (B, H, T, D) views
     pos = torch.tensor(positions, device=DEV)
     ours, ref = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
     kernels.kv_write(*ours, pos, k, v)
@@ -1821,11 +1830,12 @@ def t_kv_write(B, H, T, S, D, positions, dtype):
     check("v_cache", ours[1], ref[1], 0.0)
 
 
-for _B, _H, _T, _S, _D, _pos in ((1, 8, 1, 256, 96, [37]), (1, 16, 1, 1024, 128, [1023]), (2, 3, 5, 40, 64, [7, 2, 39, 0, 5]),
-                                 (1, 2, 3, 9, 5, [8, 0, 4]), (3, 1, 1, 1, 1, [0])):
+for _B, _H, _T, _S, _D, _pos, _pad in ((1, 8, 1, 256, 96, [37], 0), (1, 16, 1, 1024, 128, [1023], 0),
+                                       (2, 3, 5, 40, 64, [7, 2, 39, 0, 5], 0), (2, 4, 3, 50, 64, [49, 0, 17], 1),
+                                       (1, 2, 3, 9, 5, [8, 0, 4], 0), (3, 1, 1, 1, 1, [0], 0)):
     for _dt in ("fp32", "bf16"):
-        add(f"kv_write/{_dt}_b{_B}h{_H}t{_T}_cache{_S}_d{_D}", t_kv_write, _B, _H, _T, _S, _D, _pos,
-            torch.float32 if _dt == "fp32" else torch.bfloat16)
+        add(f"kv_write/{_dt}_b{_B}h{_H}t{_T}_cache{_S}_d{_D}" + "_padded" * _pad, t_kv_write, _B, _H, _T, _S, _D,
+            _pos, torch.float32 if _dt == "fp32" else torch.bfloat16, _pad)
 
 
 def t_linear_one_row(K, N, bias):
@@ -2854,6 +2864,15 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("kv_write_strided_cache", RuntimeError,
      lambda: kernels.kv_write(rand(1, 2, 9, 16)[..., ::2], rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8),
                               rand(1, 2, 1, 8)), ("kv_write", "contiguous")),
+    ("kv_write_cpu_cache", RuntimeError,
+     lambda: kernels.kv_write(torch.randn(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
+     ("kv_write", "k_cache")),
+    ("kv_write_v_shape", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8), rand(1, 2, 2, 8)),
+     ("kv_write", "v", "shape")),
+    ("kv_write_strided_k", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 16)[..., ::2],
+                              rand(1, 2, 1, 8)), ("kv_write", "k", "contiguous")),
     ("kv_write_grad", RuntimeError,
      lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).requires_grad_(),
                               rand(1, 2, 1, 8)), ("kv_write", "no_grad")),
@@ -2892,9 +2911,9 @@ for _name, _exc, _call, _words in BAD_CASES:
     add("bad/" + _name, expect_error, _exc, _call, *_words)
 
 
-# Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts) are found by the
-# kernels on the device, so the call itself does not raise (it would have to wait for the GPU): the bad
-# rows come out NaN, and the next call of any op, or kernels.check_errors(), raises a ValueError that
+# Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
+# positions) are found by the kernels on the device, so the call itself does not raise (it would have to
+# wait for the GPU): the bad rows come out NaN (a bad kv_write position writes nothing), and the next call of any op, or kernels.check_errors(), raises a ValueError that
 # names the op, the argument, the value and the valid range. Raised once, it is gone.
 
 def expect_index_error(call, op, arg, value, limit):
