@@ -215,9 +215,10 @@ static void check_dim(const char* op, const Tensor& t, const char* name, int64_t
 // Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
 // positions) are found by the kernels, on the device: checking them here would copy them to the host
 // and stall the stream on every call, and could not run inside a CUDA graph. A bad index gives NaN in
-// its rows (a bad kv_write position writes nothing), and the first one is left in a mailbox in pinned host memory (kernels.cu, "bad indices"). Every op raises it at
-// entry, a host memory read with no sync, as a ValueError that names the op, the argument, the value
-// and the valid range, and clears it; check_errors() waits for the current stream first.
+// its rows (a bad kv_write position writes nothing), and the first one is left in a mailbox in pinned
+// host memory (kernels.cu, "bad indices"). Every op raises it at entry, a host memory read with no
+// sync, as a ValueError that names the op, the argument, the value and the valid range, and clears it;
+// check_errors() waits for the current stream first.
 static void raise_pending_index_error() {
   const char *op = nullptr, *arg = nullptr;
   int64_t value = 0, limit = 0;
@@ -1151,7 +1152,8 @@ Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optiona
 
 // k_cache[:, :, positions[t]] = k[:, :, t] and the same for v, in place: the caches (B, H, S, D)
 // contiguous, k and v (B, H, T, D) any strides with the last dim contiguous (views of a QKV output).
-void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions, const Tensor& k, const Tensor& v) {
+void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions,
+                 const Tensor& k, const Tensor& v) {
   raise_pending_index_error();
   const char* op = "kv_write";
   check_fp_cuda(op, k_cache, "k_cache", k_cache, "k_cache");
@@ -1513,8 +1515,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("h_res"), py::arg("h_post"), py::arg("y"));
   m.def("check_errors", &check_errors,
         "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy, "
-        "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad value and the "
-        "valid range) and clear it. Every op does the same check at entry without waiting, so a bad index "
+        "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad "
+        "value and the valid range) and clear it. Every op does the same check at entry without waiting, so a bad index "
         "surfaces at the next call anyway; this is for when that must be now (a log point, the end of a run, "
         "after replaying a CUDA graph). While the stream is captured it does not wait",
         py::call_guard<py::gil_scoped_release>());

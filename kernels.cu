@@ -134,7 +134,8 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = &attr;
-  // Only where the sm_90a code runs: code compiled for an older target has no waits in it.
+  // Only where this build's sm_90a code runs (a conservative choice: the waits are in any sm_90 code,
+  // none in code built for older targets).
   cfg.numAttrs = pdl_enabled.load() && hopper_wgmma() ? 1 : 0;
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);  // a failure is left for check_launch
 }
@@ -303,13 +304,14 @@ static void with_row_shape(const RowLaunch& L, F&& f) {
 
 // ------------------------------------------------------------------------------------------------
 // bad indices: the error mailbox. embedding (idx), cross_entropy (targets), expert_gemv (experts) and
-// kv_write (positions) take indices that live on the device. Checking them on the host would copy
-// them back and stall the stream on every call (it made a 1024-token embedding 5x slower than
-// PyTorch's), and cannot run at all inside a CUDA graph. So the kernels check them where they read
-// them: a bad index gives NaN where its row would go (kv_write, whose index says where a row goes,
-// writes nothing), never a silent value or an out-of-bounds access, and the first bad index is recorded in a mailbox in pinned, host-mapped memory. bindings.cpp reads the mailbox at
-// the entry of every op, a plain host read with no sync, and raises the error there; check_errors()
-// syncs first. A write to mapped memory is an ordinary store, so it works inside a captured graph.
+// kv_write (positions) take indices that live on the device. Checking them on the host would copy them
+// back and stall the stream on every call (it made a 1024-token embedding 5x slower than PyTorch's),
+// and cannot run at all inside a CUDA graph. So the kernels check them where they read them: a bad
+// index gives NaN where its row would go (kv_write, whose index says where a row goes, writes nothing),
+// never a silent value or an out-of-bounds access, and the first bad index is recorded in a mailbox in
+// pinned, host-mapped memory. bindings.cpp reads the mailbox at the entry of every op, a plain host
+// read with no sync, and raises the error there; check_errors() syncs first. A write to mapped memory
+// is an ordinary store, so it works inside a captured graph.
 //
 // First error wins: the mailbox is claimed with an atomicCAS on a counter in device memory (atomics
 // on host memory over PCIe are not guaranteed), from the value the host last armed it with. The host
@@ -2899,10 +2901,10 @@ __device__ __forceinline__ float dot16(const float4& w_raw, const float4& x_raw)
 // L2 for the lines of W its slice will read, so a GEMV's weights stream in while the norm or
 // activation ahead of it still runs. A prefetch moves no data into registers: whatever W is, even one
 // a kernel upstream is still writing, the loads after the wait read it as it then stands. An expert's
-// index comes from the router upstream: the expert GEMV waits first. Measured cost: matrices larger
-// than L2 lose lines before they are read (a 2048-wide, 24-layer fp32 model decoded at 355 tok/s with
-// ordinary launches, against 414 without the prefetch, in two runs); capping it at a warp's first
-// round of loads is not measured yet.
+// index comes from the router upstream: the expert GEMV waits first. Measured cost: fp32 decoding
+// with ordinary launches ran slower than without the prefetch (in two runs, 355 against 414 tok/s for
+// a 2048-wide, 24-layer model, 1,937 against 2,117 at 768 x 12; cause not established); capping it at
+// a warp's first round of loads is not measured yet.
 template <bool VEC, int KSPLIT, class T>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const T* x, const T* bias, T* y, int N,
                                                                 int K, const int64_t* experts, int64_t E,

@@ -1773,8 +1773,8 @@ for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, Fals
 
 
 # Programmatic dependent launch (kernels.set_pdl, on by default): on a compute capability 9.0 GPU our row,
-# elementwise, GEMV and attention-forward kernels may be launched while the kernel ahead of them runs,
-# and wait inside for it. Here a LayerNorm of one 2^22-wide row (one block, a long time) writes, over
+# elementwise, embedding, GEMV, kv_write and attention-forward kernels may be launched while the kernel
+# ahead of them runs, and wait inside for it. Here a LayerNorm of one 2^22-wide row (one block, a long time) writes, over
 # memory that held NaN just before (the caching allocator hands the freed block back: checked), the x of
 # a GEMV that is launched as soon as that block starts; then a LayerNorm, a GEMV and a cross-entropy,
 # each reading what the one before wrote. A kernel that read before its wait would see NaN or stale
@@ -2913,8 +2913,9 @@ for _name, _exc, _call, _words in BAD_CASES:
 
 # Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
 # positions) are found by the kernels on the device, so the call itself does not raise (it would have to
-# wait for the GPU): the bad rows come out NaN (a bad kv_write position writes nothing), and the next call of any op, or kernels.check_errors(), raises a ValueError that
-# names the op, the argument, the value and the valid range. Raised once, it is gone.
+# wait for the GPU): the bad rows come out NaN (a bad kv_write position writes nothing), and the next
+# call of any op, or kernels.check_errors(), raises a ValueError that names the op, the argument, the
+# value and the valid range. Raised once, it is gone.
 
 def expect_index_error(call, op, arg, value, limit):
     msg = raised_message(ValueError, call, f" for {op}'s {arg} = {value}")
