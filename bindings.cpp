@@ -1516,7 +1516,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_errors", &check_errors,
         "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy, "
         "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad "
-        "value and the valid range) and clear it. Every op does the same check at entry without waiting, so a bad index "
+        "value and the valid range) and clear it. Every op does the same check at entry without waiting, so a bad "
+        "index "
         "surfaces at the next call anyway; this is for when that must be now (a log point, the end of a run, "
         "after replaying a CUDA graph). While the stream is captured it does not wait",
         py::call_guard<py::gil_scoped_release>());

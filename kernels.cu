@@ -7,8 +7,8 @@
 // Sections, top to bottom:
 //   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
 //   -> softmax -> cross-entropy -> GELU -> RoPE -> tensor-core helpers -> matmul (mma.sync, then
-//   Hopper's pack + wgmma, bf16 on Hopper, then the launchers) -> GEMV -> KV cache write -> top-k -> Sinkhorn
-//   -> stream mixing (hyper-connections) -> attention (fused forward/backward)
+//   Hopper's pack + wgmma, bf16 on Hopper, then the launchers) -> GEMV -> KV cache write -> top-k
+//   -> Sinkhorn -> stream mixing (hyper-connections) -> attention (fused forward/backward)
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
@@ -2921,8 +2921,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const
   const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
   const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
   if (ok) {  // one prefetch per 128-byte line of the slice
-    const char* first = reinterpret_cast<const char*>(w) + (int64_t)u0 * (VEC ? 16 : sizeof(T));
-    const int64_t bytes = (int64_t)max(0, u1 - u0) * (VEC ? 16 : sizeof(T));
+    constexpr int unit_bytes = VEC ? 16 : sizeof(T);
+    const char* first = reinterpret_cast<const char*>(w) + (int64_t)u0 * unit_bytes;
+    const int64_t bytes = (int64_t)max(0, u1 - u0) * unit_bytes;
     for (int64_t off = 128 * lane; off < bytes; off += 32 * 128) prefetch_l2(first + off);
   }
   pdl_wait_upstream();
