@@ -99,6 +99,7 @@ void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16
 template <class T>
 void gemv(const T*, const T*, const T*, T*, int, int, int, const int64_t*, int64_t, cudaStream_t);
 void set_pdl(bool on);
+void set_attention_wgmma(bool on);
 template <class T>
 void kv_write(T*, T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
               cudaStream_t);
@@ -1524,9 +1525,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pdl", &set_pdl,
         "on (the default): the GEMV, norm forward, softmax, cross-entropy, elementwise (GELU, SiLU, SwiGLU), "
         "embedding forward, kv_write and attention-forward kernels are launched with programmatic dependent launch "
-        "(a compute capability 9.0 GPU running the sm_90a build): each may start while the kernel before it runs, "
-        "and a GEMV asks L2 for its weights then. off: ordinary launches, to measure the difference. Process-wide, "
-        "for launches from then on (a captured CUDA graph keeps how it was captured)",
+        "(a compute capability 9.0 GPU running the sm_90a build): each may start while the kernel before it runs "
+        "and waits inside for it. off: ordinary launches, to measure the difference. Process-wide, for launches "
+        "from then on (a captured CUDA graph keeps how it was captured)",
+        py::arg("on"));
+  m.def("set_attention_wgmma", &set_attention_wgmma,
+        "on (the default): bf16 fused attention at head size 64 multiplies with wgmma (a compute capability 9.0 "
+        "GPU running the sm_90a build); off: with mma.sync, as on other GPUs and head sizes, to compare the two. "
+        "Process-wide, for launches from then on",
         py::arg("on"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
 }

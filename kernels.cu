@@ -87,8 +87,7 @@ static void raise_smem_limit(size_t smem) {
 // each reading what the one before wrote; even inside a CUDA graph, every link costs the next
 // kernel's launch and ramp-up (a few µs), while a 768-wide layer's GEMVs read their weights in about
 // as long. A kernel launched through launch_pdl may be launched while the kernel before it in the
-// stream still runs: its blocks get resident, may ask L2 for lines they will read (a GEMV's weights:
-// prefetch_l2 moves nothing into registers), and wait in pdl_wait_upstream() until the kernel before
+// stream still runs: its blocks get resident and wait in pdl_wait_upstream() until the kernel before
 // has finished and its writes are visible. pdl_launch_downstream() at a kernel's start lets the next
 // such kernel launch as soon as every block of this one is running. The rule that keeps stream order
 // for every kernel after: every thread of a launch_pdl kernel passes pdl_wait_upstream() before it
@@ -103,11 +102,6 @@ __device__ __forceinline__ void pdl_launch_downstream() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaTriggerProgrammaticLaunchCompletion();
 #endif
-}
-
-// Asks L2 for the 128-byte line holding p; no data moves into registers, so it is safe anywhere.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // The start of a launch_pdl kernel with nothing to read before the wait.
@@ -2897,21 +2891,17 @@ __device__ __forceinline__ float dot16(const float4& w_raw, const float4& x_raw)
 }
 
 // T: W, x, bias and y, fp32 or bf16 (bf16 halves the bytes per row); the sums are fp32.
-// Launched with launch_pdl: before its wait for the kernel upstream (which writes x), each warp asks
-// L2 for the lines of W its slice will read, so a GEMV's weights stream in while the norm or
-// activation ahead of it still runs. A prefetch moves no data into registers: whatever W is, even one
-// a kernel upstream is still writing, the loads after the wait read it as it then stands. An expert's
-// index comes from the router upstream: the expert GEMV waits first. Measured cost: fp32 decoding
-// with ordinary launches ran slower than without the prefetch (in two runs, 355 against 414 tok/s for
-// a 2048-wide, 24-layer model, 1,937 against 2,117 at 768 x 12; cause not established); capping it at
-// a warp's first round of loads is not measured yet.
+// Launched with launch_pdl, it waits for the kernel upstream before anything else. Asking L2 for its
+// weights before that wait (prefetch.global.L2) was measured and left out: in one interleaved run
+// (graphed decoding, dense model, tok/s with no prefetch / one 128-byte line per lane / the whole
+// slice) 433 / 395 / 373 in fp32 and 691 / 642 / 644 in bf16 at 2048 x 24, 2,114 / 2,126 / 2,132 and
+// 2,887 / 2,825 / 2,837 at 768 x 12.
 template <bool VEC, int KSPLIT, class T>
 __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const T* x, const T* bias, T* y, int N,
                                                                 int K, const int64_t* experts, int64_t E,
                                                                 IndexErrorBox* box) {
   __shared__ float part[GEMV_WARPS];
-  pdl_launch_downstream();
-  if (experts) pdl_wait_upstream();
+  pdl_begin();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
   const int s = blockIdx.y;
@@ -2920,13 +2910,6 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const
   const T* w = W + (e * N + row) * (int64_t)K;
   const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
   const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
-  if (ok) {  // one prefetch per 128-byte line of the slice
-    constexpr int unit_bytes = VEC ? 16 : sizeof(T);
-    const char* first = reinterpret_cast<const char*>(w) + (int64_t)u0 * unit_bytes;
-    const int64_t bytes = (int64_t)max(0, u1 - u0) * unit_bytes;
-    for (int64_t off = 128 * lane; off < bytes; off += 32 * 128) prefetch_l2(first + off);
-  }
-  pdl_wait_upstream();
   if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
   float acc = 0.f;
   if (ok) {
@@ -3918,12 +3901,27 @@ __device__ __forceinline__ void cp_async_wait() {
 template <class T, int D>
 __host__ __device__ constexpr int smem_row() { return D + per16<T>(); }
 
+// Bytes of shared memory a fused-attention block asks for: `rows` tile rows of the policy's layout,
+// `extra` bytes after them, and room to align the start to 1024 bytes for wgmma's swizzled tiles.
+template <class Ops>
+__host__ __device__ constexpr int attn_smem_bytes(int rows, int extra = 0) {
+  return rows * Ops::LD * (int)sizeof(typename Ops::T) + extra + (Ops::WGMMA ? 1024 : 0);
+}
+
 // Stages of the tiles a fused-attention block streams (see the section comment): two where a block
 // holding `fixed` rows plus two stages of `streamed` rows and `extra` bytes each leaves room for a second
 // block on the SM (228 KB of shared memory, 1 KB of it reserved per block), else one.
-template <class T, int D>
+template <class Ops>
 __host__ __device__ constexpr int attn_stages(int fixed, int streamed, int extra = 0) {
-  return (fixed + 2 * streamed) * smem_row<T, D>() * (int)sizeof(T) + 2 * extra <= 113 * 1024 ? 2 : 1;
+  return attn_smem_bytes<Ops>(fixed + 2 * streamed, 2 * extra) <= 113 * 1024 ? 2 : 1;
+}
+
+// The start of a block's dynamic shared memory, aligned as Ops's tiles need (the 128-byte swizzle is
+// a function of address bits 4-9: a swizzled tile starts on 1024 bytes).
+template <class Ops>
+__device__ __forceinline__ unsigned char* attn_smem_base(unsigned char* raw) {
+  if constexpr (!Ops::WGMMA) return raw;
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
 }
 
 // 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
@@ -3984,39 +3982,55 @@ __device__ __forceinline__ AttnGroupRows<T> attn_group_rows(T* base, const AttnL
 // Threads of every fused-attention block (4 warps).
 constexpr int ATTN_THREADS = 128;
 
-// Rows [r0, r0 + ROWS) of one head's (S, D) rows (AttnRows or AttnGroupRows) into smem rows of
-// smem_row elements; rows >= S become zeros. Every tile here makes the 16-byte chunks a multiple of
-// the block's threads: the loop unrolls into straight cp.asyncs.
-template <int ROWS, int D, class T, class Rows>
+// Rows [r0, r0 + ROWS) of one head's (S, D) rows (AttnRows or AttnGroupRows) into a smem tile laid
+// out as Ops says (Ops::at(r, c): where element c of row r goes); rows >= S become zeros. Every tile
+// here makes the 16-byte chunks a multiple of the block's threads: the loop unrolls into straight
+// cp.asyncs.
+template <int ROWS, class Ops, class T, class Rows>
 __device__ __forceinline__ void load_rows_async(T* sm, const Rows& g, int r0, int S) {
-  constexpr int W = per16<T>(), CHUNKS = D / W, LD = smem_row<T, D>();
+  constexpr int W = per16<T>(), CHUNKS = Ops::D / W;
   static_assert(ROWS * CHUNKS % ATTN_THREADS == 0, "whole chunks per thread");
 #pragma unroll
   for (int i = 0; i < ROWS * CHUNKS / ATTN_THREADS; ++i) {
     const int e = threadIdx.x + i * ATTN_THREADS, r = e / CHUNKS, c = (e % CHUNKS) * W;
     const bool valid = r0 + r < S;
-    cp_async<16>(sm + r * LD + c, g.at(valid ? r0 + r : 0) + c, valid);
+    cp_async<16>(sm + Ops::at(r, c), g.at(valid ? r0 + r : 0) + c, valid);
   }
 }
 
 // The same for one head's rows, the tiles the main loops stream: a thread's chunks of a whole tile lie
-// a fixed number of rows apart, so after the first address each is an add (no per-chunk row math).
-template <int ROWS, int D, class T>
+// a fixed number of rows apart (a multiple of 8, so a swizzled layout puts them in the same column),
+// so after the first address each is an add (no per-chunk row math).
+template <int ROWS, class Ops, class T>
 __device__ __forceinline__ void load_rows_async(T* sm, const AttnRows<const T>& g, int r0, int S) {
-  constexpr int W = per16<T>(), CHUNKS = D / W, LD = smem_row<T, D>();
+  constexpr int W = per16<T>(), CHUNKS = Ops::D / W;
   if constexpr (ATTN_THREADS % CHUNKS == 0) {
     if (r0 + ROWS <= S) {
       constexpr int STEP = ATTN_THREADS / CHUNKS;  // rows between a thread's chunks
-      static_assert(ROWS % STEP == 0, "whole rows per pass");
+      static_assert(ROWS % STEP == 0 && (STEP % 8 == 0 || !Ops::WGMMA), "whole rows, the same swizzle phase");
       const int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * W;
       const T* src = g.at(r0 + r) + c;
+      T* dst = sm + Ops::at(r, c);
       const int64_t step = (int64_t)STEP * g.row;
 #pragma unroll
-      for (int i = 0; i < ROWS / STEP; ++i) cp_async<16>(sm + (r + i * STEP) * LD + c, src + i * step, true);
+      for (int i = 0; i < ROWS / STEP; ++i) cp_async<16>(dst + i * STEP * Ops::LD, src + i * step, true);
       return;
     }
   }
-  load_rows_async<ROWS, D, T, AttnRows<const T>>(sm, g, r0, S);
+  load_rows_async<ROWS, Ops, T, AttnRows<const T>>(sm, g, r0, S);
+}
+
+// The tiles this thread copied (all but the newest N groups) have landed, and every thread's have:
+// the block may read them. wgmma reads shared memory through the async proxy, and cp.async writes it
+// through the generic one: each thread's landed copies are made visible to the async proxy before
+// the barrier.
+template <class Ops, int N>
+__device__ __forceinline__ void tiles_landed() {
+  cp_async_wait<N>();
+#ifdef WG_ENABLED
+  if constexpr (Ops::WGMMA) fence_proxy_async();
+#endif
+  __syncthreads();
 }
 
 // A fragment (rows row0 + g, row0 + g + 8; columns k0 + t, k0 + t + 4) of a smem matrix.
@@ -4130,7 +4144,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 template <int D_, bool PRECISE>
 struct AttnTf32 {
   using T = float;
-  static constexpr int D = D_, MT = 1;
+  static constexpr int D = D_, LD = D + 4, MT = 1;
+  static constexpr bool WGMMA = false;
+  __device__ __forceinline__ static int at(int r, int c) { return r * LD + c; }  // padded rows
   template <int NT, int M>
   __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
 #pragma unroll
@@ -4156,6 +4172,8 @@ struct AttnBf16 {
   using T = __nv_bfloat16;
   // Two row tiles per forward warp where the registers allow (its o and s double).
   static constexpr int D = D_, LD = smem_row<T, D>(), MT = D <= 64 ? 2 : 1;
+  static constexpr bool WGMMA = false;
+  __device__ __forceinline__ static int at(int r, int c) { return r * LD + c; }  // padded rows
   // A: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are a0..a3. B: two n8
   // tiles per ldmatrix, matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are
   // b0, b1 of the first tile and b0, b1 of the second.
@@ -4211,6 +4229,104 @@ struct AttnBf16 {
         }
       }
     }
+  }
+  template <int NT>
+  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
+    abt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
+  }
+  template <int NT>
+  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
+    pm<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc), reinterpret_cast<const float(&)[1][NT][4]>(p), m);
+  }
+};
+
+// bf16 on Hopper's warpgroup MMA (sm_90a), D = 64. The block's 4 warps are one warpgroup, and a
+// product is wgmma m64n64k16 over a whole 64-row tile: warp w gets rows 16w .. 16w + 15, n8 tile j in
+// registers 4j .. 4j + 3, exactly the C fragments of the mma.sync policies above, so the kernels run
+// unchanged (their row0 is always 16 * warp). A score tile's C fragments are also wgmma's register
+// layout for the left operand, as they are mma.sync's. The smem operands are read through
+// descriptors, in the 128-byte swizzle: a row is 64 elements (128 bytes, no padding), its 16-byte
+// chunk c stored at chunk c ^ (row % 8), a tile starting on 1024 bytes. The right operand is K-major
+// in abt (rows of B are its n, D along k) and N-major in pm (rows of M are its k). Each product waits
+// for its wgmmas before returning: the softmax between them needs the results anyway, and two blocks
+// per SM overlap one's softmax with the other's products.
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
+#ifdef WG_ENABLED
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %34;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "n"(TB), "r"(1));
+#else
+  __trap();
+#endif
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+#ifdef WG_ENABLED
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
+#else
+  __trap();
+#endif
+}
+
+template <int D_>
+struct AttnBf16Wg {
+  using T = __nv_bfloat16;
+  static_assert(D_ == 64, "one 128-byte swizzle row per tile row");
+  static constexpr int D = D_, LD = D, MT = 2;
+  static constexpr bool WGMMA = true;
+  __device__ __forceinline__ static int at(int r, int c) { return r * LD + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+  // 8-row groups 1024 bytes apart; a k16 step is 32 bytes along a K-major row, 16 rows (2048 bytes)
+  // down an N-major tile (whose 64 columns are one swizzle row: the slab stride is not used).
+  __device__ __forceinline__ static uint64_t k_major(const T* p, int kk) { return smem_desc(smem_addr(p) + 32 * kk, 16, 1024); }
+  __device__ __forceinline__ static uint64_t n_major(const T* p, int kk) {
+    return smem_desc(smem_addr(p) + 2048 * kk, 8192, 1024);
+  }
+  template <int NT, int M>
+  __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int, const T* b) {
+    static_assert(NT == 8, "64 columns: m64n64");
+    wgmma_fence();
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_m64n64k16<0>(reinterpret_cast<float(&)[32]>(acc[mt]), k_major(a + 64 * mt * LD, kk), k_major(b, kk));
+    wgmma_commit_and_wait();
+  }
+  template <int NT, int M>
+  __device__ __forceinline__ static void pm(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
+    static_assert(NT % 2 == 0, "k steps of 16");
+    uint32_t af[M][NT / 2][4];  // packed first: the fence below covers every register the wgmmas read
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        af[mt][j / 2][0] = pack_bf16x2(p[mt][j][0], p[mt][j][1]);
+        af[mt][j / 2][1] = pack_bf16x2(p[mt][j][2], p[mt][j][3]);
+        af[mt][j / 2][2] = pack_bf16x2(p[mt][j + 1][0], p[mt][j + 1][1]);
+        af[mt][j / 2][3] = pack_bf16x2(p[mt][j + 1][2], p[mt][j + 1][3]);
+      }
+    wgmma_fence();
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt)
+#pragma unroll
+      for (int j = 0; j < NT / 2; ++j)
+        wgmma_m64n64k16<1>(reinterpret_cast<float(&)[32]>(acc[mt]), af[mt][j], n_major(m, j));
+    wgmma_commit_and_wait();
   }
   template <int NT>
   __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
@@ -4290,11 +4406,11 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
 template <class Ops, int MT>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
   using T = typename Ops::T;
-  constexpr int D = Ops::D, LD = smem_row<T, D>(), BM = 64 * MT;  // BM rows a block
-  constexpr int STAGES = attn_stages<T, D>(BM, 128);
+  constexpr int D = Ops::D, LD = Ops::LD, BM = 64 * MT;  // BM rows a block
+  constexpr int STAGES = attn_stages<Ops>(BM, 128);
   extern __shared__ __align__(16) unsigned char attn_smem[];
   pdl_begin();
-  T* Qs = reinterpret_cast<T*>(attn_smem);
+  T* Qs = reinterpret_cast<T*>(attn_smem_base<Ops>(attn_smem));
   T* KVs = Qs + BM * LD;  // stage st: K rows at KVs + st * 128 * LD, V rows 64 * LD further
   const int kvh = blockIdx.x, split = blockIdx.z;
   const int R = p.group * p.Sq;  // rows per K/V head
@@ -4328,10 +4444,10 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
   const int ntiles = key_tiles(p, Sk, qmax + 1, 64);
   const int t_begin = split * p.split_tiles, t_end = min(ntiles, t_begin + p.split_tiles);
 
-  load_rows_async<BM, D>(Qs, q, r0, R);
-  load_rows_async<64, D>(KVs, k, t_begin * 64, Sk);
+  load_rows_async<BM, Ops>(Qs, q, r0, R);
+  load_rows_async<64, Ops>(KVs, k, t_begin * 64, Sk);
   cp_async_commit();
-  load_rows_async<64, D>(KVs + 64 * LD, v, t_begin * 64, Sk);
+  load_rows_async<64, Ops>(KVs + 64 * LD, v, t_begin * 64, Sk);
   cp_async_commit();
   for (int kt = t_begin; kt < t_end; ++kt) {
     const int k0 = kt * 64, st = STAGES == 1 ? 0 : (kt - t_begin) & 1;
@@ -4339,12 +4455,11 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
     T* Vs = Ks + 64 * LD;
     // Two stages: tile kt has landed, and every warp is done with tile kt - 1, whose stage takes tile
     // kt + 1 now. One stage: Q and this K tile have landed (V follows).
-    cp_async_wait<STAGES == 1 ? 1 : 0>();
-    __syncthreads();
+    tiles_landed<Ops, STAGES == 1 ? 1 : 0>();
     if (STAGES == 2) {
       if (kt + 1 < t_end) {
-        load_rows_async<64, D>(KVs + (st ^ 1) * 128 * LD, k, k0 + 64, Sk);
-        load_rows_async<64, D>(KVs + (st ^ 1) * 128 * LD + 64 * LD, v, k0 + 64, Sk);
+        load_rows_async<64, Ops>(KVs + (st ^ 1) * 128 * LD, k, k0 + 64, Sk);
+        load_rows_async<64, Ops>(KVs + (st ^ 1) * 128 * LD + 64 * LD, v, k0 + 64, Sk);
       }
       cp_async_commit();
     }
@@ -4352,7 +4467,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
     Ops::template abt<8>(s, Qs, warp * 16, Ks);
     if (STAGES == 1) {
       __syncthreads();  // all warps are done with Ks
-      if (kt + 1 < t_end) load_rows_async<64, D>(Ks, k, k0 + 64, Sk);
+      if (kt + 1 < t_end) load_rows_async<64, Ops>(Ks, k, k0 + 64, Sk);
       cp_async_commit();
     }
 
@@ -4404,14 +4519,11 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       }
     }
 
-    if (STAGES == 1) {
-      cp_async_wait<1>();  // this V tile has landed
-      __syncthreads();
-    }
+    if (STAGES == 1) tiles_landed<Ops, 1>();  // this V tile has landed
     Ops::template pm<8>(o, s, Vs);
     if (STAGES == 1) {
       __syncthreads();  // all warps are done with Vs
-      if (kt + 1 < t_end) load_rows_async<64, D>(Vs, v, k0 + 64, Sk);
+      if (kt + 1 < t_end) load_rows_async<64, Ops>(Vs, v, k0 + 64, Sk);
       cp_async_commit();
     }
   }
@@ -4551,7 +4663,7 @@ template <class Ops, int BQ, int STAGES>
 __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int kvh,
                                                   int kblock) {
   using T = typename Ops::T;
-  constexpr int D = Ops::D, LD = smem_row<T, D>();
+  constexpr int D = Ops::D, LD = Ops::LD;
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + 64 * LD;
   T* QdO = Vs + 64 * LD;  // stage st: Q rows at QdO + st * 2 * BQ * LD, dO rows BQ * LD further
@@ -4570,8 +4682,8 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
   AttnRows<const T> q_rows = attn_rows(p.q, p.lq, hq_load), do_rows = attn_rows(p.dout, p.ldout, hq_load);
   auto load_next = [&](int st) {
     T* Qs = QdO + st * 2 * BQ * LD;
-    load_rows_async<BQ, D>(Qs, q_rows, q0_load, p.Sq);
-    load_rows_async<BQ, D>(Qs + BQ * LD, do_rows, q0_load, p.Sq);
+    load_rows_async<BQ, Ops>(Qs, q_rows, q0_load, p.Sq);
+    load_rows_async<BQ, Ops>(Qs + BQ * LD, do_rows, q0_load, p.Sq);
     // lse2 and delta: (B * H, Sq), contiguous; threads [0, BQ) copy lse2, [BQ, 2 BQ) delta. Rows past Sq
     // read as 0 (the mask zeroes their P).
     static_assert(2 * BQ <= ATTN_THREADS, "a thread per value");
@@ -4590,8 +4702,8 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     }
   };
 
-  load_rows_async<64, D>(Ks, attn_rows(p.k, p.lk, kvh), k0, p.Sk);
-  load_rows_async<64, D>(Vs, attn_rows(p.v, p.lv, kvh), k0, p.Sk);
+  load_rows_async<64, Ops>(Ks, attn_rows(p.k, p.lk, kvh), k0, p.Sk);
+  load_rows_async<64, Ops>(Vs, attn_rows(p.v, p.lv, kvh), k0, p.Sk);
   load_next(0);  // one group with K and V
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (int i = 0, q0 = qstart; i < tiles; ++i, q0 = q0 + BQ < p.Sq ? q0 + BQ : qstart) {
@@ -4600,8 +4712,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     const T* dOs = Qs + BQ * LD;
     const float* Ls = stats + st * 2 * BQ;
     const float* Ds = Ls + BQ;
-    cp_async_wait<0>();  // tile i has landed
-    __syncthreads();     // two stages: and every warp is done with tile i - 1, whose stage takes tile i + 1
+    tiles_landed<Ops, 0>();  // tile i; two stages: and every warp is done with tile i - 1, whose stage takes i + 1
     if (STAGES == 2 && i + 1 < tiles) load_next(st ^ 1);
     float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
     Ops::template abt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
@@ -4642,7 +4753,7 @@ template <class Ops, int BK, int STAGES>
 __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int bh,
                                                  int qblock) {
   using T = typename Ops::T;
-  constexpr int D = Ops::D, LD = smem_row<T, D>();
+  constexpr int D = Ops::D, LD = Ops::LD;
   T* Qs = reinterpret_cast<T*>(smem);
   T* dOs = Qs + 64 * LD;
   T* KV = dOs + 64 * LD;  // stage st: K rows at KV + st * 2 * BK * LD, V rows BK * LD further
@@ -4660,13 +4771,13 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
   const float delta[4] = {dl[0], dl[0], dl[2], dl[2]};
   auto load_tile = [&](int kt, int st) {
     T* Ks = KV + st * 2 * BK * LD;
-    load_rows_async<BK, D>(Ks, k, kt * BK, p.Sk);
-    load_rows_async<BK, D>(Ks + BK * LD, v, kt * BK, p.Sk);
+    load_rows_async<BK, Ops>(Ks, k, kt * BK, p.Sk);
+    load_rows_async<BK, Ops>(Ks + BK * LD, v, kt * BK, p.Sk);
     cp_async_commit();
   };
 
-  load_rows_async<64, D>(Qs, attn_rows(p.q, p.lq, bh), q0, p.Sq);
-  load_rows_async<64, D>(dOs, attn_rows(p.dout, p.ldout, bh), q0, p.Sq);
+  load_rows_async<64, Ops>(Qs, attn_rows(p.q, p.lq, bh), q0, p.Sq);
+  load_rows_async<64, Ops>(dOs, attn_rows(p.dout, p.ldout, bh), q0, p.Sq);
   cp_async_commit();
   float dq[D / 8][4] = {};
   const int ntiles = key_tiles(p, p.Sk, min(q0 + 64, p.Sq), BK);
@@ -4675,8 +4786,7 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
     const int k0 = kt * BK, st = STAGES == 1 ? 0 : kt & 1;
     T* Ks = KV + st * 2 * BK * LD;
     T* Vs = Ks + BK * LD;
-    cp_async_wait<0>();  // tile kt has landed
-    __syncthreads();     // two stages: and every warp is done with tile kt - 1, whose stage takes kt + 1
+    tiles_landed<Ops, 0>();  // tile kt; two stages: and every warp is done with tile kt - 1, whose stage takes kt + 1
     if (STAGES == 2 && kt + 1 < ntiles) load_tile(kt + 1, st ^ 1);
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
     Ops::template abt<BK / 8>(s, Qs, warp * 16, Ks);
@@ -4704,11 +4814,12 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
 template <class Ops, int BQ, int BK, int STAGES>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int kv_blocks) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
+  unsigned char* smem = attn_smem_base<Ops>(attn_smem);
   const int y = blockIdx.y;
   if (y < kv_blocks) {
-    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, attn_smem, blockIdx.x, y);
+    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, smem, blockIdx.x, y);
   } else {
-    attention_bwd_dq<Ops, BK, STAGES>(p, attn_smem, blockIdx.x, gridDim.y - 1 - y);
+    attention_bwd_dq<Ops, BK, STAGES>(p, smem, blockIdx.x, gridDim.y - 1 - y);
   }
 }
 
@@ -4729,8 +4840,7 @@ static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale
 // MT = 1: the kernel is then bound by reading K and V, and more blocks fit on an SM.
 template <class Ops, int MT>
 static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
-  using T = typename Ops::T;
-  const size_t smem = (64 * MT + attn_stages<T, Ops::D>(64 * MT, 128) * 128) * smem_row<T, Ops::D>() * sizeof(T);
+  const size_t smem = attn_smem_bytes<Ops>(64 * MT + attn_stages<Ops>(64 * MT, 128) * 128);
   const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
   raise_smem_limit<attention_fwd_kernel<Ops, MT>>(smem);
   launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p);
@@ -4754,14 +4864,13 @@ int attention_fwd_splits(int BH, int group, int Sq, int Sk) {
 
 template <class Ops>
 static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, cudaStream_t s) {
-  using T = typename Ops::T;
-  constexpr int D = Ops::D, LD = smem_row<T, D>();
+  constexpr int D = Ops::D;
   constexpr int BQ = D > 64 ? 32 : 64, BK = D > 64 ? 32 : 64;  // register budget at D = 128
   // dK/dV blocks hold K, V (64 rows) + per stage Q, dO (BQ rows each), lse2, delta; dQ blocks Q, dO
   // (64 rows each) + per stage K, V (BK rows each). The larger of the two sets the stages.
-  constexpr int STAGES = attn_stages<T, D>(128, 2 * std::max(BQ, BK), 2 * BQ * (int)sizeof(float));
-  constexpr size_t smem_kv = (128 + STAGES * 2 * BQ) * LD * sizeof(T) + STAGES * 2 * BQ * sizeof(float);
-  constexpr size_t smem_q = (128 + STAGES * 2 * BK) * LD * sizeof(T);
+  constexpr int STAGES = attn_stages<Ops>(128, 2 * std::max(BQ, BK), 2 * BQ * (int)sizeof(float));
+  constexpr size_t smem_kv = attn_smem_bytes<Ops>(128 + STAGES * 2 * BQ, STAGES * 2 * BQ * sizeof(float));
+  constexpr size_t smem_q = attn_smem_bytes<Ops>(128 + STAGES * 2 * BK);
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
   constexpr size_t smem = std::max(smem_kv, smem_q);
   raise_smem_limit<attention_bwd_kernel<Ops, BQ, BK, STAGES>>(smem);
@@ -4773,13 +4882,20 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
 // this list lives: bindings.cpp exposes it to Python as kernels.FUSED_HEAD_SIZES.
 bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 96 || D == 128; }
 
+static std::atomic<bool> attention_wgmma_enabled{true};  // set_attention_wgmma: off to compare with mma.sync
+void set_attention_wgmma(bool on) { attention_wgmma_enabled.store(on); }
+
 // f(Ops{}) with the operand policy of element type T and head dim D: fp32 multiplies in 3xTF32
-// (precise) or TF32, bf16 in bf16 (precise does not apply).
+// (precise) or TF32, bf16 in bf16 (precise does not apply), on wgmma at D = 64 where this build's
+// sm_90a code runs.
 template <class T, int D, class F>
 static void with_attn_ops(bool precise, F& f) {
   if constexpr (std::is_same_v<T, float>) {
     if (precise) f(AttnTf32<D, true>{});
     else f(AttnTf32<D, false>{});
+  } else if constexpr (D == 64) {
+    if (attention_wgmma_enabled.load() && hopper_wgmma()) f(AttnBf16Wg<D>{});
+    else f(AttnBf16<D>{});
   } else {
     f(AttnBf16<D>{});
   }

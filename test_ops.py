@@ -2423,7 +2423,9 @@ def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
     return {"out": (4e-3, 2**-8), "q": (ds, 2**-7), "k": (ds * mag, 2**-7), "v": (g, 2**-7)}
 
 
-def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False):
+def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False,
+                     wgmma=True):
+    # wgmma=False: head size 64 on Hopper multiplies with mma.sync too (kernels.set_attention_wgmma)
     def qkv(S, heads, m=1):
         # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
         return (rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)).bfloat16()
@@ -2434,8 +2436,12 @@ def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_
     tol = attn_bf16_tol(mag, H // Hkv, 1.0 if scale is None else abs(scale) * math.sqrt(D))
     dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
     seen = {}
-    compare_bf16(attention_recording_layout("fused-bf16", seen, causal=causal, scale=scale), D, tol=tol,
-                 hopper=False, dy=dy, twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v)
+    kernels.set_attention_wgmma(wgmma)
+    try:
+        compare_bf16(attention_recording_layout("fused-bf16", seen, causal=causal, scale=scale), D, tol=tol,
+                     hopper=False, dy=dy, twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v)
+    finally:
+        kernels.set_attention_wgmma(True)
     assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
 
 
@@ -2478,11 +2484,50 @@ ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
     # many key blocks against few query tiles, 32-query tiles of the backward at D = 96 and 128
     (1, 2, 300, 1000, 96, False, {}),
     (1, 4, 129, 1100, 128, _C, dict(kv_heads=2)),
+    # head size 64 on mma.sync as well (on Hopper it runs on wgmma by default)
+    (2, 3, 1000, 1000, 64, _C, dict(wgmma=False)),
+    (2, 8, 17, 17, 64, _C, dict(kv_heads=2, wgmma=False)),
+    (2, 3, 1, 2048, 64, _C, dict(mag=30, wgmma=False)),
 ]
 for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
     _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
     _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
     add(_name, t_attention_bf16, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def launched_kernels(fn):
+    """Names of the CUDA kernels fn() launches, as the profiler reports them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def t_attention_bf16_wgmma_choice():
+    # Which products the bf16 kernels run, read from the kernels' names: wgmma (policy AttnBf16Wg) at head
+    # size 64 on a compute capability 9.0 GPU, mma.sync (AttnBf16) with set_attention_wgmma(False) and at
+    # every other head size.
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("wgmma needs compute capability 9.0")
+    seen = {}
+    for D in (64, 128):
+        q, k, v = (rand(2, 4, 300, D).bfloat16().requires_grad_() for _ in range(3))
+        for on in (True, False):
+            kernels.set_attention_wgmma(on)
+            try:
+                names = launched_kernels(lambda: kernels.attention(q, k, v, causal=True).sum().backward())
+            finally:
+                kernels.set_attention_wgmma(True)
+            for part in ("attention_fwd_kernel", "attention_bwd_kernel"):
+                policies = sorted({"AttnBf16Wg" if "AttnBf16Wg" in n else "AttnBf16" if "AttnBf16" in n else n
+                                   for n in names if part in n})
+                seen[(D, on, part)] = policies
+                want = ["AttnBf16Wg"] if D == 64 and on else ["AttnBf16"]
+                assert policies == want, f"D={D} wgmma={on}: {part} ran {policies}, expected {want}"
+    return "; ".join(f"D={D} wgmma={on}: {part.split('_')[1]} {p[0]}" for (D, on, part), p in seen.items())
+
+
+add("attention/fused-bf16/wgmma_choice", t_attention_bf16_wgmma_choice)
 
 
 def t_attention_bf16_deterministic(B, H, S, D, causal, kv_heads=None):
@@ -2561,9 +2606,10 @@ add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention
 def op_sets_same_names():
     # the kernels module's ops are train.OP_NAMES, and both op sets expose them under the same names
     # (plus split, which is no kernel)
-    # (set_pdl is a launch setting, no op)
+    # (set_pdl and set_attention_wgmma are launch settings, no ops)
+    settings = ("set_pdl", "set_attention_wgmma")
     ours = sorted(n for n in dir(kernels)
-                  if not n.startswith("_") and callable(getattr(kernels, n)) and n != "set_pdl")
+                  if not n.startswith("_") and callable(getattr(kernels, n)) and n not in settings)
     assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
     cuda = train.cuda_op_set(kernels, 64)
     assert sorted(vars(cuda)) == sorted(vars(train.TORCH_OPS)), "cuda and torch op sets differ in names"
@@ -3444,8 +3490,11 @@ def bench_attention_bf16(rows):
     print("\nattention bf16; SDPA = F.scaled_dot_product_attention in bf16, default backend (the repo's causal "
           "alignment; a mask where it differs from is_causal); SDPA-FA2 = the same restricted to its "
           "FlashAttention-2 backend (none where that takes no mask: decode)")
-    cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "SDPA/ours",
-            "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
+    # at head size 64 on Hopper ours runs on wgmma; "ours mma.sync" is the same call with
+    # kernels.set_attention_wgmma(False), the kernels other GPUs and head sizes run
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "ours mma.sync ms",
+            "SDPA/ours", "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
     print(md_row(cols))
     print(md_row(["---"] * len(cols)))
 
@@ -3464,6 +3513,13 @@ def bench_attention_bf16(rows):
         for pas in passes:
             ms, outs = time_attention(fns if pas != "decode" else {n: fns[n] for n in ("sdpa", "ours")}, pas, q, k,
                                       v, dout, kv_len)
+            mma = None
+            if hopper and D == 64:
+                kernels.set_attention_wgmma(False)
+                try:
+                    mma = time_attention({"ours": fns["ours"]}, pas, q, k, v, dout, kv_len)[0]["ours"]
+                finally:
+                    kernels.set_attention_wgmma(True)
             ok, text = rel_check(outs["ours"], outs["sdpa"], 2e-2)
             if pas == "decode":
                 rate, unit = 2 * B * H * Sk * D * 2 / (ms["ours"] * 1e-3) / 1e9, "GB/s"
@@ -3474,10 +3530,11 @@ def bench_attention_bf16(rows):
             fa2 = ms.get("sdpa-fa2")
             rows.append(dict(op="attention bf16", shape=f"B{B} H{H} Sq{Sq} Sk{Sk} D{D}", causal=causal,
                              **{"pass": pas}, sdpa_ms=ms["sdpa"], sdpa_fa2_ms=fa2, ours_ms=ms["ours"],
-                             sdpa_over_ours=ratio, sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
+                             ours_mma_sync_ms=mma, sdpa_over_ours=ratio, sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
                              unit=unit, check_ok=ok, check=text))
             print(md_row([str(B), str(H), str(Sq), str(Sk), str(D), str(causal), pas, f"{ms['sdpa']:.4f}",
-                          fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", f"{ratio:.2f}x",
+                          fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", fmt(mma, ".4f") if mma else "-",
+                          f"{ratio:.2f}x",
                           f"{fa2 / ms['ours']:.2f}x" if fa2 else "-", f"{rate:.1f} {unit}", text]), flush=True)
 
 
