@@ -4240,6 +4240,44 @@ struct AttnBf16 {
   }
 };
 
+// The 32 accumulators of an m64n64 wgmma (each thread's share), as asm operands %0-%31.
+#define WG64_ACC                                                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "      \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG64_OUT(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+// d (64 x 64 over the warpgroup) += a (64 x 16) * b (16 x 64), bf16, both from shared memory
+// descriptors; TB: b is N-major (its transpose bit).
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
+#ifdef WG_ENABLED
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG64_ACC ", %32, %33, p, 1, 1, 0, %34;\n}\n"
+               : WG64_OUT(d)
+               : "l"(a), "l"(b), "n"(TB), "r"(1));
+#else
+  __trap();
+#endif
+}
+// The same with a from registers: this thread's A fragment of its warp's 16 rows.
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+#ifdef WG_ENABLED
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG64_ACC ", {%32, %33, %34, %35}, %36, p, 1, 1, "
+               "%37;\n}\n"
+               : WG64_OUT(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
+#else
+  __trap();
+#endif
+}
+#undef WG64_OUT
+#undef WG64_ACC
+
 // bf16 on Hopper's warpgroup MMA (sm_90a), D = 64. The block's 4 warps are one warpgroup, and a
 // product is wgmma m64n64k16 over a whole 64-row tile: warp w gets rows 16w .. 16w + 15, n8 tile j in
 // registers 4j .. 4j + 3, exactly the C fragments of the mma.sync policies above, so the kernels run
@@ -4250,39 +4288,6 @@ struct AttnBf16 {
 // in abt (rows of B are its n, D along k) and N-major in pm (rows of M are its k). Each product waits
 // for its wgmmas before returning: the softmax between them needs the results anyway, and two blocks
 // per SM overlap one's softmax with the other's products.
-template <int TB>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
-#ifdef WG_ENABLED
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %34;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "n"(TB), "r"(1));
-#else
-  __trap();
-#endif
-}
-template <int TB>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-#ifdef WG_ENABLED
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
-#else
-  __trap();
-#endif
-}
-
 template <int D_>
 struct AttnBf16Wg {
   using T = __nv_bfloat16;
@@ -4292,7 +4297,9 @@ struct AttnBf16Wg {
   __device__ __forceinline__ static int at(int r, int c) { return r * LD + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
   // 8-row groups 1024 bytes apart; a k16 step is 32 bytes along a K-major row, 16 rows (2048 bytes)
   // down an N-major tile (whose 64 columns are one swizzle row: the slab stride is not used).
-  __device__ __forceinline__ static uint64_t k_major(const T* p, int kk) { return smem_desc(smem_addr(p) + 32 * kk, 16, 1024); }
+  __device__ __forceinline__ static uint64_t k_major(const T* p, int kk) {
+    return smem_desc(smem_addr(p) + 32 * kk, 16, 1024);
+  }
   __device__ __forceinline__ static uint64_t n_major(const T* p, int kk) {
     return smem_desc(smem_addr(p) + 2048 * kk, 8192, 1024);
   }

@@ -3530,7 +3530,8 @@ def bench_attention_bf16(rows):
             fa2 = ms.get("sdpa-fa2")
             rows.append(dict(op="attention bf16", shape=f"B{B} H{H} Sq{Sq} Sk{Sk} D{D}", causal=causal,
                              **{"pass": pas}, sdpa_ms=ms["sdpa"], sdpa_fa2_ms=fa2, ours_ms=ms["ours"],
-                             ours_mma_sync_ms=mma, sdpa_over_ours=ratio, sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
+                             ours_mma_sync_ms=mma, sdpa_over_ours=ratio,
+                             sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
                              unit=unit, check_ok=ok, check=text))
             print(md_row([str(B), str(H), str(Sq), str(Sk), str(D), str(causal), pas, f"{ms['sdpa']:.4f}",
                           fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", fmt(mma, ".4f") if mma else "-",
