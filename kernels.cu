@@ -4167,8 +4167,22 @@ struct AttnTf32 {
   }
 };
 
+// A policy P's products for one row tile per warp (the backward's), through its M-tile ones.
+template <class P, int D, class T>
+struct OneRowTile {
+  template <int NT>
+  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
+    P::template abt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
+  }
+  template <int NT>
+  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
+    P::template pm<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc), reinterpret_cast<const float(&)[1][NT][4]>(p),
+                          m);
+  }
+};
+
 template <int D_>
-struct AttnBf16 {
+struct AttnBf16 : OneRowTile<AttnBf16<D_>, D_, __nv_bfloat16> {
   using T = __nv_bfloat16;
   // Two row tiles per forward warp where the registers allow (its o and s double).
   static constexpr int D = D_, LD = smem_row<T, D>(), MT = D <= 64 ? 2 : 1;
@@ -4230,14 +4244,8 @@ struct AttnBf16 {
       }
     }
   }
-  template <int NT>
-  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
-    abt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
-  }
-  template <int NT>
-  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
-    pm<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc), reinterpret_cast<const float(&)[1][NT][4]>(p), m);
-  }
+  using OneRowTile<AttnBf16<D_>, D_, T>::abt;
+  using OneRowTile<AttnBf16<D_>, D_, T>::pm;
 };
 
 // The 32 accumulators of an m64n64 wgmma (each thread's share), as asm operands %0-%31.
@@ -4289,7 +4297,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
 // for its wgmmas before returning: the softmax between them needs the results anyway, and two blocks
 // per SM overlap one's softmax with the other's products.
 template <int D_>
-struct AttnBf16Wg {
+struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
   using T = __nv_bfloat16;
   static_assert(D_ == 64, "one 128-byte swizzle row per tile row");
   static constexpr int D = D_, LD = D, MT = 2;
@@ -4335,14 +4343,8 @@ struct AttnBf16Wg {
         wgmma_m64n64k16<1>(reinterpret_cast<float(&)[32]>(acc[mt]), af[mt][j], n_major(m, j));
     wgmma_commit_and_wait();
   }
-  template <int NT>
-  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
-    abt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
-  }
-  template <int NT>
-  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
-    pm<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc), reinterpret_cast<const float(&)[1][NT][4]>(p), m);
-  }
+  using OneRowTile<AttnBf16Wg<D_>, D_, T>::abt;
+  using OneRowTile<AttnBf16Wg<D_>, D_, T>::pm;
 };
 
 // Two adjacent outputs of a row (a C fragment's pair) to global memory.
