@@ -2907,13 +2907,13 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const
   const int s = blockIdx.y;
   const int64_t e = experts ? experts[s] : 0;
   const bool expert_ok = e >= 0 && e < E, ok = row < N && expert_ok;
-  const T* w = W + (e * N + row) * (int64_t)K;
-  const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
-  const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
   if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
   float acc = 0.f;
   if (ok) {
+    const T* w = W + (e * N + row) * (int64_t)K;
     const T* xs = x + (int64_t)s * K;
+    const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
+    const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
     int u = u0 + lane;
     if (VEC) {
       const float4* w4 = reinterpret_cast<const float4*>(w);
@@ -4144,7 +4144,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 template <int D_, bool PRECISE>
 struct AttnTf32 {
   using T = float;
-  static constexpr int D = D_, LD = D + 4, MT = 1;
+  static constexpr int D = D_, LD = smem_row<T, D>(), MT = 1;
   static constexpr bool WGMMA = false;
   __device__ __forceinline__ static int at(int r, int c) { return r * LD + c; }  // padded rows
   template <int NT, int M>

@@ -1774,10 +1774,10 @@ for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, Fals
 # Programmatic dependent launch (kernels.set_pdl, on by default): on a compute capability 9.0 GPU our row,
 # elementwise, embedding, GEMV, kv_write and attention-forward kernels may be launched while the kernel
 # ahead of them runs, and wait inside for it. Here a LayerNorm of one 2^22-wide row (one block, a long
-# time) writes, over memory that held NaN just before (the caching allocator hands the freed block back: checked), the x of
-# a GEMV that is launched as soon as that block starts; then a LayerNorm, a GEMV and a cross-entropy,
-# each reading what the one before wrote. A kernel that read before its wait would see NaN or stale
-# values; with launches early and ordinary, the same bits.
+# time) writes, over memory that held NaN just before (the caching allocator hands the freed block
+# back: checked), the x of a GEMV that is launched as soon as that block starts; then a LayerNorm, a
+# GEMV and a cross-entropy, each reading what the one before wrote. A kernel that read before its
+# wait would see NaN or stale values; with launches early and ordinary, the same bits.
 def t_gemv_pdl_chain(N, K):
     if torch.cuda.get_device_capability() != (9, 0):
         raise Skip("early launches need a compute capability 9.0 GPU")
@@ -2423,6 +2423,16 @@ def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
     return {"out": (4e-3, 2**-8), "q": (ds, 2**-7), "k": (ds * mag, 2**-7), "v": (g, 2**-7)}
 
 
+@contextlib.contextmanager
+def attention_wgmma(on):
+    """kernels.set_attention_wgmma(on) inside the block, the default (on) again after it."""
+    kernels.set_attention_wgmma(on)
+    try:
+        yield
+    finally:
+        kernels.set_attention_wgmma(True)
+
+
 def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False,
                      wgmma=True):
     # wgmma=False: head size 64 on Hopper multiplies with mma.sync too (kernels.set_attention_wgmma)
@@ -2436,12 +2446,9 @@ def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_
     tol = attn_bf16_tol(mag, H // Hkv, 1.0 if scale is None else abs(scale) * math.sqrt(D))
     dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
     seen = {}
-    kernels.set_attention_wgmma(wgmma)
-    try:
+    with attention_wgmma(wgmma):
         compare_bf16(attention_recording_layout("fused-bf16", seen, causal=causal, scale=scale), D, tol=tol,
                      hopper=False, dy=dy, twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v)
-    finally:
-        kernels.set_attention_wgmma(True)
     assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
 
 
@@ -2513,11 +2520,8 @@ def t_attention_bf16_wgmma_choice():
     for D in (64, 128):
         q, k, v = (rand(2, 4, 300, D).bfloat16().requires_grad_() for _ in range(3))
         for on in (True, False):
-            kernels.set_attention_wgmma(on)
-            try:
+            with attention_wgmma(on):
                 names = launched_kernels(lambda: kernels.attention(q, k, v, causal=True).sum().backward())
-            finally:
-                kernels.set_attention_wgmma(True)
             for part in ("attention_fwd_kernel", "attention_bwd_kernel"):
                 policies = sorted({"AttnBf16Wg" if "AttnBf16Wg" in n else "AttnBf16" if "AttnBf16" in n else n
                                    for n in names if part in n})
@@ -3515,11 +3519,8 @@ def bench_attention_bf16(rows):
                                       v, dout, kv_len)
             mma = None
             if hopper and D == 64:
-                kernels.set_attention_wgmma(False)
-                try:
+                with attention_wgmma(False):
                     mma = time_attention({"ours": fns["ours"]}, pas, q, k, v, dout, kv_len)[0]["ours"]
-                finally:
-                    kernels.set_attention_wgmma(True)
             ok, text = rel_check(outs["ours"], outs["sdpa"], 2e-2)
             if pas == "decode":
                 rate, unit = 2 * B * H * Sk * D * 2 / (ms["ours"] * 1e-3) / 1e9, "GB/s"
