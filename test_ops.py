@@ -3,6 +3,7 @@
     python test_ops.py                          # all cases; GPU cases are skipped without CUDA
     python test_ops.py --only attention         # the cases whose name contains 'attention'
     python test_ops.py --gpu_only --shard 0/3   # GPU cases 0, 3, 6, ... (parallel sanitizer runs)
+    python test_ops.py --sanitize               # every GPU case under compute-sanitizer's four tools
     python test_ops.py --bench [--json PATH]    # speed against PyTorch (needs a GPU and the build)
     python test_ops.py --bench --only attention_bf16   # one bench table (names as in --only)
 
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -37,6 +39,7 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
 import mhc
@@ -59,7 +62,33 @@ BUILD_HINT = "build it with: python setup.py build_ext --inplace"
 # The torch op set of train.py, the one the model trains with, is the reference. The tests pass
 # kernels-only options (mode, precision) to both sides; the twin has nothing to choose there.
 REF = types.SimpleNamespace(**vars(train.TORCH_OPS))
-REF.attention = lambda q, k, v, mode=None, precision=None, **kw: train.torch_attention(q, k, v, **kw)
+# Set in processes that compute-sanitizer runs: tests that cannot run under it skip, saying why.
+UNDER_SANITIZER = any(k.startswith("NV_SANITIZER") for k in os.environ)
+
+
+def ref_attention(q, k, v, mode=None, precision=None, **kw):
+    """SDPA as the torch op set calls it. Under compute-sanitizer, not through cuDNN: synccheck reports
+    barrier errors inside cuDNN's bf16 backward kernels, whose call then fails and leaves the CUDA context
+    broken for every later case of the process. SDPA's other backends compute the same function."""
+    if not UNDER_SANITIZER:
+        return train.torch_attention(q, k, v, **kw)
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends):  # the backward follows the forward's backend
+        return train.torch_attention(q, k, v, **kw)
+
+
+REF.attention = ref_attention
+
+
+def embedding_reference(idx, w):
+    """F.embedding's value through index_select, whose backward is an index_add. PyTorch's own embedding
+    backward takes, for 1025 to 3072 indices, a kernel that reloads its shared index list for the next
+    1024 indices with no barrier after the warps still reading it (pytorch/pytorch#187687): under
+    compute-sanitizer's timing that race gives a wrong gradient, so it cannot be the reference."""
+    return w.index_select(0, idx.reshape(-1)).view(*idx.shape, w.shape[-1])
+
+
+REF.embedding = embedding_reference
 
 
 def topk_reference(x, k):
@@ -177,11 +206,142 @@ def run_tests(only, gpu_only=False, shard=(0, 1)):
         status, detail = gpu_verdict if gpu and gpu_verdict else run_case(name, fn, gpu)
         seconds = time.perf_counter() - t0
         counts[status] += 1
-        print(f"{status}  {detail}" + (f"  ({seconds:.1f} s)" if seconds >= 1 else ""), flush=True)
+        again = f"\n{name:<46} " if UNDER_SANITIZER else ""  # a tool's reports may sit between name and verdict
+        print(f"{again}{status}  {detail}" + (f"  ({seconds:.1f} s)" if seconds >= 1 else ""), flush=True)
     if not cases:
         print(f"no case name contains {only!r}")
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
     return 1 if counts["FAIL"] or not cases else 0
+
+# -----------------------------------------------------------------------------
+# --sanitize: every GPU case under compute-sanitizer's four tools, then what each tool reported, split
+# into reports inside this repo's kernels (their frames name kernels.cu: the build keeps line info) and
+# reports inside PyTorch's, cuBLAS's and cuDNN's kernels, which the cases run as twins and references.
+# Every tool runs unfiltered: racecheck with --kernel-name-exclude over PyTorch's, cuBLAS's and cuDNN's
+# kernel names broke cuBLAS in the process it checked, a PyTorch-only one too (CUBLAS_STATUS_NOT_INITIALIZED,
+# or a hardware exception the tool could not handle).
+
+SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+
+
+def sanitize(tools, shards, only, log_dir):
+    """Runs `shards` processes a tool, all at once, each over every shards-th GPU case; logs in log_dir."""
+    os.makedirs(log_dir, exist_ok=True)
+    runs = []
+    for tool in tools:
+        for k in range(shards):
+            cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device",
+                   sys.executable, __file__, "--gpu_only", "--shard", f"{k}/{shards}", "--only", only]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+            log = os.path.join(log_dir, f"{tool}_{k}.log")
+            thread = threading.Thread(target=keep_sanitizer_log, args=(proc, log), daemon=True)
+            thread.start()
+            runs.append((f"{tool}_{k}", proc, thread, time.time()))
+    print(f"{len(runs)} processes ({', '.join(tools)} x {shards} shards), logs in {log_dir}", flush=True)
+    try:
+        for name, proc, thread, t0 in runs:
+            thread.join()
+            print(f"  {name} done in {time.time() - t0:.0f} s (exit {proc.wait()})", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: the logs so far")
+        for _, proc, thread, _ in runs:
+            proc.terminate()
+            thread.join()
+    return print_sanitizer_summary(log_dir)
+
+
+SANITIZER_KEEP = 20  # reports written out per kernel and log; the rest are only counted
+SANITIZER_QUIET = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "Target application returned")
+
+
+def keep_sanitizer_log(proc, path):
+    """Copies proc's output to path, all but the reports past SANITIZER_KEEP of one kernel (initcheck can
+    report 100,000 reads a case), and ends the log with a tally line per kernel."""
+    tally, block = {}, []
+
+    def close_block(log):
+        for ours, where, _ in sanitizer_reports("".join(block)):
+            tally[(ours, where)] = tally.get((ours, where), 0) + 1
+            if tally[(ours, where)] <= SANITIZER_KEEP:
+                log.writelines(block)
+
+    with open(path, "w") as log:
+        for line in proc.stdout:
+            if line.startswith("=========     "):
+                block.append(line)
+                continue
+            if block:
+                close_block(log)
+            opens = line.startswith("========= ") and line[10:].strip() and not line[10:].startswith(SANITIZER_QUIET)
+            block = [line] if opens else []
+            if not block:
+                log.write(line)
+                log.flush()
+        if block:
+            close_block(log)
+        for (ours, where), n in tally.items():
+            log.write(f"TALLY {'ours' if ours else 'other'} {n} {where}\n")
+
+
+def sanitizer_reports(text):
+    """(ours, where, message) for each report in a compute-sanitizer log: a line '========= X' opens one,
+    the indented '=========     ...' lines under it give its frames."""
+    reports, block = [], []
+    for line in text.splitlines() + ["========= "]:
+        if not line.startswith("========= "):
+            continue
+        body = line[len("========= "):]
+        if body.startswith("    "):
+            block.append(body.strip())
+            continue
+        if block:
+            frames = " ".join(block).split("Saved host backtrace")[0]  # the device side only
+            at = re.search(r"\bat (.+?)(?:\+0x| in |$)", frames)
+            name = at.group(1).removeprefix("void ").replace("(anonymous namespace)", "") if at else ""
+            where = re.split(r"[<(]", name)[0].split("::")[-1] or block[0][:80]
+            reports.append(("kernels.cu" in frames, where, block[0][:80]))
+        block = [body] if body.strip() and not body.startswith(SANITIZER_QUIET) else []
+    return reports
+
+
+def print_sanitizer_summary(log_dir):
+    """One row per tool: cases, the tool's own summary, reports in our kernels and elsewhere."""
+    failed_any = False
+    print(f"\n{'tool':<10} {'cases':>5} {'pass':>5} {'fail':>4} {'skip':>4}  {'ours':>5} {'other':>6}  tool's summaries")
+    for tool in SANITIZER_TOOLS:
+        logs = sorted(f for f in os.listdir(log_dir) if f.startswith(tool + "_") and f.endswith(".log"))
+        if not logs:
+            continue
+        counts, sums, ours, other, notes = [0, 0, 0], [], [], {}, []
+        for f in logs:
+            text = open(os.path.join(log_dir, f), errors="replace").read()
+            done = re.search(r"(\d+) passed, (\d+) failed, (\d+) skipped", text)
+            if done:
+                counts = [c + int(v) for c, v in zip(counts, done.groups())]
+            else:
+                notes.append(f"{f}: no test summary (still running, killed or crashed)")
+            sums += re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+ \w+)", text)
+            notes += [f"{f}: {m.group(1)} {m.group(2)}: {m.group(3)[:100]}"
+                      for m in re.finditer(r"^(\S+)\s+(FAIL|SKIP)\s+(.*)$", text, re.M)]
+            tallies = re.findall(r"^TALLY (ours|other) (\d+) (.*)$", text, re.M)  # a finished log
+            reports = [(o == "ours", w, int(n)) for o, n, w in tallies] or \
+                [(o, w, 1) for o, w, _ in sanitizer_reports(text)]
+            for is_ours, where, n in reports:
+                if is_ours:
+                    ours.append(f"{n} in {where}")
+                else:
+                    other[where] = other.get(where, 0) + n
+        failed_any |= bool(ours) or counts[1] > 0 or any("no test summary" in n for n in notes)
+        n_ours = sum(int(o.split()[0]) for o in ours)
+        print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4}  {n_ours:>5} "
+              f"{sum(other.values()):>6}  {', '.join(sums)}")
+        for line in ours[:20]:
+            print(f"    OURS  {line}")
+        for where, n in sorted(other.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    other {n:>6} in {where}")
+        for note in notes:
+            print(f"    {note}")
+    return 1 if failed_any else 0
 
 # -----------------------------------------------------------------------------
 # data.py (CPU)
@@ -1312,9 +1472,60 @@ def ref_join_last():
     return "side by side: a view; otherwise a copy; JoinedSplit passes gradcheck"
 
 
+def ref_embedding():
+    # the reference's index_select equals F.embedding in value and weight gradient, repeated indices too
+    idx = torch.tensor([[3, 0, 3], [1, 3, 2]])
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 3, 4, dtype=torch.float64)
+    ours, twin = embedding_reference(idx, w), F.embedding(idx, w)
+    check("out", ours, twin, 0)
+    check("dw", torch.autograd.grad(ours, w, dy)[0], torch.autograd.grad(twin, w, dy)[0], 1e-15)
+
+
+SANITIZER_LOG = """========= COMPUTE-SANITIZER
+embedding/x                                    PASS  out 0
+========= Uninitialized __global__ memory read of size 2 bytes
+=========     at void at::native::(anonymous namespace)::unrolled_elementwise_kernel<4>(int)+0x3c0 in Loops.cuh:33
+=========     by thread (0,0,0) in block (0,0,0)
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: embedding_bwd in kernels.cu
+=========
+========= Error: Race reported between Write access at void norm_bwd_kernel<32>(NormBwdArgs)+0x4d0 in /r/kernels.cu:900
+=========     and Read access at void norm_bwd_kernel<32>(NormBwdArgs)+0x2a0 in /r/kernels.cu:880 [8 hazards]
+=========
+========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception.
+=========
+matmul_bf16/1x1x1                              FAIL  RuntimeError: CUBLAS_STATUS_INTERNAL_ERROR
+1 passed, 1 failed, 0 skipped
+========= ERROR SUMMARY: 3 errors
+"""
+
+
+def sanitizer_summary_of_logs():
+    # --sanitize's reading of a log: which kernel each report is in, ours (a kernels.cu frame on the device
+    # side, not a host frame) or not, and the counts it keeps once it has cut a long log short
+    reports = sanitizer_reports(SANITIZER_LOG)
+    want = [(False, "unrolled_elementwise_kernel"), (True, "norm_bwd_kernel"),
+            (False, "Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception.")]
+    assert [(o, w) for o, w, _ in reports] == want, f"read as {reports}"
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = SANITIZER_LOG.splitlines(keepends=True)
+        proc = types.SimpleNamespace(stdout=lines[:2] + lines[2:8] * 31 + lines[8:])  # the first report 31 times
+        keep_sanitizer_log(proc, os.path.join(tmp, "initcheck_0.log"))
+        text = open(os.path.join(tmp, "initcheck_0.log")).read()
+        assert "TALLY other 31 unrolled_elementwise_kernel" in text and "TALLY ours 1 norm_bwd_kernel" in text, text
+        assert text.count("unrolled_elementwise_kernel<4>") == SANITIZER_KEEP, "the log keeps SANITIZER_KEEP of them"
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            failed = print_sanitizer_summary(tmp)
+    assert failed == 1 and "OURS  1 in norm_bwd_kernel" in out.getvalue(), out.getvalue()
+    return "reports by kernel, ours told apart, long logs tallied"
+
+
 add("ref/topk_order", ref_topk_order, gpu=False)
 add("ref/causal_alignment", ref_causal_alignment, gpu=False)
 add("ref/join_last", ref_join_last, gpu=False)
+add("ref/embedding", ref_embedding, gpu=False)
+add("sanitize/summary_of_logs", sanitizer_summary_of_logs, gpu=False)
 
 # -----------------------------------------------------------------------------
 # GPU cases. Inputs are unit normals unless a case says otherwise; tolerances are absolute
@@ -1872,19 +2083,19 @@ def bf16_tolerance(dtype, tol):
     return (atol, max(rtol, 2**-8)) if dtype == BF16 else (atol, rtol)
 
 
-def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, **inputs):
+def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, ref_fn=None, **inputs):
     """ours(**inputs) on our kernels, every input in the dtype it comes in (bf16 or fp32; integer ones as
-    they are), against torch_fn on the same values twice: in float64 (the reference) and in those dtypes
-    with its result cast to out_dtype (PyTorch's own, the twin), through check_bf16. For ops with a tuple
-    of outputs, out_dtype is a tuple too. With grad_tol, one dy per output, in its dtype, goes back through
-    all three, and every float input's gradient must come back in that input's dtype and pass the same
-    checks."""
+    they are), against torch_fn on the same values twice: in float64 (the reference; ref_fn instead where
+    given) and in those dtypes with its result cast to out_dtype (PyTorch's own, the twin), through
+    check_bf16. For ops with a tuple of outputs, out_dtype is a tuple too. With grad_tol, one dy per
+    output, in its dtype, goes back through all three, and every float input's gradient must come back in
+    that input's dtype and pass the same checks."""
     grad = grad_tol is not None
 
     def leaves(cast):
         return {n: cast(t).detach().requires_grad_(grad) if t.is_floating_point() else t for n, t in inputs.items()}
     ours_in, twin_in, ref_in = leaves(lambda t: t), leaves(lambda t: t), leaves(lambda t: t.double())
-    outs, twins, refs = outputs(ours(**ours_in)), outputs(torch_fn(**twin_in)), outputs(torch_fn(**ref_in))
+    outs, twins, refs = outputs(ours(**ours_in)), outputs(torch_fn(**twin_in)), outputs((ref_fn or torch_fn)(**ref_in))
     dtypes = (out_dtype,) if isinstance(out_dtype, torch.dtype) else out_dtype
     twins = [(label, t.to(dt)) for (label, t), dt in zip(twins, dtypes, strict=True)]
     for (label, out), (_, twin), (_, ref), dt in zip(outs, twins, refs, dtypes, strict=True):
@@ -2033,7 +2244,7 @@ def t_embedding_bf16(idx_shape, V, C):
     w = rand(V, C).to(BF16)
     assert torch.equal(kernels.embedding(idx, w), F.embedding(idx, w)), "the bf16 embedding forward is not exact"
     compare_dtypes(lambda w: kernels.embedding(idx, w), lambda w: F.embedding(idx, w), 0.0,
-                   EMB_GRAD_TOL_PER_USE * uses, w=w)
+                   EMB_GRAD_TOL_PER_USE * uses, ref_fn=lambda w: embedding_reference(idx, w), w=w)
 
 
 add("embedding_bf16/3x1001_of_1000x64", t_embedding_bf16, (3, 1001), 1000, 64)
@@ -2522,6 +2733,8 @@ def t_attention_bf16_wgmma_choice():
         for on in (True, False):
             with attention_wgmma(on):
                 names = launched_kernels(lambda: kernels.attention(q, k, v, causal=True).sum().backward())
+            if not names:  # not even PyTorch's own: the profiler saw nothing (e.g. under compute-sanitizer)
+                raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
             for part in ("attention_fwd_kernel", "attention_bwd_kernel"):
                 policies = sorted({"AttnBf16Wg" if "AttnBf16Wg" in n else "AttnBf16" if "AttnBf16" in n else n
                                    for n in names if part in n})
@@ -2623,6 +2836,93 @@ def op_sets_same_names():
 add("opsets/same_names", op_sets_same_names)
 
 # -----------------------------------------------------------------------------
+# stress: the ops whose backward is several kernels handing partial results on through memory (the
+# embedding's sort and run sums, cross-entropy's loss and gradient, the norms' partial column sums,
+# attention's dK and dV summed over a group's heads, split-K products and their reduction). Each runs
+# once, eagerly, for the reference bits; then STRESS_REPS times on a side stream, where the allocator
+# hands out reused memory, and STRESS_REPS replays of one CUDA graph of it. A missing dependency between
+# two of those kernels, a workspace read before it is written or a race inside one shows as a repetition
+# that differs from the first in any bit.
+
+STRESS_REPS = 5 if UNDER_SANITIZER else 200  # the tools slow each repetition many times over
+
+
+def same_bits(first, got, where):
+    for i, (a, b) in enumerate(zip(first, got, strict=True)):
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
+            raise AssertionError(f"{where}: result {i} differs from the first run by up to {diff:.2e}")
+
+
+def stress(fn):
+    """fn() -> tensors (outputs and gradients): bitwise the same on every repetition and replay."""
+    first = [t.clone() for t in fn()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for r in range(STRESS_REPS):
+            same_bits(first, fn(), f"side-stream repetition {r}")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the side stream's runs were its warm-up
+        captured = fn()
+    for r in range(STRESS_REPS):
+        graph.replay()
+        same_bits(first, captured, f"graph replay {r}")
+    return f"{STRESS_REPS} side-stream runs and {STRESS_REPS} graph replays bitwise equal to the first"
+
+
+def grads(out, leaves):
+    """out and d(out . dy)/d(leaves) for a fixed dy, as a tuple (no .grad accumulates). out is returned
+    detached: a result that kept this run's autograd graph alive would keep its leaves' gradient
+    accumulators on the stream of this run, and a CUDA graph captured later would have to wait on it."""
+    dy = torch.ones_like(out) if out.dim() == 0 else torch.linspace(-1, 1, out.numel(), device=DEV).view_as(out).to(out.dtype)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dy))
+
+
+def t_stress_embedding(idx_shape, V, C, dtype):
+    idx = torch.randint(0, V, idx_shape, device=DEV)
+    w = rand(V, C).to(dtype).requires_grad_()
+    return stress(lambda: grads(kernels.embedding(idx, w), [w]))
+
+
+def t_stress_cross_entropy(N, V, dtype):
+    logits, targets = rand(N, V).to(dtype).requires_grad_(), torch.randint(0, V, (N,), device=DEV)
+    return stress(lambda: grads(kernels.cross_entropy(logits, targets), [logits]))
+
+
+def t_stress_norm(kind, R, C, dtype):
+    x, w, b = rand(R, C).to(dtype).requires_grad_(), rand(C).to(dtype).requires_grad_(), rand(C).to(dtype).requires_grad_()
+    if kind == "layernorm":
+        return stress(lambda: grads(kernels.layernorm(x, w, b), [x, w, b]))
+    return stress(lambda: grads(kernels.rmsnorm(x, w), [x, w]))
+
+
+def t_stress_attention(B, H, Hkv, S, D, dtype):
+    q = rand(B, H, S, D).to(dtype).requires_grad_()
+    k, v = (rand(B, Hkv, S, D).to(dtype).requires_grad_() for _ in range(2))
+    return stress(lambda: grads(kernels.attention(q, k, v, causal=True), [q, k, v]))
+
+
+def t_stress_linear(lead, K, N, dtype):
+    # few output tiles, many tokens: the weight gradient's K (the tokens) is split, the splits summed after
+    if dtype == BF16 and torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    x, w, b = rand(*lead, K).to(dtype).requires_grad_(), rand(N, K).to(dtype).requires_grad_(), rand(N).to(dtype).requires_grad_()
+    return stress(lambda: grads(kernels.linear(x, w, b), [x, w, b]))
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"stress/embedding_3x1001_of_1000x64_{_tag}", t_stress_embedding, (3, 1001), 1000, 64, _dt)
+    add(f"stress/cross_entropy_777x1001_{_tag}", t_stress_cross_entropy, 777, 1001, _dt)
+    add(f"stress/layernorm_3000x1000_{_tag}", t_stress_norm, "layernorm", 3000, 1000, _dt)
+    add(f"stress/attention_b2h8kv2_s1000_d128_causal_{_tag}", t_stress_attention, 2, 8, 2, 1000, 128, _dt)
+    add(f"stress/linear_4x2000x96_to_200_{_tag}", t_stress_linear, (4, 2000), 96, 200, _dt)
+# runs that span many 32-position chunks, rows that are not 16-byte multiples; a warp a row
+add("stress/embedding_4097_of_5x129_fp32", t_stress_embedding, (4097,), 5, 129, torch.float32)
+add("stress/rmsnorm_5000x388_fp32", t_stress_norm, "rmsnorm", 5000, 388, torch.float32)
+
+# -----------------------------------------------------------------------------
 # train.py on the GPU: the training step reproduces itself bit for bit, the two op sets train alike,
 # and so does the compiled torch step (--compile). All run train.train_op_set, the loop of
 # `python train.py` (the cuda op set graphed, as by default), on a generated text, so they never skip
@@ -2720,6 +3020,8 @@ def train_gpu_compiled_torch_step():
     # --compile=true: the torch op set's step through torch.compile(mode='reduce-overhead') trains like its
     # eager step (to rounding: Inductor sums in other orders), and compiling and recording the graphs fall
     # in the timing warm-up, so tokens/s counts the steps after it only.
+    if UNDER_SANITIZER:  # Inductor compiling under a tool outlasts a sweep; and no kernel of ours runs here
+        raise Skip("under compute-sanitizer: torch.compile of the torch op set only")
     steps = 20
     shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -3610,6 +3912,11 @@ if __name__ == "__main__":
     parser.add_argument("--gpu_only", action="store_true", help="run only the GPU cases (as under compute-sanitizer)")
     parser.add_argument("--shard", default="0/1", metavar="K/N",
                         help="run cases K, K+N, K+2N, ... of those selected (parallel sanitizer runs)")
+    parser.add_argument("--sanitize", nargs="?", const=",".join(SANITIZER_TOOLS), metavar="TOOLS",
+                        help="run the GPU cases under compute-sanitizer's tools (comma-separated; default all "
+                             "four), --shards processes a tool in parallel, and summarise the reports")
+    parser.add_argument("--shards", type=int, default=4, help="with --sanitize: processes per tool")
+    parser.add_argument("--log_dir", default="out/sanitize", help="with --sanitize: where the logs go")
     args = parser.parse_args()
     if args.json and not args.bench:
         parser.error("--json goes with --bench")
@@ -3619,4 +3926,13 @@ if __name__ == "__main__":
     except (ValueError, AssertionError):
         parser.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
     ONLY = args.only
+    if args.sanitize:
+        tools = args.sanitize.split(",")
+        if bad := [t for t in tools if t not in SANITIZER_TOOLS]:
+            parser.error(f"--sanitize: unknown tool(s) {bad}; the tools are {', '.join(SANITIZER_TOOLS)}")
+        if args.shards < 1:
+            parser.error(f"--shards must be >= 1, got {args.shards}")
+        if not shutil.which("compute-sanitizer"):
+            parser.error("--sanitize needs compute-sanitizer (CUDA toolkit) on the PATH")
+        sys.exit(sanitize(tools, args.shards, args.only, args.log_dir))
     sys.exit(bench_main(args.json) if args.bench else run_tests(args.only, args.gpu_only, shard))
