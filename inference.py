@@ -70,17 +70,13 @@ def parse_config(argv):
                             OPTIONS)
         sys.exit(0)
     cfg = dict(DEFAULTS)
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            fail(f"expected --key=value, got {arg!r}")
-        key, val = arg[2:].split("=", 1)
-        if key not in DEFAULTS:
-            fail(f"unknown option --{key}; valid keys: {', '.join(DEFAULTS)}")
+    given = train.parse_overrides(argv, DEFAULTS, fail)
+    for key, val in given.items():
         try:
             cfg[key] = train.parse_value(key, val, DEFAULTS[key])
         except ValueError as e:
             fail(str(e))
-    cfg = SimpleNamespace(**cfg)
+    cfg = SimpleNamespace(**cfg, given=sorted(given))  # given: the keys the command line set
     cfg.models = [m.strip() for m in cfg.models.split(",") if m.strip()]
     if not cfg.models or any(m not in ("dense", "moe") for m in cfg.models):
         fail(f"--models must be dense, moe or dense,moe, got {','.join(cfg.models)!r}")
@@ -337,16 +333,23 @@ def choose_paths(cfg):
     return paths, notes
 
 
+CKPT_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")  # what a checkpoint decides
+
+
 def main(argv):
     cfg = parse_config(argv)
     dev = torch.device(cfg.device)
     if cfg.ckpt is not None:
         base_model, tok, c = checkpoint_model(cfg)
-        for key in ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size"):
+        ignored = [f"--{k}={getattr(cfg, k)}" for k in CKPT_SHAPE if k in cfg.given and getattr(cfg, k) != getattr(c, k)]
+        if ignored:
+            print(f"note: --ckpt={cfg.ckpt} brings its own model ({', '.join(f'{k}={getattr(c, k)}' for k in CKPT_SHAPE)})"
+                  f"; ignoring {', '.join(ignored)}")
+        for key in CKPT_SHAPE:
             setattr(cfg, key, getattr(c, key))
         cfg.seeds = [None]
     else:
-        tok = CharTokenizer.from_dict({"chars": PRINTABLE})
+        base_model, tok = None, CharTokenizer.from_dict({"chars": PRINTABLE})
     try:
         prompt = tok.encode(cfg.prompt)
     except ValueError as e:
@@ -370,14 +373,38 @@ def main(argv):
           + f" | {sampling}"
           + f" | {cfg.max_new_tokens} new tokens; when the context fills, the newest {cfg.block_size // 2} tokens are"
           + " prefilled again")
+    if cfg.ckpt is None:
+        print("note: random weights (one model a seed), so the text is noise; --ckpt=out/ckpt_torch.pt, which "
+              "python train.py writes, decodes a trained model")
     prompt_ids = torch.tensor(prompt, dtype=torch.long, device=dev)
-    uniforms = torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(1234))
-
     results = {"device": hw, "copy_bytes_per_s": bw, "config": vars(cfg), "models": {}}
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    except OSError as e:
+        fail(f"--out_dir={cfg.out_dir}: cannot create the folder ({e.strerror})")
+    path = os.path.join(cfg.out_dir, "inference.json")
+    with train.out_dir_lock(cfg.out_dir, "inference.py", fail):
+        try:
+            decode_all(cfg, paths, base_model, tok, prompt_ids, results)
+        except KeyboardInterrupt:  # keep what was measured: the finished models and the unfinished one's runs
+            results["interrupted"] = True
+            write_results(path, results)
+            sys.stderr.write(f"inference.py: interrupted; the results so far are in {path}\n")
+            sys.exit(130)  # the shell's code for a run ended by Ctrl-C
+        write_results(path, results)
+    print(f"\nwrote {path}")
+
+
+def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
+    """Every model kind, dtype and seed on every path, each model's report into results["models"] as it
+    ends; the runs of the one in progress stay in results["unfinished"] until then."""
+    uniforms = torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(1234))
+    dev, bw = prompt_ids.device, results["copy_bytes_per_s"]
     for kind in cfg.models:
         for dtype in cfg.dtypes:
             label = kind if len(cfg.dtypes) == 1 else f"{kind} {dtype}"
             runs = []
+            results["unfinished"] = {"model": label, "runs": runs}
             for seed in cfg.seeds:
                 model = copy.deepcopy(base_model) if cfg.ckpt else random_model(kind, seed, cfg, tok)
                 model = with_dtype(model.to(dev), dtype).eval()
@@ -393,12 +420,13 @@ def main(argv):
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             results["models"][label] = report(label, runs, nbytes, cache_bytes, bw, tok, cfg)
+            del results["unfinished"]
         if len(cfg.dtypes) == 2:
             results["models"][f"{kind} bf16 / fp32"] = dtype_speedups(kind, results["models"])
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    path = os.path.join(cfg.out_dir, "inference.json")
+
+
+def write_results(path, results):
     train.atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
-    print(f"\nwrote {path}")
 
 
 def dtype_speedups(kind, models):
@@ -456,4 +484,8 @@ def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # before decoding began (building the models, measuring bandwidth): nothing to keep
+        sys.stderr.write("inference.py: interrupted\n")
+        sys.exit(130)

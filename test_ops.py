@@ -970,9 +970,51 @@ def train_interrupt_saves_checkpoint():
     return f"Ctrl-C at iteration {k}: checkpoint saved, resumed"
 
 
+def train_option_typos():
+    # a near miss names the key it is near; a key without its value says how to give one
+    _train_fails("--max_iter=3", ["--max_iter", "did you mean --max_iters?"], "--max_iter=3")
+    _train_fails("--resume", ["--resume needs a value", "--resume=VALUE"], "--resume")
+    code = _train_fails("--zzz=1", ["unknown option --zzz"], "--zzz=1")
+    assert "did you mean" not in code, code
+
+
+def train_llama_odd_heads_note():
+    # llama's default K/V grouping halves the heads; an odd count cannot be halved, and a line says so
+    import train
+    cfg = types.SimpleNamespace(arch="llama", n_head=3, n_kv_head=0, n_embd=48)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        train.check_arch(cfg, train.fail)
+    assert cfg.n_kv_head == 3 and "odd --n_head=3" in out.getvalue(), (cfg.n_kv_head, out.getvalue())
+    cfg = types.SimpleNamespace(arch="llama", n_head=4, n_kv_head=0, n_embd=48)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        train.check_arch(cfg, train.fail)
+    assert cfg.n_kv_head == 2 and not out.getvalue(), (cfg.n_kv_head, out.getvalue())
+
+
+def train_out_dir_lock():
+    # a second run into a folder a live run holds fails with one line; a lock whose process is gone is
+    # taken over, and a run that ends leaves none behind
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp, "--max_iters=0")
+        lock = os.path.join(tmp, "out", ".train.lock")
+        os.makedirs(os.path.dirname(lock))
+        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        try:
+            with open(lock, "w") as f:
+                f.write(str(holder.pid))
+            _train_fails("a held out_dir", ["in use by another train.py run", f"process {holder.pid}"], *args)
+        finally:
+            holder.kill()
+            holder.wait()
+        code, out = _train_main(*args)
+        assert code == 0, f"exit {code} with a stale lock:\n{out[-1500:]}"
+        assert not os.path.exists(lock), "the run left its lock behind"
+    return "held: refused; stale: taken over; released at the end"
+
+
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
             train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
-            train_rejects_bad_paths,
+            train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
@@ -1083,6 +1125,7 @@ def inference_cli_cpu():
         p = _inference_run(*_INF_TINY, f"--out_dir={tmp}")
         _train_check_ok(p, "inference.py on CPU")
         assert "PyTorch op set only" in p.stdout, p.stdout
+        assert "note: random weights" in p.stdout, p.stdout
         for kind in ("dense", "moe"):
             assert f"--- {kind}, seed 0, torch eager ---" in p.stdout, p.stdout
         with open(os.path.join(tmp, "inference.json")) as f:
@@ -1130,9 +1173,12 @@ def inference_bad_inputs():
         p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=3")
         _train_check_ok(p, "train.py for a checkpoint")
         good = os.path.join(out, "ckpt_torch.pt")
-        p = _inference_run("--device=cpu", f"--ckpt={good}", "--max_new_tokens=10", "--prompt=the", f"--out_dir={tmp}")
+        p = _inference_run("--device=cpu", f"--ckpt={good}", "--max_new_tokens=10", "--prompt=the", "--n_layer=5",
+                           f"--out_dir={tmp}")
         _train_check_ok(p, "inference.py --ckpt")
         assert "--- dense, seed None, torch eager ---" in p.stdout, p.stdout
+        assert "ignoring --n_layer=5" in p.stdout and "n_layer=1" in p.stdout, p.stdout  # the checkpoint's shape
+        assert "random weights" not in p.stdout, p.stdout
         raw = open(good, "rb").read()
         truncated = os.path.join(tmp, "truncated.pt")
         open(truncated, "wb").write(raw[:len(raw) // 2])
@@ -1148,8 +1194,44 @@ def inference_bad_inputs():
     return " | ".join(s.replace("inference.py: error: ", "")[:70] for s in seen)
 
 
+def inference_interrupt_keeps_results():
+    # Ctrl-C during the second run: exit 130, one line, and inference.json with the first run in it
+    import inference
+    real, calls = inference.run_path, []
+
+    def interrupted_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = io.StringIO()
+        with unittest.mock.patch.object(inference, "run_path", interrupted_second_time), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                inference.main([*_INF_TINY, "--models=dense", "--seeds=0,1", f"--out_dir={tmp}"])
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        assert code == 130, f"exit {code}:\n{out.getvalue()[-1500:]}"
+        assert f"interrupted; the results so far are in {os.path.join(tmp, 'inference.json')}" in out.getvalue()
+        with open(os.path.join(tmp, "inference.json")) as f:
+            res = json.load(f)
+        assert res["interrupted"] and res["unfinished"]["model"] == "dense", res.keys()
+        assert [r["seed"] for r in res["unfinished"]["runs"]] == [0], res["unfinished"]["runs"]
+        assert not os.path.exists(os.path.join(tmp, ".inference.lock")), "the lock was left behind"
+    return "exit 130; the finished run kept in inference.json"
+
+
+def inference_option_typos():
+    _expect_inference_error(["--max_new_token=3"], "--max_new_token", "did you mean --max_new_tokens?")
+    _expect_inference_error(["--ckpt"], "--ckpt needs a value", "--ckpt=VALUE")
+
+
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
-            inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs):
+            inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
+            inference_interrupt_keeps_results, inference_option_typos):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 

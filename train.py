@@ -23,6 +23,7 @@ Every default below can be overridden with --key=value; python train.py --help l
 """
 
 import contextlib
+import difflib
 import functools
 import hashlib
 import json
@@ -137,19 +138,30 @@ def print_help():
           "  torch  torch.nn.functional\n  cuda   this repo's kernels (needs a GPU and the built extension)")
 
 
+def parse_overrides(argv, defaults, fail):
+    """The --key=value arguments as {key: text}, for train.py and inference.py alike; fail(msg) on the first
+    that is malformed or names no key of defaults (with the nearest key, where one is near)."""
+    overrides = {}
+    for arg in argv:
+        if arg.startswith("--") and arg[2:] in defaults:
+            fail(f"--{arg[2:]} needs a value: --{arg[2:]}=VALUE (default {defaults[arg[2:]]})")
+        if not arg.startswith("--") or "=" not in arg:
+            fail(f"expected --key=value, got {arg!r}")
+        key, val = arg[2:].split("=", 1)
+        if key not in defaults:
+            near = difflib.get_close_matches(key, defaults, n=1)
+            fail(f"unknown option --{key}; " + (f"did you mean --{near[0]}? " if near else "")
+                 + f"valid keys: {', '.join(defaults)}")
+        overrides[key] = val
+    return overrides
+
+
 def parse_config(argv):
     """DEFAULTS, then the preset, then the other --key=value overrides, each parsed as its default's type."""
     if any(a in ("-h", "--help") for a in argv):
         print_help()
         sys.exit(0)
-    overrides = {}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            fail(f"expected --key=value, got {arg!r}")
-        key, val = arg[2:].split("=", 1)
-        if key not in DEFAULTS:
-            fail(f"unknown option --{key}; valid keys: {', '.join(DEFAULTS)}")
-        overrides[key] = val
+    overrides = parse_overrides(argv, DEFAULTS, fail)
 
     cfg = dict(DEFAULTS)
     cfg["preset"] = overrides.get("preset", cfg["preset"])
@@ -199,6 +211,9 @@ def check_arch(cfg, fail):
         fail(f"--n_embd ({cfg.n_embd}) must be a multiple of --n_head ({cfg.n_head})")
     if cfg.n_kv_head < 0 or (cfg.n_kv_head and cfg.n_head % cfg.n_kv_head):
         fail(f"--n_kv_head must divide --n_head ({cfg.n_head}) (or be 0 for the default), got {cfg.n_kv_head}")
+    if cfg.arch == "llama" and not cfg.n_kv_head and cfg.n_head % 2:
+        print(f"note: --arch=llama shares each K/V head between two query heads, which an odd --n_head={cfg.n_head} "
+              f"cannot do: one K/V head per query head; --n_kv_head=N (a divisor of {cfg.n_head}) groups them")
     cfg.n_kv_head = kv_heads(cfg.arch, cfg.n_head, cfg.n_kv_head)
     if cfg.arch == "llama" and (cfg.n_embd // cfg.n_head) % 2:
         fail(f"--arch=llama needs an even head size for RoPE's pairs; n_embd / n_head = {cfg.n_embd // cfg.n_head}")
@@ -954,6 +969,47 @@ CKPT_KEYS = ("config", "vocab", "iter", "model", "optimizer", "batch_rng", "trai
 RESUME_KEYS = ("resume", "overwrite", "max_iters")
 
 
+@contextlib.contextmanager
+def out_dir_lock(out_dir, script, fail):
+    """Holds out_dir for this run of `script` (out_dir/.<script>.lock, holding the process id) until the
+    block ends: a second run of the same script into the same folder would overwrite this one's
+    checkpoints and results, so it fails(msg) instead while this process lives. A lock left by a process
+    that is gone is taken over."""
+    path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid = int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and process_alive(pid):
+                fail(f"--out_dir={out_dir} is in use by another {script} run (process {pid}); wait for it to end "
+                     f"or pass another --out_dir")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)  # its process is gone (or it is this one's, from an earlier main() in-process)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
 def read_checkpoint(path):
     """The dict of a checkpoint written by train.py, its weights verified against their checksum. Raises
     ValueError with one line that says what is wrong with the file (train.py and inference.py print it)."""
@@ -1642,6 +1698,12 @@ def main(argv):
         fail(f"--out_dir={cfg.out_dir}: cannot create the folder ({e.strerror})")
     if not os.access(cfg.out_dir, os.W_OK | os.X_OK):
         fail(f"--out_dir={cfg.out_dir} is not writable")
+    with out_dir_lock(cfg.out_dir, "train.py", fail):
+        return run_in_out_dir(cfg, op_sets, argv)
+
+
+def run_in_out_dir(cfg, op_sets, argv):
+    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
     if cfg.sweep:
         return run_sweep(cfg, op_sets[-1])  # one op set: cuda where it can run, else torch (a note says so)
     paths = [os.path.join(cfg.out_dir, f"ckpt_{o.name}.pt") for o in op_sets]
