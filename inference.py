@@ -341,10 +341,11 @@ def main(argv):
     dev = torch.device(cfg.device)
     if cfg.ckpt is not None:
         base_model, tok, c = checkpoint_model(cfg)
-        ignored = [f"--{k}={getattr(cfg, k)}" for k in CKPT_SHAPE if k in cfg.given and getattr(cfg, k) != getattr(c, k)]
+        ignored = [f"--{k}={getattr(cfg, k)}" for k in CKPT_SHAPE
+                   if k in cfg.given and getattr(cfg, k) != getattr(c, k)]
         if ignored:
-            print(f"note: --ckpt={cfg.ckpt} brings its own model ({', '.join(f'{k}={getattr(c, k)}' for k in CKPT_SHAPE)})"
-                  f"; ignoring {', '.join(ignored)}")
+            shape = ", ".join(f"{k}={getattr(c, k)}" for k in CKPT_SHAPE)
+            print(f"note: --ckpt={cfg.ckpt} brings its own model ({shape}); ignoring {', '.join(ignored)}")
         for key in CKPT_SHAPE:
             setattr(cfg, key, getattr(c, key))
         cfg.seeds = [None]

@@ -307,7 +307,8 @@ def sanitizer_reports(text):
 def print_sanitizer_summary(log_dir):
     """One row per tool: cases, the tool's own summary, reports in our kernels and elsewhere."""
     failed_any = False
-    print(f"\n{'tool':<10} {'cases':>5} {'pass':>5} {'fail':>4} {'skip':>4}  {'ours':>5} {'other':>6}  tool's summaries")
+    print(f"\n{'tool':<10} {'cases':>5} {'pass':>5} {'fail':>4} {'skip':>4}  {'ours':>5} {'other':>6}  "
+          "tool's summaries")
     for tool in SANITIZER_TOOLS:
         logs = sorted(f for f in os.listdir(log_dir) if f.startswith(tool + "_") and f.endswith(".log"))
         if not logs:
@@ -328,15 +329,14 @@ def print_sanitizer_summary(log_dir):
                 [(o, w, 1) for o, w, _ in sanitizer_reports(text)]
             for is_ours, where, n in reports:
                 if is_ours:
-                    ours.append(f"{n} in {where}")
+                    ours.append((n, where))
                 else:
                     other[where] = other.get(where, 0) + n
         failed_any |= bool(ours) or counts[1] > 0 or any("no test summary" in n for n in notes)
-        n_ours = sum(int(o.split()[0]) for o in ours)
-        print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4}  {n_ours:>5} "
-              f"{sum(other.values()):>6}  {', '.join(sums)}")
-        for line in ours[:20]:
-            print(f"    OURS  {line}")
+        print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4}  "
+              f"{sum(n for n, _ in ours):>5} {sum(other.values()):>6}  {', '.join(sums)}")
+        for n, where in ours[:20]:
+            print(f"    OURS  {n} in {where}")
         for where, n in sorted(other.items(), key=lambda kv: -kv[1])[:8]:
             print(f"    other {n:>6} in {where}")
         for note in notes:
@@ -2958,7 +2958,7 @@ def grads(out, leaves):
     """out and d(out . dy)/d(leaves) for a fixed dy, as a tuple (no .grad accumulates). out is returned
     detached: a result that kept this run's autograd graph alive would keep its leaves' gradient
     accumulators on the stream of this run, and a CUDA graph captured later would have to wait on it."""
-    dy = torch.ones_like(out) if out.dim() == 0 else torch.linspace(-1, 1, out.numel(), device=DEV).view_as(out).to(out.dtype)
+    dy = torch.linspace(-1, 1, out.numel(), device=DEV).view_as(out).to(out.dtype) if out.dim() else torch.ones_like(out)
     return (out.detach(), *torch.autograd.grad(out, leaves, dy))
 
 
@@ -2974,7 +2974,7 @@ def t_stress_cross_entropy(N, V, dtype):
 
 
 def t_stress_norm(kind, R, C, dtype):
-    x, w, b = rand(R, C).to(dtype).requires_grad_(), rand(C).to(dtype).requires_grad_(), rand(C).to(dtype).requires_grad_()
+    x, w, b = (rand(*shape).to(dtype).requires_grad_() for shape in ((R, C), (C,), (C,)))
     if kind == "layernorm":
         return stress(lambda: grads(kernels.layernorm(x, w, b), [x, w, b]))
     return stress(lambda: grads(kernels.rmsnorm(x, w), [x, w]))
@@ -2990,7 +2990,7 @@ def t_stress_linear(lead, K, N, dtype):
     # few output tiles, many tokens: the weight gradient's K (the tokens) is split, the splits summed after
     if dtype == BF16 and torch.cuda.get_device_capability() != (9, 0):
         raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    x, w, b = rand(*lead, K).to(dtype).requires_grad_(), rand(N, K).to(dtype).requires_grad_(), rand(N).to(dtype).requires_grad_()
+    x, w, b = (rand(*shape).to(dtype).requires_grad_() for shape in ((*lead, K), (N, K), (N,)))
     return stress(lambda: grads(kernels.linear(x, w, b), [x, w, b]))
 
 
