@@ -15,6 +15,7 @@ sharpens the check, so the error shown is ours alone. The data.py tests run here
 import argparse
 import contextlib
 import functools
+import hashlib
 import http.server
 import io
 import json
@@ -39,7 +40,6 @@ import zlib
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
 import mhc
@@ -66,15 +66,17 @@ REF = types.SimpleNamespace(**vars(train.TORCH_OPS))
 UNDER_SANITIZER = any(k.startswith("NV_SANITIZER") for k in os.environ)
 
 
+if UNDER_SANITIZER:
+    # synccheck reports barrier errors inside cuDNN's bf16 attention backward, whose call then fails and
+    # leaves the CUDA context broken for every later case of the process; the bf16 training cases, whose
+    # torch op set reaches it, did not finish under memcheck either. SDPA's other backends compute the
+    # same function, for the twins and the torch op set alike.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def ref_attention(q, k, v, mode=None, precision=None, **kw):
-    """SDPA as the torch op set calls it. Under compute-sanitizer, not through cuDNN: synccheck reports
-    barrier errors inside cuDNN's bf16 backward kernels, whose call then fails and leaves the CUDA context
-    broken for every later case of the process. SDPA's other backends compute the same function."""
-    if not UNDER_SANITIZER:
-        return train.torch_attention(q, k, v, **kw)
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(backends):  # the backward follows the forward's backend
-        return train.torch_attention(q, k, v, **kw)
+    """SDPA as the torch op set calls it; mode and precision choose among our kernels only."""
+    return train.torch_attention(q, k, v, **kw)
 
 
 REF.attention = ref_attention
@@ -183,10 +185,13 @@ def run_case(name, fn, gpu):
     return "PASS", "  ".join(CHECKS + ([note] if note else []))
 
 
-def run_tests(only, gpu_only=False, shard=(0, 1)):
+def run_tests(only, gpu_only=False, shard=(0, 1), skip=frozenset()):
     cases = [c for c in CASES if only in c[0] and (c[2] or not gpu_only)]
     if gpu_only:
         print(f"--gpu_only: {sum(only in c[0] and not c[2] for c in CASES)} CPU cases not run")
+    if skip:
+        print(f"--skip_file: {sum(c[0] in skip for c in cases)} cases passed in an earlier run, not run again")
+        cases = [c for c in cases if c[0] not in skip]
     if shard[1] > 1:  # every n-th case, so parallel shards share the slow cases out evenly
         print(f"--shard {shard[0]}/{shard[1]}: {len(cases[shard[0]::shard[1]])} of {len(cases)} cases")
         cases = cases[shard[0]::shard[1]]
@@ -217,37 +222,103 @@ def run_tests(only, gpu_only=False, shard=(0, 1)):
 # --sanitize: every GPU case under compute-sanitizer's four tools, then what each tool reported, split
 # into reports inside this repo's kernels (their frames name kernels.cu: the build keeps line info) and
 # reports inside PyTorch's, cuBLAS's and cuDNN's kernels, which the cases run as twins and references.
-# Every tool runs unfiltered: racecheck with --kernel-name-exclude over PyTorch's, cuBLAS's and cuDNN's
-# kernel names broke cuBLAS in the process it checked, a PyTorch-only one too (CUBLAS_STATUS_NOT_INITIALIZED,
-# or a hardware exception the tool could not handle).
+# memcheck, racecheck and synccheck instrument only this repo's kernels (kernel_filter): PyTorch's, cuBLAS's
+# and cuDNN's, which the cases run as twins and references, run natively, so a sweep takes minutes, not
+# hours. --filter none instruments every kernel.
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 
-def sanitize(tools, shards, only, log_dir):
-    """Runs `shards` processes a tool, all at once, each over every shards-th GPU case; logs in log_dir."""
+def our_kernel_names():
+    """The __global__ function names in kernels.cu, for compute-sanitizer's --kernel-name filter."""
+    source = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")).read()
+    return sorted(set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)",
+                                 source)))
+
+
+def kernel_filter(tool):
+    """compute-sanitizer options that leave kernels not in kernels.cu uninstrumented. initcheck gets none:
+    memory an uninstrumented kernel wrote reads as uninitialised to it. racecheck gets none: under any
+    kernel-name filter (ours only, ours and cuBLAS's, all but the libraries' GEMMs) cublasCreate fails
+    (CUBLAS_STATUS_NOT_INITIALIZED) and the bf16 matmul case meets "failed to handle a hardware exception".
+    The names match as substrings, so PyTorch's elementwise_kernel is instrumented too."""
+    if tool in ("initcheck", "racecheck"):
+        return []
+    return ["--kernel-name", "regex=" + "|".join(our_kernel_names())]
+
+
+def sanitizer_logs(log_dir, tool):
+    """tool's logs in log_dir, oldest run first: tool_0.log, tool_1.log, ..."""
+    logs = [f for f in os.listdir(log_dir) if re.fullmatch(rf"{tool}_\d+\.log", f)]
+    return [os.path.join(log_dir, f) for f in sorted(logs, key=lambda f: int(re.search(r"(\d+)\.log", f).group(1)))]
+
+
+def case_verdicts(logs):
+    """{case: PASS, FAIL or SKIP} over logs, the later log's verdict where a case ran twice."""
+    verdicts = {}
+    for log in logs:
+        verdicts.update(re.findall(r"^(\S+)\s+(PASS|FAIL|SKIP)\b", open(log, errors="replace").read(), re.M))
+    return verdicts
+
+
+def check_sanitizer_logs_match(log_dir):
+    """Logs resume only over the kernels they checked: log_dir/sources holds kernels.cu's and bindings.cpp's
+    digest; another digest means another build, whose cases start over in another directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(b"".join(open(os.path.join(here, f), "rb").read()
+                                     for f in ("kernels.cu", "bindings.cpp"))).hexdigest()
+    stamp = os.path.join(log_dir, "sources")
+    if os.path.exists(stamp) and open(stamp).read().strip() != digest:
+        sys.exit(f"--log_dir {log_dir}: its logs are of another kernels.cu or bindings.cpp; give a new --log_dir")
+    with open(stamp, "w") as f:
+        f.write(digest + "\n")
+
+
+def sanitize(tools, shards, only, log_dir, filtered=True):
+    """Runs `shards` processes a tool, all at once, each over every shards-th GPU case; logs in log_dir.
+    filtered: instrument only the kernels of kernels.cu where the tool allows it (kernel_filter). A run
+    resumes the logs already in log_dir: a case that passed or skipped there is not run again."""
     os.makedirs(log_dir, exist_ok=True)
+    check_sanitizer_logs_match(log_dir)
+    expected = [c[0] for c in CASES if c[2] and only in c[0]]
     runs = []
     for tool in tools:
+        options = kernel_filter(tool) if filtered else []
+        logs = sanitizer_logs(log_dir, tool)
+        done = [name for name, verdict in case_verdicts(logs).items() if verdict != "FAIL"]
+        left = len(set(expected) - set(done))
+        print(f"{tool}: {left} cases to run ({len(expected) - left} done in earlier runs), "
+              f"instrumenting {options[1] if options else 'every kernel'}")
+        if not left:
+            continue
+        skip_file = os.path.join(log_dir, f"{tool}.done")
+        with open(skip_file, "w") as f:
+            f.write("".join(name + "\n" for name in done))
+        first = 1 + max((int(re.search(r"_(\d+)\.log$", f).group(1)) for f in logs), default=-1)
         for k in range(shards):
             cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device",
-                   sys.executable, __file__, "--gpu_only", "--shard", f"{k}/{shards}", "--only", only]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-            log = os.path.join(log_dir, f"{tool}_{k}.log")
-            thread = threading.Thread(target=keep_sanitizer_log, args=(proc, log), daemon=True)
-            thread.start()
-            runs.append((f"{tool}_{k}", proc, thread, time.time()))
-    print(f"{len(runs)} processes ({', '.join(tools)} x {shards} shards), logs in {log_dir}", flush=True)
+                   *options, sys.executable, __file__, "--gpu_only", "--shard", f"{k}/{shards}", "--only", only,
+                   "--skip_file", skip_file]
+            runs.append((f"{tool}_{first + k}", *start_logged(cmd, os.path.join(log_dir, f"{tool}_{first + k}.log"))))
+    print(f"{len(runs)} processes, logs in {log_dir}", flush=True)
     try:
         for name, proc, thread, t0 in runs:
             thread.join()
             print(f"  {name} done in {time.time() - t0:.0f} s (exit {proc.wait()})", flush=True)
     except KeyboardInterrupt:
-        print("interrupted: the logs so far")
+        print("interrupted: the logs so far (a later run with this --log_dir resumes them)")
         for _, proc, thread, _ in runs:
             proc.terminate()
             thread.join()
-    return print_sanitizer_summary(log_dir)
+    return print_sanitizer_summary(log_dir, expected)
+
+
+def start_logged(cmd, log):
+    """Starts cmd with its output going through keep_sanitizer_log to log: (process, thread, start time)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    thread = threading.Thread(target=keep_sanitizer_log, args=(proc, log), daemon=True)
+    thread.start()
+    return proc, thread, time.time()
 
 
 SANITIZER_KEEP = 20  # reports written out per kernel and log; the rest are only counted
@@ -274,7 +345,7 @@ def keep_sanitizer_log(proc, path):
                 close_block(log)
             opens = line.startswith("========= ") and line[10:].strip() and not line[10:].startswith(SANITIZER_QUIET)
             block = [line] if opens else []
-            if not block:
+            if not block and line.strip() != "=========":  # the tool's blank separator lines
                 log.write(line)
                 log.flush()
         if block:
@@ -304,22 +375,24 @@ def sanitizer_reports(text):
     return reports
 
 
-def print_sanitizer_summary(log_dir):
-    """One row per tool: cases, the tool's own summary, reports in our kernels and elsewhere."""
+def print_sanitizer_summary(log_dir, expected=None):
+    """One row per tool: cases, those of `expected` (case names) that no log gives a verdict for, the
+    tool's own summary, reports in our kernels and elsewhere."""
     failed_any = False
-    print(f"\n{'tool':<10} {'cases':>5} {'pass':>5} {'fail':>4} {'skip':>4}  {'ours':>5} {'other':>6}  "
-          "tool's summaries")
+    print(f"\n{'tool':<10} {'cases':>5} {'pass':>5} {'fail':>4} {'skip':>4} {'missing':>7}  {'ours':>5} "
+          f"{'other':>6}  tool's summaries")
     for tool in SANITIZER_TOOLS:
-        logs = sorted(f for f in os.listdir(log_dir) if f.startswith(tool + "_") and f.endswith(".log"))
+        logs = sanitizer_logs(log_dir, tool)
         if not logs:
             continue
-        counts, sums, ours, other, notes = [0, 0, 0], [], [], {}, []
-        for f in logs:
-            text = open(os.path.join(log_dir, f), errors="replace").read()
-            done = re.search(r"(\d+) passed, (\d+) failed, (\d+) skipped", text)
-            if done:
-                counts = [c + int(v) for c, v in zip(counts, done.groups())]
-            else:
+        by_case = case_verdicts(logs)
+        verdicts = list(by_case.values())
+        counts = [verdicts.count(v) for v in ("PASS", "FAIL", "SKIP")]
+        missing = [name for name in expected if name not in by_case] if expected is not None else []
+        sums, ours, other, notes = [], [], {}, []
+        for path in logs:
+            f, text = os.path.basename(path), open(path, errors="replace").read()
+            if not re.search(r"\d+ passed, \d+ failed, \d+ skipped", text):
                 notes.append(f"{f}: no test summary (still running, killed or crashed)")
             sums += re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+ \w+)", text)
             notes += [f"{f}: {m.group(1)} {m.group(2)}: {m.group(3)[:100]}"
@@ -332,9 +405,10 @@ def print_sanitizer_summary(log_dir):
                     ours.append((n, where))
                 else:
                     other[where] = other.get(where, 0) + n
-        failed_any |= bool(ours) or counts[1] > 0 or any("no test summary" in n for n in notes)
-        print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4}  "
-              f"{sum(n for n, _ in ours):>5} {sum(other.values()):>6}  {', '.join(sums)}")
+        failed_any |= bool(ours) or counts[1] > 0 or bool(missing)
+        print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4} "
+              f"{len(missing) if expected is not None else '-':>7}  {sum(n for n, _ in ours):>5} "
+              f"{sum(other.values()):>6}  {', '.join(sums)}")
         for n, where in ours[:20]:
             print(f"    OURS  {n} in {where}")
         for where, n in sorted(other.items(), key=lambda kv: -kv[1])[:8]:
@@ -1603,11 +1677,36 @@ def sanitizer_summary_of_logs():
     return "reports by kernel, ours told apart, long logs tallied"
 
 
+def sanitizer_resume():
+    # a later run's verdict replaces an earlier one's, cases no log names count as missing, and logs of
+    # another kernels.cu are not resumed
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, text in enumerate(["a/1  FAIL  x\nb/2  PASS\n", "a/1  \na/1  PASS  y\n"]):
+            with open(os.path.join(tmp, f"racecheck_{k}.log"), "w") as f:
+                f.write(text)
+        assert case_verdicts(sanitizer_logs(tmp, "racecheck")) == {"a/1": "PASS", "b/2": "PASS"}
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            failed = print_sanitizer_summary(tmp, expected=["a/1", "b/2", "c/3"])
+        row = out.getvalue().splitlines()[2].split()
+        assert failed == 1 and row[:6] == ["racecheck", "2", "2", "0", "0", "1"], out.getvalue()
+        check_sanitizer_logs_match(tmp)
+        with open(os.path.join(tmp, "sources"), "w") as f:
+            f.write("another build\n")
+        try:
+            check_sanitizer_logs_match(tmp)
+        except SystemExit as e:
+            assert "another kernels.cu" in str(e), e
+        else:
+            raise AssertionError("logs of another build were resumed")
+    return "later verdicts win, missing cases counted, logs of another build refused"
+
+
 add("ref/topk_order", ref_topk_order, gpu=False)
 add("ref/causal_alignment", ref_causal_alignment, gpu=False)
 add("ref/join_last", ref_join_last, gpu=False)
 add("ref/embedding", ref_embedding, gpu=False)
 add("sanitize/summary_of_logs", sanitizer_summary_of_logs, gpu=False)
+add("sanitize/resume", sanitizer_resume, gpu=False)
 
 # -----------------------------------------------------------------------------
 # GPU cases. Inputs are unit normals unless a case says otherwise; tolerances are absolute
@@ -3999,6 +4098,11 @@ if __name__ == "__main__":
                              "four), --shards processes a tool in parallel, and summarise the reports")
     parser.add_argument("--shards", type=int, default=4, help="with --sanitize: processes per tool")
     parser.add_argument("--log_dir", default="out/sanitize", help="with --sanitize: where the logs go")
+    parser.add_argument("--skip_file", metavar="PATH", help="don't run the cases named in this file, one a line "
+                        "(--sanitize uses it to resume)")
+    parser.add_argument("--filter", choices=("ours", "none"), default="ours",
+                        help="with --sanitize: instrument only kernels.cu's kernels where the tool allows (ours) "
+                             "or every kernel (none)")
     args = parser.parse_args()
     if args.json and not args.bench:
         parser.error("--json goes with --bench")
@@ -4008,6 +4112,7 @@ if __name__ == "__main__":
     except (ValueError, AssertionError):
         parser.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
     ONLY = args.only
+    skip = frozenset(open(args.skip_file).read().split()) if args.skip_file else frozenset()
     if args.sanitize:
         tools = args.sanitize.split(",")
         if bad := [t for t in tools if t not in SANITIZER_TOOLS]:
@@ -4016,5 +4121,5 @@ if __name__ == "__main__":
             parser.error(f"--shards must be >= 1, got {args.shards}")
         if not shutil.which("compute-sanitizer"):
             parser.error("--sanitize needs compute-sanitizer (CUDA toolkit) on the PATH")
-        sys.exit(sanitize(tools, args.shards, args.only, args.log_dir))
-    sys.exit(bench_main(args.json) if args.bench else run_tests(args.only, args.gpu_only, shard))
+        sys.exit(sanitize(tools, args.shards, args.only, args.log_dir, args.filter == "ours"))
+    sys.exit(bench_main(args.json) if args.bench else run_tests(args.only, args.gpu_only, shard, skip))
