@@ -148,15 +148,18 @@ def split_data(ids: torch.Tensor, val_fraction=0.1):
 
 
 def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
-              generator: torch.Generator, device="cpu"):
-    """Draw batch_size random windows; y is x shifted one token ahead."""
+              generator: torch.Generator, device="cpu", rank=0, world=1):
+    """Draw batch_size random windows; y is x shifted one token ahead. With world > 1 every rank draws the
+    windows of all world * batch_size rows and keeps its own slice: N ranks see exactly the batches one
+    process at N times the batch size would, and their generators stay in step."""
     if len(data) <= block_size:
         raise ValueError(
             f"the text has {len(data)} tokens and block_size is {block_size}; "
             f"use a longer text or a smaller block_size"
         )
     # The generator lives on the CPU so a given seed yields the same batches on every device.
-    starts = torch.randint(0, len(data) - block_size, (batch_size,), generator=generator)
+    starts = torch.randint(0, len(data) - block_size, (batch_size * world,), generator=generator)
+    starts = starts[rank * batch_size:(rank + 1) * batch_size]
     x = torch.stack([data[i:i + block_size] for i in starts.tolist()]).long()
     y = torch.stack([data[i + 1:i + 1 + block_size] for i in starts.tolist()]).long()
     non_blocking = torch.device(device).type == "cuda"

@@ -682,7 +682,10 @@ def data_get_batch():
             assert str(n) in str(e) and "block_size" in str(e), f"unhelpful message: {e}"
         else:
             raise AssertionError(f"no ValueError for {n} tokens with block_size {T}")
-    return f"batches ({B}, {T}) int64, shifted, seeded"
+    # torchrun's ranks: rank r of 2 at batch B/2 holds rows r*B/2.. of the one-process batch B
+    parts = [data.get_batch(d, B // 2, T, torch.Generator().manual_seed(0), rank=r, world=2)[0] for r in (0, 1)]
+    assert torch.equal(torch.cat(parts), x), "the ranks' rows are not the one-process batch"
+    return f"batches ({B}, {T}) int64, shifted, seeded, split over ranks"
 
 
 for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download_and_cache,
@@ -1086,11 +1089,72 @@ def train_out_dir_lock():
     return "held: refused; stale: taken over; released at the end"
 
 
+def _torchrun(*args, nproc=2):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                          text=True, timeout=180)
+
+
+def train_ddp_two_ranks():
+    # 2 ranks at batch 2 (gloo, torch op set) train on the rows one process sees at batch 4: the same
+    # losses to fp32 rounding. The 2-rank run stops at 3 and resumes to 6 from rank 0's checkpoint.
+    with tempfile.TemporaryDirectory() as tmp:
+        common = [*_TRAIN_TINY, f"--data_path={_train_text_file(tmp)}", "--sample_len=0"]
+        one = _train_run(*common, f"--out_dir={tmp}/one", "--max_iters=6")
+        _train_check_ok(one, "one process, batch 4")
+        two = [*common, f"--out_dir={tmp}/two", "--batch_size=2"]
+        _train_check_ok(_torchrun(*two, "--max_iters=3"), "torchrun 2 ranks, batch 2, iterations 1..3")
+        p = _torchrun(*two, "--max_iters=6", "--resume=true")
+        _train_check_ok(p, "torchrun 2 ranks, resumed to 6")
+        assert "cpu x 2, global batch 2 x 2" in p.stdout, f"no global batch in:\n{p.stdout[-1500:]}"
+        assert p.stdout.count("resuming from iteration 3") == 1, f"rank 0 alone should print:\n{p.stdout[-1500:]}"
+        a = _train_load_ckpt(f"{tmp}/one/ckpt_torch.pt")["train_loss"]
+        b = _train_load_ckpt(f"{tmp}/two/ckpt_torch.pt")["train_loss"]
+        diff = [abs(x - y) for x, y in zip(a, b, strict=True)]
+        assert max(diff) <= 1e-5, f"losses per iteration differ by {diff} (iterations 4..6 come after the resume)"
+        results = json.load(open(f"{tmp}/two/results.json"))
+        assert results["config"]["world_size"] == 2, results["config"]
+    return f"6 losses within {max(diff):.1e} of one process at batch 4, resumed at 3"
+
+
+def _rank_processes(args_by_rank, port):
+    """The ranks started as torchrun starts them (its environment variables), each with its own options."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(len(args_by_rank))}
+    return [subprocess.Popen([sys.executable, "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for r, args in enumerate(args_by_rank)]
+
+
+def train_ddp_rank_failure():
+    # rank 1 fails on its own (a data file it cannot read, a bad option before it joins): rank 0 stops
+    # with a message that says so instead of waiting, once at the next collective, once at --dist_timeout
+    with tempfile.TemporaryDirectory() as tmp:
+        common = [*_TRAIN_TINY, f"--out_dir={tmp}/out", "--max_iters=4", "--dist_timeout=5"]
+        good = f"--data_path={_train_text_file(tmp)}"
+        seen = []
+        for bad, says in ((f"--data_path={tmp}/missing.txt", "data file not found"),
+                          ("--batch_size=0", "--batch_size must be >= 1")):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            t0 = time.perf_counter()
+            procs = _rank_processes([[*common, good], [*common, good, bad]], port)
+            outs = [p.communicate(timeout=120) for p in procs]
+            seconds = time.perf_counter() - t0
+            assert [p.returncode for p in procs] == [1, 1], f"exit codes {[p.returncode for p in procs]}: {outs}"
+            assert says in outs[1][1], f"rank 1's stderr:\n{outs[1][1][-1500:]}"
+            assert "rank 0 lost the other ranks" in outs[0][1], f"rank 0's stderr:\n{outs[0][1][-1500:]}"
+            assert "Traceback" not in outs[0][1], f"rank 0 printed a traceback:\n{outs[0][1][-1500:]}"
+            seen.append(f"{seconds:.0f} s")
+    return f"rank 0 stopped with a message: after a crash ({seen[0]}), at the timeout ({seen[1]})"
+
+
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
             train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
-            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint):
+            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_ddp_two_ranks,
+            train_ddp_rank_failure):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -3124,7 +3188,7 @@ def gpu_train_text(n_words=4000):
 def gpu_train(ops, out_dir, **overrides):
     """train.train_op_set on gpu_train_text with train.py's defaults and these overrides: its result,
     and the checkpoint it writes after its last step (weights and optimizer state), checksum verified."""
-    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "device": DEV, "out_dir": out_dir, "eval_iters": 2,
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "device": DEV, "out_dir": out_dir, "world_size": 1, "eval_iters": 2,
                                    "sample_len": 0, "plot": False, **overrides})
     text = gpu_train_text()
     tok = data.CharTokenizer(text)
@@ -3242,6 +3306,33 @@ def train_gpu_bf16_op_sets_close(arch="gpt"):
             f"{t[0]:.4f} -> {t[-1]:.4f}; val torch {vt:.4f}, cuda {vc:.4f}")
 
 
+def train_gpu_ddp_two_gpus():
+    # torchrun on 2 GPUs, both op sets (torch eager, cuda graphed after DDP's 11 eager steps), batch 8 a
+    # rank: the op sets agree as on one GPU, and the cuda op set's losses match one GPU at batch 16
+    if torch.cuda.device_count() < 2:
+        raise Skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: torchrun's ranks would run outside the tool")
+    steps = 30
+    with tempfile.TemporaryDirectory() as tmp:
+        text = os.path.join(tmp, "text.txt")
+        with open(text, "w") as f:
+            f.write(gpu_train_text())
+        common = [f"--data_path={text}", f"--max_iters={steps}", "--eval_interval=30", "--eval_iters=2",
+                  "--sample_len=0", "--plot=false"]
+        two = _torchrun(*common, f"--out_dir={tmp}/two", "--batch_size=8")
+        _train_check_ok(two, "torchrun on 2 GPUs")
+        one = _train_run(*common, f"--out_dir={tmp}/one", "--batch_size=16", "--backend=cuda")
+        _train_check_ok(one, "one GPU, batch 16")
+        loss = {name: torch.tensor(_train_load_ckpt(f"{tmp}/{name}")["train_loss"], dtype=torch.float64)
+                for name in ("two/ckpt_torch.pt", "two/ckpt_cuda.pt", "one/ckpt_cuda.pt")}
+    check("op_sets", loss["two/ckpt_cuda.pt"], loss["two/ckpt_torch.pt"], 1e-4)
+    check("one_gpu", loss["two/ckpt_cuda.pt"], loss["one/ckpt_cuda.pt"], 1e-4)
+    speed = re.findall(r"^(torch|cuda)\s+(\w+)\s+.*?([\d,]+)$", two.stdout, re.M)
+    return f"{steps} steps; tok/s of 2 ranks: " + ", ".join(f"{n} {m} {t}" for n, m, t in speed)
+
+
+add("train/gpu_ddp_two_gpus", train_gpu_ddp_two_gpus)
 add("train/gpu_deterministic_baseline", train_gpu_deterministic, "baseline")
 add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
 add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")

@@ -18,11 +18,13 @@ their curves then agree to bf16 rounding, and results report how close.
     python train.py --dtype=bf16 --compile=true       # mixed precision: autocast + compile vs our bf16 kernels
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
     python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
+    torchrun --standalone --nproc_per_node=2 train.py # DistributedDataParallel over 2 GPUs, batch per rank
 
 Every default below can be overridden with --key=value; python train.py --help lists them.
 """
 
 import contextlib
+import datetime
 import difflib
 import functools
 import hashlib
@@ -39,8 +41,10 @@ import zipfile
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import mhc
 from data import INCREMENT_VOCAB, CharTokenizer, get_batch, increment_batch, load_text, split_data
@@ -99,6 +103,7 @@ OPTIONS = dict(
     sweep=("", "'' trains the op sets; 'increment' | 'text': the mHC depth sweep on that task instead"),
     sweep_depths=("12,24,48:16", "sweep: depths, comma-separated; depth:B trains that depth with batch B"),
     sweep_variants=(",".join(mhc.VARIANTS), "sweep: residual variants, comma-separated"),
+    dist_timeout=(300, "under torchrun: seconds a rank waits for the others before it stops with an error"),
 )
 DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
 HELP = {k: h for k, (_, h) in OPTIONS.items()}
@@ -175,9 +180,10 @@ def parse_config(argv):
             except ValueError as e:
                 fail(str(e))
     cfg = SimpleNamespace(**cfg)
+    cfg.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # processes torchrun started (1 without it)
 
     for key in ("batch_size", "block_size", "n_embd", "n_head", "n_layer", "eval_interval", "eval_iters",
-                "log_interval"):
+                "log_interval", "dist_timeout"):
         if getattr(cfg, key) < 1:
             fail(f"--{key} must be >= 1, got {getattr(cfg, key)}")
     for key in ("max_iters", "timing_warmup", "sample_len"):
@@ -810,7 +816,7 @@ def train_step(model, opt, x, y):
 class GraphedStep:
     """train_step captured once into a CUDA graph, then replayed: one launch per step instead of hundreds.
 
-    The first GRAPH_WARMUP calls are ordinary eager steps on a side stream (library handles, optimizer
+    The first `warmup` calls are ordinary eager steps on a side stream (library handles, optimizer
     state and autograd's buffers get created there, as capture requires); they are real training steps,
     so the run updates the weights exactly as an eager run would. The next call captures the step into
     static input, target and loss tensors, and every call from then on copies its batch into the static
@@ -818,14 +824,14 @@ class GraphedStep:
     device tensors (the mHC sweep's step adds its metrics), captured and replayed as a whole.
     """
 
-    def __init__(self, model, opt, step=train_step):
-        self.model, self.opt, self.step = model, opt, step
+    def __init__(self, model, opt, step=train_step, warmup=GRAPH_WARMUP):
+        self.model, self.opt, self.step, self.warmup = model, opt, step, warmup
         self.calls = 0
         self.graph = None
         self.side = torch.cuda.Stream()
 
     def __call__(self, x, y):
-        if self.calls < GRAPH_WARMUP:
+        if self.calls < self.warmup:
             self.calls += 1
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
@@ -903,20 +909,101 @@ class StepTimer:
 
 
 # -----------------------------------------------------------------------------
+# several processes: `torchrun --nproc_per_node=N train.py` trains with DistributedDataParallel
+
+DDP_GRAPH_WARMUP = 11  # eager DDP steps before a capture: DDP settles its gradient buckets in the first ones
+
+
+class Ranks:
+    """This process's place among torchrun's ranks, and the collectives the training loop needs. A process
+    started without torchrun is rank 0 of 1, and its collectives do nothing."""
+
+    def __init__(self, rank=0, world=1):
+        self.rank, self.world = rank, world
+        self.main = rank == 0
+
+    def mean_(self, t):
+        """t averaged over the ranks, in place."""
+        if self.world > 1:
+            dist.all_reduce(t)
+            t.div_(self.world)
+        return t
+
+    def any(self, flag, device):
+        """Whether flag is set on any rank: every rank then takes the same branch."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def wrap(self, model, graphed):
+        """The module the training step calls: the model, or the model in DistributedDataParallel, whose
+        backward averages the gradients over the ranks. Before a CUDA graph captures it, DDP is built on
+        a side stream and runs DDP_GRAPH_WARMUP eager steps (PyTorch's notes on CUDA graphs with DDP)."""
+        if self.world == 1:
+            return model
+        device = next(model.parameters()).device
+        with torch.cuda.stream(torch.cuda.Stream()) if graphed else contextlib.nullcontext():
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+ONE_PROCESS = Ranks()
+
+
+def lost_other_ranks(e):
+    """Whether e is a collective's failure: a rank that crashed, stopped or outlasted --dist_timeout.
+    gloo reports a closed connection as a plain RuntimeError."""
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return under_torchrun and (isinstance(e, dist.DistError) or
+                               any(m in str(e) for m in ("gloo", "NCCL", "Connection closed by peer")))
+
+
+def timing_skip(cfg):
+    """Steps left out of tokens/s: at least the eager steps before a graph capture, and the capture."""
+    graph_warmup = DDP_GRAPH_WARMUP if cfg.world_size > 1 else GRAPH_WARMUP
+    return max(cfg.timing_warmup, graph_warmup + 1)
+
+
+def start_ranks(cfg):
+    """Under torchrun (WORLD_SIZE > 1): joins the process group (NCCL on GPUs, gloo on the CPU), gives
+    this rank the GPU cuda:LOCAL_RANK."""
+    world = cfg.world_size
+    if world == 1:
+        return ONE_PROCESS
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.sweep:
+        fail("--sweep trains in one process: start it with python, not torchrun")
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            fail(f"--device={cfg.device}: under torchrun each rank takes cuda:LOCAL_RANK; pass --device=cuda")
+        if local >= torch.cuda.device_count():
+            fail(f"rank {rank}: LOCAL_RANK={local}, but this process sees {torch.cuda.device_count()} GPU(s); "
+                 f"start at most that many processes a node")
+        cfg.device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    return Ranks(rank, world)
+
+
+# -----------------------------------------------------------------------------
 # evaluation, sampling, checkpoints
 
 @torch.no_grad()
-def estimate_loss(model, splits, cfg):
+def estimate_loss(model, splits, cfg, ranks=ONE_PROCESS):
     """Mean loss over eval_iters batches per split. A fresh generator each time: every evaluation of
-    every op set sees the same windows, so val losses compare like for like."""
+    every op set sees the same windows, so val losses compare like for like. Under torchrun each rank
+    takes its slice of every batch, as in training, and the ranks' means are averaged."""
     out = {}
     for name, data in splits.items():
         g = torch.Generator().manual_seed(cfg.seed + 1)
         losses = torch.zeros(cfg.eval_iters, device=data.device)
         for k in range(cfg.eval_iters):
-            x, y = get_batch(data, cfg.batch_size, cfg.block_size, g, data.device)
+            x, y = get_batch(data, cfg.batch_size, cfg.block_size, g, data.device, ranks.rank, ranks.world)
             losses[k] = model(x, y)[1]
-        out[name] = losses.mean().item()
+        out[name] = ranks.mean_(losses).mean().item()
     return out
 
 
@@ -1072,12 +1159,25 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen):
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         bad(f"its optimizer or batch-generator state does not fit this model ({one_line(e)})")
 
+    if saved.get("world_size", 1) != cfg.world_size:
+        print(f"note: {path} was trained by {saved.get('world_size', 1)} process(es), this run has "
+              f"{cfg.world_size}: the global batch is now {cfg.world_size} x {cfg.batch_size}")
     changed = [k for k in saved if k not in MODEL_KEYS + RESUME_KEYS and k in DEFAULTS
                and saved[k] != getattr(cfg, k)]
     if changed:
         print(f"note: {path} was trained with {', '.join(f'{k}={saved[k]}' for k in changed)}; this run uses "
               f"{', '.join(f'{k}={getattr(cfg, k)}' for k in changed)} (the command line's values)")
     return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"])
+
+
+def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals):
+    state = model.state_dict()
+    ckpt = {
+        "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
+        "model": state, "model_sha256": weights_sha256(state), "optimizer": opt.state_dict(),
+        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
+    }
+    atomic_write(path, lambda f: torch.save(ckpt, f))
 
 
 def read_text_splits(cfg):
@@ -1097,27 +1197,32 @@ def read_text_splits(cfg):
 class StopRequest:
     """Ctrl-C while training sets a flag that the loop reads after each step: the step in flight completes,
     so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside opt.step()
-    or a graph capture could leave the weights half updated). A second Ctrl-C interrupts at once."""
+    or a graph capture could leave the weights half updated). A second Ctrl-C interrupts at once, except
+    under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already (and SIGTERM
+    on its own SIGTERM): there every signal sets the flag, and the agent's SIGKILL is the hard stop."""
 
-    def __init__(self):
+    def __init__(self, ranks=ONE_PROCESS):
         self.requested = False
+        self.signals = (signal.SIGINT,) if ranks.world == 1 else (signal.SIGINT, signal.SIGTERM)
+        self.once = ranks.world == 1
 
     def __enter__(self):
-        self.previous = None
+        self.previous = {}
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
         return self
 
     def _handle(self, signum, frame):
         self.requested = True
-        signal.signal(signal.SIGINT, self.previous)
+        if self.once:
+            signal.signal(signum, self.previous[signum])
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
-def train_op_set(ops, cfg, tok, train_ids, val_ids):
+def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
     device = torch.device(cfg.device)
     on_cuda = device.type == "cuda"
     graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
@@ -1142,38 +1247,42 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
     else:
         print(f"{ops.name} | nothing to train: max_iters=0; evaluating the untrained model")
 
+    net = ranks.wrap(model, graphed)
     if graphed:
-        step = GraphedStep(model, opt)
+        step = GraphedStep(net, opt, warmup=DDP_GRAPH_WARMUP if ranks.world > 1 else GRAPH_WARMUP)
     elif compiled:
-        step = compiled_step(model, opt)
+        step = compiled_step(net, opt)
     else:
-        step = functools.partial(train_step, model, opt)
+        step = functools.partial(train_step, net, opt)
     splits = {"train": train_ids, "val": val_ids}
-    tokens_per_step = cfg.batch_size * cfg.block_size
+    tokens_per_step = cfg.batch_size * cfg.block_size * ranks.world
     # Losses stay on the device until a log or eval point: reading each one would sync every step.
     loss_buf = torch.zeros(max(cfg.max_iters - start, 0), device=device)
     fetched = 0
     # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
     # of the timed steps.
-    timer = StepTimer(device, skip=max(cfg.timing_warmup, GRAPH_WARMUP + 1))
+    timer = StepTimer(device, skip=timing_skip(cfg))
     t_run = time.perf_counter()
     done = start
     status, why, stopped_at = "completed", None, None  # or "diverged" / "interrupted", why, and where
-    with StopRequest() as stop:
+    with StopRequest(ranks) as stop:
         for it in range(start, cfg.max_iters):
             timer.before_step()
-            x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, batch_gen, device)  # (B, T) each
+            x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, batch_gen, device,  # (B, T) each
+                             ranks.rank, ranks.world)
             loss_buf[it - start].copy_(step(x, y))
             timer.after_step()
             done = it + 1
 
             log = done % cfg.log_interval == 0 or done == cfg.max_iters
             ev = done % cfg.eval_interval == 0 or done == cfg.max_iters
-            interrupt = stop.requested  # read once: a Ctrl-C from here on is handled after the next step
+            # Read once: a Ctrl-C from here on is handled after the next step. Ranks agree on theirs where
+            # they all stop anyway, at log and eval points.
+            interrupt = stop.requested if ranks.world == 1 else (log or ev) and ranks.any(stop.requested, device)
             if not (log or ev or interrupt):
                 continue
             dt, n = timer.stop()
-            new = loss_buf[fetched:done - start].tolist()
+            new = ranks.mean_(loss_buf[fetched:done - start]).tolist()  # each rank's mean: the global batch's
             ops.check_errors()  # the host has waited for the losses: a bad index met on the GPU raises here
             fetched = done - start
             # Checked where the losses reach the host anyway; the first bad one names the iteration.
@@ -1194,20 +1303,15 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
                     status, why, stopped_at = "diverged", f"weights are NaN or inf after iteration {done}", done
                     break
             if ev:
-                evals.append({"iter": done, **estimate_loss(model, splits, cfg)})
+                evals.append({"iter": done, **estimate_loss(model, splits, cfg, ranks)})
                 if not all(math.isfinite(evals[-1][k]) for k in splits):
                     e = evals.pop()
                     why = f"eval loss after iteration {done} is train {e['train']}, val {e['val']}"
                     status, stopped_at = "diverged", done
                     break
             if ev or interrupt:
-                state = model.state_dict()
-                ckpt = {
-                    "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
-                    "model": state, "model_sha256": weights_sha256(state), "optimizer": opt.state_dict(),
-                    "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
-                }
-                atomic_write(ckpt_path, lambda f: torch.save(ckpt, f))
+                if ranks.main:  # the ranks hold the same weights, optimizer state and batch generator
+                    save_checkpoint(ckpt_path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals)
                 saved_iter = done
                 what = f"eval: train {evals[-1]['train']:.4f}, val {evals[-1]['val']:.4f}" if ev else "interrupted"
                 print(f"{ops.name} | iter {done} | {what} | saved {ckpt_path}")
@@ -1218,7 +1322,7 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
     wall_s = time.perf_counter() - t_run
 
     if status == "completed" and (not evals or evals[-1]["iter"] != done):
-        evals.append({"iter": done, **estimate_loss(model, splits, cfg)})  # nothing trained: still report
+        evals.append({"iter": done, **estimate_loss(model, splits, cfg, ranks)})  # nothing trained: still report
     if status == "diverged":
         kept = (f"{ckpt_path} still holds iteration {saved_iter}" if saved_iter is not None
                 else f"no checkpoint written to {ckpt_path}")
@@ -1239,7 +1343,7 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids):
         "train_loss": train_loss,
         "evals": evals,
         # A diverged model would sample from NaN; an interrupted run was asked to stop now.
-        "sample": generate(model, tok, cfg, device) if status == "completed" else None,
+        "sample": generate(model, tok, cfg, device) if status == "completed" and ranks.main else None,
         "ckpt_path": ckpt_path,
     }
 
@@ -1258,8 +1362,9 @@ OP_SET_TITLES = {"torch": "PyTorch op set", "cuda": "custom CUDA op set"}
 def report(runs, cfg):
     device = torch.device(cfg.device)
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\nresults on {hw}, {cfg.dtype} (tok/s: training steps only, after "
-          f"{max(cfg.timing_warmup, GRAPH_WARMUP + 1)} warm-up steps; wall s: whole run including evals)")
+    ranks = f" x {cfg.world_size}, global batch {cfg.world_size} x {cfg.batch_size}" if cfg.world_size > 1 else ""
+    print(f"\nresults on {hw}{ranks}, {cfg.dtype} (tok/s: training steps only, of all ranks, after "
+          f"{timing_skip(cfg)} warm-up steps; wall s: whole run including evals)")
     print(f"{'op set':<7} {'mode':<7} {'iters':>6} {'train loss':>11} {'val loss':>9} {'wall s':>8} {'tok/s':>11}")
     for name, r in runs.items():
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
@@ -1451,7 +1556,7 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size):
     batch_gen = torch.Generator().manual_seed(cfg.seed)  # every cell sees the same batches
     hist = torch.zeros(cfg.max_iters, len(SWEEP_METRICS), dtype=torch.float64, device=device)  # (steps, metrics)
     rows, diverged_at = [], None  # rows: hist read back, at log points only
-    timer = StepTimer(device, skip=max(cfg.timing_warmup, GRAPH_WARMUP + 1))
+    timer = StepTimer(device, skip=timing_skip(cfg))
     t0 = time.perf_counter()
     for it in range(cfg.max_iters):
         timer.before_step()
@@ -1680,8 +1785,22 @@ def plot_sweep(cells, out_dir):
 # -----------------------------------------------------------------------------
 
 def main(argv):
+    if int(os.environ.get("RANK", "0")) > 0:
+        sys.stdout = open(os.devnull, "w")  # under torchrun rank 0 alone prints; errors still reach stderr
     cfg = parse_config(argv)
     check_mhc_config(cfg)
+    ranks = start_ranks(cfg)
+    try:
+        run_ranks(cfg, ranks, argv)
+        if ranks.world > 1:
+            dist.barrier()  # rank 0 writes the report while the others wait: the ranks leave together
+    finally:
+        if ranks.world > 1:
+            dist.destroy_process_group()
+
+
+def run_ranks(cfg, ranks, argv):
+    """main's work in each rank: the checks, then the op sets' runs inside out_dir."""
     op_sets, notes = choose_op_sets(cfg)
     for note in notes:
         print(note)
@@ -1698,11 +1817,11 @@ def main(argv):
         fail(f"--out_dir={cfg.out_dir}: cannot create the folder ({e.strerror})")
     if not os.access(cfg.out_dir, os.W_OK | os.X_OK):
         fail(f"--out_dir={cfg.out_dir} is not writable")
-    with out_dir_lock(cfg.out_dir, "train.py", fail):
-        return run_in_out_dir(cfg, op_sets, argv)
+    with out_dir_lock(cfg.out_dir, "train.py", fail) if ranks.main else contextlib.nullcontext():
+        return run_in_out_dir(cfg, op_sets, argv, ranks)
 
 
-def run_in_out_dir(cfg, op_sets, argv):
+def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
     """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
     if cfg.sweep:
         return run_sweep(cfg, op_sets[-1])  # one op set: cuda where it can run, else torch (a note says so)
@@ -1729,14 +1848,15 @@ def run_in_out_dir(cfg, op_sets, argv):
 
     runs = {}
     for ops in op_sets:
-        runs[ops.name] = r = train_op_set(ops, cfg, tok, train_ids, val_ids)
+        runs[ops.name] = r = train_op_set(ops, cfg, tok, train_ids, val_ids, ranks)
         if torch.device(cfg.device).type == "cuda":
             if cfg.compile:
                 torch.compiler.reset()  # the compiled step's CUDA graphs and their memory pool go too
             torch.cuda.empty_cache()  # the next op set starts from the same free memory
         if r["status"] != "completed":
             break  # a diverged or interrupted run stops here; the next op set is not started
-    report(runs, cfg)
+    if ranks.main:
+        report(runs, cfg)
 
     name, r = next(((n, r) for n, r in runs.items() if r["status"] != "completed"), (None, None))
     if r is None:
@@ -1746,8 +1866,10 @@ def run_in_out_dir(cfg, op_sets, argv):
                 else "no checkpoint was written")
         fail(f"the {name} op set diverged: {r['stopped_because']}; training stopped, {kept}; try a smaller --lr")
     again = [a for a in argv if not a.startswith(("--resume=", "--overwrite="))] + ["--resume=true"]
-    sys.stderr.write(f"train.py: interrupted at iteration {r['stopped_at']} of the {name} op set, saved "
-                     f"{r['ckpt_path']}; resume with: {shlex.join(['python', 'train.py', *again])}\n")
+    launch = ["python"] if ranks.world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={ranks.world}"]
+    if ranks.main:
+        sys.stderr.write(f"train.py: interrupted at iteration {r['stopped_at']} of the {name} op set, saved "
+                         f"{r['ckpt_path']}; resume with: {shlex.join([*launch, 'train.py', *again])}\n")
     sys.exit(130)  # the shell's code for a run ended by Ctrl-C
 
 
@@ -1757,3 +1879,10 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # outside the training loop (loading, evaluating, sampling): nothing to save
         sys.stderr.write("train.py: interrupted\n")
         sys.exit(130)
+    except RuntimeError as e:  # under torchrun: a collective that another rank left or never joined
+        if not lost_other_ranks(e):
+            raise
+        sys.stderr.write(f"train.py: rank {os.environ.get('RANK', 0)} lost the other ranks: one of them failed "
+                         f"or stopped (its error is above), or took longer than --dist_timeout "
+                         f"({one_line(e)})\n")
+        sys.exit(1)
