@@ -9,7 +9,6 @@ The synthetic incrementing-token task of the mHC depth sweep lives here too (inc
 
 import os
 import re
-import tempfile
 
 import requests
 import torch
@@ -86,16 +85,8 @@ def load_text(data_path=None, cache_dir=CACHE_DIR, url=BOOK_URL, timeout=30.0) -
     # Gutenberg does not always name the charset, and requests would then guess Latin-1.
     text = clean_text(resp.content.decode("utf-8"))
 
-    # Write to a temp file and rename, so an interrupted run never leaves a truncated cache.
     os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp_path, cache_path)
-    except BaseException:
-        os.unlink(tmp_path)
-        raise
+    atomic_write(cache_path, lambda f: f.write(text.encode("utf-8")))  # never a truncated cache
     print(f"cached {len(text):,} characters of {url} at {cache_path}")
     return text
 
@@ -181,3 +172,36 @@ def increment_batch(batch_size: int, block_size: int, generator: torch.Generator
     starts = starts.to(device, non_blocking=torch.device(device).type == "cuda")
     x = (starts + torch.arange(block_size, device=device)) % vocab_size  # (B, T)
     return x, (x + 1) % vocab_size
+
+
+# -----------------------------------------------------------------------------
+# what the scripts write: files whole or not at all, plots without a display, durations
+
+def atomic_write(path, write):
+    """write(file) into a temp file next to path, then rename: a crash never leaves a truncated file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files only (no display needed), or None with a note if missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed, so no plots (pip install matplotlib)")
+        return None
+    return plt
+
+
+def fmt_seconds(s):
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

@@ -25,9 +25,10 @@ import time
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 
 import train
-from data import CharTokenizer
+from data import CharTokenizer, atomic_write
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means); override with --key=value
@@ -105,12 +106,71 @@ def parse_config(argv):
 
 
 # -----------------------------------------------------------------------------
-# models
+# models: train.py's GPT, with a mixture of experts in its feed-forward seam, and a KV cache
+
+class MoE(train.MLP):
+    """Mixture of experts: a router picks top_k of n_expert feed-forwards (MLP's, per arch) per token, whose
+    outputs are summed with the router's softmax probabilities renormalised over the chosen ones."""
+
+    def __init__(self, n_embd, n_expert, top_k, arch="gpt"):
+        super().__init__(n_embd, arch, n_expert)
+        self.top_k = top_k
+        self.router_w = nn.Parameter(torch.empty(n_expert, n_embd))
+
+    def forward(self, h, ops):  # h (..., C)
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])  # (N, C)
+        probs = ops.softmax(ops.linear(x, self.router_w, None))  # (N, E)
+        top_i = ops.topk(probs, self.top_k)[1]  # (N, k)
+        top_p = probs.gather(-1, top_i)  # (N, k): gathered, so the router gets gradient on both op sets
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        if x.shape[0] == 1:
+            # One token (decoding): GEMVs that read only the chosen experts' weights, indexed on the
+            # device, so the step has no host sync and can be captured in a CUDA graph.
+            e, xk = top_i[0], x.expand(self.top_k, -1)  # (k,), (k, C)
+
+            def expert_linear(z, name):  # row s of z through expert e[s]
+                w, b = self.params(name)
+                return ops.expert_gemv(w, z, b, e)
+            y = self.ffn(xk, ops, expert_linear)  # (k, C)
+            return (top_p[0, :, None] * y).sum(0).view(shape)
+        # Many tokens (prefill, training): each expert runs on the tokens routed to it. nonzero() reads
+        # the routing on the host; every token gets exactly top_k contributions added to a zero.
+        out = torch.zeros_like(x)
+        for e in range(self.router_w.shape[0]):
+            rows, slot = torch.nonzero(top_i == e, as_tuple=True)
+            if rows.numel():
+                y = self.ffn(x[rows], ops, lambda z, name: ops.linear(z, *self.params(name, e)))
+                out.index_add_(0, rows, top_p[rows, slot, None] * y)
+        return out.view(shape)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated at the context length: (n_layer, B, n_kv_head, T, hs)
+    each, in the model's dtype. `pos` (a 1-element device tensor) counts the tokens already in the cache.
+    The model writes each step's keys and values at pos.. in place and attention reads the whole buffer
+    with kv_len = pos + T, so a step never copies the cache and its shapes never change (CUDA-graph
+    friendly)."""
+
+    def __init__(self, n_layer, batch, n_kv_head, block_size, head_size, device, dtype=torch.float32):
+        shape = (n_layer, batch, n_kv_head, block_size, head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.capacity = block_size
+        self.positions = self.kv_len = None  # of the tokens in flight, set by GPT.forward
+
+    @property
+    def nbytes(self):
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reset(self):
+        self.pos.zero_()
+
 
 def random_model(kind, seed, cfg, tok):
-    n_expert = cfg.n_expert if kind == "moe" else 0
-    return train.model_from_config(cfg, tok.vocab_size, train.TORCH_OPS, seed=seed, n_expert=n_expert,
-                                   top_k=cfg.top_k)
+    mlp = (lambda: MoE(cfg.n_embd, cfg.n_expert, cfg.top_k, cfg.arch)) if kind == "moe" else None
+    return train.model_from_config(cfg, tok.vocab_size, train.TORCH_OPS, seed=seed, mlp=mlp)
 
 
 def checkpoint_model(cfg):
@@ -135,7 +195,7 @@ def kv_cache(model, device):
     weights' dtype."""
     block = model.blocks[0]
     head_size = model.wte.shape[1] // block.n_head
-    return train.KVCache(len(model.blocks), 1, block.n_kv_head, model.block_size, head_size, device, model.wte.dtype)
+    return KVCache(len(model.blocks), 1, block.n_kv_head, model.block_size, head_size, device, model.wte.dtype)
 
 
 def with_dtype(model, dtype):
@@ -158,7 +218,7 @@ def weight_bytes_per_token(model):
             total += p[0].numel() * p.element_size()
             if name == "wte":
                 total += p.numel() * p.element_size()  # the head reads all of it
-        elif ".mlp." in name and isinstance(model.blocks[0].mlp, train.MoE) and "router" not in name:
+        elif ".mlp." in name and isinstance(model.blocks[0].mlp, MoE) and "router" not in name:
             total += p[0].numel() * p.element_size() * model.blocks[0].mlp.top_k
         else:
             total += p.numel() * p.element_size()
@@ -427,7 +487,7 @@ def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
 
 
 def write_results(path, results):
-    train.atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
 def dtype_speedups(kind, models):

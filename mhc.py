@@ -6,11 +6,18 @@ parallel streams mixed by learned matrices, and keep the residual mixing matrix 
 projecting it with Sinkhorn-Knopp. Plain hyper-connections (HC, arXiv 2409.19606) leave it free.
 """
 
+import functools
+import json
 import math
+import os
+import time
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+
+from data import INCREMENT_VOCAB, atomic_write, fmt_seconds, get_batch, increment_batch, pyplot
 
 
 def sinkhorn_torch(logits, iters=20):
@@ -192,3 +199,344 @@ def composite_gains(residuals):
     """composite_gain_tensor read back as {'proxy': float, 'fwd': float, 'bwd': float}, or None."""
     g = composite_gain_tensor(residuals)
     return None if g is None else dict(zip(GAINS, g.tolist()))
+
+
+# -----------------------------------------------------------------------------
+# the depth sweep: every residual variant at several depths, trained from the same seed on the same
+# batches, with per-step stability metrics (python train.py --preset=mhc | mhc-demo | mhc-text). Each
+# finished (variant, depth) cell is written to out_dir/results.json at once, and a rerun skips it.
+# train.py hands the sweep a trainer (train.SWEEP_TRAINER: the model, optimizer, step, timer and
+# evaluation) so that this file never imports train.py.
+
+SWEEP_METRICS = ("loss", "grad_norm", "nonfinite") + tuple(f"gain_{g}" for g in GAINS)
+# What a rerun must share with the results.json it adds cells to (depths and variants may differ).
+SWEEP_SETTINGS = ("sweep", "arch", "n_kv_head", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay", "beta1", "beta2",
+                  "max_iters", "seed", "data_path")
+
+
+def check_config(cfg, fail):
+    """The residual and sweep keys, checked before anything trains."""
+    if cfg.residual not in VARIANTS:
+        fail(f"--residual must be one of {', '.join(VARIANTS)}, got {cfg.residual!r}")
+    if cfg.n_streams < 1:
+        fail(f"--n_streams must be >= 1, got {cfg.n_streams}")
+    if cfg.sweep not in ("", "increment", "text"):
+        fail(f"--sweep must be '', increment or text, got {cfg.sweep!r}")
+    if cfg.sweep and cfg.max_iters < 1:
+        fail(f"--max_iters must be >= 1 for a sweep, got {cfg.max_iters}")
+    sweep_depths(cfg, fail)
+    sweep_variants(cfg, fail)
+
+
+def sweep_depths(cfg, fail):
+    """'12,24,48:16' -> [(12, batch_size), (24, batch_size), (48, 16)]."""
+    out = []
+    for item in cfg.sweep_depths.split(","):
+        depth, _, batch = item.strip().partition(":")
+        try:
+            d, b = int(depth), int(batch) if batch else cfg.batch_size
+        except ValueError:
+            d = b = 0
+        if d < 1 or b < 1:
+            fail(f"--sweep_depths expects depths or depth:batch pairs >= 1, comma-separated, got {cfg.sweep_depths!r}")
+        out.append((d, b))
+    return out
+
+
+def sweep_variants(cfg, fail):
+    names = [v.strip() for v in cfg.sweep_variants.split(",")]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or len(set(names)) != len(names):
+        fail(f"--sweep_variants expects distinct names from {', '.join(VARIANTS)}, got {cfg.sweep_variants!r}")
+    return names
+
+
+def cell_key(variant, depth):
+    return f"{variant}/{depth}"  # results.json's key of a (variant, depth) cell
+
+
+def residual_modules(model):
+    """Every sublayer's residual module, in the order their H_res apply: P = H_res[-1] ... H_res[0]."""
+    return [r for block in model.blocks for r in (block.res_attn, block.res_mlp)]
+
+
+def sweep_step(train_step, model, opt, x, y):
+    """train_step, then the metrics of that step as one (len(SWEEP_METRICS),) float64 device tensor: loss,
+    gradient norm, count of NaN/Inf values in loss and gradients, and the log10 gains of the composite
+    residual map of this step's forward (NaN for the baseline, which has none). Device ops only, so a
+    graphed step captures the metrics with it and no step waits for the host."""
+    loss = train_step(model, opt, x, y)  # the update leaves the gradients in .grad
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])  # all of them, flat
+    nonfinite = (~torch.isfinite(loss)).sum() + (~torch.isfinite(grads)).sum()
+    gains = composite_gain_tensor(residual_modules(model))  # (3,)
+    if gains is None:
+        gains = torch.full((len(GAINS),), math.nan, dtype=torch.float64, device=loss.device)
+    head = torch.stack([loss.double(), torch.linalg.vector_norm(grads, dtype=torch.float64)])  # float64: no overflow
+    return torch.cat([head, nonfinite.double().view(1), gains])
+
+
+def sweep_task(cfg, device, trainer):
+    """vocab_size, batch(batch_size, generator) -> (x, y) on the device, and the eval splits (text only)."""
+    if cfg.sweep == "increment":
+        return SimpleNamespace(vocab_size=INCREMENT_VOCAB, splits=None,
+                               batch=lambda B, g: increment_batch(B, cfg.block_size, g, device))
+    tok, train_ids, val_ids = trainer.read_text(cfg)
+    train_ids, val_ids = train_ids.to(device), val_ids.to(device)
+    return SimpleNamespace(vocab_size=tok.vocab_size, splits={"train": train_ids, "val": val_ids},
+                           batch=lambda B, g: get_batch(train_ids, B, cfg.block_size, g, device))
+
+
+def finite_or_none(v):
+    return v if math.isfinite(v) else None  # results.json stays strict JSON
+
+
+def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
+    """Train one (variant, depth) cell for max_iters steps; return its record for results.json. A cell
+    whose loss or gradients turn NaN/Inf stops at the next log point (diverged_at says where)."""
+    device = torch.device(cfg.device)
+    on_cuda = device.type == "cuda"
+    graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
+    model = trainer.model(cfg, task.vocab_size, ops, n_layer=depth, residual=variant).to(device)
+    opt = trainer.optimizer(model, cfg, on_cuda, graphed)
+    step_fn = functools.partial(sweep_step, trainer.train_step)
+    step = trainer.graphed(model, opt, step_fn) if graphed else functools.partial(step_fn, model, opt)
+    batch_gen = torch.Generator().manual_seed(cfg.seed)  # every cell sees the same batches
+    hist = torch.zeros(cfg.max_iters, len(SWEEP_METRICS), dtype=torch.float64, device=device)  # (steps, metrics)
+    rows, diverged_at = [], None  # rows: hist read back, at log points only
+    timer = trainer.timer(device, cfg)
+    t0 = time.perf_counter()
+    for it in range(cfg.max_iters):
+        timer.before_step()
+        x, y = task.batch(batch_size, batch_gen)  # (B, T) each
+        hist[it].copy_(step(x, y))
+        timer.after_step()
+        done = it + 1
+        if done % cfg.log_interval and done < cfg.max_iters:
+            continue
+        dt, n = timer.stop()
+        rows += hist[len(rows):done].tolist()
+        ops.check_errors()
+        m = dict(zip(SWEEP_METRICS, rows[-1]))
+        gains = "" if variant == "baseline" else f" | gain fwd {fmt_gain(m['gain_fwd'])} bwd {fmt_gain(m['gain_bwd'])}"
+        print(f"  {variant:<11} L{depth:<3} | step {done:>{len(str(cfg.max_iters))}}/{cfg.max_iters}"
+              f" | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3g}{gains} | {1e3 * dt / n:.1f} ms/step",
+              flush=True)
+        diverged_at = next((i + 1 for i, r in enumerate(rows) if r[2] > 0), None)
+        if diverged_at is not None:
+            print(f"  {variant:<11} L{depth:<3} | NaN/Inf from step {diverged_at}: cell stopped at step {done}")
+            break
+        timer.start()
+
+    names = SWEEP_METRICS[:3] if variant == "baseline" else SWEEP_METRICS
+    per_step = {k: [finite_or_none(r[i]) for r in rows] for i, k in enumerate(names)}
+    per_step["nonfinite"] = [int(r[2]) for r in rows]
+    record = {
+        "variant": variant, "depth": depth, "batch_size": batch_size, "steps": len(rows),
+        "op_set": ops.name, "mode": "graph" if graphed else "eager", "device": device_name(device),
+        "diverged_at": diverged_at,
+        "nonfinite_steps": sum(1 for r in rows if r[2] > 0),
+        "final": {k: per_step[k][-1] if k in per_step else None for k in SWEEP_METRICS},
+        "max_gain_fwd": max((g for g in per_step.get("gain_fwd", []) if g is not None), default=None),
+        "ms_per_step": 1e3 * timer.timed_s / timer.timed_steps if timer.timed_steps else None,
+        "timed_steps": timer.timed_steps,
+        "wall_s": time.perf_counter() - t0,
+        "per_step": per_step,
+    }
+    if task.splits is not None:  # the book: losses on held-out text, the same windows for every cell
+        eval_cfg = SimpleNamespace(**{**vars(cfg), "batch_size": batch_size})
+        record["eval"] = {k: finite_or_none(v) for k, v in trainer.estimate_loss(model, task.splits, eval_cfg).items()}
+    return record
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def load_sweep(path, settings, fail):
+    """The cells already in path, or {} if there is none; exits if they were made with other settings."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        old = json.load(f)
+    theirs = old.get("settings") if isinstance(old, dict) else None
+    if theirs != settings:
+        diff = "not a sweep's results" if not isinstance(theirs, dict) else ", ".join(
+            f"{k}={theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v)
+        fail(f"{path} holds results made with other settings: {diff}; pass another --out_dir or move it away")
+    return old["cells"]
+
+
+def run_sweep(cfg, ops, trainer):
+    """The sweep of cfg on the op set ops; trainer (train.SWEEP_TRAINER) builds, steps and evaluates models."""
+    device = torch.device(cfg.device)
+    graphed = device.type == "cuda" and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
+    settings = {**{k: getattr(cfg, k) for k in SWEEP_SETTINGS}, "op_set": ops.name}
+    path = os.path.join(cfg.out_dir, "results.json")
+    cells = load_sweep(path, settings, trainer.fail)
+    task = sweep_task(cfg, device, trainer)
+    todo = [(v, d, b) for d, b in sweep_depths(cfg, trainer.fail) for v in sweep_variants(cfg, trainer.fail)]
+    print(f"mHC sweep on the {'incrementing-token task' if cfg.sweep == 'increment' else 'book'}: "
+          f"{len(todo)} cells | {ops.name} op set ({'graph' if graphed else 'eager'}) on {device_name(device)} | "
+          f"{cfg.max_iters} steps, {cfg.n_embd} wide, {cfg.n_head} heads, context {cfg.block_size}, "
+          f"{cfg.n_streams} streams, lr {cfg.lr:g} | {path}")
+
+    # ETA: a cell's time taken as proportional to depth x batch (the same steps and width for all).
+    work_left = sum(d * b for v, d, b in todo if cells.get(cell_key(v, d), {}).get("batch_size") != b)
+    work_done, t_run = 0, time.perf_counter()
+    for i, (variant, depth, batch) in enumerate(todo, 1):
+        tag = f"[{i}/{len(todo)}] {variant} L{depth}"
+        old = cells.get(cell_key(variant, depth))
+        if old is not None and old["batch_size"] == batch:
+            print(f"{tag}: already in {path}, skipping")
+            continue
+        if old is not None:
+            print(f"{tag}: recorded with batch {old['batch_size']}, training again with batch {batch}")
+        print(f"{tag}: training, batch {batch}", flush=True)
+        cells[cell_key(variant, depth)] = rec = sweep_cell(cfg, ops, task, variant, depth, batch, trainer)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        results = {"settings": settings, "cells": cells}
+        atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
+        work_done, work_left = work_done + depth * batch, work_left - depth * batch
+        elapsed = time.perf_counter() - t_run
+        print(f"{tag}: done in {fmt_seconds(rec['wall_s'])}, final loss {fmt_float(rec['final']['loss'], '.4f')}"
+              f" | sweep {fmt_seconds(elapsed)} elapsed, eta {fmt_seconds(elapsed / work_done * work_left)}",
+              flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next cell starts from the same free memory
+
+    print()
+    print("\n".join(sweep_table(cells)))
+    if cfg.plot:
+        plot_sweep(cells, cfg.out_dir)
+
+
+def fmt_float(v, spec):
+    return "nan" if v is None else format(v, spec)
+
+
+def fmt_gain(v):
+    """A log10 gain to 2 decimals; mhc's -4e-7 (float32 row sums) prints 0.00, not -0.00."""
+    return fmt_float(v if v is None or math.isnan(v) else round(v, 2) + 0.0, ".2f")
+
+
+def sweep_cells_in_order(cells):
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    return sorted(cells.values(), key=lambda c: (c["depth"], order[c["variant"]]))
+
+
+def sweep_table(cells):
+    """A markdown table of every cell in results.json: final values, NaN/Inf, speed against the baseline."""
+    text = any("eval" in c for c in cells.values())
+    cols = ["variant", "depth", "batch", "steps", "final loss"] + (["val loss"] if text else []) + [
+        "gain proxy", "gain fwd", "gain bwd", "max gain fwd", "NaN/Inf steps", "ms/step", "x baseline"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for c in sweep_cells_in_order(cells):
+        f = c["final"]
+        base = cells.get(cell_key("baseline", c["depth"]), {}).get("ms_per_step")
+        ms = c["ms_per_step"]
+        nan = str(c["nonfinite_steps"])
+        if c["diverged_at"] is not None:
+            nan += f" (from step {c['diverged_at']}; stopped at {c['steps']})"
+        gains = ["-"] * 4 if c["variant"] == "baseline" else [
+            fmt_gain(v) for v in [f[f"gain_{g}"] for g in GAINS] + [c["max_gain_fwd"]]]
+        row = [c["variant"], str(c["depth"]), str(c["batch_size"]), str(c["steps"]), fmt_float(f["loss"], ".4g")]
+        row += [fmt_float(c["eval"]["val"], ".4f")] if text else []
+        row += gains + [nan, fmt_float(ms, ".1f") if ms else "n/a",
+                        f"{ms / base:.2f}x" if ms and base else "n/a"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("gains: log10 of the composite residual map's max |P_ij| (proxy), max row sum (fwd) and max column "
+                 "sum (bwd), max over tokens, at the last step; max gain fwd: over all steps; ms/step: the timed "
+                 "steps of each cell (after warm-up)")
+    return lines
+
+
+def plot_sweep(cells, out_dir):
+    """loss_per_step.png (a panel per depth), gain_vs_depth.png and gain_per_step.png (log-scale gains)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    cells = sweep_cells_in_order(cells)
+    color = {v: f"C{i}" for i, v in enumerate(VARIANTS)}
+    fig = SimpleNamespace(
+        plt=plt, cells=cells, depths=sorted({c["depth"] for c in cells}), color=color,
+        style={v: dict(color=color[v], ls="--" if v == "mhc-dynamic" else "-") for v in VARIANTS},  # mhc's twin
+        hc_cells=[c for c in cells if c["variant"] != "baseline"])
+    fig.width = max(4.2 * len(fig.depths), 6.0)
+    written = [os.path.join(out_dir, name) for name in ("loss_per_step.png", "gain_vs_depth.png", "gain_per_step.png")]
+    for draw, path in zip((plot_loss_per_step, plot_gain_vs_depth, plot_gain_per_step), written):
+        figure = draw(fig)
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+    print("wrote " + ", ".join(written))
+
+
+def nan_gaps(xs):  # None (a diverged step) -> NaN: a gap in the line
+    return [math.nan if x is None else x for x in xs]
+
+
+def gains_of(xs):  # log10 gains back to gains, None -> NaN
+    return [math.nan if x is None else 10.0 ** x for x in xs]
+
+
+def plot_loss_per_step(f):
+    fig, axes = f.plt.subplots(1, len(f.depths), figsize=(f.width, 3.6), squeeze=False, sharey=True)
+    for ax, d in zip(axes[0], f.depths):
+        for c in (c for c in f.cells if c["depth"] == d):
+            ax.semilogy(range(1, c["steps"] + 1), nan_gaps(c["per_step"]["loss"]), lw=1, **f.style[c["variant"]],
+                        label=c["variant"] + (f" (NaN from step {c['diverged_at']})" if c["diverged_at"] else ""))
+        ax.set_title(f"{d} layers")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    axes[0, 0].set_ylabel("training loss (log scale)")
+    fig.suptitle("loss per step, each residual variant")
+    return fig
+
+
+def plot_gain_vs_depth(f):
+    def last_finite(c, g):  # a diverged cell: the gain of its last step with finite weights
+        return next((x for x in reversed(c["per_step"][f"gain_{g}"]) if x is not None), None)
+
+    fig, axes = f.plt.subplots(1, 3, figsize=(12, 3.6), squeeze=False)
+    for ax, g in zip(axes[0], GAINS):
+        for v in VARIANTS[1:]:
+            cs = [c for c in f.hc_cells if c["variant"] == v]
+            if cs:
+                ax.semilogy([c["depth"] for c in cs], gains_of([last_finite(c, g) for c in cs]), marker="o",
+                            **f.style[v], label=v)
+        bad = [c for c in f.hc_cells if c["diverged_at"]]
+        if bad:
+            ax.semilogy([c["depth"] for c in bad], gains_of([last_finite(c, g) for c in bad]), "x", ms=12,
+                        color="black", label="NaN/Inf: its last finite value")
+        ax.axhline(1.0, color=f.color["baseline"], ls=":", lw=1, label="baseline (identity)")
+        ax.set_xticks(f.depths)
+        ax.set_xlabel("layers")
+        ax.set_title({"proxy": "max |P_ij| (proxy)", "fwd": "forward Amax gain (max row sum)",
+                      "bwd": "backward Amax gain (max column sum)"}[g], fontsize=10)
+    axes[0, 0].set_ylabel("gain at the last step (log scale)")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("gain of the composite residual map P = H_res[2L-1]...H_res[0] (two per layer) at the last step")
+    return fig
+
+
+def plot_gain_per_step(f):
+    fig, axes = f.plt.subplots(2, len(f.depths), figsize=(f.width, 6.2), squeeze=False, sharex=True)
+    for col, d in enumerate(f.depths):
+        for row, g in enumerate(("fwd", "bwd")):
+            ax = axes[row, col]
+            for c in (c for c in f.hc_cells if c["depth"] == d):
+                series = c["per_step"][f"gain_{g}"]
+                ax.semilogy(range(1, c["steps"] + 1), gains_of(series), lw=1, **f.style[c["variant"]],
+                            label=c["variant"])
+                if c["diverged_at"] and any(x is not None for x in series):  # a line may be a single point
+                    last = max(i for i, x in enumerate(series) if x is not None)
+                    ax.semilogy([last + 1], gains_of([series[last]]), "x", ms=10, color=f.color[c["variant"]],
+                                label=f"{c['variant']}: last finite value")
+            ax.axhline(1.0, color=f.color["baseline"], ls=":", lw=1, label="baseline (identity)")
+            ax.set_title(f"{d} layers: {g} gain", fontsize=10)
+        axes[1, col].set_xlabel("step")
+    axes[0, 0].set_ylabel("max row sum of P (log scale)")
+    axes[1, 0].set_ylabel("max column sum of P (log scale)")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("Amax gain of the composite residual map per step")
+    return fig

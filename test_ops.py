@@ -1168,8 +1168,8 @@ _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--bloc
 
 def _decoder_gpt(n_expert=0, device="cpu", n_embd=32, arch="gpt"):
     # llama: its default grouping, 1 K/V head for the 2 query heads
-    return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, n_expert=n_expert, top_k=2,
-                     arch=arch).to(device).eval()
+    mlp = (lambda: inference.MoE(n_embd, n_expert, 2, arch)) if n_expert else None
+    return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, mlp=mlp, arch=arch).to(device).eval()
 
 
 def _greedy_without_cache(model, prompt, n_new):
@@ -1505,12 +1505,12 @@ def mhc_doubly_stochastic_after_step():
             train.train_step(model, opt, *data.increment_batch(4, 16, g))
         with torch.no_grad():
             model(*data.increment_batch(4, 16, g))  # H_res of the updated weights
-        h = torch.stack([r.last_res for r in train.residual_modules(model)]).double()  # (2L, [B, T,] 4, 4)
+        h = torch.stack([r.last_res for r in mhc.residual_modules(model)]).double()  # (2L, [B, T,] 4, 4)
         assert (h >= 0).all(), f"{variant}: negative entry"
         check(f"{variant}_rows", h.sum(-1), torch.ones_like(h.sum(-1)), 1e-6)
         check(f"{variant}_cols", h.sum(-2), torch.ones_like(h.sum(-2)), 1e-4)
         if variant == "mhc":
-            moved = (train.residual_modules(model)[1].res_logits - (2 * torch.eye(4) - 1)).abs().max().item()
+            moved = (mhc.residual_modules(model)[1].res_logits - (2 * torch.eye(4) - 1)).abs().max().item()
             assert moved > 1e-2, f"H_res logits moved only {moved:.1e}: nothing was tested"
 
 
@@ -1524,7 +1524,7 @@ def train_variants_few_steps():
         if variant != "baseline":
             # The streams start as copies of the embedding; unless the sublayers read them differently, the
             # first gradient of the mixing is rounding noise (~1e-11) and the streams stay alike.
-            res = train.residual_modules(model)[0]
+            res = mhc.residual_modules(model)[0]
             mix = res.post_logits if variant != "mhc-dynamic" else res.bias
             assert mix.grad.abs().max() > 1e-8, f"{variant}: first mixing gradient {mix.grad.abs().max():.1e}"
         losses[variant] += [train.train_step(model, opt, *data.increment_batch(4, 16, g)).item() for _ in range(2)]
@@ -1589,18 +1589,18 @@ def train_mhc_sweep_diverging_cell():
     is refused rather than mixed into the same results.json."""
     with contextlib.redirect_stdout(io.StringIO()):
         cfg = train.parse_config(_SWEEP_TINY + ["--lr=1e4"])  # exp(res_logits) of hc overflows after step 1
-    task = train.sweep_task(cfg, torch.device("cpu"))
-    c = train.sweep_cell(cfg, train.TORCH_OPS, task, "hc", 2, 4)
+    task = mhc.sweep_task(cfg, torch.device("cpu"), train.SWEEP_TRAINER)
+    c = mhc.sweep_cell(cfg, train.TORCH_OPS, task, "hc", 2, 4, train.SWEEP_TRAINER)
     assert c["diverged_at"] == 2 and c["steps"] == 3 and c["final"]["loss"] is None, (c["diverged_at"], c["steps"])
     assert c["per_step"]["nonfinite"][0] == 0 and c["per_step"]["nonfinite"][1] > 0, c["per_step"]["nonfinite"]
-    table = train.sweep_table({"hc/2": c})
+    table = mhc.sweep_table({"hc/2": c})
     assert "stopped at 3" in table[2] and "nan" in table[2], table[2]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.json")
         with open(path, "w") as f:
             json.dump({"settings": {"lr": 0.002}, "cells": {}}, f)
         try:
-            train.load_sweep(path, {"lr": 10000.0})
+            mhc.load_sweep(path, {"lr": 10000.0}, train.fail)
         except SystemExit as e:
             assert "other settings" in str(e) and "lr" in str(e), str(e)
         else:
@@ -1619,7 +1619,7 @@ def train_residual_option():
     for bad, words in ((["--residual=mhx"], ("--residual", "mhc-dynamic")), (["--sweep_depths=12,x"], ("depth",)),
                        (["--sweep_variants=mhc,mhc"], ("distinct",))):
         try:
-            train.check_mhc_config(train.parse_config(bad))
+            mhc.check_config(train.parse_config(bad), train.fail)
         except SystemExit as e:
             assert all(w in str(e) for w in words), str(e)
         else:

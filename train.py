@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import mhc
-from data import INCREMENT_VOCAB, CharTokenizer, get_batch, increment_batch, load_text, split_data
+from data import CharTokenizer, atomic_write, fmt_seconds, get_batch, load_text, pyplot, split_data
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
@@ -570,7 +570,8 @@ def last_position(x):  # (B, T, C) -> (B, 1, C), of a tensor or of both terms of
 
 class MLP(nn.Module):
     """The dense feed-forward: proj(gelu(fc(h))) with biases (gpt), or proj(swiglu(fc(h), up(h))) without
-    (llama), swiglu(a, b) = silu(a) * b. With n_expert, every matrix gets a leading expert dim (MoE)."""
+    (llama), swiglu(a, b) = silu(a) * b. With n_expert, every matrix gets a leading expert dim (inference.py's
+    mixture of experts builds on that)."""
 
     def __init__(self, n_embd, arch="gpt", n_expert=None):
         super().__init__()
@@ -597,66 +598,6 @@ class MLP(nn.Module):
 
     def forward(self, h, ops):  # h (..., C)
         return self.ffn(h, ops, lambda x, name: ops.linear(x, *self.params(name)))
-
-
-class MoE(MLP):
-    """Mixture of experts: a router picks top_k of n_expert feed-forwards (MLP's, per arch) per token, whose
-    outputs are summed with the router's softmax probabilities renormalised over the chosen ones."""
-
-    def __init__(self, n_embd, n_expert, top_k, arch="gpt"):
-        super().__init__(n_embd, arch, n_expert)
-        self.top_k = top_k
-        self.router_w = nn.Parameter(torch.empty(n_expert, n_embd))
-
-    def forward(self, h, ops):  # h (..., C)
-        shape = h.shape
-        x = h.reshape(-1, shape[-1])  # (N, C)
-        probs = ops.softmax(ops.linear(x, self.router_w, None))  # (N, E)
-        top_i = ops.topk(probs, self.top_k)[1]  # (N, k)
-        top_p = probs.gather(-1, top_i)  # (N, k): gathered, so the router gets gradient on both op sets
-        top_p = top_p / top_p.sum(-1, keepdim=True)
-        if x.shape[0] == 1:
-            # One token (decoding): GEMVs that read only the chosen experts' weights, indexed on the
-            # device, so the step has no host sync and can be captured in a CUDA graph.
-            e, xk = top_i[0], x.expand(self.top_k, -1)  # (k,), (k, C)
-
-            def expert_linear(z, name):  # row s of z through expert e[s]
-                w, b = self.params(name)
-                return ops.expert_gemv(w, z, b, e)
-            y = self.ffn(xk, ops, expert_linear)  # (k, C)
-            return (top_p[0, :, None] * y).sum(0).view(shape)
-        # Many tokens (prefill, training): each expert runs on the tokens routed to it. nonzero() reads
-        # the routing on the host; every token gets exactly top_k contributions added to a zero.
-        out = torch.zeros_like(x)
-        for e in range(self.router_w.shape[0]):
-            rows, slot = torch.nonzero(top_i == e, as_tuple=True)
-            if rows.numel():
-                y = self.ffn(x[rows], ops, lambda z, name: ops.linear(z, *self.params(name, e)))
-                out.index_add_(0, rows, top_p[rows, slot, None] * y)
-        return out.view(shape)
-
-
-class KVCache:
-    """Keys and values of every layer, preallocated at the context length: (n_layer, B, n_kv_head, T, hs)
-    each, in the model's dtype. `pos` (a 1-element device tensor) counts the tokens already in the cache.
-    The model writes each step's keys and values at pos.. in place and attention reads the whole buffer
-    with kv_len = pos + T, so a step never copies the cache and its shapes never change (CUDA-graph
-    friendly)."""
-
-    def __init__(self, n_layer, batch, n_kv_head, block_size, head_size, device, dtype=torch.float32):
-        shape = (n_layer, batch, n_kv_head, block_size, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.capacity = block_size
-        self.positions = self.kv_len = None  # of the tokens in flight, set by GPT.forward
-
-    @property
-    def nbytes(self):
-        return 2 * self.k.numel() * self.k.element_size()
-
-    def reset(self):
-        self.pos.zero_()
 
 
 class Block(nn.Module):
@@ -715,7 +656,7 @@ class GPT(nn.Module):
     # backward, so both accumulation paths of each op set are exercised.
 
     def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, seed, ops,
-                 n_expert=0, top_k=2, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0):
+                 mlp=None, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0):
         super().__init__()
         n_kv_head = kv_heads(arch, n_head, n_kv_head)
         self.block_size = block_size
@@ -724,10 +665,9 @@ class GPT(nn.Module):
         # gpt learns a position embedding; llama rotates q and k instead (tables below)
         self.wpe = nn.Parameter(torch.empty(block_size, n_embd)) if arch == "gpt" else None
         self.streams = mhc.Streams(residual, n_streams, n_embd)
-        self.blocks = nn.ModuleList(
-            Block(n_embd, n_head, n_kv_head, MoE(n_embd, n_expert, top_k, arch) if n_expert else MLP(n_embd, arch),
-                  self.streams.residual, arch)
-            for _ in range(n_layer))
+        mlp = mlp or (lambda: MLP(n_embd, arch))  # the feed-forward seam: inference.py's MoE plugs in here
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, n_kv_head, mlp(), self.streams.residual, arch)
+                                    for _ in range(n_layer))
         self.ln_f_w = nn.Parameter(torch.ones(n_embd))
         self.ln_f_b = nn.Parameter(torch.zeros(n_embd)) if arch == "gpt" else None
         self.register_buffer("pos", torch.arange(block_size), persistent=False)  # (block_size,)
@@ -750,7 +690,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """idx (B, T) int64. With targets (B, T): (logits (B, T, V), mean loss). Without: the last
-        position's logits (B, 1, V) and None. With a KVCache, idx continues the cached tokens. Runs in the
+        position's logits (B, 1, V) and None. With a cache (inference.py's KVCache: k, v, pos, and the
+        positions and kv_len this sets), idx continues the cached tokens. Runs in the
         op set's precision context (torch.autocast for the torch op set in bf16)."""
         with self.ops.autocast():
             return self.run(idx, targets, cache)
@@ -1022,19 +963,6 @@ def generate(model, tok, cfg, device):
     return tok.decode(ids[n_prompt:])
 
 
-def atomic_write(path, write):
-    """write(file) into a temp file next to path, then rename: a crash never leaves a truncated file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def weights_sha256(state_dict):
     """sha256 over every tensor's name, dtype, shape and bytes. torch.load does not check the CRCs of
     the zip it reads, so without this a checkpoint with flipped bytes in its weights loads silently."""
@@ -1222,139 +1150,165 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
-    device = torch.device(cfg.device)
-    on_cuda = device.type == "cuda"
-    graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
-    compiled = ops.name == "torch" and cfg.compile  # check_compile: on a GPU, and not with graph_torch
-    mode = "graph" if graphed else "compile" if compiled else "eager"
-    model = model_from_config(cfg, tok.vocab_size, ops).to(device)
-    opt = make_optimizer(model, cfg, on_cuda, graphed)
-    batch_gen = torch.Generator().manual_seed(cfg.seed)  # CPU generator: every op set draws the same batches
-    ckpt_path = os.path.join(cfg.out_dir, f"ckpt_{ops.name}.pt")
-    start, train_loss, evals = 0, [], []  # train_loss[i] is the loss of step i+1
-    saved_iter = None  # the iteration held by ckpt_path once this run has read or written it
-    if cfg.resume and os.path.isfile(ckpt_path):
-        start, train_loss, evals = load_checkpoint(ckpt_path, cfg, tok, model, opt, batch_gen)
-        saved_iter = start
-        print(f"{ops.name} | resuming from iteration {start} ({ckpt_path})")
-    elif cfg.resume:
-        print(f"{ops.name} | no checkpoint at {ckpt_path}: starting from iteration 0")
-    if start < cfg.max_iters:
-        print(f"{ops.name} | training {mode} on {cfg.device}, iterations {start + 1}..{cfg.max_iters}")
-    elif start > 0:
-        print(f"{ops.name} | nothing to train: the checkpoint is at iteration {start}, max_iters={cfg.max_iters}")
-    else:
-        print(f"{ops.name} | nothing to train: max_iters=0; evaluating the untrained model")
+class OpSetRun:
+    """One op set's training run: its model, optimizer and step, the losses so far, and how it ended
+    (status "completed", "diverged" or "interrupted", why, and at which iteration). train_op_set steps it
+    and hands it each log and eval point, where it reads the losses, evaluates and saves."""
 
-    net = ranks.wrap(model, graphed)
-    if graphed:
-        step = GraphedStep(net, opt, warmup=DDP_GRAPH_WARMUP if ranks.world > 1 else GRAPH_WARMUP)
-    elif compiled:
-        step = compiled_step(net, opt)
-    else:
-        step = functools.partial(train_step, net, opt)
-    splits = {"train": train_ids, "val": val_ids}
-    tokens_per_step = cfg.batch_size * cfg.block_size * ranks.world
-    # Losses stay on the device until a log or eval point: reading each one would sync every step.
-    loss_buf = torch.zeros(max(cfg.max_iters - start, 0), device=device)
-    fetched = 0
+    def __init__(self, ops, cfg, tok, train_ids, val_ids, ranks):
+        self.ops, self.cfg, self.tok, self.ranks = ops, cfg, tok, ranks
+        self.device = torch.device(cfg.device)
+        on_cuda = self.device.type == "cuda"
+        graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
+        compiled = ops.name == "torch" and cfg.compile  # check_compile: on a GPU, and not with graph_torch
+        self.mode = "graph" if graphed else "compile" if compiled else "eager"
+        self.model = model_from_config(cfg, tok.vocab_size, ops).to(self.device)
+        self.opt = make_optimizer(self.model, cfg, on_cuda, graphed)
+        self.batch_gen = torch.Generator().manual_seed(cfg.seed)  # CPU generator: every op set, the same batches
+        self.ckpt_path = os.path.join(cfg.out_dir, f"ckpt_{ops.name}.pt")
+        self.train_ids, self.splits = train_ids, {"train": train_ids, "val": val_ids}
+        self.start, self.train_loss, self.evals = 0, [], []  # train_loss[i] is the loss of step i+1
+        self.saved_iter = None  # the iteration held by ckpt_path once this run has read or written it
+        self.resume()
+        net = ranks.wrap(self.model, graphed)
+        if graphed:
+            self.step = GraphedStep(net, self.opt, warmup=DDP_GRAPH_WARMUP if ranks.world > 1 else GRAPH_WARMUP)
+        elif compiled:
+            self.step = compiled_step(net, self.opt)
+        else:
+            self.step = functools.partial(train_step, net, self.opt)
+        # Losses stay on the device until a log or eval point: reading each one would sync every step.
+        self.loss_buf = torch.zeros(max(cfg.max_iters - self.start, 0), device=self.device)
+        self.done = self.fetched = self.start
+        self.status, self.why, self.stopped_at = "completed", None, None
+
+    def resume(self):
+        """With --resume, the checkpoint's weights, optimizer, batch generator and history; says what runs."""
+        name, cfg, start = self.ops.name, self.cfg, 0
+        if cfg.resume and os.path.isfile(self.ckpt_path):
+            start, self.train_loss, self.evals = load_checkpoint(self.ckpt_path, cfg, self.tok, self.model, self.opt,
+                                                                 self.batch_gen)
+            self.start = self.saved_iter = start
+            print(f"{name} | resuming from iteration {start} ({self.ckpt_path})")
+        elif cfg.resume:
+            print(f"{name} | no checkpoint at {self.ckpt_path}: starting from iteration 0")
+        if start < cfg.max_iters:
+            print(f"{name} | training {self.mode} on {cfg.device}, iterations {start + 1}..{cfg.max_iters}")
+        elif start > 0:
+            print(f"{name} | nothing to train: the checkpoint is at iteration {start}, max_iters={cfg.max_iters}")
+        else:
+            print(f"{name} | nothing to train: max_iters=0; evaluating the untrained model")
+
+    def train_one_step(self):
+        cfg, ranks = self.cfg, self.ranks
+        x, y = get_batch(self.train_ids, cfg.batch_size, cfg.block_size, self.batch_gen, self.device,  # (B, T)
+                         ranks.rank, ranks.world)
+        self.loss_buf[self.done - self.start].copy_(self.step(x, y))
+        self.done += 1
+
+    def stop(self, status, why, at):
+        self.status, self.why, self.stopped_at = status, why, at
+        return True
+
+    def at_point(self, log, ev, interrupt, seconds, steps):
+        """A log, eval or interrupt point after step self.done: read the losses and log, check the weights,
+        evaluate, save. True when the run stops here."""
+        done, cfg = self.done, self.cfg
+        new = self.ranks.mean_(self.loss_buf[self.fetched - self.start:done - self.start]).tolist()
+        self.ops.check_errors()  # the host has waited for the losses: a bad index met on the GPU raises here
+        self.fetched = done
+        # Checked where the losses reach the host anyway; the first bad one names the iteration.
+        bad = next((i for i, v in enumerate(new) if not math.isfinite(v)), None)
+        if bad is not None:
+            self.train_loss += new[:bad]
+            at = len(self.train_loss) + 1
+            return self.stop("diverged", f"loss is {new[bad]} at iteration {at}", at)
+        self.train_loss += new
+        if log:
+            tokens_per_step = cfg.batch_size * cfg.block_size * self.ranks.world
+            print(f"{self.ops.name} | iter {done:>{len(str(cfg.max_iters))}}/{cfg.max_iters} | loss "
+                  f"{self.train_loss[-1]:.4f} | {steps * tokens_per_step / seconds:>9,.0f} tok/s | eta "
+                  f"{fmt_seconds((cfg.max_iters - done) * seconds / steps)}")
+        # A finite loss at step k says nothing of the update that step k made: check the weights.
+        if (ev or interrupt) and not all_finite(self.model.parameters()):
+            return self.stop("diverged", f"weights are NaN or inf after iteration {done}", done)
+        if ev and not self.evaluate():
+            e = self.evals.pop()
+            return self.stop("diverged", f"eval loss after iteration {done} is train {e['train']}, val {e['val']}",
+                             done)
+        if ev or interrupt:
+            self.save(ev)
+        if interrupt:
+            return self.stop("interrupted", f"SIGINT (Ctrl-C) after iteration {done}", done)
+        return False
+
+    def evaluate(self):
+        """Appends the train and val loss at self.done; False if either is NaN or inf."""
+        self.evals.append({"iter": self.done, **estimate_loss(self.model, self.splits, self.cfg, self.ranks)})
+        return all(math.isfinite(self.evals[-1][k]) for k in self.splits)
+
+    def save(self, evaluated):
+        if self.ranks.main:  # the ranks hold the same weights, optimizer state and batch generator
+            save_checkpoint(self.ckpt_path, self.cfg, self.tok, self.ops, self.done, self.model, self.opt,
+                            self.batch_gen, self.train_loss, self.evals)
+        self.saved_iter = self.done
+        e = self.evals[-1] if evaluated else None
+        what = f"eval: train {e['train']:.4f}, val {e['val']:.4f}" if e else "interrupted"
+        print(f"{self.ops.name} | iter {self.done} | {what} | saved {self.ckpt_path}")
+
+    def result(self, wall_s, timer):
+        """The run's record for the report and results.json (the sample from rank 0 only)."""
+        if self.status == "completed" and (not self.evals or self.evals[-1]["iter"] != self.done):
+            self.evaluate()  # nothing trained: still report
+        if self.status == "diverged":
+            kept = (f"{self.ckpt_path} still holds iteration {self.saved_iter}" if self.saved_iter is not None
+                    else f"no checkpoint written to {self.ckpt_path}")
+            print(f"{self.ops.name} | stopped: {self.why}; {kept}")
+        cfg, evals = self.cfg, self.evals
+        tokens_per_step = cfg.batch_size * cfg.block_size * self.ranks.world
+        sample = self.status == "completed" and self.ranks.main  # not from NaN, nor once asked to stop
+        return {
+            "status": self.status, "stopped_because": self.why, "stopped_at": self.stopped_at,
+            "checkpoint_iter": self.saved_iter, "mode": self.mode,
+            "iters": len(self.train_loss), "trained_iters": len(self.train_loss) - self.start,
+            "final_train_loss": evals[-1]["train"] if evals else None,
+            "final_val_loss": evals[-1]["val"] if evals else None,
+            "wall_s": wall_s,
+            "tokens_per_s": timer.timed_steps * tokens_per_step / timer.timed_s if timer.timed_steps else None,
+            "timed_iters": timer.timed_steps,
+            "train_loss": self.train_loss, "evals": evals,
+            "sample": generate(self.model, self.tok, cfg, self.device) if sample else None,
+            "ckpt_path": self.ckpt_path,
+        }
+
+
+def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
+    """Trains one op set from iteration 1 (or its checkpoint) to max_iters; returns OpSetRun.result."""
+    run = OpSetRun(ops, cfg, tok, train_ids, val_ids, ranks)
     # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
     # of the timed steps.
-    timer = StepTimer(device, skip=timing_skip(cfg))
+    timer = StepTimer(run.device, skip=timing_skip(cfg))
     t_run = time.perf_counter()
-    done = start
-    status, why, stopped_at = "completed", None, None  # or "diverged" / "interrupted", why, and where
     with StopRequest(ranks) as stop:
-        for it in range(start, cfg.max_iters):
+        while run.done < cfg.max_iters:
             timer.before_step()
-            x, y = get_batch(train_ids, cfg.batch_size, cfg.block_size, batch_gen, device,  # (B, T) each
-                             ranks.rank, ranks.world)
-            loss_buf[it - start].copy_(step(x, y))
+            run.train_one_step()
             timer.after_step()
-            done = it + 1
-
-            log = done % cfg.log_interval == 0 or done == cfg.max_iters
-            ev = done % cfg.eval_interval == 0 or done == cfg.max_iters
+            log = run.done % cfg.log_interval == 0 or run.done == cfg.max_iters
+            ev = run.done % cfg.eval_interval == 0 or run.done == cfg.max_iters
             # Read once: a Ctrl-C from here on is handled after the next step. Ranks agree on theirs where
             # they all stop anyway, at log and eval points.
-            interrupt = stop.requested if ranks.world == 1 else (log or ev) and ranks.any(stop.requested, device)
+            interrupt = stop.requested if ranks.world == 1 else (log or ev) and ranks.any(stop.requested, run.device)
             if not (log or ev or interrupt):
                 continue
-            dt, n = timer.stop()
-            new = ranks.mean_(loss_buf[fetched:done - start]).tolist()  # each rank's mean: the global batch's
-            ops.check_errors()  # the host has waited for the losses: a bad index met on the GPU raises here
-            fetched = done - start
-            # Checked where the losses reach the host anyway; the first bad one names the iteration.
-            bad = next((i for i, v in enumerate(new) if not math.isfinite(v)), None)
-            if bad is not None:
-                train_loss += new[:bad]
-                stopped_at = len(train_loss) + 1
-                status, why = "diverged", f"loss is {new[bad]} at iteration {stopped_at}"
-                break
-            train_loss += new
-            if log:
-                eta = (cfg.max_iters - done) * dt / n
-                print(f"{ops.name} | iter {done:>{len(str(cfg.max_iters))}}/{cfg.max_iters} | loss {train_loss[-1]:.4f}"
-                      f" | {n * tokens_per_step / dt:>9,.0f} tok/s | eta {fmt_seconds(eta)}")
-            if ev or interrupt:
-                # A finite loss at step k says nothing of the update that step k made: check the weights.
-                if not all_finite(model.parameters()):
-                    status, why, stopped_at = "diverged", f"weights are NaN or inf after iteration {done}", done
-                    break
-            if ev:
-                evals.append({"iter": done, **estimate_loss(model, splits, cfg, ranks)})
-                if not all(math.isfinite(evals[-1][k]) for k in splits):
-                    e = evals.pop()
-                    why = f"eval loss after iteration {done} is train {e['train']}, val {e['val']}"
-                    status, stopped_at = "diverged", done
-                    break
-            if ev or interrupt:
-                if ranks.main:  # the ranks hold the same weights, optimizer state and batch generator
-                    save_checkpoint(ckpt_path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals)
-                saved_iter = done
-                what = f"eval: train {evals[-1]['train']:.4f}, val {evals[-1]['val']:.4f}" if ev else "interrupted"
-                print(f"{ops.name} | iter {done} | {what} | saved {ckpt_path}")
-            if interrupt:
-                status, why, stopped_at = "interrupted", f"SIGINT (Ctrl-C) after iteration {done}", done
+            if run.at_point(log, ev, interrupt, *timer.stop()):
                 break
             timer.start()
-    wall_s = time.perf_counter() - t_run
-
-    if status == "completed" and (not evals or evals[-1]["iter"] != done):
-        evals.append({"iter": done, **estimate_loss(model, splits, cfg, ranks)})  # nothing trained: still report
-    if status == "diverged":
-        kept = (f"{ckpt_path} still holds iteration {saved_iter}" if saved_iter is not None
-                else f"no checkpoint written to {ckpt_path}")
-        print(f"{ops.name} | stopped: {why}; {kept}")
-    return {
-        "status": status,
-        "stopped_because": why,
-        "stopped_at": stopped_at,
-        "checkpoint_iter": saved_iter,
-        "mode": mode,
-        "iters": len(train_loss),
-        "trained_iters": len(train_loss) - start,
-        "final_train_loss": evals[-1]["train"] if evals else None,
-        "final_val_loss": evals[-1]["val"] if evals else None,
-        "wall_s": wall_s,
-        "tokens_per_s": timer.timed_steps * tokens_per_step / timer.timed_s if timer.timed_steps else None,
-        "timed_iters": timer.timed_steps,
-        "train_loss": train_loss,
-        "evals": evals,
-        # A diverged model would sample from NaN; an interrupted run was asked to stop now.
-        "sample": generate(model, tok, cfg, device) if status == "completed" and ranks.main else None,
-        "ckpt_path": ckpt_path,
-    }
+    return run.result(time.perf_counter() - t_run, timer)
 
 
 # -----------------------------------------------------------------------------
 # the comparison
-
-def fmt_seconds(s):
-    s = int(round(s))
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
 
 OP_SET_TITLES = {"torch": "PyTorch op set", "cuda": "custom CUDA op set"}
 
@@ -1414,18 +1368,6 @@ def report(runs, cfg):
         plot_losses(runs, os.path.join(cfg.out_dir, "loss.png"))
 
 
-def pyplot():
-    """matplotlib.pyplot drawing to files only (no display needed), or None with a note if missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed, so no plots (pip install matplotlib)")
-        return None
-    return plt
-
-
 def plot_losses(runs, path):
     plt = pyplot()
     if plt is None:
@@ -1458,337 +1400,21 @@ def plot_losses(runs, path):
 
 
 # -----------------------------------------------------------------------------
-# the mHC depth sweep: every residual variant (mhc.py) at several depths, trained from the same seed on
-# the same batches, with per-step stability metrics. python train.py --preset=mhc | mhc-demo | mhc-text.
-# Each finished (variant, depth) cell is written to out_dir/results.json at once, and a rerun skips it.
+# main
 
-SWEEP_METRICS = ("loss", "grad_norm", "nonfinite") + tuple(f"gain_{g}" for g in mhc.GAINS)
-# What a rerun must share with the results.json it adds cells to (depths and variants may differ).
-SWEEP_SETTINGS = ("sweep", "arch", "n_kv_head", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay", "beta1", "beta2",
-                  "max_iters", "seed", "data_path")
+# What the mHC depth sweep (mhc.run_sweep) takes from this file: it builds, steps and evaluates models
+# through these, and so never imports train.py.
+SWEEP_TRAINER = SimpleNamespace(
+    model=model_from_config, optimizer=make_optimizer, train_step=train_step, graphed=GraphedStep,
+    timer=lambda device, cfg: StepTimer(device, skip=timing_skip(cfg)), estimate_loss=estimate_loss,
+    read_text=read_text_splits, fail=fail)
 
-
-def check_mhc_config(cfg):
-    """The residual and sweep keys, checked before anything trains."""
-    if cfg.residual not in mhc.VARIANTS:
-        fail(f"--residual must be one of {', '.join(mhc.VARIANTS)}, got {cfg.residual!r}")
-    if cfg.n_streams < 1:
-        fail(f"--n_streams must be >= 1, got {cfg.n_streams}")
-    if cfg.sweep not in ("", "increment", "text"):
-        fail(f"--sweep must be '', increment or text, got {cfg.sweep!r}")
-    if cfg.sweep and cfg.max_iters < 1:
-        fail(f"--max_iters must be >= 1 for a sweep, got {cfg.max_iters}")
-    sweep_depths(cfg)
-    sweep_variants(cfg)
-
-
-def sweep_depths(cfg):
-    """'12,24,48:16' -> [(12, batch_size), (24, batch_size), (48, 16)]."""
-    out = []
-    for item in cfg.sweep_depths.split(","):
-        depth, _, batch = item.strip().partition(":")
-        try:
-            d, b = int(depth), int(batch) if batch else cfg.batch_size
-        except ValueError:
-            d = b = 0
-        if d < 1 or b < 1:
-            fail(f"--sweep_depths expects depths or depth:batch pairs >= 1, comma-separated, got {cfg.sweep_depths!r}")
-        out.append((d, b))
-    return out
-
-
-def sweep_variants(cfg):
-    names = [v.strip() for v in cfg.sweep_variants.split(",")]
-    bad = [v for v in names if v not in mhc.VARIANTS]
-    if bad or len(set(names)) != len(names):
-        fail(f"--sweep_variants expects distinct names from {', '.join(mhc.VARIANTS)}, got {cfg.sweep_variants!r}")
-    return names
-
-
-def cell_key(variant, depth):
-    return f"{variant}/{depth}"  # results.json's key of a (variant, depth) cell
-
-
-def residual_modules(model):
-    """Every sublayer's residual module, in the order their H_res apply: P = H_res[-1] ... H_res[0]."""
-    return [r for block in model.blocks for r in (block.res_attn, block.res_mlp)]
-
-
-def sweep_step(model, opt, x, y):
-    """train_step, then the metrics of that step as one (len(SWEEP_METRICS),) float64 device tensor: loss,
-    gradient norm, count of NaN/Inf values in loss and gradients, and the log10 gains of the composite
-    residual map of this step's forward (NaN for the baseline, which has none). Device ops only, so a
-    graphed step captures the metrics with it and no step waits for the host."""
-    loss = train_step(model, opt, x, y)  # the update leaves the gradients in .grad
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])  # all of them, flat
-    nonfinite = (~torch.isfinite(loss)).sum() + (~torch.isfinite(grads)).sum()
-    gains = mhc.composite_gain_tensor(residual_modules(model))  # (3,)
-    if gains is None:
-        gains = torch.full((len(mhc.GAINS),), math.nan, dtype=torch.float64, device=loss.device)
-    head = torch.stack([loss.double(), torch.linalg.vector_norm(grads, dtype=torch.float64)])  # float64: no overflow
-    return torch.cat([head, nonfinite.double().view(1), gains])
-
-
-def sweep_task(cfg, device):
-    """vocab_size, batch(batch_size, generator) -> (x, y) on the device, and the eval splits (text only)."""
-    if cfg.sweep == "increment":
-        return SimpleNamespace(vocab_size=INCREMENT_VOCAB, splits=None,
-                               batch=lambda B, g: increment_batch(B, cfg.block_size, g, device))
-    tok, train_ids, val_ids = read_text_splits(cfg)
-    train_ids, val_ids = train_ids.to(device), val_ids.to(device)
-    return SimpleNamespace(vocab_size=tok.vocab_size, splits={"train": train_ids, "val": val_ids},
-                           batch=lambda B, g: get_batch(train_ids, B, cfg.block_size, g, device))
-
-
-def finite_or_none(v):
-    return v if math.isfinite(v) else None  # results.json stays strict JSON
-
-
-def sweep_cell(cfg, ops, task, variant, depth, batch_size):
-    """Train one (variant, depth) cell for max_iters steps; return its record for results.json. A cell
-    whose loss or gradients turn NaN/Inf stops at the next log point (diverged_at says where)."""
-    device = torch.device(cfg.device)
-    on_cuda = device.type == "cuda"
-    graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
-    model = model_from_config(cfg, task.vocab_size, ops, n_layer=depth, residual=variant).to(device)
-    opt = make_optimizer(model, cfg, on_cuda, graphed)
-    step = GraphedStep(model, opt, sweep_step) if graphed else functools.partial(sweep_step, model, opt)
-    batch_gen = torch.Generator().manual_seed(cfg.seed)  # every cell sees the same batches
-    hist = torch.zeros(cfg.max_iters, len(SWEEP_METRICS), dtype=torch.float64, device=device)  # (steps, metrics)
-    rows, diverged_at = [], None  # rows: hist read back, at log points only
-    timer = StepTimer(device, skip=timing_skip(cfg))
-    t0 = time.perf_counter()
-    for it in range(cfg.max_iters):
-        timer.before_step()
-        x, y = task.batch(batch_size, batch_gen)  # (B, T) each
-        hist[it].copy_(step(x, y))
-        timer.after_step()
-        done = it + 1
-        if done % cfg.log_interval and done < cfg.max_iters:
-            continue
-        dt, n = timer.stop()
-        rows += hist[len(rows):done].tolist()
-        ops.check_errors()
-        m = dict(zip(SWEEP_METRICS, rows[-1]))
-        gains = "" if variant == "baseline" else f" | gain fwd {fmt_gain(m['gain_fwd'])} bwd {fmt_gain(m['gain_bwd'])}"
-        print(f"  {variant:<11} L{depth:<3} | step {done:>{len(str(cfg.max_iters))}}/{cfg.max_iters}"
-              f" | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3g}{gains} | {1e3 * dt / n:.1f} ms/step",
-              flush=True)
-        diverged_at = next((i + 1 for i, r in enumerate(rows) if r[2] > 0), None)
-        if diverged_at is not None:
-            print(f"  {variant:<11} L{depth:<3} | NaN/Inf from step {diverged_at}: cell stopped at step {done}")
-            break
-        timer.start()
-
-    names = SWEEP_METRICS[:3] if variant == "baseline" else SWEEP_METRICS
-    per_step = {k: [finite_or_none(r[i]) for r in rows] for i, k in enumerate(names)}
-    per_step["nonfinite"] = [int(r[2]) for r in rows]
-    record = {
-        "variant": variant, "depth": depth, "batch_size": batch_size, "steps": len(rows),
-        "op_set": ops.name, "mode": "graph" if graphed else "eager", "device": device_name(device),
-        "diverged_at": diverged_at,
-        "nonfinite_steps": sum(1 for r in rows if r[2] > 0),
-        "final": {k: per_step[k][-1] if k in per_step else None for k in SWEEP_METRICS},
-        "max_gain_fwd": max((g for g in per_step.get("gain_fwd", []) if g is not None), default=None),
-        "ms_per_step": 1e3 * timer.timed_s / timer.timed_steps if timer.timed_steps else None,
-        "timed_steps": timer.timed_steps,
-        "wall_s": time.perf_counter() - t0,
-        "per_step": per_step,
-    }
-    if task.splits is not None:  # the book: losses on held-out text, the same windows for every cell
-        eval_cfg = SimpleNamespace(**{**vars(cfg), "batch_size": batch_size})
-        record["eval"] = {k: finite_or_none(v) for k, v in estimate_loss(model, task.splits, eval_cfg).items()}
-    return record
-
-
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def load_sweep(path, settings):
-    """The cells already in path, or {} if there is none; exits if they were made with other settings."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        old = json.load(f)
-    theirs = old.get("settings") if isinstance(old, dict) else None
-    if theirs != settings:
-        diff = "not a sweep's results" if not isinstance(theirs, dict) else ", ".join(
-            f"{k}={theirs.get(k)!r} (now {v!r})" for k, v in settings.items() if theirs.get(k) != v)
-        fail(f"{path} holds results made with other settings: {diff}; pass another --out_dir or move it away")
-    return old["cells"]
-
-
-def run_sweep(cfg, ops):
-    device = torch.device(cfg.device)
-    graphed = device.type == "cuda" and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
-    settings = {**{k: getattr(cfg, k) for k in SWEEP_SETTINGS}, "op_set": ops.name}
-    path = os.path.join(cfg.out_dir, "results.json")
-    cells = load_sweep(path, settings)
-    task = sweep_task(cfg, device)
-    todo = [(v, d, b) for d, b in sweep_depths(cfg) for v in sweep_variants(cfg)]  # depth by depth
-    print(f"mHC sweep on the {'incrementing-token task' if cfg.sweep == 'increment' else 'book'}: "
-          f"{len(todo)} cells | {ops.name} op set ({'graph' if graphed else 'eager'}) on {device_name(device)} | "
-          f"{cfg.max_iters} steps, {cfg.n_embd} wide, {cfg.n_head} heads, context {cfg.block_size}, "
-          f"{cfg.n_streams} streams, lr {cfg.lr:g} | {path}")
-    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-
-    # ETA: a cell's time taken as proportional to depth x batch (the same steps and width for all).
-    work_left = sum(d * b for v, d, b in todo if cells.get(cell_key(v, d), {}).get("batch_size") != b)
-    work_done, t_run = 0, time.perf_counter()
-    for i, (variant, depth, batch) in enumerate(todo, 1):
-        tag = f"[{i}/{len(todo)}] {variant} L{depth}"
-        old = cells.get(cell_key(variant, depth))
-        if old is not None and old["batch_size"] == batch:
-            print(f"{tag}: already in {path}, skipping")
-            continue
-        if old is not None:
-            print(f"{tag}: recorded with batch {old['batch_size']}, training again with batch {batch}")
-        print(f"{tag}: training, batch {batch}", flush=True)
-        cells[cell_key(variant, depth)] = rec = sweep_cell(cfg, ops, task, variant, depth, batch)
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        results = {"settings": settings, "cells": cells}
-        atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
-        work_done, work_left = work_done + depth * batch, work_left - depth * batch
-        elapsed = time.perf_counter() - t_run
-        print(f"{tag}: done in {fmt_seconds(rec['wall_s'])}, final loss {fmt_float(rec['final']['loss'], '.4f')}"
-              f" | sweep {fmt_seconds(elapsed)} elapsed, eta {fmt_seconds(elapsed / work_done * work_left)}",
-              flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the next cell starts from the same free memory
-
-    print()
-    print("\n".join(sweep_table(cells)))
-    if cfg.plot:
-        plot_sweep(cells, cfg.out_dir)
-
-
-def fmt_float(v, spec):
-    return "nan" if v is None else format(v, spec)
-
-
-def fmt_gain(v):
-    """A log10 gain to 2 decimals; mhc's -4e-7 (float32 row sums) prints 0.00, not -0.00."""
-    return fmt_float(v if v is None or math.isnan(v) else round(v, 2) + 0.0, ".2f")
-
-
-def sweep_cells_in_order(cells):
-    order = {v: i for i, v in enumerate(mhc.VARIANTS)}
-    return sorted(cells.values(), key=lambda c: (c["depth"], order[c["variant"]]))
-
-
-def sweep_table(cells):
-    """A markdown table of every cell in results.json: final values, NaN/Inf, speed against the baseline."""
-    text = any("eval" in c for c in cells.values())
-    cols = ["variant", "depth", "batch", "steps", "final loss"] + (["val loss"] if text else []) + [
-        "gain proxy", "gain fwd", "gain bwd", "max gain fwd", "NaN/Inf steps", "ms/step", "x baseline"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for c in sweep_cells_in_order(cells):
-        f = c["final"]
-        base = cells.get(cell_key("baseline", c["depth"]), {}).get("ms_per_step")
-        ms = c["ms_per_step"]
-        nan = str(c["nonfinite_steps"])
-        if c["diverged_at"] is not None:
-            nan += f" (from step {c['diverged_at']}; stopped at {c['steps']})"
-        gains = ["-"] * 4 if c["variant"] == "baseline" else [
-            fmt_gain(v) for v in [f[f"gain_{g}"] for g in mhc.GAINS] + [c["max_gain_fwd"]]]
-        row = [c["variant"], str(c["depth"]), str(c["batch_size"]), str(c["steps"]), fmt_float(f["loss"], ".4g")]
-        row += [fmt_float(c["eval"]["val"], ".4f")] if text else []
-        row += gains + [nan, fmt_float(ms, ".1f") if ms else "n/a",
-                        f"{ms / base:.2f}x" if ms and base else "n/a"]
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("gains: log10 of the composite residual map's max |P_ij| (proxy), max row sum (fwd) and max column "
-                 "sum (bwd), max over tokens, at the last step; max gain fwd: over all steps; ms/step: the timed "
-                 "steps of each cell (after warm-up)")
-    return lines
-
-
-def plot_sweep(cells, out_dir):
-    """loss_per_step.png (a panel per depth), gain_vs_depth.png and gain_per_step.png (log-scale gains)."""
-    plt = pyplot()
-    if plt is None:
-        return
-    cells = sweep_cells_in_order(cells)
-    depths = sorted({c["depth"] for c in cells})
-    color = {v: f"C{i}" for i, v in enumerate(mhc.VARIANTS)}
-    style = {v: dict(color=color[v], ls="--" if v == "mhc-dynamic" else "-") for v in mhc.VARIANTS}  # mhc's twin
-    nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 -- gaps in the lines
-    gain = lambda xs: [math.nan if x is None else 10.0 ** x for x in xs]  # noqa: E731 -- log10 back to gains
-    hc_cells = [c for c in cells if c["variant"] != "baseline"]
-    written = []
-
-    def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
-        plt.close(fig)
-        written.append(os.path.join(out_dir, name))
-
-    width = max(4.2 * len(depths), 6.0)
-    fig, axes = plt.subplots(1, len(depths), figsize=(width, 3.6), squeeze=False, sharey=True)
-    for ax, d in zip(axes[0], depths):
-        for c in (c for c in cells if c["depth"] == d):
-            ax.semilogy(range(1, c["steps"] + 1), nan(c["per_step"]["loss"]), lw=1, **style[c["variant"]],
-                        label=c["variant"] + (f" (NaN from step {c['diverged_at']})" if c["diverged_at"] else ""))
-        ax.set_title(f"{d} layers")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-    axes[0, 0].set_ylabel("training loss (log scale)")
-    fig.suptitle("loss per step, each residual variant")
-    save(fig, "loss_per_step.png")
-
-    def last_finite(c, g):  # a diverged cell: the gain of its last step with finite weights
-        return next((x for x in reversed(c["per_step"][f"gain_{g}"]) if x is not None), None)
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), squeeze=False)
-    for ax, g in zip(axes[0], mhc.GAINS):
-        for v in mhc.VARIANTS[1:]:
-            cs = [c for c in hc_cells if c["variant"] == v]
-            if cs:
-                ax.semilogy([c["depth"] for c in cs], gain([last_finite(c, g) for c in cs]), marker="o",
-                            **style[v], label=v)
-        bad = [c for c in hc_cells if c["diverged_at"]]
-        if bad:
-            ax.semilogy([c["depth"] for c in bad], gain([last_finite(c, g) for c in bad]), "x", ms=12, color="black",
-                        label="NaN/Inf: its last finite value")
-        ax.axhline(1.0, color=color["baseline"], ls=":", lw=1, label="baseline (identity)")
-        ax.set_xticks(depths)
-        ax.set_xlabel("layers")
-        ax.set_title({"proxy": "max |P_ij| (proxy)", "fwd": "forward Amax gain (max row sum)",
-                      "bwd": "backward Amax gain (max column sum)"}[g], fontsize=10)
-    axes[0, 0].set_ylabel("gain at the last step (log scale)")
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle("gain of the composite residual map P = H_res[2L-1]...H_res[0] (two per layer) at the last step")
-    save(fig, "gain_vs_depth.png")
-
-    fig, axes = plt.subplots(2, len(depths), figsize=(width, 6.2), squeeze=False, sharex=True)
-    for col, d in enumerate(depths):
-        for row, g in enumerate(("fwd", "bwd")):
-            ax = axes[row, col]
-            for c in (c for c in hc_cells if c["depth"] == d):
-                series = c["per_step"][f"gain_{g}"]
-                ax.semilogy(range(1, c["steps"] + 1), gain(series), lw=1, **style[c["variant"]], label=c["variant"])
-                if c["diverged_at"] and any(x is not None for x in series):  # a line may be a single point
-                    last = max(i for i, x in enumerate(series) if x is not None)
-                    ax.semilogy([last + 1], gain([series[last]]), "x", ms=10, color=color[c["variant"]],
-                                label=f"{c['variant']}: last finite value")
-            ax.axhline(1.0, color=color["baseline"], ls=":", lw=1, label="baseline (identity)")
-            ax.set_title(f"{d} layers: {g} gain", fontsize=10)
-        axes[1, col].set_xlabel("step")
-    axes[0, 0].set_ylabel("max row sum of P (log scale)")
-    axes[1, 0].set_ylabel("max column sum of P (log scale)")
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle("Amax gain of the composite residual map per step")
-    save(fig, "gain_per_step.png")
-    print("wrote " + ", ".join(written))
-
-
-# -----------------------------------------------------------------------------
 
 def main(argv):
     if int(os.environ.get("RANK", "0")) > 0:
         sys.stdout = open(os.devnull, "w")  # under torchrun rank 0 alone prints; errors still reach stderr
     cfg = parse_config(argv)
-    check_mhc_config(cfg)
+    mhc.check_config(cfg, fail)
     ranks = start_ranks(cfg)
     try:
         run_ranks(cfg, ranks, argv)
@@ -1823,8 +1449,10 @@ def run_ranks(cfg, ranks, argv):
 
 def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
     """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
-    if cfg.sweep:
-        return run_sweep(cfg, op_sets[-1])  # one op set: cuda where it can run, else torch (a note says so)
+    # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
+    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+    if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
+        return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
     paths = [os.path.join(cfg.out_dir, f"ckpt_{o.name}.pt") for o in op_sets]
     found = [p for p in paths if os.path.exists(p)]
     if cfg.resume and not found:
@@ -1843,8 +1471,6 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
     n_params = sum(p.numel() for p in model_from_config(cfg, tok.vocab_size, TORCH_OPS).parameters())
     print(f"op sets: {', '.join(o.name for o in op_sets)} | {n_params / 1e6:.2f}M parameters | vocab {tok.vocab_size}"
           f" | {len(train_ids):,} train / {len(val_ids):,} val tokens")
-    # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
-    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
 
     runs = {}
     for ops in op_sets:
