@@ -1,7 +1,9 @@
-// bindings.cpp: the PyTorch face of kernels.cu. Each op checks its inputs (messages name the op
-// and the argument), allocates outputs, launches on the current CUDA stream under a device guard,
-// and, when differentiable, pairs the forward with our backward kernels through an autograd
-// Function, so loss.backward() runs them. From Python the ops read like torch.nn.functional.
+// bindings.cpp: the PyTorch face of kernels.cu. Every op is a dispatcher op, kernels::<name>
+// (torch.ops.kernels.<name>, also kernels.<name>), registered at the end of this file: a CUDA
+// implementation that checks its inputs (messages name the op and the argument), allocates outputs and
+// launches on the current CUDA stream under a device guard; a meta implementation (shapes and dtypes, for
+// fake tensors and torch.compile); and for a differentiable op an autograd Function whose backward is an
+// op of its own made of our backward kernels. From Python the ops read like torch.nn.functional.
 // Index ranges are the one check left to the kernels (see raise_pending_index_error): no op waits
 // for the GPU.
 //
@@ -154,9 +156,13 @@ static std::string msg(const A&... a) {
 #define REQUIRE(cond, ...) TORCH_CHECK(cond, msg(__VA_ARGS__))
 #define REQUIRE_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, msg(__VA_ARGS__))
 
+// A meta tensor (shapes and dtypes only: fake tensors, torch.compile's tracing) passes as a CUDA one, so
+// the ops' meta versions run the same checks.
+static bool cuda_or_meta(const Tensor& t) { return t.is_cuda() || t.is_meta(); }
+
 static void check_float_cuda(const char* op, const Tensor& t, const char* name) {
   REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
-  REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  REQUIRE(cuda_or_meta(t), op, ": ", name, " must be a CUDA tensor, got ", t.device());
   REQUIRE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
 }
 
@@ -165,7 +171,7 @@ static void check_float_cuda(const char* op, const Tensor& t, const char* name) 
 static void check_fp_cuda(const char* op, const Tensor& t, const char* name, const Tensor& first,
                           const char* first_name) {
   REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
-  REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  REQUIRE(cuda_or_meta(t), op, ": ", name, " must be a CUDA tensor, got ", t.device());
   if (&t == &first) {
     REQUIRE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, ": ", name,
             " must be float32 or bfloat16, got ", t.scalar_type());
@@ -200,7 +206,7 @@ static void with_type(at::ScalarType dtype, F&& f) {
 }
 
 static void check_index_cuda(const char* op, const Tensor& t, const char* name) {
-  REQUIRE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  REQUIRE(cuda_or_meta(t), op, ": ", name, " must be a CUDA tensor, got ", t.device());
   REQUIRE(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ", t.scalar_type());
 }
 
@@ -244,6 +250,46 @@ static int to_int(const char* op, int64_t v, const char* what) {
 static cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
 static const float* fptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 static float* ws_ptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }  // optional workspace
+
+// ---- the dispatcher ---------------------------------------------------------------------------
+// Each op is a PyTorch dispatcher op, kernels::<name> (schemas and registrations at the end of this file),
+// so that torch.compile, fake tensors and torch.library.opcheck see it like one of PyTorch's own. A
+// differentiable op has three parts: its CUDA implementation (<name>_cuda), a meta implementation (shapes
+// and dtypes only, what fake tensors run), and an autograd Function whose forward calls the op below
+// autograd and whose backward calls kernels::<name>_backward, an op too. Both go through the dispatcher,
+// so a traced graph holds them as nodes and its backward is made of our kernels.
+
+// kernels::NAME, typed like FN (its CUDA implementation), looked up once.
+#define KERNELS_OP(NAME, FN)                                                                           \
+  ([]() -> const c10::TypedOperatorHandle<decltype(FN)>& {                                            \
+    static const auto handle =                                                                         \
+        c10::Dispatcher::singleton().findSchemaOrThrow("kernels::" NAME, "").typed<decltype(FN)>(); \
+    return handle;                                                                                     \
+  }())
+
+static bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+static bool requires_grad(const std::optional<Tensor>& t) { return t.has_value() && requires_grad(*t); }
+template <class T>
+static bool requires_grad(const T&) { return false; }  // not a tensor
+
+// An Autograd kernel: Fn, the op's autograd Function, when a gradient will be wanted; else the op itself
+// below autograd, without a Function's bookkeeping (a decode step calls a few hundred ops).
+template <class... Args>
+static bool wants_grad(const Args&... args) {
+  return at::GradMode::is_enabled() && (requires_grad(args) || ...);
+}
+
+template <class Fn, class Op, class... Args>
+static auto autograd_or_below(const Op& op, const Args&... args) {
+  if (wants_grad(args...)) return Fn::apply(args...);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(args...);
+}
+
+// A new tensor of x's shape and options, contiguous (what the CUDA implementations return for it).
+static Tensor empty_like_contiguous(const Tensor& x, std::optional<at::ScalarType> dtype = std::nullopt) {
+  return at::empty(x.sizes(), dtype ? x.options().dtype(*dtype) : x.options());
+}
 
 // ---- matmul on strided views ------------------------------------------------------------------
 
@@ -355,116 +401,152 @@ static Tensor check_linear(const Tensor& x, const Tensor& w, const std::optional
   return b->contiguous();
 }
 
+static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, const Tensor& b, const Tensor& experts);
+
+// y (..., N). One row (batch-1 decoding) goes to the GEMV kernel, which streams the weight once at memory
+// speed, where the tensor-core matmul would fill one row of a 64-row tile.
+Tensor linear_cuda(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  raise_pending_index_error();
+  const Tensor bias = check_linear(x, w, b);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = w.size(0);
+  const auto [wc, bc] = product_weights(x, w, bias);  // a master weight and its bias rounded to bf16
+  if (x.numel() == x.size(-1) && x.numel() > 0)
+    return gemv_launch("linear", wc.contiguous(), x.reshape({1, -1}).contiguous(), bc, Tensor()).view(out_shape);
+  // rows counted, not inferred: reshape cannot infer them from 0 elements (in_features = 0)
+  const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  Tensor y = at::empty({1, rows, w.size(0)}, x.options());
+  mm(x.reshape({1, rows, w.size(1)}), wc.t().unsqueeze(0), y, bc);
+  return y.view(out_shape);
+}
+
+Tensor linear_meta(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  check_linear(x, w, b);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = w.size(0);
+  return at::empty(out_shape, x.options());
+}
+
+// [dx, dw] + [db] with a bias. A master weight's gradients are written in fp32 by the kernels (the
+// matmul's fp32 output, the column sums' fp32 finish), not rounded to bf16 and cast back as autocast's
+// would be.
+std::vector<Tensor> linear_backward_cuda(const Tensor& dy_in, const Tensor& x, const Tensor& w, bool has_bias) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  const Tensor x2 = x.reshape({1, rows, w.size(1)}), wc = product_weights(x, w, Tensor()).first;
+  const Tensor dy = dy_in.reshape({1, rows, w.size(0)}).contiguous();
+  const bool master = master_weight(x, w);
+  const auto grad_options = master ? dy.options().dtype(at::kFloat) : dy.options();
+  Tensor dx = mm_new(dy, wc.unsqueeze(0));                               // (M, N) @ (N, K)
+  Tensor dw = at::empty({1, w.size(0), w.size(1)}, grad_options);
+  // bf16: the bias gradient, dy's column sums, comes out of the weight gradient's product, which reads
+  // dy anyway (as A's row sums); fp32, and in_features = 0 (no product), sum the columns on their own.
+  const bool bias_in_product = has_bias && dy.scalar_type() == at::kBFloat16 && w.size(1) > 0;
+  Tensor db = bias_in_product ? at::empty({w.size(0)}, dy.options().dtype(at::kFloat)) : Tensor();
+  mm(dy.transpose(1, 2), x2, dw, Tensor(), 1.f, db);                    // (N, M) @ (M, K)
+  if (bias_in_product && !master) db = db.to(at::kBFloat16);
+  if (has_bias && !bias_in_product) {
+    const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
+    db = at::empty({C}, grad_options);
+    Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
+    with_type(dy.scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      if (master) bias_grad(ptr<T>(dy), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
+      else bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
+    });
+  }
+  std::vector<Tensor> out{dx.view(x.sizes()), dw.squeeze(0)};
+  if (has_bias) out.push_back(db);
+  return out;
+}
+
+std::vector<Tensor> linear_backward_meta(const Tensor& dy, const Tensor& x, const Tensor& w, bool has_bias) {
+  const auto grad_options = master_weight(x, w) ? dy.options().dtype(at::kFloat) : dy.options();
+  std::vector<Tensor> out{at::empty(x.sizes(), dy.options()), at::empty(w.sizes(), grad_options)};
+  if (has_bias) out.push_back(at::empty({w.size(0)}, grad_options));
+  return out;
+}
+
 struct LinearFn : torch::autograd::Function<LinearFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
-    const Tensor bias = check_linear(x, w, b);
-    const c10::cuda::CUDAGuard guard(x.device());
-    // rows counted, not inferred: reshape cannot infer them from 0 elements (in_features = 0)
-    const int64_t rows = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-    const Tensor x2 = x.reshape({1, rows, w.size(1)});
-    auto out_shape = x.sizes().vec();
-    out_shape.back() = w.size(0);
-    Tensor y = at::empty({1, x2.size(1), w.size(0)}, x.options());
-    const auto [wc, bc] = product_weights(x, w, bias);
-    mm(x2, wc.t().unsqueeze(0), y, bc);
-    ctx->save_for_backward({x2, wc});
-    ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["master"] = master_weight(x, w);
-    return y.view(out_shape);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["has_bias"] = b.has_value() && b->defined();
+    return KERNELS_OP("linear", linear_cuda).call(x, w, b);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &x2 = saved[0], &w = saved[1];
-    const c10::cuda::CUDAGuard guard(x2.device());
-    const Tensor dy = grads[0].reshape({1, x2.size(1), w.size(0)}).contiguous();
-    // a master weight's gradients are written in fp32 by the kernels (the matmul's fp32 output, the
-    // column sums' fp32 finish), not rounded to bf16 and cast back as autocast's would be
-    const bool master = ctx->saved_data["master"].toBool();
-    const auto grad_options = master ? dy.options().dtype(at::kFloat) : dy.options();
-    Tensor dx = mm_new(dy, w.unsqueeze(0));                               // (M, N) @ (N, K)
-    Tensor dw = at::empty({1, w.size(0), w.size(1)}, grad_options);
+    const auto s = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    // bf16: the bias gradient, dy's column sums, comes out of the weight gradient's product, which reads
-    // dy anyway (as A's row sums); fp32, and in_features = 0 (no product), sum the columns on their own.
-    const bool bias_in_product = has_bias && dy.scalar_type() == at::kBFloat16 && w.size(1) > 0;
-    Tensor db = bias_in_product ? at::empty({w.size(0)}, dy.options().dtype(at::kFloat)) : Tensor();
-    mm(dy.transpose(1, 2), x2, dw, Tensor(), 1.f, db);                  // (N, M) @ (M, K)
-    if (bias_in_product && !master) db = db.to(at::kBFloat16);
-    if (has_bias && !bias_in_product) {
-      const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
-      db = at::empty({C}, grad_options);
-      Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
-      with_type(dy.scalar_type(), [&](auto t) {
-        using T = decltype(t);
-        if (master) bias_grad(ptr<T>(dy), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
-        else bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
-      });
-    }
-    auto x_shape = grads[0].sizes().vec();
-    x_shape.back() = w.size(1);
-    return {dx.view(x_shape), dw.squeeze(0), db};
+    const auto r = KERNELS_OP("linear_backward", linear_backward_cuda).call(grads[0], s[0], s[1], has_bias);
+    return {r[0], r[1], has_bias ? r[2] : Tensor()};
   }
 };
 
-static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, const Tensor& b, const Tensor& experts);
-
-// One row and no gradient wanted (batch-1 decoding): the GEMV kernel, which streams the weight once at
-// memory speed, where the tensor-core matmul would fill one row of a 64-row tile.
-Tensor linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
-  raise_pending_index_error();
-  const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
-                          (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
-  if (!wants_grad && x.defined() && x.dim() >= 1 && x.numel() == x.size(-1) &&
-      x.numel() > 0) {
-    const Tensor b = check_linear(x, weight, bias);
-    const c10::cuda::CUDAGuard guard(x.device());
-    auto out_shape = x.sizes().vec();
-    out_shape.back() = weight.size(0);
-    const auto [w, bc] = product_weights(x, weight, b);  // the GEMV reads one dtype: a master weight rounded
-    return gemv_launch("linear", w.contiguous(), x.reshape({1, -1}).contiguous(), bc, Tensor()).view(out_shape);
-  }
-  return LinearFn::apply(x, weight, bias);
+Tensor linear_autograd(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  return autograd_or_below<LinearFn>(KERNELS_OP("linear", linear_cuda), x, w, b);
 }
 
 // ---- matmul -----------------------------------------------------------------------------------
 
+static void check_matmul(const Tensor& a, const Tensor& b) {
+  const char* op = "matmul";
+  check_fp_cuda(op, a, "a", a, "a");
+  check_fp_cuda(op, b, "b", a, "a");
+  check_same_device(op, a, "a", b, "b");
+  REQUIRE((a.dim() == 2 && b.dim() == 2) || (a.dim() == 3 && b.dim() == 3), op,
+          ": a and b must both be 2-D (M, K) @ (K, N) or both 3-D (B, M, K) @ (B, K, N), got shapes ", a.sizes(),
+          " and ", b.sizes());
+  REQUIRE(a.size(-1) == b.size(-2), op, ": inner dims must match, got a ", a.sizes(), " and b ", b.sizes());
+  if (a.dim() == 3) REQUIRE(a.size(0) == b.size(0), op, ": batch sizes must match, got ", a.size(0), " and ", b.size(0));
+}
+
+// 2-D a and b as a batch of one.
+static Tensor as3(const Tensor& t) { return t.dim() == 2 ? t.unsqueeze(0) : t; }
+static Tensor like_input(const Tensor& c, const Tensor& input) { return input.dim() == 2 ? c.squeeze(0) : c; }
+
+Tensor matmul_cuda(const Tensor& a, const Tensor& b) {
+  raise_pending_index_error();
+  check_matmul(a, b);
+  const c10::cuda::CUDAGuard guard(a.device());
+  return like_input(mm_new(as3(a), as3(b)), a);
+}
+
+Tensor matmul_meta(const Tensor& a, const Tensor& b) {
+  check_matmul(a, b);
+  auto shape = a.sizes().vec();
+  shape.back() = b.size(-1);
+  return at::empty(shape, a.options());
+}
+
+std::tuple<Tensor, Tensor> matmul_backward_cuda(const Tensor& dc, const Tensor& a, const Tensor& b) {
+  const c10::cuda::CUDAGuard guard(a.device());
+  const Tensor g = as3(dc), a3 = as3(a), b3 = as3(b);
+  return {like_input(mm_new(g, b3.transpose(1, 2)), a),   // dC @ B^T
+          like_input(mm_new(a3.transpose(1, 2), g), b)};  // A^T @ dC
+}
+
+std::tuple<Tensor, Tensor> matmul_backward_meta(const Tensor&, const Tensor& a, const Tensor& b) {
+  return {at::empty(a.sizes(), a.options()), at::empty(b.sizes(), b.options())};
+}
+
 struct MatmulFn : torch::autograd::Function<MatmulFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
-    const char* op = "matmul";
-    check_fp_cuda(op, a, "a", a, "a");
-    check_fp_cuda(op, b, "b", a, "a");
-    check_same_device(op, a, "a", b, "b");
-    REQUIRE((a.dim() == 2 && b.dim() == 2) || (a.dim() == 3 && b.dim() == 3), op,
-                ": a and b must both be 2-D (M, K) @ (K, N) or both 3-D (B, M, K) @ (B, K, N), got shapes ",
-                a.sizes(), " and ", b.sizes());
-    REQUIRE(a.size(-1) == b.size(-2), op, ": inner dims must match, got a ", a.sizes(), " and b ", b.sizes());
-    if (a.dim() == 3)
-      REQUIRE(a.size(0) == b.size(0), op, ": batch sizes must match, got ", a.size(0), " and ", b.size(0));
-    const c10::cuda::CUDAGuard guard(a.device());
-    const bool flat = a.dim() == 2;
-    const Tensor a3 = flat ? a.unsqueeze(0) : a, b3 = flat ? b.unsqueeze(0) : b;
-    ctx->save_for_backward({a3, b3});
-    ctx->saved_data["flat"] = flat;
-    Tensor c = mm_new(a3, b3);
-    return flat ? c.squeeze(0) : c;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({a, b});
+    return KERNELS_OP("matmul", matmul_cuda).call(a, b);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &a3 = saved[0], &b3 = saved[1];
-    const c10::cuda::CUDAGuard guard(a3.device());
-    const bool flat = ctx->saved_data["flat"].toBool();
-    const Tensor g = flat ? grads[0].unsqueeze(0) : grads[0];
-    Tensor da = mm_new(g, b3.transpose(1, 2));  // dC @ B^T
-    Tensor db = mm_new(a3.transpose(1, 2), g);  // A^T @ dC
-    return {flat ? da.squeeze(0) : da, flat ? db.squeeze(0) : db};
+    const auto s = ctx->get_saved_variables();
+    const auto [da, db] = KERNELS_OP("matmul_backward", matmul_backward_cuda).call(grads[0], s[0], s[1]);
+    return {da, db};
   }
 };
 
-Tensor matmul_op(const Tensor& a, const Tensor& b) {
-  raise_pending_index_error();
-  return MatmulFn::apply(a, b);
+Tensor matmul_autograd(const Tensor& a, const Tensor& b) {
+  return autograd_or_below<MatmulFn>(KERNELS_OP("matmul", matmul_cuda), a, b);
 }
 
 // ---- layernorm and RMSNorm --------------------------------------------------------------------
@@ -493,7 +575,7 @@ static NormShape check_norm(const char* op, const Tensor& x, const Tensor& adden
   REQUIRE(w.dim() == 1 && w.size(0) == C, op, ": weight must have shape (", C, ",), got ", w.sizes());
   if (b.defined()) REQUIRE(b.dim() == 1 && b.size(0) == C, op, ": bias must have shape (", C, ",), got ", b.sizes());
   if (addend.defined()) {
-    REQUIRE(addend.is_cuda(), op, ": y must be a CUDA tensor, got ", addend.device());
+    REQUIRE(cuda_or_meta(addend), op, ": y must be a CUDA tensor, got ", addend.device());
     check_same_device(op, x, "x", addend, "y");
     REQUIRE(addend.sizes() == x.sizes(), op, ": y must have x's shape ", x.sizes(), ", got ", addend.sizes());
     REQUIRE(addend.scalar_type() == out_dtype, op, ": y must be ", out_dtype,
@@ -512,152 +594,251 @@ static void with_types(const Tensor& x, at::ScalarType y_dtype, F&& f) {
   with_type(x.scalar_type(), [&](auto ti) { with_type(y_dtype, [&](auto to) { f(ti, to); }); });
 }
 
-// Layernorm (a bias) or RMSNorm (no bias) of x, or of x + addend when there is an addend. Returns {y},
-// or {s, y} with the add. The optional tensors are std::optional, not undefined Tensors: autograd's
-// apply() reads the device of every Tensor argument, which an undefined one does not have.
+// The four ops are one: layernorm has a bias, RMSNorm none; add_* has an addend. kernels::norm_forward
+// returns [y, rstd] + [mean] with a bias + [s] with an addend; kernels::norm_backward returns
+// [dx, dw] + [db] with a bias + [the addend's gradient] when its dtype is not x's (else it is dx).
+static const char* norm_name(bool add, bool rms) {
+  return add ? (rms ? "add_rmsnorm" : "add_layernorm") : (rms ? "rmsnorm" : "layernorm");
+}
+
+std::vector<Tensor> norm_forward_cuda(const Tensor& x_in, const std::optional<Tensor>& addend_opt, const Tensor& w_in,
+                                      const std::optional<Tensor>& b_opt, double eps,
+                                      std::optional<at::ScalarType> out_dtype) {
+  raise_pending_index_error();
+  const Tensor addend_in = addend_opt.value_or(Tensor()), b_in = b_opt.value_or(Tensor());
+  const bool add = addend_in.defined(), rms = !b_in.defined();
+  const char* op = norm_name(add, rms);
+  check_fp_cuda(op, x_in, "x", x_in, "x");
+  const at::ScalarType y_dtype = out_dtype_or(op, out_dtype, x_in);
+  const auto [R, C] = check_norm(op, x_in, addend_in, w_in, b_in, y_dtype);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = rms ? Tensor() : b_in.contiguous();
+  const Tensor addend = add ? addend_in.contiguous() : Tensor();
+  const auto stats = x.options().dtype(at::kFloat);
+  Tensor y = empty_like_contiguous(x, y_dtype), sum = add ? empty_like_contiguous(x) : Tensor();
+  Tensor mean = rms ? Tensor() : at::empty({R}, stats), rstd = at::empty({R}, stats);
+  if (C > 0)
+    with_types(x, y_dtype, [&](auto ti, auto to) {
+      using TI = decltype(ti);
+      using TO = decltype(to);
+      if (rms)
+        rmsnorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TO>(y), ptr<TI>(sum), ptr<float>(rstd), R, C,
+                    (float)eps, stream());
+      else
+        layernorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<TI>(sum),
+                      ptr<float>(mean), ptr<float>(rstd), R, C, (float)eps, stream());
+    });
+  std::vector<Tensor> out{y, rstd};
+  if (!rms) out.push_back(mean);
+  if (add) out.push_back(sum);
+  return out;
+}
+
+std::vector<Tensor> norm_forward_meta(const Tensor& x, const std::optional<Tensor>& addend_opt, const Tensor& w,
+                                      const std::optional<Tensor>& b_opt, double, std::optional<at::ScalarType> out_dtype) {
+  const Tensor addend = addend_opt.value_or(Tensor()), b = b_opt.value_or(Tensor());
+  const char* op = norm_name(addend.defined(), !b.defined());
+  check_fp_cuda(op, x, "x", x, "x");
+  const at::ScalarType y_dtype = out_dtype_or(op, out_dtype, x);
+  const auto [R, C] = check_norm(op, x, addend, w, b, y_dtype);
+  std::vector<Tensor> out{empty_like_contiguous(x, y_dtype), at::empty({R}, x.options().dtype(at::kFloat))};
+  if (b.defined()) out.push_back(at::empty({R}, x.options().dtype(at::kFloat)));
+  if (addend.defined()) out.push_back(empty_like_contiguous(x));
+  return out;
+}
+
+// x is s = x + addend for the add_* ops; dy (the norm's gradient) and dsum (s's) may be missing: an
+// output nobody used.
+std::vector<Tensor> norm_backward_cuda(const Tensor& x, const Tensor& w, const std::optional<Tensor>& mean_opt,
+                                       const Tensor& rstd, const std::optional<Tensor>& dy_opt,
+                                       const std::optional<Tensor>& dsum_opt, at::ScalarType y_dtype, bool add) {
+  const Tensor mean = mean_opt.value_or(Tensor());
+  const bool rms = !mean.defined();
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Tensor dsum = dsum_opt.has_value() && dsum_opt->defined() ? dsum_opt->contiguous() : Tensor();
+  const Tensor dy = dy_opt.has_value() && dy_opt->defined() ? dy_opt->contiguous()
+                                                             : at::zeros_like(x, x.options().dtype(y_dtype));
+  const int C = (int)w.size(0), R = (int)rstd.size(0);
+  Tensor dx = at::empty_like(x), dw = at::empty_like(w), db = rms ? Tensor() : at::empty_like(w);
+  // The addend's gradient is dx itself when the dtypes agree, else dx again in the addend's dtype.
+  Tensor daddend = add && y_dtype != x.scalar_type() ? at::empty_like(x, x.options().dtype(y_dtype)) : Tensor();
+  if (C > 0) {
+    with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
+      using TI = decltype(ti);
+      using TO = decltype(to);
+      // the column sums' partial rows
+      const Tensor ws = at::empty({norm_bwd_workspace_floats<TI, TO>(rms, R, C)}, rstd.options());
+      if (rms)
+        rmsnorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
+                    ptr<TO>(daddend), ptr<TI>(dw), ptr<float>(ws), R, C, stream());
+      else
+        layernorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
+                      ptr<TI>(dx), ptr<TO>(daddend), ptr<TI>(dw), ptr<TI>(db), ptr<float>(ws), R, C, stream());
+    });
+  }
+  std::vector<Tensor> out{dx, dw};
+  if (!rms) out.push_back(db);
+  if (daddend.defined()) out.push_back(daddend);
+  return out;
+}
+
+std::vector<Tensor> norm_backward_meta(const Tensor& x, const Tensor& w, const std::optional<Tensor>& mean,
+                                       const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                       at::ScalarType y_dtype, bool add) {
+  std::vector<Tensor> out{at::empty_like(x), at::empty_like(w)};
+  if (mean.has_value() && mean->defined()) out.push_back(at::empty_like(w));
+  if (add && y_dtype != x.scalar_type()) out.push_back(at::empty_like(x, x.options().dtype(y_dtype)));
+  return out;
+}
+
+// Returns {y}, or {s, y} with the add. The optional tensors are std::optional, not undefined Tensors:
+// autograd's apply() reads the device of every Tensor argument, which an undefined one does not have.
 struct NormFn : torch::autograd::Function<NormFn> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x_in, const std::optional<Tensor>& addend_opt,
-                               const Tensor& w_in, const std::optional<Tensor>& b_opt, double eps,
-                               at::ScalarType y_dtype, const char* op) {
-    const Tensor addend_in = addend_opt.value_or(Tensor()), b_in = b_opt.value_or(Tensor());
-    const auto [R, C] = check_norm(op, x_in, addend_in, w_in, b_in, y_dtype);
-    const c10::cuda::CUDAGuard guard(x_in.device());
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& addend,
+                               const Tensor& w, const std::optional<Tensor>& b, double eps,
+                               std::optional<at::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     // An output nobody used (s after the last layer) then reaches backward undefined, not as zeros.
     ctx->set_materialize_grads(false);
-    const bool add = addend_in.defined(), rms = !b_in.defined();
-    const Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = rms ? Tensor() : b_in.contiguous();
-    const Tensor addend = add ? addend_in.contiguous() : Tensor();
-    const auto stats = x.options().dtype(at::kFloat);
-    Tensor y = at::empty_like(x, x.options().dtype(y_dtype)), sum = add ? at::empty_like(x) : Tensor();
-    Tensor mean = rms ? Tensor() : at::empty({R}, stats), rstd = at::empty({R}, stats);
-    if (C > 0)
-      with_types(x, y_dtype, [&](auto ti, auto to) {
-        using TI = decltype(ti);
-        using TO = decltype(to);
-        if (rms)
-          rmsnorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TO>(y), ptr<TI>(sum), ptr<float>(rstd), R, C,
-                      (float)eps, stream());
-        else
-          layernorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<TI>(sum),
-                        ptr<float>(mean), ptr<float>(rstd), R, C, (float)eps, stream());
-      });
+    const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, addend, w, b, eps, out_dtype);
+    const bool add = addend.has_value() && addend->defined(), rms = !(b.has_value() && b->defined());
+    const Tensor &y = r[0], &rstd = r[1], mean = rms ? Tensor() : r[2], sum = add ? r.back() : Tensor();
     ctx->save_for_backward({add ? sum : x, w, mean, rstd});
     ctx->saved_data["add"] = add;
-    ctx->saved_data["y_dtype"] = y_dtype;
+    ctx->saved_data["y_dtype"] = y.scalar_type();
     if (add) return {sum, y};
     return {y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const Tensor &x = s[0], &w = s[1], &mean = s[2], &rstd = s[3];
-    const bool add = ctx->saved_data["add"].toBool(), rms = !mean.defined();
-    const c10::cuda::CUDAGuard guard(x.device());
-    const auto y_dtype = ctx->saved_data["y_dtype"].toScalarType();  // also the addend's
-    const Tensor dsum = add && grads[0].defined() ? grads[0].contiguous() : Tensor();
-    Tensor dy = grads[add ? 1 : 0];  // undefined when only s was used downstream
-    dy = dy.defined() ? dy.contiguous() : at::zeros_like(x, x.options().dtype(y_dtype));
-    const int C = (int)w.size(0), R = (int)rstd.size(0);
-    Tensor dx = at::empty_like(x), dw = at::empty_like(w), db = rms ? Tensor() : at::empty_like(w);
-    // The addend's gradient is dx itself when the dtypes agree, else dx again in the addend's dtype.
-    Tensor daddend = add && y_dtype != x.scalar_type() ? at::empty_like(x, x.options().dtype(y_dtype)) : Tensor();
-    if (C > 0) {
-      with_types(x, dy.scalar_type(), [&](auto ti, auto to) {
-        using TI = decltype(ti);
-        using TO = decltype(to);
-        // the column sums' partial rows
-        const Tensor ws = at::empty({norm_bwd_workspace_floats<TI, TO>(rms, R, C)}, rstd.options());
-        if (rms)
-          rmsnorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
-                      ptr<TO>(daddend), ptr<TI>(dw), ptr<float>(ws), R, C, stream());
-        else
-          layernorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
-                        ptr<TI>(dx), ptr<TO>(daddend), ptr<TI>(dw), ptr<TI>(db), ptr<float>(ws), R, C, stream());
-      });
-    }
-    if (add && !daddend.defined()) daddend = dx;
-    return {dx, daddend, dw, db, Tensor(), Tensor(), Tensor()};
+    const bool add = ctx->saved_data["add"].toBool(), rms = !s[2].defined();
+    const auto y_dtype = ctx->saved_data["y_dtype"].toScalarType();
+    const std::optional<Tensor> dsum = add ? std::optional<Tensor>(grads[0]) : std::nullopt;
+    const std::optional<Tensor> dy = grads[add ? 1 : 0];
+    const std::optional<Tensor> mean = rms ? std::nullopt : std::optional<Tensor>(s[2]);
+    const auto r = KERNELS_OP("norm_backward", norm_backward_cuda).call(s[0], s[1], mean, s[3], dy, dsum, y_dtype, add);
+    const Tensor db = rms ? Tensor() : r[2], daddend = add ? (r.size() > (rms ? 2u : 3u) ? r.back() : r[0]) : Tensor();
+    return {r[0], daddend, r[1], db, Tensor(), Tensor()};
   }
 };
 
-// The four entry points. x is checked first: out_dtype_or reads its dtype. y is optional to pybind so that
-// None gets this file's message rather than pybind's signature dump.
-static variable_list norm_op(const char* op, const Tensor& x, const std::optional<Tensor>& y, const Tensor& weight,
-                             const std::optional<Tensor>& bias, double eps, std::optional<at::ScalarType> out_dtype) {
-  raise_pending_index_error();
-  check_fp_cuda(op, x, "x", x, "x");
-  return NormFn::apply(x, y, weight, bias, eps, out_dtype_or(op, out_dtype, x), op);
+// The four public ops. Below autograd (inference mode, and the backends' own calls) they are
+// norm_forward's outputs; with autograd, NormFn's.
+Tensor layernorm_impl(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                      std::optional<at::ScalarType> out_dtype) {
+  return KERNELS_OP("norm_forward", norm_forward_cuda).call(x, std::nullopt, weight, bias, eps, out_dtype)[0];
 }
 
-static Tensor require_y(const char* op, const std::optional<Tensor>& y) {
-  REQUIRE(y.has_value() && y->defined(), op, ": y must be a tensor, got None");
-  return *y;
+Tensor rmsnorm_impl(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
+  return KERNELS_OP("norm_forward", norm_forward_cuda).call(x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
 }
 
-static Tensor require_bias(const char* op, const Tensor& bias) {  // layernorm's is not optional
-  REQUIRE(bias.defined(), op, ": bias must be a tensor, got None");
-  return bias;
+std::tuple<Tensor, Tensor> add_layernorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight,
+                                              const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
+  const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, y, weight, bias, eps, out_dtype);
+  return {r.back(), r[0]};
 }
 
-Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
-                 std::optional<at::ScalarType> out_dtype) {
-  return norm_op("layernorm", x, std::nullopt, weight, require_bias("layernorm", bias), eps, out_dtype)[0];
+std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
+                                            std::optional<at::ScalarType> out_dtype) {
+  const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, y, weight, std::nullopt, eps, out_dtype);
+  return {r.back(), r[0]};
 }
 
-Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
-  return norm_op("rmsnorm", x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
+Tensor layernorm_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          std::optional<at::ScalarType> out_dtype) {
+  if (wants_grad(x, weight, bias)) return NormFn::apply(x, std::nullopt, weight, bias, eps, out_dtype)[0];
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return layernorm_impl(x, weight, bias, eps, out_dtype);
 }
 
-std::tuple<Tensor, Tensor> add_layernorm(const Tensor& x, const std::optional<Tensor>& y, const Tensor& weight,
-                                         const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
-  const char* op = "add_layernorm";
-  const auto r = norm_op(op, x, require_y(op, y), weight, require_bias(op, bias), eps, out_dtype);
+Tensor rmsnorm_autograd(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
+  if (wants_grad(x, weight)) return NormFn::apply(x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return rmsnorm_impl(x, weight, eps, out_dtype);
+}
+
+std::tuple<Tensor, Tensor> add_layernorm_autograd(const Tensor& x, const Tensor& y, const Tensor& weight,
+                                                  const Tensor& bias, double eps,
+                                                  std::optional<at::ScalarType> out_dtype) {
+  if (!wants_grad(x, y, weight, bias)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return add_layernorm_impl(x, y, weight, bias, eps, out_dtype);
+  }
+  const auto r = NormFn::apply(x, y, weight, bias, eps, out_dtype);
   return {r[0], r[1]};
 }
 
-std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const std::optional<Tensor>& y, const Tensor& weight,
-                                       double eps, std::optional<at::ScalarType> out_dtype) {
-  const char* op = "add_rmsnorm";
-  const auto r = norm_op(op, x, require_y(op, y), weight, std::nullopt, eps, out_dtype);
+std::tuple<Tensor, Tensor> add_rmsnorm_autograd(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
+                                                std::optional<at::ScalarType> out_dtype) {
+  if (!wants_grad(x, y, weight)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return add_rmsnorm_impl(x, y, weight, eps, out_dtype);
+  }
+  const auto r = NormFn::apply(x, y, weight, std::nullopt, eps, out_dtype);
   return {r[0], r[1]};
 }
 
 // ---- Sinkhorn ---------------------------------------------------------------------------------
 
+static void check_sinkhorn(const Tensor& logits, int64_t iters) {
+  const char* op = "sinkhorn";
+  check_float_cuda(op, logits, "logits");
+  REQUIRE(logits.dim() >= 2 && logits.size(-1) == logits.size(-2), op,
+          ": logits must have shape (..., n, n), square in its last two dims, got ", logits.sizes());
+  const int64_t n = logits.size(-1);
+  REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = logits.shape[-1] must be in [1, 8], got n = ", n);
+  REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
+}
+
+Tensor sinkhorn_cuda(const Tensor& logits, int64_t iters) {
+  raise_pending_index_error();
+  check_sinkhorn(logits, iters);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const Tensor x = logits.contiguous();
+  Tensor p = at::empty_like(x);
+  const int n = (int)x.size(-1);
+  const int M = to_int("sinkhorn", x.numel() / (n * n), "number of matrices"), it = to_int("sinkhorn", iters, "iters");
+  sinkhorn_fwd(x.data_ptr<float>(), p.data_ptr<float>(), M, n, it, stream());
+  return p;
+}
+
+Tensor sinkhorn_meta(const Tensor& logits, int64_t iters) {
+  check_sinkhorn(logits, iters);
+  return empty_like_contiguous(logits);
+}
+
+// The backward recomputes the iterations from the logits (kernels.cu, "Sinkhorn").
+Tensor sinkhorn_backward_cuda(const Tensor& logits, const Tensor& dp_in, int64_t iters) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const Tensor x = logits.contiguous(), dp = dp_in.contiguous();
+  const int n = (int)x.size(-1), M = (int)(x.numel() / (n * n));
+  Tensor dx = at::empty_like(x), ws = at::empty({sinkhorn_workspace_floats(M, n, (int)iters)}, x.options());
+  sinkhorn_bwd(x.data_ptr<float>(), dp.data_ptr<float>(), dx.data_ptr<float>(), ws.data_ptr<float>(), M, n,
+               (int)iters, stream());
+  return dx;
+}
+
+Tensor sinkhorn_backward_meta(const Tensor& logits, const Tensor&, int64_t) { return empty_like_contiguous(logits); }
+
 struct SinkhornFn : torch::autograd::Function<SinkhornFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, int64_t iters) {
-    const char* op = "sinkhorn";
-    check_float_cuda(op, logits_in, "logits");
-    REQUIRE(logits_in.dim() >= 2 && logits_in.size(-1) == logits_in.size(-2), op,
-            ": logits must have shape (..., n, n), square in its last two dims, got ", logits_in.sizes());
-    const int64_t n = logits_in.size(-1);
-    REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = logits.shape[-1] must be in [1, 8], got n = ", n);
-    REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
-    const c10::cuda::CUDAGuard guard(logits_in.device());
-    const Tensor x = logits_in.contiguous();
-    Tensor p = at::empty_like(x);
-    const int M = to_int(op, x.numel() / (n * n), "number of matrices"), it = to_int(op, iters, "iters");
-    sinkhorn_fwd(x.data_ptr<float>(), p.data_ptr<float>(), M, (int)n, it, stream());
-    ctx->save_for_backward({x});
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, int64_t iters) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({logits});
     ctx->saved_data["iters"] = iters;
-    return p;
+    return KERNELS_OP("sinkhorn", sinkhorn_cuda).call(logits, iters);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Tensor x = ctx->get_saved_variables()[0];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dp = grads[0].contiguous();
-    const int n = (int)x.size(-1), M = (int)(x.numel() / (n * n)), iters = (int)ctx->saved_data["iters"].toInt();
-    Tensor dx = at::empty_like(x), ws = at::empty({sinkhorn_workspace_floats(M, n, iters)}, x.options());
-    sinkhorn_bwd(x.data_ptr<float>(), dp.data_ptr<float>(), dx.data_ptr<float>(), ws.data_ptr<float>(), M, n, iters,
-                 stream());
-    return {dx, Tensor()};
+    const Tensor logits = ctx->get_saved_variables()[0];
+    const int64_t iters = ctx->saved_data["iters"].toInt();
+    return {KERNELS_OP("sinkhorn_backward", sinkhorn_backward_cuda).call(logits, grads[0], iters), Tensor()};
   }
 };
 
-Tensor sinkhorn(const Tensor& logits, int64_t iters) {
-  raise_pending_index_error();
-  return SinkhornFn::apply(logits, iters);
+Tensor sinkhorn_autograd(const Tensor& logits, int64_t iters) {
+  return autograd_or_below<SinkhornFn>(KERNELS_OP("sinkhorn", sinkhorn_cuda), logits, iters);
 }
 
 // ---- stream mixing (hyper-connections) --------------------------------------------------------
@@ -693,126 +874,218 @@ static int64_t count_tokens(const std::vector<int64_t>& lead) {
   return M;
 }
 
+// x (..., n, C), h (n,) or per token (..., n) -> (..., C); returns whether h is per token.
+static bool check_stream_merge(const Tensor& x, const Tensor& h) {
+  check_streams("stream_merge", x);
+  return check_coefs("stream_merge", x, h, "h", {x.size(-2)}, "(n,)");
+}
+
+Tensor stream_merge_cuda(const Tensor& x_in, const Tensor& h_in) {
+  raise_pending_index_error();
+  const bool per_token = check_stream_merge(x_in, h_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), h = h_in.contiguous();
+  std::vector<int64_t> shape = x.sizes().slice(0, x.dim() - 2).vec();
+  const int M = to_int("stream_merge", count_tokens(shape), "number of tokens");
+  const int n = (int)x.size(-2), C = to_int("stream_merge", x.size(-1), "C");
+  shape.push_back(C);
+  Tensor out = at::empty(shape, x.options());
+  stream_merge_fwd(x.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(), M, n, C, per_token, stream());
+  return out;
+}
+
+Tensor stream_merge_meta(const Tensor& x, const Tensor& h) {
+  check_stream_merge(x, h);
+  std::vector<int64_t> shape = x.sizes().slice(0, x.dim() - 2).vec();
+  shape.push_back(x.size(-1));
+  return at::empty(shape, x.options());
+}
+
+std::tuple<Tensor, Tensor> stream_merge_backward_cuda(const Tensor& x_in, const Tensor& h_in, const Tensor& dout_in) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), h = h_in.contiguous(), dout = dout_in.contiguous();
+  const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
+  const bool per_token = h.dim() > 1;
+  Tensor dx = at::empty_like(x), dh = at::empty_like(h), ws, part;
+  if (!per_token) {  // per-token sums, then their sum over the tokens
+    ws = at::empty({(int64_t)M * n}, x.options());
+    part = at::empty({(int64_t)colsum_chunks(M, n) * n}, x.options());
+  }
+  stream_merge_bwd(x.data_ptr<float>(), h.data_ptr<float>(), dout.data_ptr<float>(), dx.data_ptr<float>(),
+                   dh.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, per_token, stream());
+  return {dx, dh};
+}
+
+std::tuple<Tensor, Tensor> stream_merge_backward_meta(const Tensor& x, const Tensor& h, const Tensor&) {
+  return {empty_like_contiguous(x), empty_like_contiguous(h)};
+}
+
 struct StreamMergeFn : torch::autograd::Function<StreamMergeFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& h_in) {
-    const char* op = "stream_merge";
-    std::vector<int64_t> shape = check_streams(op, x_in);
-    const int64_t n = x_in.size(-2);
-    const bool per_token = check_coefs(op, x_in, h_in, "h", {n}, "(n,)");
-    const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous(), h = h_in.contiguous();
-    const int M = to_int(op, count_tokens(shape), "number of tokens"), C = to_int(op, x.size(-1), "C");
-    shape.push_back(C);
-    Tensor out = at::empty(shape, x.options());
-    stream_merge_fwd(x.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(), M, (int)n, C, per_token,
-                     stream());
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& h) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({x, h});
-    ctx->saved_data["per_token"] = per_token;
-    ctx->saved_data["M"] = (int64_t)M;
-    return out;
+    return KERNELS_OP("stream_merge", stream_merge_cuda).call(x, h);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const Tensor &x = s[0], &h = s[1];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dout = grads[0].contiguous();
-    const bool per_token = ctx->saved_data["per_token"].toBool();
-    const int M = (int)ctx->saved_data["M"].toInt(), n = (int)x.size(-2), C = (int)x.size(-1);
-    Tensor dx = at::empty_like(x), dh = at::empty_like(h), ws, part;
-    if (!per_token) {  // per-token sums, then their sum over the tokens
-      ws = at::empty({(int64_t)M * n}, x.options());
-      part = at::empty({(int64_t)colsum_chunks(M, n) * n}, x.options());
-    }
-    stream_merge_bwd(x.data_ptr<float>(), h.data_ptr<float>(), dout.data_ptr<float>(), dx.data_ptr<float>(),
-                     dh.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, per_token, stream());
+    const auto [dx, dh] = KERNELS_OP("stream_merge_backward", stream_merge_backward_cuda).call(s[0], s[1], grads[0]);
     return {dx, dh};
   }
 };
 
-Tensor stream_merge(const Tensor& x, const Tensor& h) {
+Tensor stream_merge_autograd(const Tensor& x, const Tensor& h) {
+  return autograd_or_below<StreamMergeFn>(KERNELS_OP("stream_merge", stream_merge_cuda), x, h);
+}
+
+// x (..., n, C), h_res (n, n) and h_post (n,) or both per token, y (..., C); returns whether per token.
+static bool check_stream_mix(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  const char* op = "stream_mix";
+  std::vector<int64_t> y_shape = check_streams(op, x);
+  const int64_t n = x.size(-2);
+  const bool res_per_token = check_coefs(op, x, h_res, "h_res", {n, n}, "(n, n)");
+  const bool post_per_token = check_coefs(op, x, h_post, "h_post", {n}, "(n,)");
+  REQUIRE(res_per_token == post_per_token, op, ": h_res and h_post must be both static ((n, n) and (n,)) or ",
+          "both per token, got h_res ", h_res.sizes(), " and h_post ", h_post.sizes(), " for x ", x.sizes());
+  check_float_cuda(op, y, "y");
+  check_same_device(op, x, "x", y, "y");
+  to_int(op, count_tokens(y_shape), "number of tokens");
+  to_int(op, x.size(-1), "C");
+  y_shape.push_back(x.size(-1));
+  REQUIRE(y.sizes().equals(y_shape), op, ": y must have shape x.shape[:-2] + (C,) = ", at::IntArrayRef(y_shape),
+          ", got ", y.sizes());
+  return res_per_token;
+}
+
+Tensor stream_mix_cuda(const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in, const Tensor& y_in) {
   raise_pending_index_error();
-  return StreamMergeFn::apply(x, h);
+  const bool per_token = check_stream_mix(x_in, h_res_in, h_post_in, y_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
+               y = y_in.contiguous();
+  const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
+  Tensor out = at::empty(x.sizes(), x.options());
+  stream_mix_fwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
+                 out.data_ptr<float>(), M, n, C, per_token, stream());
+  return out;
+}
+
+Tensor stream_mix_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  check_stream_mix(x, h_res, h_post, y);
+  return empty_like_contiguous(x);
+}
+
+// Returns dx, dh_res, dh_post, dy.
+std::tuple<Tensor, Tensor, Tensor, Tensor> stream_mix_backward_cuda(const Tensor& x_in, const Tensor& h_res_in,
+                                                                    const Tensor& h_post_in, const Tensor& y_in,
+                                                                    const Tensor& dout_in) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
+               y = y_in.contiguous(), dout = dout_in.contiguous();
+  const bool per_token = h_post.dim() > 1;
+  const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
+  Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res, dh_post, ws, part;
+  if (per_token) {
+    dh_res = at::empty_like(h_res);
+    dh_post = at::empty_like(h_post);
+  } else {  // per-token sums, then their sum over the tokens, h_res's and h_post's in one row
+    const int64_t K = (int64_t)n * n + n;
+    const Tensor dcoef = at::empty({K}, x.options());
+    // copies, not views of one buffer: a dispatcher op's outputs may not alias each other
+    ws = at::empty({M * K}, x.options());
+    part = at::empty({colsum_chunks(M, (int)K) * K}, x.options());
+    stream_mix_bwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
+                   dout.data_ptr<float>(), dx.data_ptr<float>(), dy.data_ptr<float>(), dcoef.data_ptr<float>(),
+                   dcoef.data_ptr<float>() + (int64_t)n * n, ws_ptr(ws), ws_ptr(part), M, n, C, false, stream());
+    return {dx, dcoef.narrow(0, 0, (int64_t)n * n).view({n, n}).clone(), dcoef.narrow(0, (int64_t)n * n, n).clone(),
+            dy};
+  }
+  stream_mix_bwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
+                 dout.data_ptr<float>(), dx.data_ptr<float>(), dy.data_ptr<float>(), dh_res.data_ptr<float>(),
+                 dh_post.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, true, stream());
+  return {dx, dh_res, dh_post, dy};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> stream_mix_backward_meta(const Tensor& x, const Tensor& h_res,
+                                                                    const Tensor& h_post, const Tensor& y,
+                                                                    const Tensor&) {
+  return {empty_like_contiguous(x), empty_like_contiguous(h_res), empty_like_contiguous(h_post),
+          empty_like_contiguous(y)};
 }
 
 struct StreamMixFn : torch::autograd::Function<StreamMixFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in,
-                        const Tensor& y_in) {
-    const char* op = "stream_mix";
-    std::vector<int64_t> y_shape = check_streams(op, x_in);
-    const int64_t n = x_in.size(-2), C64 = x_in.size(-1);
-    const bool res_per_token = check_coefs(op, x_in, h_res_in, "h_res", {n, n}, "(n, n)");
-    const bool post_per_token = check_coefs(op, x_in, h_post_in, "h_post", {n}, "(n,)");
-    REQUIRE(res_per_token == post_per_token, op, ": h_res and h_post must be both static ((n, n) and (n,)) or ",
-            "both per token, got h_res ", h_res_in.sizes(), " and h_post ", h_post_in.sizes(), " for x ",
-            x_in.sizes());
-    check_float_cuda(op, y_in, "y");
-    check_same_device(op, x_in, "x", y_in, "y");
-    const int M = to_int(op, count_tokens(y_shape), "number of tokens"), C = to_int(op, C64, "C");
-    y_shape.push_back(C64);
-    REQUIRE(y_in.sizes().equals(y_shape), op, ": y must have shape x.shape[:-2] + (C,) = ", at::IntArrayRef(y_shape),
-            ", got ", y_in.sizes());
-    const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
-                 y = y_in.contiguous();
-    Tensor out = at::empty(x.sizes(), x.options());
-    stream_mix_fwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
-                   out.data_ptr<float>(), M, (int)n, C, res_per_token, stream());
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                        const Tensor& y) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({x, h_res, h_post, y});
-    ctx->saved_data["per_token"] = res_per_token;
-    ctx->saved_data["M"] = (int64_t)M;
-    return out;
+    return KERNELS_OP("stream_mix", stream_mix_cuda).call(x, h_res, h_post, y);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const Tensor &x = s[0], &h_res = s[1], &h_post = s[2], &y = s[3];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dout = grads[0].contiguous();
-    const bool per_token = ctx->saved_data["per_token"].toBool();
-    const int M = (int)ctx->saved_data["M"].toInt(), n = (int)x.size(-2), C = (int)x.size(-1);
-    Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res, dh_post, ws, part;
-    if (per_token) {
-      dh_res = at::empty_like(h_res);
-      dh_post = at::empty_like(h_post);
-    } else {  // per-token sums, then their sum over the tokens, h_res's and h_post's in one row
-      const int64_t K = (int64_t)n * n + n;
-      const Tensor dcoef = at::empty({K}, x.options());
-      dh_res = dcoef.narrow(0, 0, (int64_t)n * n).view({n, n});
-      dh_post = dcoef.narrow(0, (int64_t)n * n, n);
-      ws = at::empty({M * K}, x.options());
-      part = at::empty({colsum_chunks(M, (int)K) * K}, x.options());
-    }
-    stream_mix_bwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
-                   dout.data_ptr<float>(), dx.data_ptr<float>(), dy.data_ptr<float>(), dh_res.data_ptr<float>(),
-                   dh_post.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, per_token, stream());
+    const auto [dx, dh_res, dh_post, dy] =
+        KERNELS_OP("stream_mix_backward", stream_mix_backward_cuda).call(s[0], s[1], s[2], s[3], grads[0]);
     return {dx, dh_res, dh_post, dy};
   }
 };
 
-Tensor stream_mix(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
-  raise_pending_index_error();
-  return StreamMixFn::apply(x, h_res, h_post, y);
+Tensor stream_mix_autograd(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  return autograd_or_below<StreamMixFn>(KERNELS_OP("stream_mix", stream_mix_cuda), x, h_res, h_post, y);
 }
 
 // ---- softmax ----------------------------------------------------------------------------------
 
 // x float32 or bfloat16; y in out_dtype (default x's): autocast gives bf16 logits an fp32 softmax.
+static at::ScalarType check_softmax(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
+  check_fp_cuda("softmax", x, "x", x, "x");
+  REQUIRE(x.dim() >= 1, "softmax: x must have at least one dim");
+  return out_dtype_or("softmax", out_dtype, x);
+}
+
+Tensor softmax_cuda(const Tensor& x_in, std::optional<at::ScalarType> out_dtype) {
+  raise_pending_index_error();
+  const at::ScalarType y_dtype = check_softmax(x_in, out_dtype);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous();
+  Tensor y = empty_like_contiguous(x, y_dtype);
+  const int64_t C = x.size(-1);
+  if (x.numel() > 0)
+    with_types(x, y_dtype, [&](auto ti, auto to) {
+      using TI = decltype(ti);
+      using TO = decltype(to);
+      softmax_fwd(ptr<TI>(x), ptr<TO>(y), to_int("softmax", x.numel() / C, "rows"), to_int("softmax", C, "C"), 1.f,
+                  0, 0, stream());
+    });
+  return y;
+}
+
+Tensor softmax_meta(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
+  return empty_like_contiguous(x, check_softmax(x, out_dtype));
+}
+
+// dx (in x_dtype) from the softmax's output y and its gradient dy.
+Tensor softmax_backward_cuda(const Tensor& y, const Tensor& dy_in, at::ScalarType x_dtype) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  const Tensor dy = dy_in.contiguous();
+  Tensor dx = empty_like_contiguous(y, x_dtype);
+  if (y.numel() > 0)
+    with_types(dx, y.scalar_type(), [&](auto ti, auto to) {
+      using TI = decltype(ti);
+      using TO = decltype(to);
+      softmax_bwd(ptr<TO>(y), ptr<TO>(dy), ptr<TI>(dx), (int)(y.numel() / y.size(-1)), (int)y.size(-1), 1.f,
+                  stream());
+    });
+  return dx;
+}
+
+Tensor softmax_backward_meta(const Tensor& y, const Tensor&, at::ScalarType x_dtype) {
+  return empty_like_contiguous(y, x_dtype);
+}
+
 struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, at::ScalarType y_dtype) {
-    const char* op = "softmax";
-    REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
-    const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous();
-    Tensor y = at::empty_like(x, x.options().dtype(y_dtype));
-    const int64_t C = x.size(-1);
-    if (x.numel() > 0)
-      with_types(x, y_dtype, [&](auto ti, auto to) {
-        using TI = decltype(ti);
-        using TO = decltype(to);
-        softmax_fwd(ptr<TI>(x), ptr<TO>(y), to_int(op, x.numel() / C, "rows"), to_int(op, C, "C"), 1.f, 0, 0,
-                    stream());
-      });
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, std::optional<at::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    Tensor y = KERNELS_OP("softmax", softmax_cuda).call(x, out_dtype);
     ctx->save_for_backward({y});
     ctx->saved_data["x_dtype"] = x.scalar_type();
     return y;
@@ -820,130 +1093,171 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor y = ctx->get_saved_variables()[0];
-    const c10::cuda::CUDAGuard guard(y.device());
-    const Tensor dy = grads[0].contiguous();
-    Tensor dx = at::empty_like(y, y.options().dtype(ctx->saved_data["x_dtype"].toScalarType()));
-    if (y.numel() > 0)
-      with_types(dx, y.scalar_type(), [&](auto ti, auto to) {
-        using TI = decltype(ti);
-        using TO = decltype(to);
-        softmax_bwd(ptr<TO>(y), ptr<TO>(dy), ptr<TI>(dx), (int)(y.numel() / y.size(-1)), (int)y.size(-1), 1.f,
-                    stream());
-      });
-    return {dx, Tensor()};
+    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    return {KERNELS_OP("softmax_backward", softmax_backward_cuda).call(y, grads[0], x_dtype), Tensor()};
   }
 };
 
-Tensor softmax(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
-  raise_pending_index_error();
-  check_fp_cuda("softmax", x, "x", x, "x");
-  return SoftmaxFn::apply(x, out_dtype_or("softmax", out_dtype, x));
+Tensor softmax_autograd(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
+  return autograd_or_below<SoftmaxFn>(KERNELS_OP("softmax", softmax_cuda), x, out_dtype);
 }
 
-// ---- GELU and SiLU ---------------------------------------------------------------------------
+// ---- GELU, SiLU and SwiGLU ---------------------------------------------------------------------
 
-// An elementwise activation y = f(x) in x's dtype (float32 or bfloat16; fp32 arithmetic): the forward
-// saves x, the backward reads x and dy and writes dx. GELU and SiLU differ only in their launchers, so
-// one autograd Function serves both, given the launchers as a struct; `approx_tanh` is GELU's choice of
-// formula and SiLU ignores it.
-struct GeluLaunchers {
-  template <class T>
-  static void fwd(const T* x, T* y, int64_t n, bool approx_tanh, cudaStream_t s) { gelu_fwd(x, y, n, approx_tanh, s); }
-  template <class T>
-  static void bwd(const T* x, const T* dy, T* dx, int64_t n, bool approx_tanh, cudaStream_t s) {
-    gelu_bwd(x, dy, dx, n, approx_tanh, s);
-  }
-};
+// Elementwise ops in their input's dtype (float32 or bfloat16; fp32 arithmetic), on contiguous copies:
+// f(x, y, n) or f(a, b, y, n) gets element pointers of that type.
+template <class F>
+static Tensor elementwise(const Tensor& x_in, F&& f) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous();
+  Tensor y = at::empty_like(x);
+  with_type(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    f(ptr<T>(x), ptr<T>(y), x.numel());
+  });
+  return y;
+}
 
-struct SiluLaunchers {
-  template <class T>
-  static void fwd(const T* x, T* y, int64_t n, bool, cudaStream_t s) { silu_fwd(x, y, n, s); }
-  template <class T>
-  static void bwd(const T* x, const T* dy, T* dx, int64_t n, bool, cudaStream_t s) { silu_bwd(x, dy, dx, n, s); }
-};
+template <class F>
+static Tensor elementwise2(const Tensor& a_in, const Tensor& b_in, F&& f) {
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  Tensor y = at::empty_like(a);
+  with_type(a.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    f(ptr<T>(a), ptr<T>(b), ptr<T>(y), a.numel());
+  });
+  return y;
+}
 
-template <class Launchers>
-struct ActivationFn : torch::autograd::Function<ActivationFn<Launchers>> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x_in, bool approx_tanh) {
-    const c10::cuda::CUDAGuard guard(x_in.device());
-    const Tensor x = x_in.contiguous();
-    Tensor y = at::empty_like(x);
-    with_type(x.scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      Launchers::fwd(ptr<T>(x), ptr<T>(y), x.numel(), approx_tanh, stream());
-    });
+static bool gelu_tanh(const Tensor& x, c10::string_view approximate) {
+  check_fp_cuda("gelu", x, "x", x, "x");
+  REQUIRE_VALUE(approximate == "none" || approximate == "tanh", "gelu: approximate must be 'none' or 'tanh', got '",
+                std::string(approximate), "'");
+  return approximate == "tanh";
+}
+
+Tensor gelu_cuda(const Tensor& x, c10::string_view approximate) {
+  raise_pending_index_error();
+  const bool tanh = gelu_tanh(x, approximate);
+  return elementwise(x, [&](auto x, auto y, int64_t n) { gelu_fwd(x, y, n, tanh, stream()); });
+}
+
+Tensor gelu_meta(const Tensor& x, c10::string_view approximate) {
+  gelu_tanh(x, approximate);
+  return empty_like_contiguous(x);
+}
+
+Tensor gelu_backward_cuda(const Tensor& x, const Tensor& dy, c10::string_view approximate) {
+  const bool tanh = approximate == "tanh";
+  return elementwise2(x, dy, [&](auto x, auto dy, auto dx, int64_t n) { gelu_bwd(x, dy, dx, n, tanh, stream()); });
+}
+
+Tensor gelu_backward_meta(const Tensor& x, const Tensor&, c10::string_view) { return empty_like_contiguous(x); }
+
+Tensor silu_cuda(const Tensor& x) {
+  raise_pending_index_error();
+  check_fp_cuda("silu", x, "x", x, "x");
+  return elementwise(x, [&](auto x, auto y, int64_t n) { silu_fwd(x, y, n, stream()); });
+}
+
+Tensor silu_meta(const Tensor& x) {
+  check_fp_cuda("silu", x, "x", x, "x");
+  return empty_like_contiguous(x);
+}
+
+Tensor silu_backward_cuda(const Tensor& x, const Tensor& dy) {
+  return elementwise2(x, dy, [&](auto x, auto dy, auto dx, int64_t n) { silu_bwd(x, dy, dx, n, stream()); });
+}
+
+Tensor silu_backward_meta(const Tensor& x, const Tensor&) { return empty_like_contiguous(x); }
+
+// GELU and SiLU: the forward saves x, the backward reads x and dy. approximate is GELU's alone.
+struct GeluFn : torch::autograd::Function<GeluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({x});
-    ctx->saved_data["tanh"] = approx_tanh;
-    return y;
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return KERNELS_OP("gelu", gelu_cuda).call(x, approximate);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor x = ctx->get_saved_variables()[0];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dy = grads[0].contiguous();
-    Tensor dx = at::empty_like(x);
-    with_type(x.scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      Launchers::bwd(ptr<T>(x), ptr<T>(dy), ptr<T>(dx), x.numel(), ctx->saved_data["tanh"].toBool(), stream());
-    });
-    return {dx, Tensor()};  // approx_tanh has no gradient
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    return {KERNELS_OP("gelu_backward", gelu_backward_cuda).call(x, grads[0], approximate), Tensor()};
   }
 };
 
-Tensor gelu(const Tensor& x, const std::string& approximate) {
-  raise_pending_index_error();
-  check_fp_cuda("gelu", x, "x", x, "x");
-  REQUIRE_VALUE(approximate == "none" || approximate == "tanh",
-                "gelu: approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return ActivationFn<GeluLaunchers>::apply(x, approximate == "tanh");
+struct SiluFn : torch::autograd::Function<SiluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({x});
+    return KERNELS_OP("silu", silu_cuda).call(x);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {KERNELS_OP("silu_backward", silu_backward_cuda).call(ctx->get_saved_variables()[0], grads[0])};
+  }
+};
+
+Tensor gelu_autograd(const Tensor& x, c10::string_view approximate) {
+  return autograd_or_below<GeluFn>(KERNELS_OP("gelu", gelu_cuda), x, approximate);
 }
 
-Tensor silu(const Tensor& x) {
-  raise_pending_index_error();
-  check_fp_cuda("silu", x, "x", x, "x");
-  return ActivationFn<SiluLaunchers>::apply(x, false);
-}
-
-// ---- SwiGLU -----------------------------------------------------------------------------------
+Tensor silu_autograd(const Tensor& x) { return autograd_or_below<SiluFn>(KERNELS_OP("silu", silu_cuda), x); }
 
 // silu(a) * b in one pass (forward: read a, b, write y; backward: read a, b, dy, write da, db), where
 // F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward. a and b: one dtype.
+static void check_swiglu(const Tensor& a, const Tensor& b) {
+  const char* op = "swiglu";
+  check_fp_cuda(op, a, "a", a, "a");
+  check_fp_cuda(op, b, "b", a, "a");
+  check_same_device(op, a, "a", b, "b");
+  REQUIRE(a.sizes() == b.sizes(), op, ": a and b must have the same shape, got ", a.sizes(), " and ", b.sizes());
+}
+
+Tensor swiglu_cuda(const Tensor& a, const Tensor& b) {
+  raise_pending_index_error();
+  check_swiglu(a, b);
+  return elementwise2(a, b, [&](auto a, auto b, auto y, int64_t n) { swiglu_fwd(a, b, y, n, stream()); });
+}
+
+Tensor swiglu_meta(const Tensor& a, const Tensor& b) {
+  check_swiglu(a, b);
+  return empty_like_contiguous(a);
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& a_in, const Tensor& b_in, const Tensor& dy_in) {
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const Tensor a = a_in.contiguous(), b = b_in.contiguous(), dy = dy_in.contiguous();
+  Tensor da = at::empty_like(a), db = at::empty_like(b);
+  with_type(a.scalar_type(), [&](auto e) {
+    using T = decltype(e);
+    swiglu_bwd(ptr<T>(a), ptr<T>(b), ptr<T>(dy), ptr<T>(da), ptr<T>(db), a.numel(), stream());
+  });
+  return {da, db};
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward_meta(const Tensor& a, const Tensor& b, const Tensor&) {
+  return {empty_like_contiguous(a), empty_like_contiguous(b)};
+}
+
 struct SwigluFn : torch::autograd::Function<SwigluFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& a_in, const Tensor& b_in) {
-    const char* op = "swiglu";
-    check_fp_cuda(op, a_in, "a", a_in, "a");
-    check_fp_cuda(op, b_in, "b", a_in, "a");
-    check_same_device(op, a_in, "a", b_in, "b");
-    REQUIRE(a_in.sizes() == b_in.sizes(), op, ": a and b must have the same shape, got ", a_in.sizes(), " and ",
-            b_in.sizes());
-    const c10::cuda::CUDAGuard guard(a_in.device());
-    const Tensor a = a_in.contiguous(), b = b_in.contiguous();
-    Tensor y = at::empty_like(a);
-    with_type(a.scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      swiglu_fwd(ptr<T>(a), ptr<T>(b), ptr<T>(y), a.numel(), stream());
-    });
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({a, b});
-    return y;
+    return KERNELS_OP("swiglu", swiglu_cuda).call(a, b);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto t = ctx->get_saved_variables();
-    const Tensor &a = t[0], &b = t[1];
-    const c10::cuda::CUDAGuard guard(a.device());
-    const Tensor dy = grads[0].contiguous();
-    Tensor da = at::empty_like(a), db = at::empty_like(b);
-    with_type(a.scalar_type(), [&](auto e) {
-      using T = decltype(e);
-      swiglu_bwd(ptr<T>(a), ptr<T>(b), ptr<T>(dy), ptr<T>(da), ptr<T>(db), a.numel(), stream());
-    });
+    const auto [da, db] = KERNELS_OP("swiglu_backward", swiglu_backward_cuda).call(t[0], t[1], grads[0]);
     return {da, db};
   }
 };
 
-Tensor swiglu(const Tensor& a, const Tensor& b) {
-  raise_pending_index_error();
-  return SwigluFn::apply(a, b);
+Tensor swiglu_autograd(const Tensor& a, const Tensor& b) {
+  return autograd_or_below<SwigluFn>(KERNELS_OP("swiglu", swiglu_cuda), a, b);
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
@@ -961,136 +1275,213 @@ static Tensor rope_launch(const Tensor& x_in, const Tensor& cos, const Tensor& s
   return out;
 }
 
+static void check_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const char* op = "rope";
+  check_fp_cuda(op, x, "x", x, "x");  // float32 or bfloat16 (rotated in fp32); the tables are float32
+  check_float_cuda(op, cos, "cos");
+  check_float_cuda(op, sin, "sin");
+  check_same_device(op, x, "x", cos, "cos");
+  check_same_device(op, x, "x", sin, "sin");
+  check_dim(op, x, "x", 4, "(B, H, T, D)");
+  REQUIRE_VALUE(x.size(3) % 2 == 0, op, ": the head dim D must be even (element i pairs with i + D/2), got D = ",
+                x.size(3));
+  const std::vector<int64_t> table{x.size(2), x.size(3) / 2};
+  REQUIRE(cos.sizes() == at::IntArrayRef(table) && sin.sizes() == at::IntArrayRef(table), op,
+          ": cos and sin must be (T, D/2) = ", at::IntArrayRef(table), " for x of shape ", x.sizes(), ", got ",
+          cos.sizes(), " and ", sin.sizes());
+}
+
+Tensor rope_cuda(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  raise_pending_index_error();
+  check_rope(x, cos, sin);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return rope_launch(x, cos.contiguous(), sin.contiguous(), false);
+}
+
+Tensor rope_meta(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  check_rope(x, cos, sin);
+  return empty_like_contiguous(x);
+}
+
+// The rotation's transpose: the same kernel turning the other way.
+Tensor rope_backward_cuda(const Tensor& dy, const Tensor& cos, const Tensor& sin) {
+  const c10::cuda::CUDAGuard guard(dy.device());
+  return rope_launch(dy, cos.contiguous(), sin.contiguous(), true);
+}
+
+Tensor rope_backward_meta(const Tensor& dy, const Tensor&, const Tensor&) { return empty_like_contiguous(dy); }
+
 struct RopeFn : torch::autograd::Function<RopeFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos_in, const Tensor& sin_in) {
-    const char* op = "rope";
-    check_fp_cuda(op, x, "x", x, "x");  // float32 or bfloat16 (rotated in fp32); the tables are float32
-    check_float_cuda(op, cos_in, "cos");
-    check_float_cuda(op, sin_in, "sin");
-    check_same_device(op, x, "x", cos_in, "cos");
-    check_same_device(op, x, "x", sin_in, "sin");
-    check_dim(op, x, "x", 4, "(B, H, T, D)");
-    REQUIRE_VALUE(x.size(3) % 2 == 0, op, ": the head dim D must be even (element i pairs with i + D/2), got D = ",
-                  x.size(3));
-    const std::vector<int64_t> table{x.size(2), x.size(3) / 2};
-    REQUIRE(cos_in.sizes() == at::IntArrayRef(table) && sin_in.sizes() == at::IntArrayRef(table), op,
-            ": cos and sin must be (T, D/2) = ", at::IntArrayRef(table), " for x of shape ", x.sizes(), ", got ",
-            cos_in.sizes(), " and ", sin_in.sizes());
-    REQUIRE(!cos_in.requires_grad() && !sin_in.requires_grad(), op,
-            ": cos and sin are constant tables and get no gradient; pass them without requires_grad");
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+    REQUIRE(!cos.requires_grad() && !sin.requires_grad(), "rope: cos and sin are constant tables and get no ",
+            "gradient; pass them without requires_grad");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({cos, sin});
-    return rope_launch(x, cos, sin, false);
+    return KERNELS_OP("rope", rope_cuda).call(x, cos, sin);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto t = ctx->get_saved_variables();
-    const c10::cuda::CUDAGuard guard(t[0].device());
-    return {rope_launch(grads[0], t[0], t[1], true), Tensor(), Tensor()};
+    return {KERNELS_OP("rope_backward", rope_backward_cuda).call(grads[0], t[0], t[1]), Tensor(), Tensor()};
   }
 };
 
-Tensor rope_op(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  raise_pending_index_error();
-  return RopeFn::apply(x, cos, sin);
+Tensor rope_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  return autograd_or_below<RopeFn>(KERNELS_OP("rope", rope_cuda), x, cos, sin);
 }
 
 // ---- embedding --------------------------------------------------------------------------------
 
 // weight float32 or bfloat16, rows copied as they are. The backward sums in fp32 (its deterministic
 // kernel is fp32), then rounds a bf16 weight's gradient once.
+static void check_embedding(const Tensor& idx, const Tensor& w) {
+  const char* op = "embedding";
+  check_index_cuda(op, idx, "idx");
+  check_fp_cuda(op, w, "weight", w, "weight");
+  check_dim(op, w, "weight", 2, "(num_embeddings, embedding_dim)");
+  check_same_device(op, idx, "idx", w, "weight");
+  to_int(op, w.size(0), "num_embeddings");  // the backward sorts indices as 32-bit keys
+  to_int(op, idx.numel(), "number of indices");
+  to_int(op, w.size(1), "embedding_dim");
+}
+
+static std::vector<int64_t> embedding_shape(const Tensor& idx, const Tensor& w) {
+  auto shape = idx.sizes().vec();
+  shape.push_back(w.size(1));
+  return shape;
+}
+
+Tensor embedding_cuda(const Tensor& idx_in, const Tensor& w_in) {
+  raise_pending_index_error();
+  check_embedding(idx_in, w_in);
+  const c10::cuda::CUDAGuard guard(w_in.device());
+  const Tensor idx = idx_in.contiguous(), w = w_in.contiguous();
+  Tensor out = at::empty(embedding_shape(idx, w), w.options());
+  with_type(w.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    embedding_fwd(ptr<int64_t>(idx), ptr<T>(w), ptr<T>(out), idx.numel(), w.size(0), (int)w.size(1), stream());
+  });
+  return out;
+}
+
+Tensor embedding_meta(const Tensor& idx, const Tensor& w) {
+  check_embedding(idx, w);
+  return at::empty(embedding_shape(idx, w), w.options());
+}
+
+// Only this op's gradient, (num_embeddings, C) in dout's dtype: where the weight is also used elsewhere
+// (a tied output head), autograd adds the two.
+Tensor embedding_backward_cuda(const Tensor& idx, const Tensor& dout_in, int64_t num_embeddings) {
+  const c10::cuda::CUDAGuard guard(idx.device());
+  const Tensor dout = dout_in.contiguous().to(at::kFloat);
+  const int C = (int)dout.size(-1), T = (int)idx.numel();
+  Tensor dw = at::zeros({num_embeddings, (int64_t)C}, dout.options());
+  Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, num_embeddings, C)}, dout.options().dtype(at::kByte));
+  embedding_bwd(idx.contiguous().data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, num_embeddings,
+                C, ws.numel() ? ws.data_ptr() : nullptr, stream());
+  return dw.to(dout_in.scalar_type());
+}
+
+Tensor embedding_backward_meta(const Tensor&, const Tensor& dout, int64_t num_embeddings) {
+  return at::empty({num_embeddings, dout.size(-1)}, dout.options());
+}
+
 struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& idx_in, const Tensor& w_in) {
-    const char* op = "embedding";
-    check_index_cuda(op, idx_in, "idx");
-    check_fp_cuda(op, w_in, "weight", w_in, "weight");
-    check_dim(op, w_in, "weight", 2, "(num_embeddings, embedding_dim)");
-    check_same_device(op, idx_in, "idx", w_in, "weight");
-    to_int(op, w_in.size(0), "num_embeddings");  // the backward sorts indices as 32-bit keys
-    to_int(op, idx_in.numel(), "number of indices");
-    const c10::cuda::CUDAGuard guard(w_in.device());
-    const Tensor idx = idx_in.contiguous(), w = w_in.contiguous();
-    auto shape = idx.sizes().vec();
-    shape.push_back(w.size(1));
-    Tensor out = at::empty(shape, w.options());
-    with_type(w.scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      embedding_fwd(ptr<int64_t>(idx), ptr<T>(w), ptr<T>(out), idx.numel(), w.size(0),
-                    to_int(op, w.size(1), "embedding_dim"), stream());
-    });
+  static Tensor forward(AutogradContext* ctx, const Tensor& idx, const Tensor& w) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({idx});
     ctx->saved_data["V"] = w.size(0);
-    return out;
+    return KERNELS_OP("embedding", embedding_cuda).call(idx, w);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor idx = ctx->get_saved_variables()[0];
     const int64_t V = ctx->saved_data["V"].toInt();
-    const c10::cuda::CUDAGuard guard(idx.device());
-    const Tensor dout = grads[0].contiguous().to(at::kFloat);
-    const int C = (int)dout.size(-1), T = (int)idx.numel();
-    // Only this op's gradient: where the weight is also used elsewhere (a tied output head), autograd
-    // adds the two.
-    Tensor dw = at::zeros({V, (int64_t)C}, dout.options());
-    Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, V, C)}, dout.options().dtype(at::kByte));
-    embedding_bwd(idx.data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, V, C,
-                  ws.numel() ? ws.data_ptr() : nullptr, stream());
-    return {Tensor(), dw.to(grads[0].scalar_type())};
+    return {Tensor(), KERNELS_OP("embedding_backward", embedding_backward_cuda).call(idx, grads[0], V)};
   }
 };
 
-Tensor embedding(const Tensor& idx, const Tensor& weight) {
-  raise_pending_index_error();
-  return EmbeddingFn::apply(idx, weight);
+Tensor embedding_autograd(const Tensor& idx, const Tensor& w) {
+  return autograd_or_below<EmbeddingFn>(KERNELS_OP("embedding", embedding_cuda), idx, w);
 }
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
 // logits float32 or bfloat16; the loss is float32 either way (as under autocast), the logits' gradient
-// in their dtype.
+// in their dtype. kernels::cross_entropy_forward returns the loss and each row's logsumexp.
+static void check_cross_entropy(const Tensor& logits, const Tensor& tgt) {
+  const char* op = "cross_entropy";
+  check_fp_cuda(op, logits, "logits", logits, "logits");
+  check_index_cuda(op, tgt, "targets");
+  check_same_device(op, logits, "logits", tgt, "targets");
+  check_dim(op, logits, "logits", 2, "(N, C)");
+  REQUIRE(tgt.dim() == 1 && tgt.size(0) == logits.size(0), op, ": targets must have shape (", logits.size(0),
+          ",), got ", tgt.sizes());
+  REQUIRE(logits.size(0) > 0 && logits.size(1) > 0, op, ": logits must be non-empty, got ", logits.sizes());
+  to_int(op, logits.size(0), "N");
+  to_int(op, logits.size(1), "C");
+}
+
+std::tuple<Tensor, Tensor> cross_entropy_forward_cuda(const Tensor& logits, const Tensor& tgt_in) {
+  raise_pending_index_error();
+  check_cross_entropy(logits, tgt_in);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const Tensor x = logits.contiguous(), tgt = tgt_in.contiguous();
+  const int R = (int)x.size(0), C = (int)x.size(1);
+  const auto f32 = x.options().dtype(at::kFloat);
+  Tensor lse = at::empty({R}, f32), rows = at::empty({R}, f32), loss = at::empty({}, f32);
+  with_type(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(rows), ptr<float>(loss), R, C,
+                      stream());
+  });
+  return {loss, lse};
+}
+
+std::tuple<Tensor, Tensor> cross_entropy_forward_meta(const Tensor& logits, const Tensor& tgt) {
+  check_cross_entropy(logits, tgt);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  return {at::empty({}, f32), at::empty({logits.size(0)}, f32)};
+}
+
+Tensor cross_entropy_backward_cuda(const Tensor& logits, const Tensor& tgt, const Tensor& lse,
+                                   const Tensor& dloss_in) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const Tensor x = logits.contiguous(), dloss = dloss_in.contiguous();
+  Tensor dx = at::empty_like(x);
+  with_type(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt.contiguous()), ptr<float>(lse), ptr<float>(dloss), ptr<T>(dx),
+                      (int)x.size(0), (int)x.size(1), stream());
+  });
+  return dx;
+}
+
+Tensor cross_entropy_backward_meta(const Tensor& logits, const Tensor&, const Tensor&, const Tensor&) {
+  return empty_like_contiguous(logits);
+}
+
 struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& logits_in, const Tensor& tgt_in) {
-    const char* op = "cross_entropy";
-    check_fp_cuda(op, logits_in, "logits", logits_in, "logits");
-    check_index_cuda(op, tgt_in, "targets");
-    check_same_device(op, logits_in, "logits", tgt_in, "targets");
-    check_dim(op, logits_in, "logits", 2, "(N, C)");
-    REQUIRE(tgt_in.dim() == 1 && tgt_in.size(0) == logits_in.size(0), op, ": targets must have shape (",
-                logits_in.size(0), ",), got ", tgt_in.sizes());
-    REQUIRE(logits_in.size(0) > 0 && logits_in.size(1) > 0, op, ": logits must be non-empty, got ", logits_in.sizes());
-    const c10::cuda::CUDAGuard guard(logits_in.device());
-    const Tensor x = logits_in.contiguous(), tgt = tgt_in.contiguous();
-    const int R = to_int(op, x.size(0), "N"), C = to_int(op, x.size(1), "C");
-    const auto f32 = x.options().dtype(at::kFloat);
-    Tensor lse = at::empty({R}, f32), rows = at::empty({R}, f32), loss = at::empty({}, f32);
-    with_type(x.scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(rows), ptr<float>(loss), R, C,
-                        stream());
-    });
-    ctx->save_for_backward({x, tgt, lse});
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& tgt) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto [loss, lse] = KERNELS_OP("cross_entropy_forward", cross_entropy_forward_cuda).call(logits, tgt);
+    ctx->save_for_backward({logits, tgt, lse});
     return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const Tensor &x = s[0], &tgt = s[1], &lse = s[2];
-    const c10::cuda::CUDAGuard guard(x.device());
-    const Tensor dloss = grads[0].contiguous();
-    Tensor dx = at::empty_like(x);
-    with_type(x.scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(dloss), ptr<T>(dx), (int)x.size(0),
-                        (int)x.size(1), stream());
-    });
-    return {dx, Tensor()};
+    return {KERNELS_OP("cross_entropy_backward", cross_entropy_backward_cuda).call(s[0], s[1], s[2], grads[0]),
+            Tensor()};
   }
 };
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets) {
-  raise_pending_index_error();
-  return CrossEntropyFn::apply(logits, targets);
+Tensor cross_entropy_impl(const Tensor& logits, const Tensor& tgt) {
+  return std::get<0>(KERNELS_OP("cross_entropy_forward", cross_entropy_forward_cuda).call(logits, tgt));
+}
+
+Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& tgt) {
+  return autograd_or_below<CrossEntropyFn>(KERNELS_OP("cross_entropy", cross_entropy_impl), logits, tgt);
 }
 
 // ---- GEMV (inference only, no autograd) --------------------------------------------------------
@@ -1116,46 +1507,65 @@ static Tensor checked_bias(const char* op, const Tensor& w, const std::optional<
   return b_in->contiguous();
 }
 
-Tensor gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in) {
-  raise_pending_index_error();
+static void check_gemv(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
   const char* op = "gemv";
-  check_fp_cuda(op, w_in, "weight", w_in, "weight");
-  check_fp_cuda(op, x_in, "x", w_in, "weight");
-  check_same_device(op, w_in, "weight", x_in, "x");
-  check_dim(op, w_in, "weight", 2, "(N, K)");
-  REQUIRE(x_in.dim() == 1 && x_in.size(0) == w_in.size(1), op, ": x must have shape (", w_in.size(1),
-              ",), got ", x_in.sizes());
-  const Tensor b = checked_bias(op, w_in, b_in, {w_in.size(0)});
-  const c10::cuda::CUDAGuard guard(w_in.device());
-  return gemv_launch(op, w_in.contiguous(), x_in.reshape({1, -1}).contiguous(), b, Tensor()).view({w_in.size(0)});
+  check_fp_cuda(op, w, "weight", w, "weight");
+  check_fp_cuda(op, x, "x", w, "weight");
+  check_same_device(op, w, "weight", x, "x");
+  check_dim(op, w, "weight", 2, "(N, K)");
+  REQUIRE(x.dim() == 1 && x.size(0) == w.size(1), op, ": x must have shape (", w.size(1), ",), got ", x.sizes());
+  checked_bias(op, w, b, {w.size(0)});
 }
 
-Tensor expert_gemv_op(const Tensor& w_in, const Tensor& x_in, const std::optional<Tensor>& b_in,
-                      const Tensor& experts_in) {
+Tensor gemv_cuda(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
   raise_pending_index_error();
+  check_gemv(w, x, b);
+  const c10::cuda::CUDAGuard guard(w.device());
+  const Tensor bias = checked_bias("gemv", w, b, {w.size(0)});
+  return gemv_launch("gemv", w.contiguous(), x.reshape({1, -1}).contiguous(), bias, Tensor()).view({w.size(0)});
+}
+
+Tensor gemv_meta(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
+  check_gemv(w, x, b);
+  return at::empty({w.size(0)}, w.options());
+}
+
+static void check_expert_gemv(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b,
+                              const Tensor& experts) {
   const char* op = "expert_gemv";
-  check_fp_cuda(op, w_in, "weight", w_in, "weight");
-  check_fp_cuda(op, x_in, "x", w_in, "weight");
-  check_index_cuda(op, experts_in, "experts");
-  check_same_device(op, w_in, "weight", x_in, "x");
-  check_same_device(op, w_in, "weight", experts_in, "experts");
-  check_dim(op, w_in, "weight", 3, "(E, N, K)");
-  check_dim(op, x_in, "x", 2, "(S, K)");
-  REQUIRE(x_in.size(1) == w_in.size(2), op, ": x must have shape (S, ", w_in.size(2), "), got ", x_in.sizes());
-  REQUIRE(experts_in.dim() == 1 && experts_in.size(0) == x_in.size(0), op, ": experts must have shape (",
-              x_in.size(0), ",), one per row of x, got ", experts_in.sizes());
-  const Tensor b = checked_bias(op, w_in, b_in, {w_in.size(0), w_in.size(1)});
-  const c10::cuda::CUDAGuard guard(w_in.device());
-  return gemv_launch(op, w_in.contiguous(), x_in.contiguous(), b, experts_in.contiguous());
+  check_fp_cuda(op, w, "weight", w, "weight");
+  check_fp_cuda(op, x, "x", w, "weight");
+  check_index_cuda(op, experts, "experts");
+  check_same_device(op, w, "weight", x, "x");
+  check_same_device(op, w, "weight", experts, "experts");
+  check_dim(op, w, "weight", 3, "(E, N, K)");
+  check_dim(op, x, "x", 2, "(S, K)");
+  REQUIRE(x.size(1) == w.size(2), op, ": x must have shape (S, ", w.size(2), "), got ", x.sizes());
+  REQUIRE(experts.dim() == 1 && experts.size(0) == x.size(0), op, ": experts must have shape (", x.size(0),
+          ",), one per row of x, got ", experts.sizes());
+  checked_bias(op, w, b, {w.size(0), w.size(1)});
+}
+
+Tensor expert_gemv_cuda(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b, const Tensor& experts) {
+  raise_pending_index_error();
+  check_expert_gemv(w, x, b, experts);
+  const c10::cuda::CUDAGuard guard(w.device());
+  const Tensor bias = checked_bias("expert_gemv", w, b, {w.size(0), w.size(1)});
+  return gemv_launch("expert_gemv", w.contiguous(), x.contiguous(), bias, experts.contiguous());
+}
+
+Tensor expert_gemv_meta(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b, const Tensor& experts) {
+  check_expert_gemv(w, x, b, experts);
+  return at::empty({x.size(0), w.size(1)}, w.options());
 }
 
 // ---- KV cache write (inference only, no autograd) ---------------------------------------------
 
-// k_cache[:, :, positions[t]] = k[:, :, t] and the same for v, in place: the caches (B, H, S, D)
-// contiguous, k and v (B, H, T, D) any strides with the last dim contiguous (views of a QKV output).
-void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions,
-                 const Tensor& k, const Tensor& v) {
-  raise_pending_index_error();
+// k_cache[:, :, positions[t]] = k[:, :, t] and the same for v, in place (the schema says so: Tensor(a!)):
+// the caches (B, H, S, D) contiguous, k and v (B, H, T, D) any strides with the last dim contiguous
+// (views of a QKV output).
+static void check_kv_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions, const Tensor& k,
+                           const Tensor& v) {
   const char* op = "kv_write";
   check_fp_cuda(op, k_cache, "k_cache", k_cache, "k_cache");
   const std::pair<const Tensor*, const char*> others[] = {{&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
@@ -1170,7 +1580,7 @@ void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos
   REQUIRE(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
           v_cache.sizes());
   REQUIRE(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3), T = k.size(2);
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), D = k_cache.size(3), T = k.size(2);
   REQUIRE(k.size(0) == B && k.size(1) == H && k.size(3) == D, op, ": k must have shape (", B, ", ", H, ", T, ", D,
           ") to fit k_cache ", k_cache.sizes(), ", got ", k.sizes());
   REQUIRE(positions.dim() == 1 && positions.size(0) == T, op, ": positions must have shape (", T,
@@ -1181,6 +1591,14 @@ void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos
   REQUIRE(!at::GradMode::is_enabled() || !(k.requires_grad() || v.requires_grad() || k_cache.requires_grad() ||
                                            v_cache.requires_grad()), op,
           ": writes to a cache and has no gradient; call it under torch.no_grad()");
+}
+
+void kv_write_cuda(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions, const Tensor& k,
+                   const Tensor& v) {
+  raise_pending_index_error();
+  check_kv_write(k_cache, v_cache, positions, k, v);
+  const char* op = "kv_write";
+  const int64_t B = k_cache.size(0), H = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3), T = k.size(2);
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const Tensor pos = positions.contiguous();
   const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
@@ -1193,29 +1611,43 @@ void kv_write_op(const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos
   torch::autograd::impl::bump_version(v_cache);
 }
 
+void kv_write_meta(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions, const Tensor& k,
+                   const Tensor& v) {
+  check_kv_write(k_cache, v_cache, positions, k, v);
+}
+
 // ---- top-k (no autograd) ----------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor> topk_op(const Tensor& x_in, int64_t k) {
-  raise_pending_index_error();
+static std::vector<int64_t> check_topk(const Tensor& x, int64_t k) {
   const char* op = "topk";
-  check_fp_cuda(op, x_in, "x", x_in, "x");
-  REQUIRE(x_in.dim() >= 1, op, ": x must have at least one dim");
-  const int64_t L = x_in.size(-1);
-  REQUIRE_VALUE(k >= 1 && k <= L && k <= 128, op, ": k must be in [1, min(128, x.shape[-1] = ", L,
-                    ")], got k = ", k);
+  check_fp_cuda(op, x, "x", x, "x");
+  REQUIRE(x.dim() >= 1, op, ": x must have at least one dim");
+  const int64_t L = x.size(-1);
+  REQUIRE_VALUE(k >= 1 && k <= L && k <= 128, op, ": k must be in [1, min(128, x.shape[-1] = ", L, ")], got k = ", k);
+  auto shape = x.sizes().vec();
+  shape.back() = k;
+  return shape;
+}
+
+std::tuple<Tensor, Tensor> topk_cuda(const Tensor& x_in, int64_t k) {
+  raise_pending_index_error();
+  const auto shape = check_topk(x_in, k);
   const c10::cuda::CUDAGuard guard(x_in.device());
   // bf16 rows are ranked as fp32 (every bf16 value is exactly an fp32 one, so the order is the same)
   const Tensor x = x_in.contiguous().to(at::kFloat);
-  auto shape = x.sizes().vec();
-  shape.back() = k;
   Tensor values = at::empty(shape, x.options()), indices = at::empty(shape, x.options().dtype(at::kLong));
-  const int64_t rows = x.numel() / L;
-  const int len = to_int(op, L, "row length");
+  const int64_t L = x.size(-1), rows = x.numel() / L;
+  const int len = to_int("topk", L, "row length");
   const size_t ws_bytes = topk_workspace_bytes(rows, len, (int)k);  // 0 unless wide rows are split
   const Tensor ws = ws_bytes ? at::empty({(int64_t)ws_bytes}, x.options().dtype(at::kByte)) : Tensor();
   topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, len, (int)k,
        ws_bytes ? ws.data_ptr() : nullptr, stream());
   return {values.to(x_in.scalar_type()), indices};
+}
+
+std::tuple<Tensor, Tensor> topk_meta(const Tensor& x, int64_t k) {
+  const auto shape = check_topk(x, k);
+  return {at::empty(shape, x.options()), at::empty(shape, x.options().dtype(at::kLong))};
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -1299,13 +1731,15 @@ static std::vector<int64_t> fused_head_sizes() {
   return sizes;
 }
 
-// The fused forward; kv_len (undefined, or a 1-element int64 tensor on q's device) counts the valid keys.
-static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Tensor& q_in, const Tensor& k_in,
-                                                                        const Tensor& v_in, bool causal, double scale,
-                                                                        bool precise, const Tensor& kv_len) {
+// The fused forward: (out, lse2), lse2 the rows' log2-sum-exp2 that the backward reads. kv_len (a
+// 1-element int64 tensor on q's device) counts the valid keys.
+std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                                bool causal, double scale, bool precise,
+                                                const std::optional<Tensor>& kv_len_opt) {
+  raise_pending_index_error();
   const AttnShape s = check_attention(q_in, k_in, v_in, causal);
-  REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ", at::IntArrayRef(fused_head_sizes()),
-                ", got D = ", s.D, " (mode='tiled' takes any D)");
+  REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ",
+                at::IntArrayRef(fused_head_sizes()), ", got D = ", s.D, " (mode='tiled' takes any D)");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
   // The forward kernel keeps its row max over raw scores, which takes scale >= 0: a negative scale
@@ -1319,6 +1753,7 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
   const int BH = to_int("attention", s.B * s.H, "B * H");
   const int64_t ws_floats = attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
+  const Tensor kv_len = kv_len_opt.has_value() && kv_len_opt->defined() ? kv_len_opt->contiguous() : Tensor();
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
     attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), l, BH,
@@ -1327,193 +1762,393 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_forward(const Te
     attention_fwd_fused(q_fwd.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         lse2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd,
                         precise, n, ws_ptr(ws), stream());
-  return {q, k, v, out, lse2};
+  return {out, lse2};
 }
 
-struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool causal,
-                        double scale, bool precise) {
-    auto [q, k, v, out, lse2] = fused_forward(q_in, k_in, v_in, causal, scale, precise, Tensor());
-    ctx->save_for_backward({q, k, v, out, lse2});
+std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                                double, bool, const std::optional<Tensor>&) {
+  const AttnShape s = check_attention(q, k, v, causal);
+  return {empty_bshd(q), at::empty({s.B, s.H, s.Sq}, q.options().dtype(at::kFloat))};
+}
+
+// dq, dk, dv (attention_grad_buffers' layout) from the forward's inputs, output and lse2.
+std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q_in, const Tensor& k_in,
+                                                                 const Tensor& v_in, const Tensor& out,
+                                                                 const Tensor& lse2, const Tensor& dout_in,
+                                                                 bool causal, double scale, bool precise) {
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
+  const Tensor dout = attention_operand(dout_in.to(q.scalar_type()));
+  auto [dq, dk, dv] = attention_grad_buffers(q, k, v);
+  Tensor delta = at::empty_like(lse2);
+  // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
+  if (!q.size(2)) {
+    dk.zero_();
+    dv.zero_();
+  }
+  AttnLayouts l{layout_of(q), layout_of(k), layout_of(v), layout_of(out), layout_of(dout),
+                layout_of(dq), layout_of(dk), layout_of(dv)};
+  const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
+  const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
+  if (q.scalar_type() == at::kBFloat16)
+    attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
+                        lse2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk), ptr<bf16>(dv),
+                        l, BH, group, Sq, Sk, D, causal, (float)scale, stream());
+  else
+    attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                        dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
+                        dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D, causal, (float)scale,
+                        precise, stream());
+  return {dq, dk, dv};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_meta(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                 const Tensor&, const Tensor&, const Tensor&, bool,
+                                                                 double, bool) {
+  return {empty_bshd(q), empty_bshd(k), empty_bshd(v)};
+}
+
+// Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats), built from the
+// library's matmul and masked softmax; any head dim. Grouped K/V heads cost nothing extra: the query
+// heads sharing one K/V head are stacked as the rows of one matrix (a reshape of contiguous q), and
+// the masked softmax takes row r as query r % Sq; dK and dV then sum over the group inside the matmul.
+// Returns out and P (B * H_kv, group * Sq, Sk).
+std::tuple<Tensor, Tensor> attention_tiled_cuda(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                                double scale) {
+  raise_pending_index_error();
+  const AttnShape s = check_attention(q, k, v, causal);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Tensor q3 = q.reshape({s.B * s.Hkv, s.group() * s.Sq, s.D});  // (B * H_kv, group * Sq, D)
+  const Tensor k3 = k.reshape({-1, s.Sk, s.D}), v3 = v.reshape({-1, s.Sk, s.D});
+  Tensor p = mm_new(q3, k3.transpose(1, 2), (float)scale);  // (BH, Sq, Sk)
+  if (p.numel() > 0)
+    softmax_fwd(p.data_ptr<float>(), p.data_ptr<float>(), to_int("attention", p.numel() / s.Sk, "B * H * Sq"),
+                to_int("attention", s.Sk, "Sk"), 1.f, causal ? (int)s.Sq : 0, (int)(s.Sk - s.Sq), stream());
+  return {mm_new(p, v3).view({s.B, s.H, s.Sq, s.D}), p};
+}
+
+std::tuple<Tensor, Tensor> attention_tiled_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                                double) {
+  const AttnShape s = check_attention(q, k, v, causal);
+  return {at::empty({s.B, s.H, s.Sq, s.D}, q.options()),
+          at::empty({s.B * s.Hkv, s.group() * s.Sq, s.Sk}, q.options())};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_tiled_backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                 const Tensor& p, const Tensor& dout_in,
+                                                                 double scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t Sk = k.size(2), D = q.size(3);
+  const Tensor q3 = q.reshape({p.size(0), p.size(1), D}), k3 = k.reshape({-1, Sk, D}), v3 = v.reshape({-1, Sk, D});
+  const Tensor dout = dout_in.reshape(q3.sizes());
+  Tensor ds = mm_new(dout, v3.transpose(1, 2));  // dP, then dS in place
+  Tensor dv = mm_new(p.transpose(1, 2), dout);
+  if (p.numel() > 0)
+    softmax_bwd(p.data_ptr<float>(), ds.data_ptr<float>(), ds.data_ptr<float>(), (int)(p.numel() / p.size(2)),
+                (int)p.size(2), (float)scale, stream());
+  Tensor dq = mm_new(ds, k3);
+  Tensor dk = mm_new(ds.transpose(1, 2), q3);
+  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(k.sizes())};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_tiled_backward_meta(const Tensor& q, const Tensor& k, const Tensor&,
+                                                                 const Tensor&, const Tensor&, double) {
+  return {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options()), at::empty(k.sizes(), k.options())};
+}
+
+// The public op's arguments, checked; returns the scale (default 1/sqrt(D)).
+static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view mode,
+                             c10::string_view precision, std::optional<double> scale,
+                             const std::optional<Tensor>& kv_len) {
+  REQUIRE_VALUE(mode == "fused" || mode == "tiled", "attention: mode must be 'fused' or 'tiled', got '",
+                std::string(mode), "'");
+  REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
+                "attention: precision must be 'fp32' (3xTF32) or 'tf32', got '", std::string(precision), "'");
+  REQUIRE(q.dim() == 4, "attention: q must be 4-D (B, H, Sq, D), got shape ", q.sizes());
+  REQUIRE_VALUE(mode == "fused" || q.scalar_type() != at::kBFloat16,
+                "attention: bfloat16 inputs run mode='fused' only; mode='tiled' takes float32");
+  if (kv_len.has_value() && kv_len->defined()) {
+    // Decoding against a preallocated cache: forward only, and kv_len stays on the device (no host read:
+    // it is clamped to [0, Sk] in the kernel), so the call can be captured in a CUDA graph.
+    REQUIRE(cuda_or_meta(*kv_len) && kv_len->scalar_type() == at::kLong && kv_len->numel() == 1,
+            "attention: kv_len must be a 1-element int64 CUDA tensor, got ", kv_len->scalar_type(), " of shape ",
+            kv_len->sizes(), " on ", kv_len->device());
+    check_same_device("attention", q, "q", *kv_len, "kv_len");
+    REQUIRE_VALUE(mode == "fused", "attention: kv_len needs mode='fused', got mode='", std::string(mode), "'");
+    const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
+                            (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    REQUIRE(!wants_grad, "attention: kv_len is for inference and has no backward; call it under torch.no_grad()");
+  }
+  return scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
+}
+
+// Below autograd: the forward op of the mode, its output.
+Tensor attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                      c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
+  const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
+  if (mode == "tiled") return std::get<0>(KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, sc));
+  return std::get<0>(
+      KERNELS_OP("attention_fused", attention_fused_cuda).call(q, k, v, causal, sc, precision == "fp32", kv_len));
+}
+
+struct AttentionFn : torch::autograd::Function<AttentionFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                        double scale, bool tiled, bool precise) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto [out, stats] =
+        tiled ? KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, scale)
+              : KERNELS_OP("attention_fused", attention_fused_cuda).call(q, k, v, causal, scale, precise, std::nullopt);
+    ctx->save_for_backward({q, k, v, out, stats});  // stats: lse2 (fused) or P (tiled)
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["tiled"] = tiled;
     ctx->saved_data["precise"] = precise;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto t = ctx->get_saved_variables();
-    const Tensor &q = t[0], &k = t[1], &v = t[2], &out = t[3], &lse2 = t[4];
-    const c10::cuda::CUDAGuard guard(q.device());
-    const Tensor dout = attention_operand(grads[0].to(q.scalar_type()));
-    auto [dq, dk, dv] = attention_grad_buffers(q, k, v);
-    Tensor delta = at::empty_like(lse2);
-    // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
-    if (!q.size(2)) {
-      dk.zero_();
-      dv.zero_();
-    }
-    AttnLayouts l{layout_of(q), layout_of(k), layout_of(v), layout_of(out), layout_of(dout),
-                  layout_of(dq), layout_of(dk), layout_of(dv)};
-    const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
-    const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
-    const bool causal = ctx->saved_data["causal"].toBool();
-    const float scale = (float)ctx->saved_data["scale"].toDouble();
-    if (q.scalar_type() == at::kBFloat16)
-      attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout), lse2.data_ptr<float>(),
-                          delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk), ptr<bf16>(dv), l, BH, group, Sq, Sk, D,
-                          causal, scale, stream());
-    else
-      attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                          dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
-                          dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D, causal, scale,
-                          ctx->saved_data["precise"].toBool(), stream());
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor()};
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto [dq, dk, dv] =
+        ctx->saved_data["tiled"].toBool()
+            ? KERNELS_OP("attention_tiled_backward", attention_tiled_backward_cuda).call(t[0], t[1], t[2], t[4],
+                                                                                        grads[0], scale)
+            : KERNELS_OP("attention_fused_backward", attention_fused_backward_cuda)
+                  .call(t[0], t[1], t[2], t[3], t[4], grads[0], ctx->saved_data["causal"].toBool(), scale,
+                        ctx->saved_data["precise"].toBool());
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
-// Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats), built from the
-// library's matmul and masked softmax; any head dim. Grouped K/V heads cost nothing extra: the query
-// heads sharing one K/V head are stacked as the rows of one matrix (a reshape of contiguous q), and
-// the masked softmax takes row r as query r % Sq; dK and dV then sum over the group inside the matmul.
-struct TiledAttentionFn : torch::autograd::Function<TiledAttentionFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
-    const AttnShape s = check_attention(q, k, v, causal);
-    const c10::cuda::CUDAGuard guard(q.device());
-    const Tensor q3 = q.reshape({s.B * s.Hkv, s.group() * s.Sq, s.D});  // (B * H_kv, group * Sq, D)
-    const Tensor k3 = k.reshape({-1, s.Sk, s.D}), v3 = v.reshape({-1, s.Sk, s.D});
-    Tensor p = mm_new(q3, k3.transpose(1, 2), (float)scale);  // (BH, Sq, Sk)
-    if (p.numel() > 0)
-      softmax_fwd(p.data_ptr<float>(), p.data_ptr<float>(), to_int("attention", p.numel() / s.Sk, "B * H * Sq"),
-                  to_int("attention", s.Sk, "Sk"), 1.f, causal ? (int)s.Sq : 0, (int)(s.Sk - s.Sq), stream());
-    Tensor out = mm_new(p, v3);
-    ctx->save_for_backward({q3, k3, v3, p});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["k_shape"] = k.sizes();
-    return out.view({s.B, s.H, s.Sq, s.D});
+Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
+  if ((kv_len.has_value() && kv_len->defined()) || !wants_grad(q, k, v)) {  // kv_len: inference only
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return attention_impl(q, k, v, causal, scale, mode, precision, kv_len);
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto t = ctx->get_saved_variables();
-    const Tensor &q3 = t[0], &k3 = t[1], &v3 = t[2], &p = t[3];
-    const c10::cuda::CUDAGuard guard(q3.device());
-    const Tensor dout = grads[0].reshape(q3.sizes());
-    Tensor ds = mm_new(dout, v3.transpose(1, 2));  // dP, then dS in place
-    Tensor dv = mm_new(p.transpose(1, 2), dout);
-    if (p.numel() > 0)
-      softmax_bwd(p.data_ptr<float>(), ds.data_ptr<float>(), ds.data_ptr<float>(), (int)(p.numel() / p.size(2)),
-                  (int)p.size(2), (float)ctx->saved_data["scale"].toDouble(), stream());
-    Tensor dq = mm_new(ds, k3);
-    Tensor dk = mm_new(ds.transpose(1, 2), q3);
-    const auto k_shape = ctx->saved_data["k_shape"].toIntVector();
-    return {dq.view(grads[0].sizes()), dk.view(k_shape), dv.view(k_shape), Tensor(), Tensor()};
-  }
-};
-
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                 const std::string& mode, const std::string& precision, const std::optional<Tensor>& kv_len) {
-  raise_pending_index_error();
-  REQUIRE_VALUE(mode == "fused" || mode == "tiled", "attention: mode must be 'fused' or 'tiled', got '", mode, "'");
-  REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
-                    "attention: precision must be 'fp32' (3xTF32) or 'tf32', got '", precision, "'");
-  REQUIRE(q.dim() == 4, "attention: q must be 4-D (B, H, Sq, D), got shape ", q.sizes());
-  REQUIRE_VALUE(mode == "fused" || q.scalar_type() != at::kBFloat16,
-                "attention: bfloat16 inputs run mode='fused' only; mode='tiled' takes float32");
-  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
-  if (kv_len.has_value() && kv_len->defined()) {
-    // Decoding against a preallocated cache: forward only, and kv_len stays on the device (no host read:
-    // it is clamped to [0, Sk] in the kernel), so the call can be captured in a CUDA graph.
-    REQUIRE(kv_len->is_cuda() && kv_len->scalar_type() == at::kLong && kv_len->numel() == 1,
-            "attention: kv_len must be a 1-element int64 CUDA tensor, got ", kv_len->scalar_type(), " of shape ",
-            kv_len->sizes(), " on ", kv_len->device());
-    check_same_device("attention", q, "q", *kv_len, "kv_len");
-    REQUIRE_VALUE(mode == "fused", "attention: kv_len needs mode='fused', got mode='", mode, "'");
-    const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
-                            (q.requires_grad() || k.requires_grad() || v.requires_grad());
-    REQUIRE(!wants_grad, "attention: kv_len is for inference and has no backward; call it under torch.no_grad()");
-    return std::get<3>(fused_forward(q, k, v, causal, sc, precision == "fp32", kv_len->contiguous()));
-  }
-  if (mode == "tiled") return TiledAttentionFn::apply(q, k, v, causal, sc);
-  return FusedAttentionFn::apply(q, k, v, causal, sc, precision == "fp32");
+  const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
+  return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32");
 }
+
+// ---- registration -----------------------------------------------------------------------------
+// The schemas state every argument's type and default, and mutation (Tensor(a!)). Each differentiable
+// op's CUDA forward is registered for CUDA, its meta version for Meta, and its autograd Function for
+// Autograd; the ops made of another op's outputs (layernorm and friends from norm_forward) are
+// CompositeExplicitAutograd below autograd, for every backend at once.
+
+TORCH_LIBRARY(kernels, m) {
+  // The ops, each like its PyTorch twin (train.TORCH_OPS). float32 or bfloat16 where not said otherwise.
+  // y = x @ weight.T + bias, like F.linear; a bf16 x may take an fp32 (master) weight and bias.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // a @ b, 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N).
+  m.def("matmul(Tensor a, Tensor b) -> Tensor");
+  // Norms over the last dim, like F.layer_norm and F.rms_norm; the result in out_dtype (None: x's). The add_*
+  // forms return (s, norm(s)) with s = x + y in one pass (a sublayer's residual add and the next norm).
+  m.def("layernorm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, ScalarType? out_dtype=None) -> Tensor");
+  m.def("rmsnorm(Tensor x, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) -> Tensor");
+  m.def("add_layernorm(Tensor x, Tensor y, Tensor weight, Tensor bias, float eps=1e-05, "
+        "ScalarType? out_dtype=None) -> (Tensor, Tensor)");
+  m.def("add_rmsnorm(Tensor x, Tensor y, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) "
+        "-> (Tensor, Tensor)");
+  // Softmax over the last dim, the result in out_dtype (None: x's).
+  m.def("softmax(Tensor x, ScalarType? out_dtype=None) -> Tensor");
+  // GELU (approximate 'none' or 'tanh', like F.gelu), SiLU, and silu(a) * b in one kernel.
+  m.def("gelu(Tensor x, str approximate='none') -> Tensor");
+  m.def("silu(Tensor x) -> Tensor");
+  m.def("swiglu(Tensor a, Tensor b) -> Tensor");
+  // Rotary embedding of x (B, H, T, D), element i paired with i + D/2; cos, sin (T, D/2) float32 tables.
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  // Rows of weight gathered by int64 idx (deterministic backward); an idx out of range gives a NaN row and
+  // a ValueError from the next call or check_errors().
+  m.def("embedding(Tensor idx, Tensor weight) -> Tensor");
+  // Mean cross-entropy of logits (N, C) against int64 targets (N,), float32; a target out of range: NaN, and
+  // a ValueError from the next call or check_errors().
+  m.def("cross_entropy(Tensor logits, Tensor targets) -> Tensor");
+  // Attention over q (B, H, Sq, D), k, v (B, H_kv, Sk, D), like F.scaled_dot_product_attention; causal aligns
+  // the queries to the last keys; H_kv dividing H is grouped-query attention; kv_len (a 1-element int64
+  // tensor) counts a preallocated cache's valid keys (inference). float32 multiplies in 3xTF32
+  // (precision 'fp32') or TF32; bfloat16 (mode 'fused') in bf16 with fp32 softmax statistics.
+  m.def("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str mode='fused', "
+        "str precision='fp32', Tensor? kv_len=None) -> Tensor");
+  // Decoding, no autograd: y = weight @ x + bias for one vector; row s of x through expert experts[s] of
+  // weight (E, N, K); the k largest of each row, sorted (ties: lower index first); a KV cache write in place.
+  m.def("gemv(Tensor weight, Tensor x, Tensor? bias=None) -> Tensor");
+  m.def("expert_gemv(Tensor weight, Tensor x, Tensor? bias, Tensor experts) -> Tensor");
+  m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, Tensor k, Tensor v) -> ()");
+  // Hyper-connections (float32, n <= 8 streams): Sinkhorn-Knopp to a doubly stochastic matrix; streams
+  // x (..., n, C) merged by h (n,) or per token; mixed by h_res and added to h_post * y.
+  m.def("sinkhorn(Tensor logits, int iters=20) -> Tensor");
+  m.def("stream_merge(Tensor x, Tensor h) -> Tensor");
+  m.def("stream_mix(Tensor x, Tensor h_res, Tensor h_post, Tensor y) -> Tensor");
+
+  // The halves the autograd Functions call: forwards that return what the backward reads, and backwards.
+  m.def("linear_backward(Tensor dy, Tensor x, Tensor weight, bool has_bias) -> Tensor[]");
+  m.def("matmul_backward(Tensor dc, Tensor a, Tensor b) -> (Tensor, Tensor)");
+  m.def("norm_forward(Tensor x, Tensor? addend, Tensor weight, Tensor? bias, float eps, ScalarType? out_dtype) "
+        "-> Tensor[]");
+  m.def("norm_backward(Tensor x, Tensor weight, Tensor? mean, Tensor rstd, Tensor? dy, Tensor? dsum, "
+        "ScalarType y_dtype, bool add) -> Tensor[]");
+  m.def("softmax_backward(Tensor y, Tensor dy, ScalarType x_dtype) -> Tensor");
+  m.def("gelu_backward(Tensor x, Tensor dy, str approximate) -> Tensor");
+  m.def("silu_backward(Tensor x, Tensor dy) -> Tensor");
+  m.def("swiglu_backward(Tensor a, Tensor b, Tensor dy) -> (Tensor, Tensor)");
+  m.def("rope_backward(Tensor dy, Tensor cos, Tensor sin) -> Tensor");
+  m.def("embedding_backward(Tensor idx, Tensor dout, int num_embeddings) -> Tensor");
+  m.def("cross_entropy_forward(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
+  m.def("cross_entropy_backward(Tensor logits, Tensor targets, Tensor lse, Tensor dloss) -> Tensor");
+  m.def("attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, Tensor? kv_len) "
+        "-> (Tensor, Tensor)");
+  m.def("attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, Tensor dout, bool causal, "
+        "float scale, bool precise) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("attention_tiled_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor dout, float scale) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("sinkhorn_backward(Tensor logits, Tensor dp, int iters) -> Tensor");
+  m.def("stream_merge_backward(Tensor x, Tensor h, Tensor dout) -> (Tensor, Tensor)");
+  m.def("stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kernels, CUDA, m) {
+  m.impl("linear", &linear_cuda);
+  m.impl("linear_backward", &linear_backward_cuda);
+  m.impl("matmul", &matmul_cuda);
+  m.impl("matmul_backward", &matmul_backward_cuda);
+  m.impl("softmax", &softmax_cuda);
+  m.impl("softmax_backward", &softmax_backward_cuda);
+  m.impl("gelu", &gelu_cuda);
+  m.impl("gelu_backward", &gelu_backward_cuda);
+  m.impl("silu", &silu_cuda);
+  m.impl("silu_backward", &silu_backward_cuda);
+  m.impl("swiglu", &swiglu_cuda);
+  m.impl("swiglu_backward", &swiglu_backward_cuda);
+  m.impl("norm_forward", &norm_forward_cuda);
+  m.impl("norm_backward", &norm_backward_cuda);
+  m.impl("sinkhorn", &sinkhorn_cuda);
+  m.impl("sinkhorn_backward", &sinkhorn_backward_cuda);
+  m.impl("stream_merge", &stream_merge_cuda);
+  m.impl("stream_merge_backward", &stream_merge_backward_cuda);
+  m.impl("stream_mix", &stream_mix_cuda);
+  m.impl("stream_mix_backward", &stream_mix_backward_cuda);
+  m.impl("rope", &rope_cuda);
+  m.impl("rope_backward", &rope_backward_cuda);
+  m.impl("embedding", &embedding_cuda);
+  m.impl("embedding_backward", &embedding_backward_cuda);
+  m.impl("cross_entropy_forward", &cross_entropy_forward_cuda);
+  m.impl("cross_entropy_backward", &cross_entropy_backward_cuda);
+  m.impl("gemv", &gemv_cuda);
+  m.impl("expert_gemv", &expert_gemv_cuda);
+  m.impl("kv_write", &kv_write_cuda);
+  m.impl("topk", &topk_cuda);
+  m.impl("attention_fused", &attention_fused_cuda);
+  m.impl("attention_fused_backward", &attention_fused_backward_cuda);
+  m.impl("attention_tiled", &attention_tiled_cuda);
+  m.impl("attention_tiled_backward", &attention_tiled_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(kernels, Meta, m) {
+  m.impl("linear", &linear_meta);
+  m.impl("linear_backward", &linear_backward_meta);
+  m.impl("matmul", &matmul_meta);
+  m.impl("matmul_backward", &matmul_backward_meta);
+  m.impl("softmax", &softmax_meta);
+  m.impl("softmax_backward", &softmax_backward_meta);
+  m.impl("gelu", &gelu_meta);
+  m.impl("gelu_backward", &gelu_backward_meta);
+  m.impl("silu", &silu_meta);
+  m.impl("silu_backward", &silu_backward_meta);
+  m.impl("swiglu", &swiglu_meta);
+  m.impl("swiglu_backward", &swiglu_backward_meta);
+  m.impl("norm_forward", &norm_forward_meta);
+  m.impl("norm_backward", &norm_backward_meta);
+  m.impl("sinkhorn", &sinkhorn_meta);
+  m.impl("sinkhorn_backward", &sinkhorn_backward_meta);
+  m.impl("stream_merge", &stream_merge_meta);
+  m.impl("stream_merge_backward", &stream_merge_backward_meta);
+  m.impl("stream_mix", &stream_mix_meta);
+  m.impl("stream_mix_backward", &stream_mix_backward_meta);
+  m.impl("rope", &rope_meta);
+  m.impl("rope_backward", &rope_backward_meta);
+  m.impl("embedding", &embedding_meta);
+  m.impl("embedding_backward", &embedding_backward_meta);
+  m.impl("cross_entropy_forward", &cross_entropy_forward_meta);
+  m.impl("cross_entropy_backward", &cross_entropy_backward_meta);
+  m.impl("gemv", &gemv_meta);
+  m.impl("expert_gemv", &expert_gemv_meta);
+  m.impl("kv_write", &kv_write_meta);
+  m.impl("topk", &topk_meta);
+  m.impl("attention_fused", &attention_fused_meta);
+  m.impl("attention_fused_backward", &attention_fused_backward_meta);
+  m.impl("attention_tiled", &attention_tiled_meta);
+  m.impl("attention_tiled_backward", &attention_tiled_backward_meta);
+}
+
+// CPU tensors reach the meta versions, whose first check says which argument must be a CUDA tensor.
+TORCH_LIBRARY_IMPL(kernels, CPU, m) {
+  m.impl("linear", &linear_meta);
+  m.impl("matmul", &matmul_meta);
+  m.impl("norm_forward", &norm_forward_meta);
+  m.impl("softmax", &softmax_meta);
+  m.impl("gelu", &gelu_meta);
+  m.impl("silu", &silu_meta);
+  m.impl("swiglu", &swiglu_meta);
+  m.impl("rope", &rope_meta);
+  m.impl("embedding", &embedding_meta);
+  m.impl("cross_entropy_forward", &cross_entropy_forward_meta);
+  m.impl("attention_fused", &attention_fused_meta);
+  m.impl("attention_tiled", &attention_tiled_meta);
+  m.impl("gemv", &gemv_meta);
+  m.impl("expert_gemv", &expert_gemv_meta);
+  m.impl("topk", &topk_meta);
+  m.impl("kv_write", &kv_write_meta);
+  m.impl("sinkhorn", &sinkhorn_meta);
+  m.impl("stream_merge", &stream_merge_meta);
+  m.impl("stream_mix", &stream_mix_meta);
+}
+
+TORCH_LIBRARY_IMPL(kernels, CompositeExplicitAutograd, m) {
+  m.impl("layernorm", &layernorm_impl);
+  m.impl("rmsnorm", &rmsnorm_impl);
+  m.impl("add_layernorm", &add_layernorm_impl);
+  m.impl("add_rmsnorm", &add_rmsnorm_impl);
+  m.impl("cross_entropy", &cross_entropy_impl);
+  m.impl("attention", &attention_impl);
+}
+
+TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
+  m.impl("linear", &linear_autograd);
+  m.impl("matmul", &matmul_autograd);
+  m.impl("softmax", &softmax_autograd);
+  m.impl("gelu", &gelu_autograd);
+  m.impl("silu", &silu_autograd);
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("layernorm", &layernorm_autograd);
+  m.impl("rmsnorm", &rmsnorm_autograd);
+  m.impl("add_layernorm", &add_layernorm_autograd);
+  m.impl("add_rmsnorm", &add_rmsnorm_autograd);
+  m.impl("sinkhorn", &sinkhorn_autograd);
+  m.impl("stream_merge", &stream_merge_autograd);
+  m.impl("stream_mix", &stream_mix_autograd);
+  m.impl("rope", &rope_autograd);
+  m.impl("embedding", &embedding_autograd);
+  m.impl("cross_entropy", &cross_entropy_autograd);
+  m.impl("attention", &attention_autograd);
+}
+
+// The ops registered above, as `kernels.<name>` too: torch.ops.kernels.<name> itself, which torch.compile
+// traces into its graph (a pybind function would break the graph at every call).
+static const char* const DISPATCHER_OPS[] = {"linear", "matmul", "softmax",  "gelu",     "silu",         "swiglu",     "layernorm",
+                                             "rmsnorm",  "add_layernorm", "add_rmsnorm", "sinkhorn", "stream_merge",
+                                             "stream_mix", "rope", "embedding", "cross_entropy", "gemv",
+                                             "expert_gemv", "kv_write", "topk", "attention"};
 
 // ---- module -----------------------------------------------------------------------------------
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Hand-written CUDA kernels for transformer training and inference (fp32 and bf16).";
-  m.def("linear", &linear, "y = x @ weight.T + bias, like F.linear; a bf16 x may take an fp32 (master) weight and bias",
-        py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
-  m.def("matmul", &matmul_op, "a @ b for 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N)", py::arg("a"),
-        py::arg("b"));
-  m.def("layernorm", &layernorm,
-        "layer norm over the last dim, like F.layer_norm; x, weight, bias float32 or bfloat16 (one dtype), the "
-        "result in out_dtype (None: x's)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps") = 1e-5,
-        py::arg("out_dtype") = py::none());
-  m.def("add_layernorm", &add_layernorm,
-        "(s, layernorm(s)) with s = x + y, in one pass, forward and backward (the residual add that ends a "
-        "sublayer, fused with the norm that starts the next); s in x's dtype, y and the norm in out_dtype (None: x's)",
-        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("eps") = 1e-5,
-        py::arg("out_dtype") = py::none());
-  m.def("softmax", &softmax, "softmax over the last dim, the result in out_dtype (None: x's)", py::arg("x"),
-        py::arg("out_dtype") = py::none());
-  m.def("gelu", &gelu, "GELU, approximate='none' (erf) or 'tanh', like F.gelu", py::arg("x"),
-        py::arg("approximate") = "none");
-  m.def("embedding", &embedding,
-        "rows of weight gathered by int64 idx, like F.embedding; deterministic backward (no atomics). An idx "
-        "outside [0, num_embeddings) gives a NaN row, and a ValueError from the next op call or check_errors()",
-        py::arg("idx"), py::arg("weight"));
-  m.def("cross_entropy", &cross_entropy,
-        "mean cross-entropy of logits (N, C) against int64 targets (N,). A target outside [0, C) makes its row's "
-        "loss (so the mean) and gradient NaN, and raises ValueError from the next op call or check_errors()",
-        py::arg("logits"), py::arg("targets"));
-  m.def("gemv", &gemv_op, "y = weight @ x + bias for one vector x (decoding)", py::arg("weight"), py::arg("x"),
-        py::arg("bias") = py::none());
-  m.def("expert_gemv", &expert_gemv_op,
-        "row s = weight[experts[s]] @ x[s] + bias[experts[s]]: weight (E, N, K), x (S, K), experts (S,) int64. "
-        "An expert outside [0, E) gives a NaN row, and a ValueError from the next op call or check_errors()",
-        py::arg("weight"), py::arg("x"), py::arg("bias"), py::arg("experts"));
-  m.def("kv_write", &kv_write_op,
-        "k_cache[:, :, positions[t]] = k[:, :, t] and v_cache likewise, in place, like index_copy_(2, positions, k) "
-        "on each: caches (B, H, S, D) contiguous, k and v (B, H, T, D). A position outside [0, S) writes nothing, "
-        "and raises ValueError from the next op call or check_errors()",
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("positions"), py::arg("k"), py::arg("v"));
-  m.def("topk", &topk_op, "k largest over the last dim, sorted; ties -> lower index first, NaN largest", py::arg("x"),
-        py::arg("k"));
-  m.def("attention", &attention,
-        "attention over q (B, H, Sq, D), k, v (B, H_kv, Sk, D), like F.scaled_dot_product_attention; causal "
-        "aligns queries to the last keys; H_kv < H (a divisor) is grouped-query attention. float32 inputs multiply "
-        "on the tensor cores in 3xTF32 (precision='fp32') or TF32 ('tf32'); bfloat16 inputs (mode='fused') in bf16 "
-        "with fp32 accumulation and softmax statistics, whatever precision says, and give bf16 out and gradients",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = false, py::arg("scale") = py::none(),
-        py::arg("mode") = "fused", py::arg("precision") = "fp32", py::arg("kv_len") = py::none());
-  m.def("silu", &silu, "SiLU, x * sigmoid(x), like F.silu", py::arg("x"));
-  m.def("swiglu", &swiglu, "silu(a) * b in one kernel, forward and backward (the SwiGLU feed-forward's gate)",
-        py::arg("a"), py::arg("b"));
-  m.def("rope", &rope_op,
-        "rotary position embedding of x (B, H, T, D), 'rotate half' pairing (element i with i + D/2): "
-        "out_i = x_i cos - x_{i+D/2} sin, out_{i+D/2} = x_{i+D/2} cos + x_i sin, with cos, sin (T, D/2) the "
-        "angles of the T tokens' positions; returns a contiguous tensor",
-        py::arg("x"), py::arg("cos"), py::arg("sin"));
-  m.def("rmsnorm", &rmsnorm,
-        "RMS norm over the last dim, like F.rms_norm; x and weight float32 or bfloat16 (one dtype), the result in "
-        "out_dtype (None: x's)", py::arg("x"), py::arg("weight"), py::arg("eps") = 1e-5,
-        py::arg("out_dtype") = py::none());
-  m.def("add_rmsnorm", &add_rmsnorm, "(s, rmsnorm(s)) with s = x + y in one pass, as add_layernorm", py::arg("x"),
-        py::arg("y"), py::arg("weight"), py::arg("eps") = 1e-5, py::arg("out_dtype") = py::none());
-  m.def("sinkhorn", &sinkhorn,
-        "Sinkhorn-Knopp in the log domain: logits (..., n, n), n <= 8 -> doubly stochastic, like "
-        "mhc.sinkhorn_torch (each iteration normalises columns, then rows)",
-        py::arg("logits"), py::arg("iters") = 20);
-  m.def("stream_merge", &stream_merge,
-        "hyper-connection streams merged: x (..., n, C), h (n,) or per token (..., n) -> (..., C), "
-        "out[..., c] = sum_i h[i] x[..., i, c], like mhc.stream_merge_torch; n <= 8",
-        py::arg("x"), py::arg("h"));
-  m.def("stream_mix", &stream_mix,
-        "hyper-connection streams mixed: x (..., n, C), h_res (n, n), h_post (n,) (or per token (..., n, n), "
-        "(..., n)), y (..., C) -> (..., n, C), out[..., i, c] = sum_j h_res[i, j] x[..., j, c] + h_post[i] y[..., c], "
-        "like mhc.stream_mix_torch; n <= 8",
-        py::arg("x"), py::arg("h_res"), py::arg("h_post"), py::arg("y"));
+  const py::object ops = py::module_::import("torch").attr("ops").attr("kernels");
+  for (const char* name : DISPATCHER_OPS) m.attr(name) = ops.attr(name);
   m.def("check_errors", &check_errors,
         "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy, "
         "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad "

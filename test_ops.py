@@ -855,10 +855,9 @@ def train_compile_option():
         args = _train_tiny_args(tmp, "--max_iters=1", "--compile=true")
         for more, words in (((), ("--compile=true", "GPU", "--device=cpu")),
                             (("--graph_torch=true",), ("--compile=true", "--graph_torch=true")),
-                            (("--backend=cuda",), ("--compile=true", "--backend=cuda")),
                             (("--preset=mhc-demo",), ("--compile=true", "sweep"))):
             _train_fails(" ".join(("--compile=true",) + more), words, *args, *more)
-    return "--compile=false parses; with graph_torch, backend=cuda, a sweep or on the CPU: one line each"
+    return "--compile=false parses; with graph_torch, a sweep or on the CPU: one line each"
 
 
 def train_llama_cpu():
@@ -3081,6 +3080,135 @@ def op_sets_same_names():
 add("opsets/same_names", op_sets_same_names)
 
 # -----------------------------------------------------------------------------
+# dispatcher ops: the ops registered as kernels::<name> pass torch.library.opcheck (schema, autograd
+# registration, the meta version against the CUDA one in shapes, strides and dtypes, and AOT autograd's
+# tracing of forward and backward), and a function of them compiles with fullgraph=True, no graph break.
+# test_aot_dispatch_dynamic is not run: the meta versions are C++ functions of static shapes.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
+
+
+def _leaf(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
+
+
+def opcheck_cases(dt):
+    """(name, op, args, kwargs) for every dispatcher op at awkward shapes in dtype dt; the forward ops'
+    float inputs require grad (autograd is checked), the backward ops' do not."""
+    x, C = _leaf(5, 7, 37, dtype=dt), 37
+    w, b, y = _leaf(C, dtype=dt), _leaf(C, dtype=dt), _leaf(5, 7, C, dtype=dt)
+    plain = lambda *shape, dtype=dt: _leaf(*shape, dtype=dtype, grad=False)  # noqa: E731
+    k = torch.ops.kernels
+    cases = [("softmax", k.softmax, (x,), {}), ("softmax_fp32_out", k.softmax, (x,), {"out_dtype": torch.float32}),
+             ("softmax_backward", k.softmax_backward, (plain(5, 37), plain(5, 37), dt), {}),
+             ("gelu", k.gelu, (x,), {}), ("gelu_tanh", k.gelu, (x,), {"approximate": "tanh"}),
+             ("gelu_backward", k.gelu_backward, (plain(3, 41), plain(3, 41), "tanh"), {}),
+             ("silu", k.silu, (x,), {}), ("silu_backward", k.silu_backward, (plain(3, 41), plain(3, 41)), {}),
+             ("swiglu", k.swiglu, (x, _leaf(5, 7, 37, dtype=dt)), {}),
+             ("swiglu_backward", k.swiglu_backward, (plain(3, 41), plain(3, 41), plain(3, 41)), {}),
+             ("layernorm", k.layernorm, (x, w, b), {}), ("rmsnorm", k.rmsnorm, (x, w), {"eps": 1e-6}),
+             ("add_layernorm", k.add_layernorm, (x, y, w, b), {}), ("add_rmsnorm", k.add_rmsnorm, (x, y, w), {}),
+             ("norm_forward", k.norm_forward, (plain(5, 37), None, plain(37), plain(37), 1e-5, None), {})]
+    if dt == torch.float32:  # the mixed-precision form: an fp32 stream normalised into bf16
+        y16 = _leaf(5, 7, C, dtype=BF16)
+        cases.append(("add_layernorm_bf16_out", k.add_layernorm, (x, y16, w, b), {"out_dtype": BF16}))
+    ang = torch.rand(5, 4, device=DEV) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    idx, tgt = torch.randint(0, 11, (3, 7), device=DEV), torch.randint(0, 37, (9,), device=DEV)
+    lse = k.cross_entropy_forward(plain(9, 37), tgt)[1]
+    cases += [("rope", k.rope, (_leaf(2, 3, 5, 8, dtype=dt), cos, sin), {}),
+              ("rope_backward", k.rope_backward, (plain(2, 3, 5, 8), cos, sin), {}),
+              ("embedding", k.embedding, (idx, _leaf(11, 37, dtype=dt)), {}),
+              ("embedding_backward", k.embedding_backward, (idx, plain(3, 7, 37), 11), {}),
+              ("cross_entropy", k.cross_entropy, (_leaf(9, 37, dtype=dt), tgt), {}),
+              ("cross_entropy_forward", k.cross_entropy_forward, (plain(9, 37), tgt), {}),
+              ("cross_entropy_backward", k.cross_entropy_backward,
+               (plain(9, 37), tgt, lse, torch.ones((), device=DEV)), {})]
+    x2, w2, b2 = _leaf(5, 7, 37, dtype=dt), _leaf(19, 37, dtype=dt), _leaf(19, dtype=dt)
+    q, kk, v = _leaf(2, 4, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt)
+    pq, pk, pv = plain(2, 4, 17, 64), plain(2, 2, 17, 64), plain(2, 2, 17, 64)
+    out, lse2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None)
+    cases += [("linear", k.linear, (x2, w2, b2), {}), ("linear_no_bias", k.linear, (x2, w2, None), {}),
+              ("linear_one_row", k.linear, (_leaf(37, dtype=dt), w2, b2), {}),
+              ("linear_backward", k.linear_backward, (plain(5, 7, 19), plain(5, 7, 37), plain(19, 37), True), {}),
+              ("matmul", k.matmul, (_leaf(33, 17, dtype=dt), _leaf(17, 9, dtype=dt)), {}),
+              ("matmul_batched", k.matmul, (_leaf(2, 33, 17, dtype=dt), _leaf(2, 17, 9, dtype=dt)), {}),
+              ("matmul_backward", k.matmul_backward, (plain(2, 33, 9), plain(2, 33, 17), plain(2, 17, 9)), {}),
+              ("attention_causal_gqa", k.attention, (q, kk, v), {"causal": True}),
+              ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None), {}),
+              ("attention_fused_backward", k.attention_fused_backward,
+               (pq, pk, pv, out, lse2, plain(2, 4, 17, 64), True, 0.125, True), {}),
+              ("attention_kv_len", k.attention, (pq[:, :, :1], pk, pv),
+               {"causal": True, "kv_len": torch.tensor([9], device=DEV)}),
+              ("gemv", k.gemv, (plain(19, 37), plain(37), plain(19)), {}),
+              ("expert_gemv", k.expert_gemv, (plain(4, 19, 37), plain(3, 37), plain(4, 19),
+                                              torch.tensor([3, 0, 3], device=DEV)), {}),
+              ("kv_write", k.kv_write, (plain(2, 2, 16, 64), plain(2, 2, 16, 64), torch.tensor([4, 9], device=DEV),
+                                        plain(2, 2, 2, 64), plain(2, 2, 2, 64)), {}),
+              ("topk", k.topk, (plain(5, 100), 7), {})]
+    if dt == BF16:  # mixed precision: a bf16 x with the fp32 master weight and bias
+        cases.append(("linear_master_weight", k.linear, (x2, _leaf(19, 37), _leaf(19)), {}))
+    if dt == torch.float32:  # the mHC ops take float32 only; static and per-token coefficients
+        xs, ys = _leaf(2, 3, 4, 37), _leaf(2, 3, 37)
+        cases += [("sinkhorn", k.sinkhorn, (_leaf(3, 5, 4, 4),), {"iters": 7}),
+                  ("sinkhorn_backward", k.sinkhorn_backward, (plain(3, 4, 4), plain(3, 4, 4), 5), {}),
+                  ("stream_merge", k.stream_merge, (xs, _leaf(4)), {}),
+                  ("stream_merge_per_token", k.stream_merge, (xs, _leaf(2, 3, 4)), {}),
+                  ("stream_merge_backward", k.stream_merge_backward, (plain(2, 3, 4, 37), plain(4), plain(2, 3, 37)),
+                   {}),
+                  ("stream_mix", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), ys), {}),
+                  ("stream_mix_per_token", k.stream_mix, (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), ys), {}),
+                  ("attention_tiled", k.attention, (_leaf(2, 4, 9, 40), _leaf(2, 2, 11, 40), _leaf(2, 2, 11, 40)),
+                   {"causal": True, "mode": "tiled"}),
+                  ("stream_mix_backward", k.stream_mix_backward,
+                   (plain(2, 3, 4, 37), plain(4, 4), plain(4), plain(2, 3, 37), plain(2, 3, 4, 37)), {})]
+    r = k.norm_forward(plain(5, 37), None, plain(37), plain(37), 1e-5, None)  # y, rstd, mean
+    cases.append(("norm_backward", k.norm_backward, (plain(5, 37), plain(37), r[2], r[1], plain(5, 37), None, dt,
+                                                      False), {}))
+    return cases
+
+
+def t_opcheck(dt):
+    done = []
+    for name, op, args, kwargs in opcheck_cases(dt):
+        try:
+            torch.library.opcheck(op.default, args, kwargs, test_utils=OPCHECK_TESTS)
+        except Exception as e:
+            raise AssertionError(f"{name}: {one_line(e)}") from e
+        done.append(name)
+    return f"{len(done)} cases x {len(OPCHECK_TESTS)} checks: {', '.join(done)}"
+
+
+def t_compile_fullgraph(dt):
+    # a pre-norm feed-forward of our ops, compiled whole; forward and gradients equal to eager's
+    import torch._dynamo
+    C = 64
+
+    def block(x, y, w, b, wg):
+        s, h = kernels.add_layernorm(x, y, w, b)
+        h = kernels.swiglu(kernels.gelu(h, approximate="tanh"), kernels.silu(h * wg))
+        return (s + kernels.rmsnorm(h, w)).float().pow(2).mean() + kernels.softmax(h, out_dtype=torch.float32).sum()
+
+    leaves = [_leaf(3, 17, C, dtype=dt), _leaf(3, 17, C, dtype=dt), _leaf(C, dtype=dt), _leaf(C, dtype=dt),
+              _leaf(C, dtype=dt)]
+    explain = torch._dynamo.explain(block)(*leaves)
+    assert explain.graph_break_count == 0, f"{explain.graph_break_count} graph breaks: {explain.break_reasons}"
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    eager_out, comp_out = block(*leaves), compiled(*leaves)
+    eager_grads = torch.autograd.grad(eager_out, leaves)
+    comp_grads = torch.autograd.grad(comp_out, leaves)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    check("out", comp_out, eager_out, (tol, tol))
+    for i, (g_c, g_e) in enumerate(zip(comp_grads, eager_grads)):
+        check(f"d{i}", g_c, g_e, (tol, tol))
+    return f"{explain.graph_count} graph, 0 breaks"
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"dispatcher/opcheck_{_tag}", t_opcheck, _dt)
+    add(f"dispatcher/compile_fullgraph_{_tag}", t_compile_fullgraph, _dt)
+
+# -----------------------------------------------------------------------------
 # stress: the ops whose backward is several kernels handing partial results on through memory (the
 # embedding's sort and run sums, cross-entropy's loss and gradient, the norms' partial column sums,
 # attention's dK and dV summed over a group's heads, split-K products and their reduction). Each runs
@@ -3286,6 +3414,53 @@ def train_gpu_compiled_torch_step():
             f"{eager['tokens_per_s']:,.0f}, compiled {comp['tokens_per_s']:,.0f}")
 
 
+def train_gpu_compiled_cuda_step():
+    # --compile=true on the cuda op set: our ops traced whole into Inductor's graph, trains like the
+    # hand-captured CUDA graph of the same step (to rounding: Inductor fuses the glue in other orders)
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
+    steps = 20
+    shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=steps)
+    cuda = train.cuda_op_set(kernels, 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            runs = {c: gpu_train(cuda, os.path.join(tmp, f"compile_{c}"), compile=c, **shape)[0] for c in (False, True)}
+        finally:
+            torch.compiler.reset()
+    graphed, comp = runs[False], runs[True]
+    assert (graphed["mode"], comp["mode"]) == ("graph", "compile"), f"modes {graphed['mode']}, {comp['mode']}"
+    g, c = (torch.tensor(r["train_loss"], dtype=torch.float64) for r in (graphed, comp))
+    check("loss", c, g, 1e-4)
+    return (f"max |loss difference| {(c - g).abs().max():.2e} over {steps} steps; tok/s graphed "
+            f"{graphed['tokens_per_s']:,.0f}, compiled {comp['tokens_per_s']:,.0f}")
+
+
+def train_gpu_cuda_model_fullgraph(arch, residual, dtype):
+    # the GPT on the cuda op set compiles with fullgraph=True (no graph break) and its loss and gradients
+    # match the eager model's
+    import torch._dynamo
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
+    ops = train.cuda_op_set(kernels, 32, dtype)
+    model = train.GPT(65, 32, 64, 2, 2, 0, ops, residual=residual, arch=arch).to(DEV)
+    x, y = (torch.randint(0, 65, (4, 32), device=DEV) for _ in range(2))
+    explain = torch._dynamo.explain(model)(x, y)
+    assert explain.graph_break_count == 0, f"{explain.graph_break_count} graph breaks: {explain.break_reasons}"
+    torch._dynamo.reset()
+    losses, grads = [], []
+    for m in (model, torch.compile(model, fullgraph=True)):
+        model.zero_grad(set_to_none=True)
+        loss = m(x, y)[1]
+        loss.backward()
+        losses.append(loss.detach().double())
+        grads.append([p.grad.detach().double().clone() for p in model.parameters()])
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    check("loss", losses[1], losses[0], (tol, tol))
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(grads[1], grads[0]))
+    assert worst <= tol, f"a parameter's gradient differs by {worst:.2e} of its largest entry"
+    return f"{explain.graph_count} graph(s), 0 breaks; gradients within {worst:.1e} (relative)"
+
+
 def train_gpu_bf16_op_sets_close(arch="gpt"):
     # --dtype=bf16: the torch op set under autocast and ours on the bf16 kernels, 100 steps each from the
     # same weights and batches. bf16 rounds differently in each (cuBLAS's and our accumulation orders), so
@@ -3341,6 +3516,10 @@ add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
 add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
+add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
+for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
+                         ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16")):
+    add(f"train/gpu_cuda_model_fullgraph_{_arch}_{_res}_{_dt}", train_gpu_cuda_model_fullgraph, _arch, _res, _dt)
 
 
 # Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.

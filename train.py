@@ -14,8 +14,8 @@ their curves then agree to bf16 rounding, and results report how close.
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
-    python train.py --compile=true                    # the PyTorch op set through torch.compile (GPU)
-    python train.py --dtype=bf16 --compile=true       # mixed precision: autocast + compile vs our bf16 kernels
+    python train.py --compile=true                    # both op sets through torch.compile (GPU)
+    python train.py --dtype=bf16 --compile=true       # mixed precision: autocast vs our bf16 kernels, compiled
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
     python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
     torchrun --standalone --nproc_per_node=2 train.py # DistributedDataParallel over 2 GPUs, batch per rank
@@ -87,8 +87,9 @@ OPTIONS = dict(
     backend=("both", "which op sets to train, torch first: " + ", ".join(BACKENDS)),
     cuda_graph=(True, "cuda op set on a GPU: capture the whole training step in one CUDA graph"),
     graph_torch=(False, "torch op set on a GPU: capture it too, for a like-for-like graphed comparison"),
-    compile=(False, "torch op set on a GPU: forward, loss and backward through torch.compile(mode='reduce-overhead'), "
-                    "AdamW eager; not with --graph_torch=true, --backend=cuda, --sweep or --device=cpu"),
+    compile=(False, "both op sets on a GPU: forward, loss and backward through torch.compile(mode='reduce-overhead'), "
+                    "which records its own CUDA graphs (in place of --cuda_graph); AdamW eager; not with "
+                    "--graph_torch=true, --sweep or --device=cpu"),
     dtype=("fp32", "fp32 | bf16: bf16 matmuls, attention and activations from fp32 master weights, fp32 norms' "
                    "statistics, softmax and loss (torch: autocast; cuda: the bf16 kernels, Hopper)"),
     data_path=(None, "UTF-8 text to train on; None: the Wizard of Oz from data_cache/, downloaded once"),
@@ -226,15 +227,12 @@ def check_arch(cfg, fail):
 
 
 def check_compile(cfg):
-    """--compile=true only where it has a torch op set step to compile and nothing else graphs it."""
+    """--compile=true only on a GPU, for the op sets' runs, and where nothing else graphs the torch step."""
     if not cfg.compile:
         return
     if cfg.graph_torch:
         fail("--compile=true and --graph_torch=true both put the torch op set's step in CUDA graphs "
              "(reduce-overhead records its own); pass one of them")
-    if cfg.backend == "cuda":
-        fail("--compile=true compiles the torch op set, which --backend=cuda does not train; "
-             "use --backend=both or --backend=torch")
     if cfg.sweep:
         fail(f"--compile=true applies to the op sets' training runs, not to the mHC sweep (--sweep={cfg.sweep})")
     if torch.device(cfg.device).type != "cuda":
@@ -382,8 +380,9 @@ class JoinedSplit(torch.autograd.Function):
 
 def joined_split(x, sizes):
     """The cuda op set's split: JoinedSplit where a gradient will flow back, else a plain split (decoding
-    skips autograd.Function's overhead, once per layer and token)."""
-    if torch.is_grad_enabled() and x.requires_grad:
+    skips autograd.Function's overhead, once per layer and token). Under torch.compile a plain split too:
+    join_last reads storage pointers, which a traced graph does not have (Inductor plans the copy)."""
+    if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
         return JoinedSplit.apply(x, sizes)
     return x.split(sizes, dim=-1)
 
@@ -795,8 +794,9 @@ class GraphedStep:
 
 
 def compiled_step(model, opt):
-    """train_step on the model compiled by torch.compile(mode='reduce-overhead'): Inductor's kernels for the
-    forward and loss and for the backward derived from them, each replayed from a CUDA graph; AdamW stays
+    """train_step on the model compiled by torch.compile(mode='reduce-overhead'): the forward and loss and the
+    backward derived from them as Inductor's kernels (on the cuda op set, ours are nodes of that graph and
+    Inductor fuses the glue between them), each replayed from a CUDA graph; AdamW stays
     the eager fused step that every run uses. The compiled module shares the model's parameters and serves
     this step only, so evaluation, sampling and checkpoints see the eager model. The first call compiles
     and the second records the graphs, both inside the timing warm-up."""
@@ -1159,8 +1159,8 @@ class OpSetRun:
         self.ops, self.cfg, self.tok, self.ranks = ops, cfg, tok, ranks
         self.device = torch.device(cfg.device)
         on_cuda = self.device.type == "cuda"
-        graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
-        compiled = ops.name == "torch" and cfg.compile  # check_compile: on a GPU, and not with graph_torch
+        compiled = cfg.compile  # check_compile: on a GPU, and not with graph_torch
+        graphed = on_cuda and not compiled and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
         self.mode = "graph" if graphed else "compile" if compiled else "eager"
         self.model = model_from_config(cfg, tok.vocab_size, ops).to(self.device)
         self.opt = make_optimizer(self.model, cfg, on_cuda, graphed)
