@@ -13,6 +13,7 @@
 // op makes a contiguous copy first (cost: one extra copy).
 
 #include <torch/extension.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1930,6 +1931,78 @@ Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, boo
   return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32");
 }
 
+// ---- autocast ---------------------------------------------------------------------------------
+// torch.autocast("cuda", dtype=torch.bfloat16) around our ops makes the choices autocast makes for
+// PyTorch's: products (linear, matmul, attention) in bf16, linear's fp32 master weight and bias rounded by
+// linear itself, which writes their gradients in fp32; the norms computing in fp32 and writing bf16 (the
+// next product's input); softmax writing fp32; the rest as they come (activations and RoPE keep bf16, the
+// cross-entropy's loss is fp32, the embedding and the residual stream stay fp32). Attention at a head size
+// the fused kernels lack runs tiled in fp32 and rounds its output. Under float16 autocast the ops run as
+// called: the kernels have no float16 path.
+
+static bool bf16_autocast() { return at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16; }
+
+static Tensor to_bf16(const Tensor& t) {
+  return bf16_autocast() ? at::autocast::cached_cast(at::kBFloat16, t, c10::DeviceType::CUDA) : t;
+}
+
+// A norm's output dtype under autocast: bf16 unless the call names one.
+static std::optional<at::ScalarType> norm_out(std::optional<at::ScalarType> out_dtype) {
+  return out_dtype || !bf16_autocast() ? out_dtype : std::optional<at::ScalarType>(at::kBFloat16);
+}
+
+#define BELOW_AUTOCAST c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA)
+
+Tensor linear_autocast(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("linear", linear_cuda).call(to_bf16(x), w, b);
+}
+
+Tensor matmul_autocast(const Tensor& a, const Tensor& b) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("matmul", matmul_cuda).call(to_bf16(a), to_bf16(b));
+}
+
+Tensor layernorm_autocast(const Tensor& x, const Tensor& w, const Tensor& b, double eps,
+                          std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("layernorm", layernorm_impl).call(x, w, b, eps, norm_out(out_dtype));
+}
+
+Tensor rmsnorm_autocast(const Tensor& x, const Tensor& w, double eps, std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("rmsnorm", rmsnorm_impl).call(x, w, eps, norm_out(out_dtype));
+}
+
+std::tuple<Tensor, Tensor> add_layernorm_autocast(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b,
+                                                  double eps, std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("add_layernorm", add_layernorm_impl).call(x, y, w, b, eps, norm_out(out_dtype));
+}
+
+std::tuple<Tensor, Tensor> add_rmsnorm_autocast(const Tensor& x, const Tensor& y, const Tensor& w, double eps,
+                                                std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("add_rmsnorm", add_rmsnorm_impl).call(x, y, w, eps, norm_out(out_dtype));
+}
+
+Tensor softmax_autocast(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  const bool fp32_out = !out_dtype && bf16_autocast();
+  return KERNELS_OP("softmax", softmax_cuda).call(x, fp32_out ? std::optional<at::ScalarType>(at::kFloat) : out_dtype);
+}
+
+Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
+  BELOW_AUTOCAST;
+  const auto& op = KERNELS_OP("attention", attention_impl);
+  if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len);
+  if (mode == "fused" && attention_fused_supports((int)q.size(3)))
+    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len);
+  return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len)
+      .to(at::kBFloat16);
+}
+
 // ---- registration -----------------------------------------------------------------------------
 // The schemas state every argument's type and default, and mutation (Tensor(a!)). Each differentiable
 // op's CUDA forward is registered for CUDA, its meta version for Meta, and its autograd Function for
@@ -2134,6 +2207,17 @@ TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
   m.impl("embedding", &embedding_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("attention", &attention_autograd);
+}
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("linear", &linear_autocast);
+  m.impl("matmul", &matmul_autocast);
+  m.impl("layernorm", &layernorm_autocast);
+  m.impl("rmsnorm", &rmsnorm_autocast);
+  m.impl("add_layernorm", &add_layernorm_autocast);
+  m.impl("add_rmsnorm", &add_rmsnorm_autocast);
+  m.impl("softmax", &softmax_autocast);
+  m.impl("attention", &attention_autocast);
 }
 
 // The ops registered above, as `kernels.<name>` too: torch.ops.kernels.<name> itself, which torch.compile

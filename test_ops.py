@@ -3461,6 +3461,23 @@ def train_gpu_cuda_model_fullgraph(arch, residual, dtype):
     return f"{explain.graph_count} graph(s), 0 breaks; gradients within {worst:.1e} (relative)"
 
 
+def train_gpu_autocast_is_bf16_op_set(arch="gpt"):
+    # torch.autocast(bfloat16) around the fp32 cuda op set runs the same kernels on the same casts as the
+    # bf16 op set written out by hand (train.bf16_op_set): the same losses, bit for bit
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("the cuda op set's bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    steps = 20
+    head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
+    autocast = train.cuda_op_set(kernels, head)
+    autocast.autocast = functools.partial(torch.autocast, "cuda", dtype=BF16)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [gpu_train(ops, os.path.join(tmp, str(i)), max_iters=steps, arch=arch)[0]
+                for i, ops in enumerate((autocast, train.cuda_op_set(kernels, head, "bf16")))]
+    assert runs[0]["train_loss"] == runs[1]["train_loss"], \
+        f"autocast {runs[0]['train_loss'][:4]}..., bf16 op set {runs[1]['train_loss'][:4]}..."
+    return f"{arch}: {steps} losses bit-identical (last {runs[0]['train_loss'][-1]:.6f})"
+
+
 def train_gpu_bf16_op_sets_close(arch="gpt"):
     # --dtype=bf16: the torch op set under autocast and ours on the bf16 kernels, 100 steps each from the
     # same weights and batches. bf16 rounds differently in each (cuBLAS's and our accumulation orders), so
@@ -3517,6 +3534,8 @@ add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
+add("train/gpu_autocast_is_bf16_op_set", train_gpu_autocast_is_bf16_op_set)
+add("train/gpu_autocast_is_bf16_op_set_llama", train_gpu_autocast_is_bf16_op_set, "llama")
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
                          ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16")):
     add(f"train/gpu_cuda_model_fullgraph_{_arch}_{_res}_{_dt}", train_gpu_cuda_model_fullgraph, _arch, _res, _dt)
