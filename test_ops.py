@@ -718,7 +718,8 @@ def _train_run(*args):
 
 
 def _train_check_ok(proc, what):
-    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    # stderr first: the runner prints a failure's first 400 characters
+    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stderr[-2000:]}\n{proc.stdout[-2000:]}"
 
 
 def _train_load_ckpt(path):
