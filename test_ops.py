@@ -1095,6 +1095,104 @@ def _torchrun(*args, nproc=2):
                           text=True, timeout=180)
 
 
+class _FunctionalGPT(torch.nn.Module):
+    """A small GPT written the usual way, on torch.nn and torch.nn.functional (not this repo's model)."""
+
+    def __init__(self, vocab=48, width=64, heads=2, layers=2, context=32):
+        super().__init__()
+        self.heads = heads
+        self.tok, self.pos = torch.nn.Embedding(vocab, width), torch.nn.Embedding(context, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(dict(
+            ln1=torch.nn.LayerNorm(width), qkv=torch.nn.Linear(width, 3 * width), proj=torch.nn.Linear(width, width),
+            ln2=torch.nn.LayerNorm(width), fc=torch.nn.Linear(width, 4 * width), out=torch.nn.Linear(4 * width, width)))
+            for _ in range(layers))
+        self.ln_f, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for b in self.blocks:
+            q, k, v = b.qkv(b.ln1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + b.proj(y.transpose(1, 2).reshape(B, T, -1))
+            x = x + b.out(F.gelu(b.fc(b.ln2(x)), approximate="tanh"))
+        return F.cross_entropy(self.head(self.ln_f(x)).view(B * T, -1), targets.view(-1))
+
+
+def _fake_kernels(calls):
+    """Our ops' names over PyTorch's ATen ops (not torch.nn.functional, which patched() replaces), each
+    call recorded: what train.patched routes can be checked on the CPU."""
+    def op(name, fn):
+        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
+    return types.SimpleNamespace(
+        FUSED_HEAD_SIZES=(32,),
+        linear=op("linear", lambda x, w, b=None: torch.ops.aten.linear(x, w, b)),
+        layernorm=op("layernorm", lambda x, w, b, eps: torch.ops.aten.layer_norm(x, [x.shape[-1]], w, b, eps)),
+        rmsnorm=op("rmsnorm", lambda x, w, eps: torch.ops.aten.rms_norm(x, [x.shape[-1]], w, eps)),
+        gelu=op("gelu", lambda x, approximate: torch.ops.aten.gelu(x, approximate=approximate)),
+        silu=op("silu", torch.ops.aten.silu),
+        embedding=op("embedding", lambda idx, w: torch.ops.aten.embedding(w, idx)),
+        softmax=op("softmax", lambda x, out_dtype=None: torch.ops.aten.softmax(x, -1, out_dtype)),
+        attention=op("attention", lambda q, k, v, causal, scale, mode: torch.ops.aten.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale)),
+        cross_entropy=op("cross_entropy", lambda x, t: torch.ops.aten.cross_entropy_loss(x, t)))
+
+
+def train_patched_routes():
+    # train.patched sends torch.nn.functional's calls to our ops where their arguments are supported and to
+    # PyTorch's where not, counts both, gives the same values, and puts torch.nn.functional back after
+    calls, before = [], {n: getattr(F, n) for n in ("linear", "layer_norm", "softmax", "cross_entropy")}
+    torch.manual_seed(0)
+    model, idx = _FunctionalGPT(), torch.randint(0, 48, (3, 32))
+    want = model(idx, idx)
+    x, t = torch.randn(6, 48), torch.randint(0, 48, (6,))
+    t_ignored = t.clone()
+    t_ignored[2] = -100
+    with train.patched(_fake_kernels(calls), device_type="cpu") as counts:
+        got = model(idx, idx)
+        unsupported = [F.softmax(x, dim=0), F.cross_entropy(x, t, label_smoothing=0.1), F.cross_entropy(x, t_ignored),
+                       F.scaled_dot_product_attention(*torch.randn(3, 1, 2, 5, 32), attn_mask=torch.ones(5, 5).bool()),
+                       F.layer_norm(x, (48,)), F.linear(x.double(), torch.randn(7, 48).double())]
+    check("loss", got, want, 1e-6)
+    assert all(getattr(F, n) is f for n, f in before.items()), "torch.nn.functional was not put back"
+    layers = 2
+    expect = {("embedding", "ours"): 2, ("layer_norm", "ours"): 2 * layers + 1, ("linear", "ours"): 4 * layers + 1,
+              ("scaled_dot_product_attention", "ours"): layers, ("gelu", "ours"): layers, ("cross_entropy", "ours"): 1,
+              ("softmax", "torch"): 1, ("cross_entropy", "torch"): 2, ("scaled_dot_product_attention", "torch"): 1,
+              ("layer_norm", "torch"): 1, ("linear", "torch"): 1}
+    assert dict(counts) == expect, f"counts {dict(counts)}"
+    assert len(calls) == sum(n for (_, way), n in expect.items() if way == "ours"), calls
+    assert len(unsupported) == 6 and all(torch.is_tensor(u) for u in unsupported)
+    return f"{sum(counts.values())} calls: {len(calls)} on our ops, {sum(counts.values()) - len(calls)} on PyTorch's; same loss"
+
+
+def train_gpu_patched_compiled_gpt():
+    # a GPT written on torch.nn.functional trains on our kernels under train.patched and
+    # torch.compile(fullgraph=True), its losses within fp32 drift of the same model on PyTorch's ops
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
+    import torch._dynamo
+    steps, losses = 10, {}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 48, (8, 33), generator=g).to(DEV) for _ in range(steps)]
+    for ours in (False, True):
+        torch.manual_seed(0)
+        model = _FunctionalGPT().to(DEV)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with train.patched(kernels) if ours else contextlib.nullcontext():
+            step_model = torch.compile(model, fullgraph=True) if ours else model
+            losses[ours] = []
+            for b in batches:
+                loss = step_model(b[:, :-1], b[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses[ours].append(loss.item())
+        torch._dynamo.reset()
+    check("losses", torch.tensor(losses[True]), torch.tensor(losses[False]), 1e-4)
+    return f"{steps} steps compiled whole on our ops; loss {losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
+
+
 def train_ddp_two_ranks():
     # 2 ranks at batch 2 (gloo, torch op set) train on the rows one process sees at batch 4: the same
     # losses to fp32 rounding. The 2-rank run stops at 3 and resumes to 6 from rank 0's checkpoint.
@@ -1154,7 +1252,7 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_ddp_two_ranks,
-            train_ddp_rank_failure):
+            train_ddp_rank_failure, train_patched_routes):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -3535,6 +3633,7 @@ add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
+add("train/gpu_patched_compiled_gpt", train_gpu_patched_compiled_gpt)
 add("train/gpu_autocast_is_bf16_op_set", train_gpu_autocast_is_bf16_op_set)
 add("train/gpu_autocast_is_bf16_op_set_llama", train_gpu_autocast_is_bf16_op_set, "llama")
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),

@@ -23,6 +23,7 @@ their curves then agree to bf16 rounding, and results report how close.
 Every default below can be overridden with --key=value; python train.py --help lists them.
 """
 
+import collections
 import contextlib
 import datetime
 import difflib
@@ -471,6 +472,120 @@ def bf16_op_set(ops, kernels, mode):
         ops.attention = lambda q, k, v, **kw: kernels.attention(q.float(), k.float(), v.float(), mode="tiled",
                                                                 **kw).to(BF16)
     return ops
+
+
+# -----------------------------------------------------------------------------
+# the drop-in: other people's models on our kernels, through torch.nn.functional
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _functional_routes(kernels, device_type):
+    """name -> a function with torch.nn.functional.<name>'s signature that runs the call on our kernels, or
+    returns NotImplemented where the arguments are not ones they support."""
+    def ours(*tensors):  # GPU tensors in float32 or bfloat16 (None: an absent optional one)
+        return all(t is None or (t.device.type == device_type and t.dtype in FLOAT_DTYPES) for t in tensors)
+
+    def last_dim(input, normalized_shape):
+        return tuple(normalized_shape) == (input.shape[-1],)
+
+    def linear(input, weight, bias=None):
+        if ours(input, weight, bias) and weight.dim() == 2:
+            return kernels.linear(input, weight, bias)
+        return NotImplemented
+
+    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        if ours(input, weight, bias) and weight is not None and bias is not None and last_dim(input, normalized_shape):
+            return kernels.layernorm(input, weight, bias, eps)
+        return NotImplemented
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if ours(input, weight) and weight is not None and last_dim(input, normalized_shape):
+            # eps=None is the dtype's machine epsilon, as F.rms_norm takes it
+            return kernels.rmsnorm(input, weight, torch.finfo(input.dtype).eps if eps is None else eps)
+        return NotImplemented
+
+    def gelu(input, approximate="none"):
+        return kernels.gelu(input, approximate=approximate) if ours(input) else NotImplemented
+
+    def silu(input, inplace=False):
+        return kernels.silu(input) if ours(input) and not inplace else NotImplemented
+
+    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False):
+        if (ours(weight) and input.device.type == device_type and input.dtype == torch.long and weight.dim() == 2
+                and padding_idx is None and max_norm is None and not scale_grad_by_freq and not sparse):
+            return kernels.embedding(input, weight)
+        return NotImplemented
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if ours(input) and dim in (-1, input.dim() - 1) and dtype in (None,) + FLOAT_DTYPES:
+            return kernels.softmax(input, out_dtype=dtype)
+        return NotImplemented
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        fused = query.shape[-1] in kernels.FUSED_HEAD_SIZES
+        # SDPA's causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk
+        if (ours(query, key, value) and query.dim() == 4 and attn_mask is None and dropout_p == 0.0
+                and (not is_causal or query.shape[-2] == key.shape[-2])
+                and (enable_gqa or query.shape[1] == key.shape[1]) and (fused or query.dtype == torch.float32)):
+            return kernels.attention(query, key, value, causal=is_causal, scale=scale,
+                                     mode="fused" if fused else "tiled")
+        return NotImplemented
+
+    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                      reduction="mean", label_smoothing=0.0):
+        # An ignored target must be looked for in the data: eagerly only (a traced graph cannot branch on it).
+        if (ours(input) and input.dim() == 2 and target.dim() == 1 and weight is None and size_average is None
+                and reduce is None and reduction == "mean" and label_smoothing == 0.0
+                and not torch.compiler.is_compiling() and not bool((target == ignore_index).any())):
+            return kernels.cross_entropy(input, target)
+        return NotImplemented
+
+    return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
+                                    scaled_dot_product_attention, cross_entropy)}
+
+
+@contextlib.contextmanager
+def patched(kernels=None, device_type="cuda"):
+    """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
+    scaled_dot_product_attention and cross_entropy run on our kernels wherever a call's arguments are ones
+    they support (GPU tensors in float32 or bfloat16, and none of: an attention mask or dropout, SDPA's
+    causal mask with Sq != Sk, an embedding's padding_idx or max_norm, a loss's weights, reduction other
+    than the mean, label smoothing or an ignored target hit), and on PyTorch's own otherwise. Yields a
+    Counter of the eager calls by (name, "ours" or "torch"). A model under torch.compile traces our ops
+    whole; cross_entropy then stays PyTorch's (finding an ignored target would read the data).
+
+        with train.patched() as counts:
+            model = torch.compile(model, fullgraph=True)
+            loss = model(x, y)  # F.linear, F.layer_norm, ... on our kernels"""
+    if kernels is None:
+        kernels, why = import_kernels()
+        if kernels is None:
+            raise RuntimeError(f"patched() needs the kernels extension: {why}")
+    counts = collections.Counter()
+    routes = _functional_routes(kernels, device_type)
+    originals = {name: getattr(F, name) for name in routes}
+
+    def route(name):
+        ours, original = routes[name], originals[name]
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            out = ours(*args, **kwargs)
+            if not torch.compiler.is_compiling():  # eager calls: a compiled graph is traced once
+                counts[name, "torch" if out is NotImplemented else "ours"] += 1
+            return original(*args, **kwargs) if out is NotImplemented else out
+        return call
+
+    for name in routes:
+        setattr(F, name, route(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(F, name, original)
 
 
 def import_kernels():
