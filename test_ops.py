@@ -4443,6 +4443,37 @@ def bench_attention_memory(rows):
         print(md_row([str(S)] + [fmt(mb[n], ".0f") for n in names]), flush=True)
 
 
+def bench_call_overhead(rows, calls=2000):
+    """Microseconds an eager call of an op takes at a size where the launch is all of it (forward alone,
+    and forward + backward with gradients wanted): what the Python-to-kernel path costs per call, ours
+    against the twin's. One sync after all the calls, none inside."""
+    print(f"\n{'call overhead':<34} {'ours us':>9} {'torch us':>9}")
+    x, w, b = rand(4, 64), rand(64), rand(64)
+    cases = (("gelu", lambda ops, x: ops.gelu(x), [x]), ("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
+             ("linear", lambda ops, x, w: ops.linear(x, w), [x, rand(64, 64)]), ("softmax", lambda ops, x: ops.softmax(x), [x]))
+    for name, f, inputs in cases:
+        for grad in (False, True):
+            leaves = [t.detach().requires_grad_(grad) for t in inputs]
+            per_call = {}
+            for side, ops in (("ours", kernels), ("torch", REF)):
+                def once():
+                    y = f(ops, *leaves)
+                    if grad:
+                        y.sum().backward()
+                for _ in range(20):  # warm-up: library handles, the caching allocator
+                    once()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    once()
+                torch.cuda.synchronize()
+                per_call[side] = 1e6 * (time.perf_counter() - t0) / calls
+            what = f"{name} {'fwd+bwd' if grad else 'fwd'}"
+            print(f"{what:<34} {per_call['ours']:>9.1f} {per_call['torch']:>9.1f}")
+            rows.append(dict(op=name, shape="call overhead", direction="fwd+bwd" if grad else "fwd",
+                             ours_us=per_call["ours"], torch_us=per_call["torch"]))
+
+
 def bench_main(json_path):
     if not HAS_CUDA:  # building the extension cannot help here
         print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
@@ -4456,6 +4487,8 @@ def bench_main(json_path):
           f"median of up to 50 reps, L2 flushed before each\n")
     rows = []
     bench_ops(rows)
+    if ONLY in "overhead":
+        bench_call_overhead(rows)
     if ONLY in "attention":
         bench_attention(rows)
         bench_attention_memory(rows)
