@@ -1166,6 +1166,22 @@ def train_patched_routes():
     return f"{sum(counts.values())} calls: {len(calls)} on our ops, {sum(counts.values()) - len(calls)} on PyTorch's; same loss"
 
 
+def readme_patched_example():
+    # the README's example of our ops in another model runs as printed (its code block, executed)
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    block = text.split("**In your own model.**", 1)[1].split("\n\n    import torch", 1)[1]
+    code = "    import torch" + block.split("\n\n", 1)[0]
+    code = "\n".join(line[4:] for line in code.splitlines())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    loss = float(out.getvalue().split()[0])
+    assert math.isfinite(loss) and loss < math.log(96) + 1, out.getvalue()
+    return f"printed {one_line(out.getvalue())[:120]}"
+
+
 def train_gpu_patched_compiled_gpt():
     # a GPT written on torch.nn.functional trains on our kernels under train.patched and
     # torch.compile(fullgraph=True), its losses within fp32 drift of the same model on PyTorch's ops
@@ -3634,6 +3650,7 @@ add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
 add("train/gpu_patched_compiled_gpt", train_gpu_patched_compiled_gpt)
+add("readme/patched_example", readme_patched_example)
 add("train/gpu_autocast_is_bf16_op_set", train_gpu_autocast_is_bf16_op_set)
 add("train/gpu_autocast_is_bf16_op_set_llama", train_gpu_autocast_is_bf16_op_set, "llama")
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
