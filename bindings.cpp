@@ -22,6 +22,7 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 #include <string>
@@ -1742,6 +1743,10 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
   REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ",
                 at::IntArrayRef(fused_head_sizes()), ", got D = ", s.D, " (mode='tiled' takes any D)");
   const c10::cuda::CUDAGuard guard(q_in.device());
+  if (std::isnan(scale)) {  // as SDPA: every score, so every output, NaN
+    const auto nan = std::numeric_limits<float>::quiet_NaN();
+    return {empty_bshd(q_in).fill_(nan), at::full({s.B, s.H, s.Sq}, nan, q_in.options().dtype(at::kFloat))};
+  }
   const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
   // The forward kernel keeps its row max over raw scores, which takes scale >= 0: a negative scale
   // runs as (-q, -scale), the same products exactly (the backward takes q and scale as given).
@@ -1778,6 +1783,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q
                                                                  const Tensor& lse2, const Tensor& dout_in,
                                                                  bool causal, double scale, bool precise) {
   const c10::cuda::CUDAGuard guard(q_in.device());
+  if (std::isnan(scale)) {  // a NaN scale's outputs are NaN, and so are their gradients
+    const auto nan = std::numeric_limits<float>::quiet_NaN();
+    return {empty_bshd(q_in).fill_(nan), empty_bshd(k_in).fill_(nan), empty_bshd(v_in).fill_(nan)};
+  }
   const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
   const Tensor dout = attention_operand(dout_in.to(q.scalar_type()));
   auto [dq, dk, dv] = attention_grad_buffers(q, k, v);

@@ -3282,6 +3282,17 @@ def opcheck_cases(dt):
     return cases
 
 
+def t_attention_nan_scale(dt):
+    # scale=nan: every score NaN, so every output and gradient, as SDPA gives them
+    q, k, v = (_leaf(2, 3, 17, 64, dtype=dt) for _ in range(3))
+    out = kernels.attention(q, k, v, scale=float("nan"))
+    twin = F.scaled_dot_product_attention(q, k, v, scale=float("nan"))
+    assert out.isnan().all() and twin.isnan().all(), f"ours {out.isnan().float().mean():.2f} NaN"
+    out.sum().backward()
+    assert all(t.grad.isnan().all() for t in (q, k, v)), "a gradient is not all NaN"
+    return "out and dq, dk, dv all NaN, as SDPA's out"
+
+
 def t_opcheck(dt):
     done = []
     for name, op, args, kwargs in opcheck_cases(dt):
@@ -3321,6 +3332,7 @@ def t_compile_fullgraph(dt):
 
 for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
     add(f"dispatcher/opcheck_{_tag}", t_opcheck, _dt)
+    add(f"dispatcher/attention_nan_scale_{_tag}", t_attention_nan_scale, _dt)
     add(f"dispatcher/compile_fullgraph_{_tag}", t_compile_fullgraph, _dt)
 
 # -----------------------------------------------------------------------------
