@@ -3516,6 +3516,27 @@ def train_gpu_op_sets_agree(arch="gpt"):
             f"{runs['torch']['mode']}, cuda {runs['cuda']['mode']}); loss {t[0]:.4f} -> {t[-1]:.4f}")
 
 
+def train_gpu_first_step_grads(arch, residual):
+    # the loss curves of the op sets cannot see a gradient off by a constant factor (AdamW divides it out):
+    # the first step's gradient of every parameter, cuda op set against torch op set, from the same weights
+    head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "arch": arch, "residual": residual})
+    x, y = (torch.randint(0, 65, (4, cfg.block_size), device=DEV) for _ in range(2))
+    grads = {}
+    for ops in (train.TORCH_OPS, train.cuda_op_set(kernels, head)):
+        model = train.model_from_config(cfg, 65, ops).to(DEV)
+        model(x, y)[1].backward()
+        grads[ops.name] = {n: p.grad.double() for n, p in model.named_parameters()}
+    worst = (0.0, "")
+    for name, ref in grads["torch"].items():
+        ours = grads["cuda"][name]
+        scale = ref.abs().max().item()
+        err = (ours - ref).abs().max().item() / max(scale, 1e-12)
+        assert err <= 1e-3, f"{name}: gradient off by {err:.2e} of its largest entry ({scale:.2e})"
+        worst = max(worst, (err, name))
+    return f"{arch}, {residual}: {len(grads['torch'])} parameters; worst {worst[1]} at {worst[0]:.1e} of its largest entry"
+
+
 def train_gpu_compiled_torch_step():
     # --compile=true: the torch op set's step through torch.compile(mode='reduce-overhead') trains like its
     # eager step (to rounding: Inductor sums in other orders), and compiling and recording the graphs fall
@@ -3668,6 +3689,8 @@ add("train/gpu_autocast_is_bf16_op_set_llama", train_gpu_autocast_is_bf16_op_set
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
                          ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16")):
     add(f"train/gpu_cuda_model_fullgraph_{_arch}_{_res}_{_dt}", train_gpu_cuda_model_fullgraph, _arch, _res, _dt)
+for _arch, _res in (("gpt", "baseline"), ("llama", "baseline"), ("gpt", "mhc-dynamic")):
+    add(f"train/gpu_first_step_grads_{_arch}_{_res}", train_gpu_first_step_grads, _arch, _res)
 
 
 # Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
