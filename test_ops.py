@@ -247,6 +247,13 @@ def kernel_filter(tool):
     return ["--kernel-name", "regex=" + "|".join(our_kernel_names())]
 
 
+def tool_cases(tool, names):
+    """The cases a tool runs. initcheck leaves out the bf16 ones: their matmul outputs are written by the
+    copy engine (cp.async.bulk.tensor), whose stores initcheck does not follow, so every later read of them,
+    in our kernels too, is reported as uninitialised (a 64 x 64 tile shows it; the README says more)."""
+    return [n for n in names if "bf16" not in n] if tool == "initcheck" else list(names)
+
+
 def sanitizer_logs(log_dir, tool):
     """tool's logs in log_dir, oldest run first: tool_0.log, tool_1.log, ..."""
     logs = [f for f in os.listdir(log_dir) if re.fullmatch(rf"{tool}_\d+\.log", f)]
@@ -284,16 +291,16 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
     runs = []
     for tool in tools:
         options = kernel_filter(tool) if filtered else []
-        logs = sanitizer_logs(log_dir, tool)
+        logs, cases = sanitizer_logs(log_dir, tool), tool_cases(tool, expected)
         done = [name for name, verdict in case_verdicts(logs).items() if verdict != "FAIL"]
-        left = len(set(expected) - set(done))
-        print(f"{tool}: {left} cases to run ({len(expected) - left} done in earlier runs), "
-              f"instrumenting {options[1] if options else 'every kernel'}")
+        left = len(set(cases) - set(done))
+        print(f"{tool}: {left} cases to run ({len(cases) - left} done in earlier runs, {len(expected) - len(cases)} "
+              f"left out), instrumenting {options[1] if options else 'every kernel'}")
         if not left:
             continue
         skip_file = os.path.join(log_dir, f"{tool}.done")
         with open(skip_file, "w") as f:
-            f.write("".join(name + "\n" for name in done))
+            f.write("".join(name + "\n" for name in set(done) | (set(expected) - set(cases))))
         first = 1 + max((int(re.search(r"_(\d+)\.log$", f).group(1)) for f in logs), default=-1)
         for k in range(shards):
             cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device",
@@ -388,8 +395,10 @@ def print_sanitizer_summary(log_dir, expected=None):
         by_case = case_verdicts(logs)
         verdicts = list(by_case.values())
         counts = [verdicts.count(v) for v in ("PASS", "FAIL", "SKIP")]
-        missing = [name for name in expected if name not in by_case] if expected is not None else []
+        missing = [name for name in tool_cases(tool, expected) if name not in by_case] if expected is not None else []
         sums, ours, other, notes = [], [], {}, []
+        if expected is not None and len(tool_cases(tool, expected)) < len(expected):
+            notes.append(f"{len(expected) - len(tool_cases(tool, expected))} bf16 cases left out (tool_cases)")
         for path in logs:
             f, text = os.path.basename(path), open(path, errors="replace").read()
             if not re.search(r"\d+ passed, \d+ failed, \d+ skipped", text):
