@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import difflib
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -1537,6 +1538,9 @@ def main(argv):
             dist.barrier()  # rank 0 writes the report while the others wait: the ranks leave together
     finally:
         if ranks.world > 1:
+            # DDP's hooks hold it in reference cycles: collect them now, or its reducer and the gloo threads
+            # it keeps would outlive the process group into interpreter exit (std::terminate there).
+            gc.collect()
             dist.destroy_process_group()
 
 
