@@ -482,26 +482,22 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _functional_routes(kernels, device_type):
-    """name -> a function with torch.nn.functional.<name>'s signature that runs the call on our kernels, or
-    returns NotImplemented where the arguments are not ones they support."""
+    """name -> torch.nn.functional.<name> on our kernels, or NotImplemented for arguments they do not take."""
     def ours(*tensors):  # GPU tensors in float32 or bfloat16 (None: an absent optional one)
         return all(t is None or (t.device.type == device_type and t.dtype in FLOAT_DTYPES) for t in tensors)
 
-    def last_dim(input, normalized_shape):
-        return tuple(normalized_shape) == (input.shape[-1],)
-
     def linear(input, weight, bias=None):
-        if ours(input, weight, bias) and weight.dim() == 2:
-            return kernels.linear(input, weight, bias)
-        return NotImplemented
+        ok = ours(input, weight, bias) and weight.dim() == 2
+        return kernels.linear(input, weight, bias) if ok else NotImplemented
 
     def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-        if ours(input, weight, bias) and weight is not None and bias is not None and last_dim(input, normalized_shape):
+        if ours(input, weight, bias) and weight is not None and bias is not None \
+                and tuple(normalized_shape) == input.shape[-1:]:
             return kernels.layernorm(input, weight, bias, eps)
         return NotImplemented
 
     def rms_norm(input, normalized_shape, weight=None, eps=None):
-        if ours(input, weight) and weight is not None and last_dim(input, normalized_shape):
+        if ours(input, weight) and weight is not None and tuple(normalized_shape) == input.shape[-1:]:
             # eps=None is the dtype's machine epsilon, as F.rms_norm takes it
             return kernels.rmsnorm(input, weight, torch.finfo(input.dtype).eps if eps is None else eps)
         return NotImplemented
@@ -520,9 +516,8 @@ def _functional_routes(kernels, device_type):
         return NotImplemented
 
     def softmax(input, dim=None, _stacklevel=3, dtype=None):
-        if ours(input) and dim in (-1, input.dim() - 1) and dtype in (None,) + FLOAT_DTYPES:
-            return kernels.softmax(input, out_dtype=dtype)
-        return NotImplemented
+        ok = ours(input) and dim in (-1, input.dim() - 1) and dtype in (None,) + FLOAT_DTYPES
+        return kernels.softmax(input, out_dtype=dtype) if ok else NotImplemented
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
@@ -544,8 +539,8 @@ def _functional_routes(kernels, device_type):
             return kernels.cross_entropy(input, target)
         return NotImplemented
 
-    return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
-                                    scaled_dot_product_attention, cross_entropy)}
+    return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, cross_entropy,
+                                    scaled_dot_product_attention)}
 
 
 @contextlib.contextmanager
