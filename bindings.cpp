@@ -501,7 +501,8 @@ static void check_matmul(const Tensor& a, const Tensor& b) {
           ": a and b must both be 2-D (M, K) @ (K, N) or both 3-D (B, M, K) @ (B, K, N), got shapes ", a.sizes(),
           " and ", b.sizes());
   REQUIRE(a.size(-1) == b.size(-2), op, ": inner dims must match, got a ", a.sizes(), " and b ", b.sizes());
-  if (a.dim() == 3) REQUIRE(a.size(0) == b.size(0), op, ": batch sizes must match, got ", a.size(0), " and ", b.size(0));
+  if (a.dim() == 3)
+    REQUIRE(a.size(0) == b.size(0), op, ": batch sizes must match, got ", a.size(0), " and ", b.size(0));
 }
 
 // 2-D a and b as a batch of one.
@@ -637,7 +638,8 @@ std::vector<Tensor> norm_forward_cuda(const Tensor& x_in, const std::optional<Te
 }
 
 std::vector<Tensor> norm_forward_meta(const Tensor& x, const std::optional<Tensor>& addend_opt, const Tensor& w,
-                                      const std::optional<Tensor>& b_opt, double, std::optional<at::ScalarType> out_dtype) {
+                                      const std::optional<Tensor>& b_opt, double,
+                                      std::optional<at::ScalarType> out_dtype) {
   const Tensor addend = addend_opt.value_or(Tensor()), b = b_opt.value_or(Tensor());
   const char* op = norm_name(addend.defined(), !b.defined());
   check_fp_cuda(op, x, "x", x, "x");
@@ -1378,7 +1380,8 @@ Tensor embedding_backward_cuda(const Tensor& idx, const Tensor& dout_in, int64_t
   const Tensor dout = dout_in.contiguous().to(at::kFloat);
   const int C = (int)dout.size(-1), T = (int)idx.numel();
   Tensor dw = at::zeros({num_embeddings, (int64_t)C}, dout.options());
-  Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, num_embeddings, C)}, dout.options().dtype(at::kByte));
+  Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, num_embeddings, C)},
+                        dout.options().dtype(at::kByte));
   embedding_bwd(idx.contiguous().data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, num_embeddings,
                 C, ws.numel() ? ws.data_ptr() : nullptr, stream());
   return dw.to(dout_in.scalar_type());
@@ -1896,7 +1899,8 @@ static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, 
 Tensor attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
                       c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
   const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
-  if (mode == "tiled") return std::get<0>(KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, sc));
+  if (mode == "tiled")
+    return std::get<0>(KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, sc));
   return std::get<0>(
       KERNELS_OP("attention_fused", attention_fused_cuda).call(q, k, v, causal, sc, precision == "fp32", kv_len));
 }
@@ -2081,7 +2085,7 @@ TORCH_LIBRARY(kernels, m) {
   m.def("cross_entropy_backward(Tensor logits, Tensor targets, Tensor lse, Tensor dloss) -> Tensor");
   m.def("attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, Tensor? kv_len) "
         "-> (Tensor, Tensor)");
-  m.def("attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, Tensor dout, bool causal, "
+  m.def("attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, bool causal, "
         "float scale, bool precise) -> (Tensor, Tensor, Tensor)");
   m.def("attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
   m.def("attention_tiled_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor dout, float scale) "
@@ -2231,10 +2235,10 @@ TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
 
 // The ops registered above, as `kernels.<name>` too: torch.ops.kernels.<name> itself, which torch.compile
 // traces into its graph (a pybind function would break the graph at every call).
-static const char* const DISPATCHER_OPS[] = {"linear", "matmul", "softmax",  "gelu",     "silu",         "swiglu",     "layernorm",
-                                             "rmsnorm",  "add_layernorm", "add_rmsnorm", "sinkhorn", "stream_merge",
-                                             "stream_mix", "rope", "embedding", "cross_entropy", "gemv",
-                                             "expert_gemv", "kv_write", "topk", "attention"};
+static const char* const DISPATCHER_OPS[] = {
+    "linear", "matmul", "layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm", "softmax", "gelu", "silu", "swiglu",
+    "rope", "embedding", "cross_entropy", "attention", "gemv", "expert_gemv", "topk", "kv_write", "sinkhorn",
+    "stream_merge", "stream_mix"};
 
 // ---- module -----------------------------------------------------------------------------------
 
