@@ -281,6 +281,14 @@ static bool wants_grad(const Args&... args) {
   return at::GradMode::is_enabled() && (requires_grad(args) || ...);
 }
 
+// The Autograd kernel of an op with no backward (decoding's): the op below autograd, its outputs
+// requiring no gradient whatever its inputs do.
+template <class Op, class... Args>
+static auto call_below_autograd(const Op& op, const Args&... args) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(args...);
+}
+
 template <class Fn, class Op, class... Args>
 static auto autograd_or_below(const Op& op, const Args&... args) {
   if (wants_grad(args...)) return Fn::apply(args...);
@@ -653,12 +661,13 @@ std::vector<Tensor> norm_forward_meta(const Tensor& x, const std::optional<Tenso
 
 // x is s = x + addend for the add_* ops; dy (the norm's gradient) and dsum (s's) may be missing: an
 // output nobody used.
-std::vector<Tensor> norm_backward_cuda(const Tensor& x, const Tensor& w, const std::optional<Tensor>& mean_opt,
+std::vector<Tensor> norm_backward_cuda(const Tensor& x_in, const Tensor& w_in, const std::optional<Tensor>& mean_opt,
                                        const Tensor& rstd, const std::optional<Tensor>& dy_opt,
                                        const std::optional<Tensor>& dsum_opt, at::ScalarType y_dtype, bool add) {
   const Tensor mean = mean_opt.value_or(Tensor());
   const bool rms = !mean.defined();
-  const c10::cuda::CUDAGuard guard(x.device());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), w = w_in.contiguous();  // the kernels read rows; the Function saved views
   const Tensor dsum = dsum_opt.has_value() && dsum_opt->defined() ? dsum_opt->contiguous() : Tensor();
   const Tensor dy = dy_opt.has_value() && dy_opt->defined() ? dy_opt->contiguous()
                                                              : at::zeros_like(x, x.options().dtype(y_dtype));
@@ -689,9 +698,9 @@ std::vector<Tensor> norm_backward_cuda(const Tensor& x, const Tensor& w, const s
 std::vector<Tensor> norm_backward_meta(const Tensor& x, const Tensor& w, const std::optional<Tensor>& mean,
                                        const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                                        at::ScalarType y_dtype, bool add) {
-  std::vector<Tensor> out{at::empty_like(x), at::empty_like(w)};
-  if (mean.has_value() && mean->defined()) out.push_back(at::empty_like(w));
-  if (add && y_dtype != x.scalar_type()) out.push_back(at::empty_like(x, x.options().dtype(y_dtype)));
+  std::vector<Tensor> out{empty_like_contiguous(x), empty_like_contiguous(w)};
+  if (mean.has_value() && mean->defined()) out.push_back(empty_like_contiguous(w));
+  if (add && y_dtype != x.scalar_type()) out.push_back(empty_like_contiguous(x, y_dtype));
   return out;
 }
 
@@ -1621,6 +1630,19 @@ void kv_write_meta(const Tensor& k_cache, const Tensor& v_cache, const Tensor& p
   check_kv_write(k_cache, v_cache, positions, k, v);
 }
 
+void kv_write_autograd(const Tensor& k_cache, const Tensor& v_cache, const Tensor& positions, const Tensor& k,
+                       const Tensor& v) {
+  call_below_autograd(KERNELS_OP("kv_write", kv_write_cuda), k_cache, v_cache, positions, k, v);
+}
+
+Tensor gemv_autograd(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
+  return call_below_autograd(KERNELS_OP("gemv", gemv_cuda), w, x, b);
+}
+
+Tensor expert_gemv_autograd(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b, const Tensor& experts) {
+  return call_below_autograd(KERNELS_OP("expert_gemv", expert_gemv_cuda), w, x, b, experts);
+}
+
 // ---- top-k (no autograd) ----------------------------------------------------------------------
 
 static std::vector<int64_t> check_topk(const Tensor& x, int64_t k) {
@@ -1653,6 +1675,10 @@ std::tuple<Tensor, Tensor> topk_cuda(const Tensor& x_in, int64_t k) {
 std::tuple<Tensor, Tensor> topk_meta(const Tensor& x, int64_t k) {
   const auto shape = check_topk(x, k);
   return {at::empty(shape, x.options()), at::empty(shape, x.options().dtype(at::kLong))};
+}
+
+std::tuple<Tensor, Tensor> topk_autograd(const Tensor& x, int64_t k) {
+  return call_below_autograd(KERNELS_OP("topk", topk_cuda), x, k);
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -1705,21 +1731,24 @@ static Tensor empty_bshd(const Tensor& like) {
   return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
 }
 
-// Gradient buffers for q, k, v, in the layout of the inputs when those are the model's views of one
-// projection, (B, S, (H + 2 H_kv) * D) memory holding q's, k's and v's heads side by side in that
-// order: then dq, dk and dv are the same views of one new buffer, which train.JoinedSplit hands back
-// whole (a concatenation of the three copied 37 MB a layer of the large preset). Otherwise each is a
-// (B, S, H, D) buffer of its own (the llama arch's q and k are RoPE's new tensors, so it joins them by
-// a copy). Only the gradients' layout hangs on the test.
-static std::array<Tensor, 3> attention_grad_buffers(const Tensor& q, const Tensor& k, const Tensor& v) {
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), D = q.size(3), W = (H + 2 * Hkv) * D;
-  const auto addr = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); };
-  const int64_t e = q.element_size();
-  bool packed = S == k.size(2) && addr(k) == addr(q) + H * D * e && addr(v) == addr(k) + Hkv * D * e;
+// Whether q, k and v are the model's views of one projection: (B, S, (H + 2 H_kv) * D) memory holding q's,
+// k's and v's heads side by side in that order. Then their gradients can be the same views of one new
+// buffer (kernels::attention_fused_backward_packed), which train.JoinedSplit hands back whole (a
+// concatenation of the three copied 37 MB a layer of the large preset). Read from strides, storage
+// offsets and shared storage only, so fake tensors (torch.compile's tracing) take the same branch.
+static bool packed_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t H = q.size(1), Hkv = k.size(1), S = q.size(2), D = q.size(3), W = (H + 2 * Hkv) * D;
+  bool packed = S == k.size(2) && k.is_alias_of(q) && v.is_alias_of(q) &&
+                k.storage_offset() == q.storage_offset() + H * D &&
+                v.storage_offset() == k.storage_offset() + Hkv * D;
   for (const Tensor* t : {&q, &k, &v})
     packed = packed && t->stride(0) == S * W && t->stride(1) == D && t->stride(2) == W && t->stride(3) == 1;
-  if (!packed) return {empty_bshd(q), empty_bshd(k), empty_bshd(v)};
-  const Tensor buf = at::empty({B, S, W}, q.options());
+  return packed;
+}
+
+// dq, dk, dv as (B, H, S, D) views of one (B, S, (H + 2 H_kv) * D) buffer, the layout of packed_qkv's inputs.
+static std::array<Tensor, 3> packed_heads(const Tensor& buf, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t B = buf.size(0), S = buf.size(1);
   const auto heads = [&](int64_t first, int64_t n) {  // heads first .. first + n - 1 as (B, n, S, D)
     return buf.narrow(2, first * D, n * D).view({B, S, n, D}).transpose(1, 2);
   };
@@ -1780,19 +1809,17 @@ std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k
   return {empty_bshd(q), at::empty({s.B, s.H, s.Sq}, q.options().dtype(at::kFloat))};
 }
 
-// dq, dk, dv (attention_grad_buffers' layout) from the forward's inputs, output and lse2.
-std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q_in, const Tensor& k_in,
-                                                                 const Tensor& v_in, const Tensor& out,
-                                                                 const Tensor& lse2, const Tensor& dout_in,
-                                                                 bool causal, double scale, bool precise) {
+// The fused backward into the buffers dq, dk, dv (any (B, H, S, D) views with D contiguous).
+static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out,
+                                const Tensor& lse2, const Tensor& dout_in, bool causal, double scale, bool precise,
+                                const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   if (std::isnan(scale)) {  // a NaN scale's outputs are NaN, and so are their gradients
-    const auto nan = std::numeric_limits<float>::quiet_NaN();
-    return {empty_bshd(q_in).fill_(nan), empty_bshd(k_in).fill_(nan), empty_bshd(v_in).fill_(nan)};
+    for (const Tensor* t : {&dq, &dk, &dv}) t->fill_(std::numeric_limits<float>::quiet_NaN());
+    return;
   }
   const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
   const Tensor dout = attention_operand(dout_in.to(q.scalar_type()));
-  auto [dq, dk, dv] = attention_grad_buffers(q, k, v);
   Tensor delta = at::empty_like(lse2);
   // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
   if (!q.size(2)) {
@@ -1812,6 +1839,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q
                         dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
                         dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D, causal, (float)scale,
                         precise, stream());
+}
+
+// dq, dk, dv, each in (B, S, H, D) memory, from the forward's inputs, output and lse2.
+std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                 const Tensor& out, const Tensor& lse2,
+                                                                 const Tensor& dout, bool causal, double scale,
+                                                                 bool precise) {
+  Tensor dq = empty_bshd(q), dk = empty_bshd(k), dv = empty_bshd(v);
+  fused_backward_into(q, k, v, out, lse2, dout, causal, scale, precise, dq, dk, dv);
   return {dq, dk, dv};
 }
 
@@ -1819,6 +1855,22 @@ std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_meta(const Tensor& q
                                                                  const Tensor&, const Tensor&, const Tensor&, bool,
                                                                  double, bool) {
   return {empty_bshd(q), empty_bshd(k), empty_bshd(v)};
+}
+
+// The same for packed_qkv's inputs: one (B, S, (H + 2 H_kv) * D) buffer, dq, dk and dv side by side.
+Tensor attention_fused_backward_packed_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                            const Tensor& lse2, const Tensor& dout, bool causal, double scale,
+                                            bool precise) {
+  const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(3);
+  Tensor buf = at::empty({q.size(0), q.size(2), (H + 2 * Hkv) * D}, q.options());
+  const auto [dq, dk, dv] = packed_heads(buf, H, Hkv, D);
+  fused_backward_into(q, k, v, out, lse2, dout, causal, scale, precise, dq, dk, dv);
+  return buf;
+}
+
+Tensor attention_fused_backward_packed_meta(const Tensor& q, const Tensor& k, const Tensor&, const Tensor&,
+                                            const Tensor&, const Tensor&, bool, double, bool) {
+  return at::empty({q.size(0), q.size(2), (q.size(1) + 2 * k.size(1)) * q.size(3)}, q.options());
 }
 
 // Tiled: S = scale * Q K^T and P = softmax(S) are materialized (B*H*Sq*Sk floats), built from the
@@ -1923,8 +1975,16 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto t = ctx->get_saved_variables();
     const double scale = ctx->saved_data["scale"].toDouble();
+    const bool tiled = ctx->saved_data["tiled"].toBool();
+    if (!tiled && packed_qkv(t[0], t[1], t[2])) {
+      const Tensor buf = KERNELS_OP("attention_fused_backward_packed", attention_fused_backward_packed_cuda)
+                             .call(t[0], t[1], t[2], t[3], t[4], grads[0], ctx->saved_data["causal"].toBool(),
+                                   scale, ctx->saved_data["precise"].toBool());
+      const auto [dq, dk, dv] = packed_heads(buf, t[0].size(1), t[1].size(1), t[0].size(3));
+      return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor()};
+    }
     const auto [dq, dk, dv] =
-        ctx->saved_data["tiled"].toBool()
+        tiled
             ? KERNELS_OP("attention_tiled_backward", attention_tiled_backward_cuda).call(t[0], t[1], t[2], t[4],
                                                                                         grads[0], scale)
             : KERNELS_OP("attention_fused_backward", attention_fused_backward_cuda)
@@ -2010,7 +2070,8 @@ Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, boo
   BELOW_AUTOCAST;
   const auto& op = KERNELS_OP("attention", attention_impl);
   if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len);
-  if (mode == "fused" && attention_fused_supports((int)q.size(3)))
+  const bool cache = kv_len.has_value() && kv_len->defined();  // fused only: its own error if D is not supported
+  if (mode == "fused" && (cache || attention_fused_supports((int)q.size(3))))
     return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len);
   return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len)
       .to(at::kBFloat16);
@@ -2087,6 +2148,8 @@ TORCH_LIBRARY(kernels, m) {
         "-> (Tensor, Tensor)");
   m.def("attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, bool causal, "
         "float scale, bool precise) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, "
+        "bool causal, float scale, bool precise) -> Tensor");
   m.def("attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
   m.def("attention_tiled_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor dout, float scale) "
         "-> (Tensor, Tensor, Tensor)");
@@ -2129,6 +2192,7 @@ TORCH_LIBRARY_IMPL(kernels, CUDA, m) {
   m.impl("topk", &topk_cuda);
   m.impl("attention_fused", &attention_fused_cuda);
   m.impl("attention_fused_backward", &attention_fused_backward_cuda);
+  m.impl("attention_fused_backward_packed", &attention_fused_backward_packed_cuda);
   m.impl("attention_tiled", &attention_tiled_cuda);
   m.impl("attention_tiled_backward", &attention_tiled_backward_cuda);
 }
@@ -2166,6 +2230,7 @@ TORCH_LIBRARY_IMPL(kernels, Meta, m) {
   m.impl("topk", &topk_meta);
   m.impl("attention_fused", &attention_fused_meta);
   m.impl("attention_fused_backward", &attention_fused_backward_meta);
+  m.impl("attention_fused_backward_packed", &attention_fused_backward_packed_meta);
   m.impl("attention_tiled", &attention_tiled_meta);
   m.impl("attention_tiled_backward", &attention_tiled_backward_meta);
 }
@@ -2220,6 +2285,10 @@ TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
   m.impl("embedding", &embedding_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("attention", &attention_autograd);
+  m.impl("gemv", &gemv_autograd);
+  m.impl("expert_gemv", &expert_gemv_autograd);
+  m.impl("topk", &topk_autograd);
+  m.impl("kv_write", &kv_write_autograd);
 }
 
 TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {

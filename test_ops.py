@@ -1161,18 +1161,20 @@ def train_patched_routes():
         got = model(idx, idx)
         unsupported = [F.softmax(x, dim=0), F.cross_entropy(x, t, label_smoothing=0.1), F.cross_entropy(x, t_ignored),
                        F.scaled_dot_product_attention(*torch.randn(3, 1, 2, 5, 32), attn_mask=torch.ones(5, 5).bool()),
-                       F.layer_norm(x, (48,)), F.linear(x.double(), torch.randn(7, 48).double())]
+                       F.layer_norm(x, (48,)), F.linear(x.double(), torch.randn(7, 48).double()),
+                       F.layer_norm(x.bfloat16(), (48,), torch.ones(48), torch.zeros(48))]  # mixed dtypes
     check("loss", got, want, 1e-6)
     assert all(getattr(F, n) is f for n, f in before.items()), "torch.nn.functional was not put back"
     layers = 2
     expect = {("embedding", "ours"): 2, ("layer_norm", "ours"): 2 * layers + 1, ("linear", "ours"): 4 * layers + 1,
               ("scaled_dot_product_attention", "ours"): layers, ("gelu", "ours"): layers, ("cross_entropy", "ours"): 1,
               ("softmax", "torch"): 1, ("cross_entropy", "torch"): 2, ("scaled_dot_product_attention", "torch"): 1,
-              ("layer_norm", "torch"): 1, ("linear", "torch"): 1}
+              ("layer_norm", "torch"): 2, ("linear", "torch"): 1}
     assert dict(counts) == expect, f"counts {dict(counts)}"
     assert len(calls) == sum(n for (_, way), n in expect.items() if way == "ours"), calls
-    assert len(unsupported) == 6 and all(torch.is_tensor(u) for u in unsupported)
-    return f"{sum(counts.values())} calls: {len(calls)} on our ops, {sum(counts.values()) - len(calls)} on PyTorch's; same loss"
+    assert len(unsupported) == 7 and all(torch.is_tensor(u) for u in unsupported)
+    total = sum(counts.values())
+    return f"{total} calls: {len(calls)} on our ops, {total - len(calls)} on PyTorch's; same loss"
 
 
 def readme_patched_example():
@@ -3269,6 +3271,10 @@ def opcheck_cases(dt):
               ("kv_write", k.kv_write, (plain(2, 2, 16, 64), plain(2, 2, 16, 64), torch.tensor([4, 9], device=DEV),
                                         plain(2, 2, 2, 64), plain(2, 2, 2, 64)), {}),
               ("topk", k.topk, (plain(5, 100), 7), {})]
+    qkv = _leaf(2, 17, (4 + 2 + 2) * 64, dtype=dt)  # the model's q, k, v: views of one projection
+    pq2, pk2, pv2 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], -1))
+    cases += [("attention_packed_qkv", k.attention, (pq2, pk2, pv2), {"causal": True}),
+              ("layernorm_transposed_x", k.layernorm, (_leaf(4, 37, 6, dtype=dt).transpose(1, 2), w, b), {})]
     if dt == BF16:  # mixed precision: a bf16 x with the fp32 master weight and bias
         cases.append(("linear_master_weight", k.linear, (x2, _leaf(19, 37), _leaf(19)), {}))
     if dt == torch.float32:  # the mHC ops take float32 only; static and per-token coefficients
@@ -3300,6 +3306,19 @@ def t_attention_nan_scale(dt):
     out.sum().backward()
     assert all(t.grad.isnan().all() for t in (q, k, v)), "a gradient is not all NaN"
     return "out and dq, dk, dv all NaN, as SDPA's out"
+
+
+def t_norm_views(dt):
+    # the norms' gradients for x and weight given as views (a transposed x, a strided weight), against the
+    # float64 reference: the backward reads its rows from contiguous copies
+    C = 37
+    x = rand(4, C, 6).transpose(1, 2).to(dt)
+    w, b = rand(2 * C)[::2].to(dt), rand(C).to(dt)
+    tol = (2e-2, 2e-2) if dt == BF16 else 1e-4
+    compare_dtypes(lambda x, w, b: kernels.layernorm(x, w, b), lambda x, w, b: REF.layernorm(x, w, b), tol, tol,
+                   out_dtype=dt, x=x, w=w, b=b)
+    compare_dtypes(lambda x, w: kernels.rmsnorm(x, w), lambda x, w: REF.rmsnorm(x, w), tol, tol, out_dtype=dt, x=x, w=w)
+    return "  ".join(CHECKS)
 
 
 def t_opcheck(dt):
@@ -3342,6 +3361,7 @@ def t_compile_fullgraph(dt):
 for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
     add(f"dispatcher/opcheck_{_tag}", t_opcheck, _dt)
     add(f"dispatcher/attention_nan_scale_{_tag}", t_attention_nan_scale, _dt)
+    add(f"dispatcher/norm_views_{_tag}", t_norm_views, _dt)
     add(f"dispatcher/compile_fullgraph_{_tag}", t_compile_fullgraph, _dt)
 
 # -----------------------------------------------------------------------------

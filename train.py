@@ -490,17 +490,17 @@ def _functional_routes(kernels, device_type):
         ok = ours(input, weight, bias) and weight.dim() == 2
         return kernels.linear(input, weight, bias) if ok else NotImplemented
 
+    def norm_ok(input, normalized_shape, *params):  # the last dim, its parameters all given, in input's dtype
+        return (ours(input) and tuple(normalized_shape) == input.shape[-1:]
+                and all(p is not None and ours(p) and p.dtype == input.dtype for p in params))
+
     def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-        if ours(input, weight, bias) and weight is not None and bias is not None \
-                and tuple(normalized_shape) == input.shape[-1:]:
-            return kernels.layernorm(input, weight, bias, eps)
-        return NotImplemented
+        ok = norm_ok(input, normalized_shape, weight, bias)
+        return kernels.layernorm(input, weight, bias, eps) if ok else NotImplemented
 
     def rms_norm(input, normalized_shape, weight=None, eps=None):
-        if ours(input, weight) and weight is not None and tuple(normalized_shape) == input.shape[-1:]:
-            # eps=None is the dtype's machine epsilon, as F.rms_norm takes it
-            return kernels.rmsnorm(input, weight, torch.finfo(input.dtype).eps if eps is None else eps)
-        return NotImplemented
+        eps = torch.finfo(torch.float32).eps if eps is None else eps  # as F.rms_norm, which computes in float32
+        return kernels.rmsnorm(input, weight, eps) if norm_ok(input, normalized_shape, weight) else NotImplemented
 
     def gelu(input, approximate="none"):
         return kernels.gelu(input, approximate=approximate) if ours(input) else NotImplemented
@@ -551,7 +551,9 @@ def patched(kernels=None, device_type="cuda"):
     causal mask with Sq != Sk, an embedding's padding_idx or max_norm, a loss's weights, reduction other
     than the mean, label smoothing or an ignored target hit), and on PyTorch's own otherwise. Yields a
     Counter of the eager calls by (name, "ours" or "torch"). A model under torch.compile traces our ops
-    whole; cross_entropy then stays PyTorch's (finding an ignored target would read the data).
+    whole, at static shapes (dynamic=False: the ops' meta versions are C++ functions of concrete sizes);
+    cross_entropy then stays PyTorch's (finding an ignored target would read the data). Under bf16
+    autocast our norms write bf16, the next product's input, where PyTorch's write float32.
 
         with train.patched() as counts:
             model = torch.compile(model, fullgraph=True)
