@@ -4,11 +4,27 @@
 // Hopper, mma.sync elsewhere and for small products); bf16 ones in bf16 with fp32 accumulation
 // (matmul through wgmma, Hopper only; attention on mma.sync).
 //
-// Sections, top to bottom:
-//   helpers -> bad indices (the error mailbox) -> embedding -> layernorm and RMSNorm -> column sums
-//   -> softmax -> cross-entropy -> GELU -> RoPE -> tensor-core helpers -> matmul (mma.sync, then
-//   Hopper's pack + wgmma, bf16 on Hopper, then the launchers) -> GEMV -> KV cache write -> top-k
-//   -> Sinkhorn -> stream mixing (hyper-connections) -> attention (fused forward/backward)
+// Sections, top to bottom, with the launchers each defines (what bindings.cpp calls):
+//   helpers                         set_pdl
+//   bad indices (error mailbox)     take_index_error
+//   embedding                       embedding_fwd, embedding_bwd, embedding_bwd_workspace_bytes
+//   layernorm and RMSNorm           layernorm_fwd, rmsnorm_fwd
+//   column sums (their backward)    layernorm_bwd, rmsnorm_bwd, norm_bwd_workspace_floats, bias_grad,
+//                                   colsum_chunks
+//   softmax                         softmax_fwd, softmax_bwd
+//   cross-entropy                   cross_entropy_fwd, cross_entropy_bwd
+//   activations                     gelu_fwd/bwd, silu_fwd/bwd, swiglu_fwd/bwd
+//   RoPE                            rope
+//   tensor-core helpers, matmul (mma.sync), Hopper's pack + wgmma, bf16 matmul on Hopper
+//                                   matmul, matmul_workspace_floats, matmul_bf16, matmul_bf16_operand_ok,
+//                                   matmul_bf16_workspace_floats
+//   GEMV                            gemv
+//   KV cache write                  kv_write
+//   top-k                           topk, topk_workspace_bytes
+//   Sinkhorn                        sinkhorn_fwd, sinkhorn_bwd, sinkhorn_workspace_floats
+//   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd
+//   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
+//                                   attention_fwd_workspace_floats, set_attention_wgmma
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`

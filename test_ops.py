@@ -268,12 +268,18 @@ def case_verdicts(logs):
     return verdicts
 
 
+def sources_digest():
+    """kernels.cu's and bindings.cpp's code, less comments and blank lines: what a sanitizer log checked."""
+    here, code = os.path.dirname(os.path.abspath(__file__)), []
+    for f in ("kernels.cu", "bindings.cpp"):
+        code += [line.split("//")[0].strip() for line in open(os.path.join(here, f), encoding="utf-8")]
+    return hashlib.sha256("\n".join(line for line in code if line).encode()).hexdigest()
+
+
 def check_sanitizer_logs_match(log_dir):
-    """Logs resume only over the kernels they checked: log_dir/sources holds kernels.cu's and bindings.cpp's
-    digest; another digest means another build, whose cases start over in another directory."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256(b"".join(open(os.path.join(here, f), "rb").read()
-                                     for f in ("kernels.cu", "bindings.cpp"))).hexdigest()
+    """Logs resume only over the code they checked: log_dir/sources holds sources_digest(); another digest
+    means other kernels, whose cases start over in another directory (a comment's edit changes nothing)."""
+    digest = sources_digest()
     stamp = os.path.join(log_dir, "sources")
     if os.path.exists(stamp) and open(stamp).read().strip() != digest:
         sys.exit(f"--log_dir {log_dir}: its logs are of another kernels.cu or bindings.cpp; give a new --log_dir")
