@@ -53,6 +53,7 @@ except Exception as e:  # ImportError without a build; a stale build can fail in
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda"
+HERE = os.path.dirname(os.path.abspath(__file__))  # the repo: the scripts run from here
 BUILD_HINT = "build it with: python setup.py build_ext --inplace"
 
 # -----------------------------------------------------------------------------
@@ -231,7 +232,7 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
 def our_kernel_names():
     """The __global__ function names in kernels.cu, for compute-sanitizer's --kernel-name filter."""
-    source = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")).read()
+    source = open(os.path.join(HERE, "kernels.cu")).read()
     return sorted(set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)",
                                  source)))
 
@@ -270,9 +271,9 @@ def case_verdicts(logs):
 
 def sources_digest():
     """kernels.cu's and bindings.cpp's code, less comments and blank lines: what a sanitizer log checked."""
-    here, code = os.path.dirname(os.path.abspath(__file__)), []
+    code = []
     for f in ("kernels.cu", "bindings.cpp"):
-        code += [line.split("//")[0].strip() for line in open(os.path.join(here, f), encoding="utf-8")]
+        code += [line.split("//")[0].strip() for line in open(os.path.join(HERE, f), encoding="utf-8")]
     return hashlib.sha256("\n".join(line for line in code if line).encode()).hexdigest()
 
 
@@ -401,10 +402,11 @@ def print_sanitizer_summary(log_dir, expected=None):
         by_case = case_verdicts(logs)
         verdicts = list(by_case.values())
         counts = [verdicts.count(v) for v in ("PASS", "FAIL", "SKIP")]
-        missing = [name for name in tool_cases(tool, expected) if name not in by_case] if expected is not None else []
+        cases = tool_cases(tool, expected) if expected is not None else []
+        missing = [name for name in cases if name not in by_case]
         sums, ours, other, notes = [], [], {}, []
-        if expected is not None and len(tool_cases(tool, expected)) < len(expected):
-            notes.append(f"{len(expected) - len(tool_cases(tool, expected))} bf16 cases left out (tool_cases)")
+        if expected is not None and len(cases) < len(expected):
+            notes.append(f"{len(expected) - len(cases)} bf16 cases left out (tool_cases)")
         for path in logs:
             f, text = os.path.basename(path), open(path, errors="replace").read()
             if not re.search(r"\d+ passed, \d+ failed, \d+ skipped", text):
@@ -728,7 +730,7 @@ def _train_text_file(folder):
 
 
 def _train_run(*args):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+    return subprocess.run([sys.executable, "train.py", *args], cwd=HERE, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -1031,7 +1033,7 @@ def train_interrupt_saves_checkpoint():
         # No evaluation before the interrupt: a checkpoint on disk afterwards comes from the interrupt.
         args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
         proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+                                stderr=subprocess.PIPE, text=True, cwd=HERE)
         watchdog = threading.Timer(120, proc.kill)
         watchdog.start()
         try:
@@ -1106,7 +1108,7 @@ def train_out_dir_lock():
 
 def _torchrun(*args, nproc=2):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                           "train.py", *args], cwd=HERE, capture_output=True,
                           text=True, timeout=180)
 
 
@@ -1251,7 +1253,7 @@ def train_ddp_two_ranks():
 def _rank_processes(args_by_rank, port):
     """The ranks started as torchrun starts them (its environment variables), each with its own options."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(len(args_by_rank))}
-    return [subprocess.Popen([sys.executable, "train.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+    return [subprocess.Popen([sys.executable, "train.py", *args], cwd=HERE,
                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for r, args in enumerate(args_by_rank)]
 
@@ -1385,7 +1387,7 @@ def moe_expert(moe, e, x):
 
 
 def _inference_run(*args):
-    return subprocess.run([sys.executable, "inference.py", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+    return subprocess.run([sys.executable, "inference.py", *args], cwd=HERE,
                           capture_output=True, text=True, timeout=300)
 
 

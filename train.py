@@ -1013,10 +1013,14 @@ def lost_other_ranks(e):
                                any(m in str(e) for m in ("gloo", "NCCL", "Connection closed by peer")))
 
 
+def graph_warmup(world):
+    """Eager steps before a CUDA graph captures the step: DDP needs more than one process does."""
+    return DDP_GRAPH_WARMUP if world > 1 else GRAPH_WARMUP
+
+
 def timing_skip(cfg):
     """Steps left out of tokens/s: at least the eager steps before a graph capture, and the capture."""
-    graph_warmup = DDP_GRAPH_WARMUP if cfg.world_size > 1 else GRAPH_WARMUP
-    return max(cfg.timing_warmup, graph_warmup + 1)
+    return max(cfg.timing_warmup, graph_warmup(cfg.world_size) + 1)
 
 
 def start_ranks(cfg):
@@ -1285,11 +1289,12 @@ class OpSetRun:
         self.resume()
         net = ranks.wrap(self.model, graphed)
         if graphed:
-            self.step = GraphedStep(net, self.opt, warmup=DDP_GRAPH_WARMUP if ranks.world > 1 else GRAPH_WARMUP)
+            self.step = GraphedStep(net, self.opt, warmup=graph_warmup(ranks.world))
         elif compiled:
             self.step = compiled_step(net, self.opt)
         else:
             self.step = functools.partial(train_step, net, self.opt)
+        self.tokens_per_step = cfg.batch_size * cfg.block_size * ranks.world  # of all ranks
         # Losses stay on the device until a log or eval point: reading each one would sync every step.
         self.loss_buf = torch.zeros(max(cfg.max_iters - self.start, 0), device=self.device)
         self.done = self.fetched = self.start
@@ -1338,9 +1343,8 @@ class OpSetRun:
             return self.stop("diverged", f"loss is {new[bad]} at iteration {at}", at)
         self.train_loss += new
         if log:
-            tokens_per_step = cfg.batch_size * cfg.block_size * self.ranks.world
             print(f"{self.ops.name} | iter {done:>{len(str(cfg.max_iters))}}/{cfg.max_iters} | loss "
-                  f"{self.train_loss[-1]:.4f} | {steps * tokens_per_step / seconds:>9,.0f} tok/s | eta "
+                  f"{self.train_loss[-1]:.4f} | {steps * self.tokens_per_step / seconds:>9,.0f} tok/s | eta "
                   f"{fmt_seconds((cfg.max_iters - done) * seconds / steps)}")
         # A finite loss at step k says nothing of the update that step k made: check the weights.
         if (ev or interrupt) and not all_finite(self.model.parameters()):
@@ -1378,7 +1382,6 @@ class OpSetRun:
                     else f"no checkpoint written to {self.ckpt_path}")
             print(f"{self.ops.name} | stopped: {self.why}; {kept}")
         cfg, evals = self.cfg, self.evals
-        tokens_per_step = cfg.batch_size * cfg.block_size * self.ranks.world
         sample = self.status == "completed" and self.ranks.main  # not from NaN, nor once asked to stop
         return {
             "status": self.status, "stopped_because": self.why, "stopped_at": self.stopped_at,
@@ -1387,7 +1390,7 @@ class OpSetRun:
             "final_train_loss": evals[-1]["train"] if evals else None,
             "final_val_loss": evals[-1]["val"] if evals else None,
             "wall_s": wall_s,
-            "tokens_per_s": timer.timed_steps * tokens_per_step / timer.timed_s if timer.timed_steps else None,
+            "tokens_per_s": timer.timed_steps * self.tokens_per_step / timer.timed_s if timer.timed_steps else None,
             "timed_iters": timer.timed_steps,
             "train_loss": self.train_loss, "evals": evals,
             "sample": generate(self.model, self.tok, cfg, self.device) if sample else None,
