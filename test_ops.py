@@ -67,6 +67,12 @@ REF = types.SimpleNamespace(**vars(train.TORCH_OPS))
 UNDER_SANITIZER = any(k.startswith("NV_SANITIZER") for k in os.environ)
 
 
+def under_tool(normal, shorter):
+    """The length of an end-to-end case (steps, tokens): shorter under a tool, which checks every launch of
+    a kernel; a step's tenth replay launches nothing its first did not, and the tool slows each many times."""
+    return shorter if UNDER_SANITIZER else normal
+
+
 if UNDER_SANITIZER:
     # synccheck reports barrier errors inside cuDNN's bf16 attention backward, whose call then fails and
     # leaves the CUDA context broken for every later case of the process; the bf16 training cases, whose
@@ -290,11 +296,14 @@ def check_sanitizer_logs_match(log_dir):
 
 def sanitize(tools, shards, only, log_dir, filtered=True):
     """Runs `shards` processes a tool, all at once, each over every shards-th GPU case; logs in log_dir.
-    filtered: instrument only the kernels of kernels.cu where the tool allows it (kernel_filter). A run
-    resumes the logs already in log_dir: a case that passed or skipped there is not run again."""
+    The processes take the visible GPUs in turn. filtered: instrument only the kernels of kernels.cu where
+    the tool allows it (kernel_filter). A run resumes the logs already in log_dir: a case that passed or
+    skipped there is not run again."""
     os.makedirs(log_dir, exist_ok=True)
     check_sanitizer_logs_match(log_dir)
     expected = [c[0] for c in CASES if c[2] and only in c[0]]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     runs = []
     for tool in tools:
         options = kernel_filter(tool) if filtered else []
@@ -313,8 +322,9 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
             cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device",
                    *options, sys.executable, __file__, "--gpu_only", "--shard", f"{k}/{shards}", "--only", only,
                    "--skip_file", skip_file]
-            runs.append((f"{tool}_{first + k}", *start_logged(cmd, os.path.join(log_dir, f"{tool}_{first + k}.log"))))
-    print(f"{len(runs)} processes, logs in {log_dir}", flush=True)
+            log = os.path.join(log_dir, f"{tool}_{first + k}.log")
+            runs.append((f"{tool}_{first + k}", *start_logged(cmd, log, gpus[len(runs) % len(gpus)] if gpus else None)))
+    print(f"{len(runs)} processes over {max(1, len(gpus))} GPU(s), logs in {log_dir}", flush=True)
     try:
         for name, proc, thread, t0 in runs:
             thread.join()
@@ -327,9 +337,12 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
     return print_sanitizer_summary(log_dir, expected)
 
 
-def start_logged(cmd, log):
-    """Starts cmd with its output going through keep_sanitizer_log to log: (process, thread, start time)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+def start_logged(cmd, log, gpu=None):
+    """Starts cmd (on GPU number gpu, if given) with its output going through keep_sanitizer_log to log:
+    (process, thread, start time)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu) if gpu is not None else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env=env)
     thread = threading.Thread(target=keep_sanitizer_log, args=(proc, log), daemon=True)
     thread.start()
     return proc, thread, time.time()
@@ -729,9 +742,9 @@ def _train_text_file(folder):
     return path
 
 
-def _train_run(*args):
+def _train_run(*args, timeout=120):
     return subprocess.run([sys.executable, "train.py", *args], cwd=HERE, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=timeout)
 
 
 def _train_check_ok(proc, what):
@@ -1107,10 +1120,9 @@ def train_out_dir_lock():
     return "held: refused; stale: taken over; released at the end"
 
 
-def _torchrun(*args, nproc=2):
+def _torchrun(*args, nproc=2, timeout=180):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "train.py", *args], cwd=HERE, capture_output=True,
-                          text=True, timeout=180)
+                           "train.py", *args], cwd=HERE, capture_output=True, text=True, timeout=timeout)
 
 
 def train_ddp_two_ranks():
@@ -1396,7 +1408,8 @@ def inference_gpu_paths_agree():
     # the dense and the MoE model, and sampling (temperature, top-k, the same uniforms) for the dense one;
     # ours also with ordinary launches (kernels.set_pdl(False)), which must not change a bit
     kernels_ops = train.cuda_op_set(kernels, 32)
-    uniforms = torch.rand(20)
+    n_new = under_tool(20, 4)
+    uniforms = torch.rand(n_new)
     for arch, n_expert, temperature, k in (("gpt", 0, 0.0, 0), ("gpt", 4, 0.0, 0), ("gpt", 0, 0.8, 5),
                                            ("llama", 0, 0.0, 0), ("llama", 4, 0.0, 0), ("llama", 0, 0.8, 5)):
         model = _decoder_gpt(n_expert, DEV, n_embd=64, arch=arch)  # head size 32: the fused attention's
@@ -1405,11 +1418,11 @@ def inference_gpu_paths_agree():
                                ("cuda_ordinary_launch", kernels_ops, False)):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, 20, temperature, k, uniforms, graphed)
+                dec = inference.Decoder(model, n_new, temperature, k, uniforms, graphed)
                 kernels.set_pdl(pdl)
                 try:
                     with torch.no_grad():
-                        inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                        inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                 finally:
                     kernels.set_pdl(True)
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins
@@ -1433,16 +1446,16 @@ def inference_gpu_bf16_paths():
     # a near tie: under 5% of the logits' spread
     if torch.cuda.get_device_capability() != (9, 0):
         raise Skip("bf16 prefill runs our bf16 matmul, on Hopper's wgmma (compute capability 9.0)")
-    notes = []
+    notes, n_new = [], under_tool(20, 4)
     for arch, n_expert in (("gpt", 0), ("gpt", 4), ("llama", 0)):
         model = inference.with_dtype(_decoder_gpt(n_expert, DEV, n_embd=64, arch=arch), "bf16")
         toks, margins, spread = {}, {}, {}
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", train.cuda_op_set(kernels, 32))):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, 20, 0.0, 0, torch.rand(20), graphed)
+                dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed)
                 with torch.no_grad():
-                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                     logits = model(torch.tensor([[3, 1, 4]], device=DEV))[0].float()
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins.tolist()
                 spread[name] = (logits.max() - logits.min()).item()
@@ -1451,7 +1464,7 @@ def inference_gpu_bf16_paths():
                                                           f"graphed {toks[name, True]}"
         i = inference.first_difference(toks["torch", False], toks["cuda", False])
         if i is None:
-            notes.append(f"{arch} E={n_expert}: 20/20 equal")
+            notes.append(f"{arch} E={n_expert}: {n_new}/{n_new} equal")
         else:
             m = margins["torch", False][i]
             assert m < 0.05 * spread["torch"], f"{arch} {n_expert}: differ at {i} with margin {m:.3g}, not a near tie"
@@ -3237,9 +3250,9 @@ def bits(t):
 def train_gpu_deterministic(residual, arch="gpt"):
     # Two graphed runs of the cuda op set, one seed, one batch order: every loss, every eval loss,
     # every weight and every AdamW moment must agree to the bit after 10 steps (3 eager warm-up
-    # steps, the capture, 7 replays).
-    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=10, residual=residual,
-                 arch=arch)
+    # steps, the capture, 7 replays; 5 steps under a tool).
+    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=under_tool(10, 5),
+                 residual=residual, arch=arch)
     ops = train.cuda_op_set(kernels, shape["n_embd"] // shape["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
         (r1, c1), (r2, c2) = [gpu_train(ops, os.path.join(tmp, f"run{i}"), **shape) for i in (1, 2)]
@@ -3266,7 +3279,7 @@ def train_gpu_deterministic(residual, arch="gpt"):
 def train_gpu_op_sets_agree(arch="gpt"):
     # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
     # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them.
-    steps = 20
+    steps = under_tool(20, 5)
     cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
         runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch)[0]
@@ -3331,7 +3344,7 @@ def train_gpu_bf16_op_sets_close(arch="gpt"):
     # the curves drift apart; how far is what this reports, and it must stay at bf16's scale
     if torch.cuda.get_device_capability() != (9, 0):
         raise Skip("the cuda op set's bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    steps = 100
+    steps = under_tool(100, 10)
     head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dtype="bf16")[0]
@@ -4217,6 +4230,40 @@ def bench_call_overhead(rows, calls=2000):
                              ours_us=per_call["ours"], torch_us=per_call["torch"]))
 
 
+def bench_ddp_scaling(rows, iters=200):
+    """train.py --preset=large on one GPU at twice the batch against torchrun on two GPUs (the same global
+    batch), both op sets, fp32 and bf16: tokens/s of each, the scaling, and the op sets' largest loss
+    difference over the first 100 steps on each, from the runs' results.json."""
+    if torch.cuda.device_count() < 2:
+        print(f"\nddp scaling: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+        return
+    batch = train.PRESETS["large"]["batch_size"]
+    print(f"\nddp scaling: --preset=large, {iters} steps; 1 GPU at batch {2 * batch}, torchrun 2 GPUs at {batch} a rank")
+    print(f"{'dtype':<6} {'op set':<7} {'1 GPU tok/s':>12} {'2 GPUs tok/s':>13} {'scaling':>8} "
+          f"{'loss diff 1 GPU':>16} {'2 GPUs':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("fp32", "bf16"):
+            common = ["--preset=large", f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
+                      "--sample_len=0", "--plot=false", f"--dtype={dtype}"]
+            out = {n: os.path.join(tmp, f"{dtype}_{n}") for n in ("one", "two")}
+            procs = (_train_run(*common, f"--out_dir={out['one']}", f"--batch_size={2 * batch}", timeout=900),
+                     _torchrun(*common, f"--out_dir={out['two']}", f"--batch_size={batch}", timeout=900))
+            failed = [p for p in procs if p.returncode]
+            if failed:
+                print(f"{dtype}: a run failed (exit {failed[0].returncode}):\n{failed[0].stderr[-1500:]}")
+                rows.append(dict(op="ddp", shape="large", dtype=dtype, check_ok=False))
+                continue
+            res = {n: json.load(open(os.path.join(out[n], "results.json"))) for n in out}
+            diff = {n: res[n]["max_abs_loss_diff_first_100"] for n in out}
+            for ops in ("torch", "cuda"):
+                tps = {n: res[n]["op_sets"][ops]["tokens_per_s"] for n in out}
+                print(f"{dtype:<6} {ops:<7} {tps['one']:>12,.0f} {tps['two']:>13,.0f} {tps['two'] / tps['one']:>7.2f}x "
+                      f"{diff['one']:>16.2e} {diff['two']:>9.2e}", flush=True)
+                rows.append(dict(op="ddp", shape="large", dtype=dtype, op_set=ops, one_gpu_tok_s=tps["one"],
+                                 two_gpus_tok_s=tps["two"], scaling=tps["two"] / tps["one"],
+                                 loss_diff_one=diff["one"], loss_diff_two=diff["two"]))
+
+
 def bench_main(json_path):
     if not HAS_CUDA:  # building the extension cannot help here
         print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
@@ -4239,6 +4286,8 @@ def bench_main(json_path):
         bench_attention_bf16(rows)
     if ONLY in "attention gqa":
         bench_gqa(rows)
+    if ONLY in "ddp":
+        bench_ddp_scaling(rows)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
