@@ -267,11 +267,20 @@ def sanitizer_logs(log_dir, tool):
     return [os.path.join(log_dir, f) for f in sorted(logs, key=lambda f: int(re.search(r"(\d+)\.log", f).group(1)))]
 
 
+TEST_SUMMARY = r"\d+ passed, \d+ failed, \d+ skipped"
+
+
 def case_verdicts(logs):
-    """{case: PASS, FAIL or SKIP} over logs, the later log's verdict where a case ran twice."""
+    """{case: PASS, FAIL, SKIP or DIED} over logs, the later log's verdict where a case ran twice. DIED: the
+    case a log ends in, with no verdict and no test summary after it (its process was killed or crashed)."""
     verdicts = {}
     for log in logs:
-        verdicts.update(re.findall(r"^(\S+)\s+(PASS|FAIL|SKIP)\b", open(log, errors="replace").read(), re.M))
+        text = open(log, errors="replace").read()
+        verdicts.update(re.findall(r"^(\S+)\s+(PASS|FAIL|SKIP)\b", text, re.M))
+        started = list(re.finditer(r"^(\S+/\S+) +(?:=========.*)?$", text, re.M))  # a case's name, no verdict
+        if started and not re.search(TEST_SUMMARY, text) and \
+                not re.search(rf"^{re.escape(started[-1].group(1))}\s+(PASS|FAIL|SKIP)\b", text[started[-1].end():], re.M):
+            verdicts[started[-1].group(1)] = "DIED"
     return verdicts
 
 
@@ -308,7 +317,7 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
     for tool in tools:
         options = kernel_filter(tool) if filtered else []
         logs, cases = sanitizer_logs(log_dir, tool), tool_cases(tool, expected)
-        done = [name for name, verdict in case_verdicts(logs).items() if verdict != "FAIL"]
+        done = [name for name, verdict in case_verdicts(logs).items() if verdict in ("PASS", "SKIP")]
         left = len(set(cases) - set(done))
         print(f"{tool}: {left} cases to run ({len(cases) - left} done in earlier runs, {len(expected) - len(cases)} "
               f"left out), instrumenting {options[1] if options else 'every kernel'}")
@@ -415,15 +424,19 @@ def print_sanitizer_summary(log_dir, expected=None):
         by_case = case_verdicts(logs)
         verdicts = list(by_case.values())
         counts = [verdicts.count(v) for v in ("PASS", "FAIL", "SKIP")]
+        counts[1] += verdicts.count("DIED")
         cases = tool_cases(tool, expected) if expected is not None else []
         missing = [name for name in cases if name not in by_case]
-        sums, ours, other, notes = [], [], {}, []
+        sums, ours, other, notes, unfinished = [], [], {}, [], []
         if expected is not None and len(cases) < len(expected):
             notes.append(f"{len(expected) - len(cases)} bf16 cases left out (tool_cases)")
         for path in logs:
             f, text = os.path.basename(path), open(path, errors="replace").read()
-            if not re.search(r"\d+ passed, \d+ failed, \d+ skipped", text):
-                notes.append(f"{f}: no test summary (still running, killed or crashed)")
+            died = [name for name, verdict in case_verdicts([path]).items() if verdict == "DIED"]
+            if died and by_case[died[0]] == "DIED":
+                notes.append(f"{f}: {died[0]} DIED: its process ended inside it (killed or crashed), no verdict")
+            elif not died and not re.search(TEST_SUMMARY, text):
+                unfinished.append(f)
             sums += re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+ \w+)", text)
             notes += [f"{f}: {m.group(1)} {m.group(2)}: {m.group(3)[:100]}"
                       for m in re.finditer(r"^(\S+)\s+(FAIL|SKIP)\s+(.*)$", text, re.M)]
@@ -435,6 +448,8 @@ def print_sanitizer_summary(log_dir, expected=None):
                     ours.append((n, where))
                 else:
                     other[where] = other.get(where, 0) + n
+        if unfinished:
+            notes.insert(0, f"no test summary in {', '.join(unfinished)} (still running, killed or crashed)")
         failed_any |= bool(ours) or counts[1] > 0 or bool(missing)
         print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4} "
               f"{len(missing) if expected is not None else '-':>7}  {sum(n for n, _ in ours):>5} "
@@ -1776,14 +1791,17 @@ def sanitizer_resume():
     # a later run's verdict replaces an earlier one's, cases no log names count as missing, and logs of
     # another kernels.cu are not resumed
     with tempfile.TemporaryDirectory() as tmp:
-        for k, text in enumerate(["a/1  FAIL  x\nb/2  PASS\n", "a/1  \na/1  PASS  y\n"]):
+        logs = ["a/1  FAIL  x\nb/2  PASS\nd/4  ========= Error: process didn't terminate successfully\n",
+                "a/1  \na/1  PASS  y\n"]
+        for k, text in enumerate(logs):
             with open(os.path.join(tmp, f"racecheck_{k}.log"), "w") as f:
                 f.write(text)
-        assert case_verdicts(sanitizer_logs(tmp, "racecheck")) == {"a/1": "PASS", "b/2": "PASS"}
+        assert case_verdicts(sanitizer_logs(tmp, "racecheck")) == {"a/1": "PASS", "b/2": "PASS", "d/4": "DIED"}
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            failed = print_sanitizer_summary(tmp, expected=["a/1", "b/2", "c/3"])
+            failed = print_sanitizer_summary(tmp, expected=["a/1", "b/2", "c/3", "d/4"])
         row = out.getvalue().splitlines()[2].split()
-        assert failed == 1 and row[:6] == ["racecheck", "2", "2", "0", "0", "1"], out.getvalue()
+        assert failed == 1 and row[:6] == ["racecheck", "3", "2", "1", "0", "1"], out.getvalue()
+        assert "racecheck_0.log: d/4 DIED" in out.getvalue(), out.getvalue()
         check_sanitizer_logs_match(tmp)
         with open(os.path.join(tmp, "sources"), "w") as f:
             f.write("another build\n")
@@ -1793,7 +1811,8 @@ def sanitizer_resume():
             assert "another kernels.cu" in str(e), e
         else:
             raise AssertionError("logs of another build were resumed")
-    return "later verdicts win, missing cases counted, logs of another build refused"
+    return "later verdicts win, a case its process died in counted as failed, missing cases counted, logs of " \
+           "another build refused"
 
 
 add("ref/topk_order", ref_topk_order, gpu=False)
