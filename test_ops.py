@@ -4250,37 +4250,47 @@ def bench_call_overhead(rows, calls=2000):
 
 
 def bench_ddp_scaling(rows, iters=200):
-    """train.py --preset=large on one GPU at twice the batch against torchrun on two GPUs (the same global
-    batch), both op sets, fp32 and bf16: tokens/s of each, the scaling, and the op sets' largest loss
-    difference over the first 100 steps on each, from the runs' results.json."""
+    """train.py --preset=large, both op sets, fp32 and bf16, on one GPU at twice the preset's batch and at
+    the preset's batch, and through torchrun on two GPUs at the preset's batch a rank (the first run's
+    global batch): tokens/s of each, the scaling against each one-GPU run, and the op sets' largest loss
+    difference over the first 100 steps at the global batch, on one GPU and on two (results.json's)."""
     if torch.cuda.device_count() < 2:
         print(f"\nddp scaling: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
         return
-    batch = train.PRESETS["large"]["batch_size"]
-    print(f"\nddp scaling: --preset=large, {iters} steps; 1 GPU at batch {2 * batch}, torchrun 2 GPUs at {batch} a rank")
-    print(f"{'dtype':<6} {'op set':<7} {'1 GPU tok/s':>12} {'2 GPUs tok/s':>13} {'scaling':>8} "
-          f"{'loss diff 1 GPU':>16} {'2 GPUs':>9}")
+    b = train.PRESETS["large"]["batch_size"]
+    print(f"\nddp scaling: --preset=large, {iters} steps; tok/s on 1 GPU at batch {2 * b} and {b}, on 2 GPUs at {b} a "
+          f"rank;\nscaling: 2 GPUs over 1 GPU at {2 * b} (the same global batch) and at {b} (the same batch a GPU); "
+          f"loss diff: the op sets' largest |difference| over 100 steps at global batch {2 * b}")
+    print(f"{'dtype':<6} {'op set':<7} {f'1 GPU B{2 * b}':>12} {f'1 GPU B{b}':>12} {'2 GPUs':>12} {'scaling':>8} "
+          f"{f'vs B{b}':>8} {'loss diff 1 GPU':>16} {'2 GPUs':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("fp32", "bf16"):
             common = ["--preset=large", f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
                       "--sample_len=0", "--plot=false", f"--dtype={dtype}"]
-            out = {n: os.path.join(tmp, f"{dtype}_{n}") for n in ("one", "two")}
-            procs = (_train_run(*common, f"--out_dir={out['one']}", f"--batch_size={2 * batch}", timeout=900),
-                     _torchrun(*common, f"--out_dir={out['two']}", f"--batch_size={batch}", timeout=900))
-            failed = [p for p in procs if p.returncode]
-            if failed:
-                print(f"{dtype}: a run failed (exit {failed[0].returncode}):\n{failed[0].stderr[-1500:]}")
-                rows.append(dict(op="ddp", shape="large", dtype=dtype, check_ok=False))
-                continue
-            res = {n: json.load(open(os.path.join(out[n], "results.json"))) for n in out}
-            diff = {n: res[n]["max_abs_loss_diff_first_100"] for n in out}
-            for ops in ("torch", "cuda"):
-                tps = {n: res[n]["op_sets"][ops]["tokens_per_s"] for n in out}
-                print(f"{dtype:<6} {ops:<7} {tps['one']:>12,.0f} {tps['two']:>13,.0f} {tps['two'] / tps['one']:>7.2f}x "
-                      f"{diff['one']:>16.2e} {diff['two']:>9.2e}", flush=True)
-                rows.append(dict(op="ddp", shape="large", dtype=dtype, op_set=ops, one_gpu_tok_s=tps["one"],
-                                 two_gpus_tok_s=tps["two"], scaling=tps["two"] / tps["one"],
-                                 loss_diff_one=diff["one"], loss_diff_two=diff["two"]))
+            runs = {"one2": (_train_run, 2 * b), "one": (_train_run, b), "two": (_torchrun, b)}
+            res = {}
+            for name, (launch, batch) in runs.items():
+                out = os.path.join(tmp, f"{dtype}_{name}")
+                p = launch(*common, f"--out_dir={out}", f"--batch_size={batch}", timeout=900)
+                if p.returncode:
+                    print(f"{dtype} {name}: exit {p.returncode}\n{p.stderr[-1500:]}")
+                    rows.append(dict(op="ddp", shape="large", dtype=dtype, check_ok=False))
+                    break
+                res[name] = json.load(open(os.path.join(out, "results.json")))
+            else:
+                bench_ddp_rows(rows, dtype, res)
+
+
+def bench_ddp_rows(rows, dtype, res):
+    """bench_ddp_scaling's rows for one dtype, from the three runs' results.json."""
+    diff = {n: res[n]["max_abs_loss_diff_first_100"] for n in res}
+    for ops in ("torch", "cuda"):
+        tps = {n: res[n]["op_sets"][ops]["tokens_per_s"] for n in res}
+        scaling, per_gpu = tps["two"] / tps["one2"], tps["two"] / tps["one"]
+        print(f"{dtype:<6} {ops:<7} {tps['one2']:>12,.0f} {tps['one']:>12,.0f} {tps['two']:>12,.0f} {scaling:>7.2f}x "
+              f"{per_gpu:>7.2f}x {diff['one2']:>16.2e} {diff['two']:>9.2e}", flush=True)
+        rows.append(dict(op="ddp", shape="large", dtype=dtype, op_set=ops, tok_s=tps, scaling=scaling,
+                         scaling_same_batch=per_gpu, loss_diff_one_gpu=diff["one2"], loss_diff_two_gpus=diff["two"]))
 
 
 def bench_main(json_path):
