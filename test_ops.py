@@ -67,6 +67,12 @@ REF = types.SimpleNamespace(**vars(train.TORCH_OPS))
 UNDER_SANITIZER = any(k.startswith("NV_SANITIZER") for k in os.environ)
 
 
+def under_tool(normal, shorter):
+    """The length of an end-to-end case (steps, tokens): shorter under a tool, which checks every launch of
+    a kernel; a step's tenth replay launches nothing its first did not, and the tool slows each many times."""
+    return shorter if UNDER_SANITIZER else normal
+
+
 if UNDER_SANITIZER:
     # synccheck reports barrier errors inside cuDNN's bf16 attention backward, whose call then fails and
     # leaves the CUDA context broken for every later case of the process; the bf16 training cases, whose
@@ -261,11 +267,20 @@ def sanitizer_logs(log_dir, tool):
     return [os.path.join(log_dir, f) for f in sorted(logs, key=lambda f: int(re.search(r"(\d+)\.log", f).group(1)))]
 
 
+TEST_SUMMARY = r"\d+ passed, \d+ failed, \d+ skipped"
+
+
 def case_verdicts(logs):
-    """{case: PASS, FAIL or SKIP} over logs, the later log's verdict where a case ran twice."""
+    """{case: PASS, FAIL, SKIP or DIED} over logs, the later log's verdict where a case ran twice. DIED: the
+    case a log ends in, with no verdict and no test summary after it (its process was killed or crashed)."""
     verdicts = {}
     for log in logs:
-        verdicts.update(re.findall(r"^(\S+)\s+(PASS|FAIL|SKIP)\b", open(log, errors="replace").read(), re.M))
+        text = open(log, errors="replace").read()
+        verdicts.update(re.findall(r"^(\S+)\s+(PASS|FAIL|SKIP)\b", text, re.M))
+        started = list(re.finditer(r"^(\S+/\S+) +(?:=========.*)?$", text, re.M))  # a case's name, no verdict
+        if started and not re.search(TEST_SUMMARY, text) and \
+                not re.search(rf"^{re.escape(started[-1].group(1))}\s+(PASS|FAIL|SKIP)\b", text[started[-1].end():], re.M):
+            verdicts[started[-1].group(1)] = "DIED"
     return verdicts
 
 
@@ -290,16 +305,19 @@ def check_sanitizer_logs_match(log_dir):
 
 def sanitize(tools, shards, only, log_dir, filtered=True):
     """Runs `shards` processes a tool, all at once, each over every shards-th GPU case; logs in log_dir.
-    filtered: instrument only the kernels of kernels.cu where the tool allows it (kernel_filter). A run
-    resumes the logs already in log_dir: a case that passed or skipped there is not run again."""
+    The processes take the visible GPUs in turn. filtered: instrument only the kernels of kernels.cu where
+    the tool allows it (kernel_filter). A run resumes the logs already in log_dir: a case that passed or
+    skipped there is not run again."""
     os.makedirs(log_dir, exist_ok=True)
     check_sanitizer_logs_match(log_dir)
     expected = [c[0] for c in CASES if c[2] and only in c[0]]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     runs = []
     for tool in tools:
         options = kernel_filter(tool) if filtered else []
         logs, cases = sanitizer_logs(log_dir, tool), tool_cases(tool, expected)
-        done = [name for name, verdict in case_verdicts(logs).items() if verdict != "FAIL"]
+        done = [name for name, verdict in case_verdicts(logs).items() if verdict in ("PASS", "SKIP")]
         left = len(set(cases) - set(done))
         print(f"{tool}: {left} cases to run ({len(cases) - left} done in earlier runs, {len(expected) - len(cases)} "
               f"left out), instrumenting {options[1] if options else 'every kernel'}")
@@ -313,8 +331,9 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
             cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device",
                    *options, sys.executable, __file__, "--gpu_only", "--shard", f"{k}/{shards}", "--only", only,
                    "--skip_file", skip_file]
-            runs.append((f"{tool}_{first + k}", *start_logged(cmd, os.path.join(log_dir, f"{tool}_{first + k}.log"))))
-    print(f"{len(runs)} processes, logs in {log_dir}", flush=True)
+            log = os.path.join(log_dir, f"{tool}_{first + k}.log")
+            runs.append((f"{tool}_{first + k}", *start_logged(cmd, log, gpus[len(runs) % len(gpus)] if gpus else None)))
+    print(f"{len(runs)} processes over {max(1, len(gpus))} GPU(s), logs in {log_dir}", flush=True)
     try:
         for name, proc, thread, t0 in runs:
             thread.join()
@@ -327,9 +346,12 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
     return print_sanitizer_summary(log_dir, expected)
 
 
-def start_logged(cmd, log):
-    """Starts cmd with its output going through keep_sanitizer_log to log: (process, thread, start time)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+def start_logged(cmd, log, gpu=None):
+    """Starts cmd (on GPU number gpu, if given) with its output going through keep_sanitizer_log to log:
+    (process, thread, start time)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu) if gpu is not None else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env=env)
     thread = threading.Thread(target=keep_sanitizer_log, args=(proc, log), daemon=True)
     thread.start()
     return proc, thread, time.time()
@@ -402,15 +424,19 @@ def print_sanitizer_summary(log_dir, expected=None):
         by_case = case_verdicts(logs)
         verdicts = list(by_case.values())
         counts = [verdicts.count(v) for v in ("PASS", "FAIL", "SKIP")]
+        counts[1] += verdicts.count("DIED")
         cases = tool_cases(tool, expected) if expected is not None else []
         missing = [name for name in cases if name not in by_case]
-        sums, ours, other, notes = [], [], {}, []
+        sums, ours, other, notes, unfinished = [], [], {}, [], []
         if expected is not None and len(cases) < len(expected):
             notes.append(f"{len(expected) - len(cases)} bf16 cases left out (tool_cases)")
         for path in logs:
             f, text = os.path.basename(path), open(path, errors="replace").read()
-            if not re.search(r"\d+ passed, \d+ failed, \d+ skipped", text):
-                notes.append(f"{f}: no test summary (still running, killed or crashed)")
+            died = [name for name, verdict in case_verdicts([path]).items() if verdict == "DIED"]
+            if died and by_case[died[0]] == "DIED":
+                notes.append(f"{f}: {died[0]} DIED: its process ended inside it (killed or crashed), no verdict")
+            elif not died and not re.search(TEST_SUMMARY, text):
+                unfinished.append(f)
             sums += re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+ \w+)", text)
             notes += [f"{f}: {m.group(1)} {m.group(2)}: {m.group(3)[:100]}"
                       for m in re.finditer(r"^(\S+)\s+(FAIL|SKIP)\s+(.*)$", text, re.M)]
@@ -422,6 +448,8 @@ def print_sanitizer_summary(log_dir, expected=None):
                     ours.append((n, where))
                 else:
                     other[where] = other.get(where, 0) + n
+        if unfinished:
+            notes.insert(0, f"no test summary in {', '.join(unfinished)} (still running, killed or crashed)")
         failed_any |= bool(ours) or counts[1] > 0 or bool(missing)
         print(f"{tool:<10} {sum(counts):>5} {counts[0]:>5} {counts[1]:>4} {counts[2]:>4} "
               f"{len(missing) if expected is not None else '-':>7}  {sum(n for n, _ in ours):>5} "
@@ -729,9 +757,9 @@ def _train_text_file(folder):
     return path
 
 
-def _train_run(*args):
+def _train_run(*args, timeout=120):
     return subprocess.run([sys.executable, "train.py", *args], cwd=HERE, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=timeout)
 
 
 def _train_check_ok(proc, what):
@@ -1106,10 +1134,9 @@ def train_out_dir_lock():
     return "held: refused; stale: taken over; released at the end"
 
 
-def _torchrun(*args, nproc=2):
+def _torchrun(*args, nproc=2, timeout=180):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "train.py", *args], cwd=HERE, capture_output=True,
-                          text=True, timeout=180)
+                           "train.py", *args], cwd=HERE, capture_output=True, text=True, timeout=timeout)
 
 
 class _FunctionalGPT(torch.nn.Module):
@@ -1511,7 +1538,8 @@ def inference_gpu_paths_agree():
     # the dense and the MoE model, and sampling (temperature, top-k, the same uniforms) for the dense one;
     # ours also with ordinary launches (kernels.set_pdl(False)), which must not change a bit
     kernels_ops = train.cuda_op_set(kernels, 32)
-    uniforms = torch.rand(20)
+    n_new = under_tool(20, 4)
+    uniforms = torch.rand(n_new)
     for arch, n_expert, temperature, k in (("gpt", 0, 0.0, 0), ("gpt", 4, 0.0, 0), ("gpt", 0, 0.8, 5),
                                            ("llama", 0, 0.0, 0), ("llama", 4, 0.0, 0), ("llama", 0, 0.8, 5)):
         model = _decoder_gpt(n_expert, DEV, n_embd=64, arch=arch)  # head size 32: the fused attention's
@@ -1520,11 +1548,11 @@ def inference_gpu_paths_agree():
                                ("cuda_ordinary_launch", kernels_ops, False)):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, 20, temperature, k, uniforms, graphed)
+                dec = inference.Decoder(model, n_new, temperature, k, uniforms, graphed)
                 kernels.set_pdl(pdl)
                 try:
                     with torch.no_grad():
-                        inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                        inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                 finally:
                     kernels.set_pdl(True)
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins
@@ -1548,16 +1576,16 @@ def inference_gpu_bf16_paths():
     # a near tie: under 5% of the logits' spread
     if torch.cuda.get_device_capability() != (9, 0):
         raise Skip("bf16 prefill runs our bf16 matmul, on Hopper's wgmma (compute capability 9.0)")
-    notes = []
+    notes, n_new = [], under_tool(20, 4)
     for arch, n_expert in (("gpt", 0), ("gpt", 4), ("llama", 0)):
         model = inference.with_dtype(_decoder_gpt(n_expert, DEV, n_embd=64, arch=arch), "bf16")
         toks, margins, spread = {}, {}, {}
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", train.cuda_op_set(kernels, 32))):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, 20, 0.0, 0, torch.rand(20), graphed)
+                dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed)
                 with torch.no_grad():
-                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), 20)
+                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                     logits = model(torch.tensor([[3, 1, 4]], device=DEV))[0].float()
                 toks[name, graphed], margins[name, graphed] = dec.tokens.tolist(), dec.margins.tolist()
                 spread[name] = (logits.max() - logits.min()).item()
@@ -1566,7 +1594,7 @@ def inference_gpu_bf16_paths():
                                                           f"graphed {toks[name, True]}"
         i = inference.first_difference(toks["torch", False], toks["cuda", False])
         if i is None:
-            notes.append(f"{arch} E={n_expert}: 20/20 equal")
+            notes.append(f"{arch} E={n_expert}: {n_new}/{n_new} equal")
         else:
             m = margins["torch", False][i]
             assert m < 0.05 * spread["torch"], f"{arch} {n_expert}: differ at {i} with margin {m:.3g}, not a near tie"
@@ -1878,14 +1906,17 @@ def sanitizer_resume():
     # a later run's verdict replaces an earlier one's, cases no log names count as missing, and logs of
     # another kernels.cu are not resumed
     with tempfile.TemporaryDirectory() as tmp:
-        for k, text in enumerate(["a/1  FAIL  x\nb/2  PASS\n", "a/1  \na/1  PASS  y\n"]):
+        logs = ["a/1  FAIL  x\nb/2  PASS\nd/4  ========= Error: process didn't terminate successfully\n",
+                "a/1  \na/1  PASS  y\n"]
+        for k, text in enumerate(logs):
             with open(os.path.join(tmp, f"racecheck_{k}.log"), "w") as f:
                 f.write(text)
-        assert case_verdicts(sanitizer_logs(tmp, "racecheck")) == {"a/1": "PASS", "b/2": "PASS"}
+        assert case_verdicts(sanitizer_logs(tmp, "racecheck")) == {"a/1": "PASS", "b/2": "PASS", "d/4": "DIED"}
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            failed = print_sanitizer_summary(tmp, expected=["a/1", "b/2", "c/3"])
+            failed = print_sanitizer_summary(tmp, expected=["a/1", "b/2", "c/3", "d/4"])
         row = out.getvalue().splitlines()[2].split()
-        assert failed == 1 and row[:6] == ["racecheck", "2", "2", "0", "0", "1"], out.getvalue()
+        assert failed == 1 and row[:6] == ["racecheck", "3", "2", "1", "0", "1"], out.getvalue()
+        assert "racecheck_0.log: d/4 DIED" in out.getvalue(), out.getvalue()
         check_sanitizer_logs_match(tmp)
         with open(os.path.join(tmp, "sources"), "w") as f:
             f.write("another build\n")
@@ -1895,7 +1926,8 @@ def sanitizer_resume():
             assert "another kernels.cu" in str(e), e
         else:
             raise AssertionError("logs of another build were resumed")
-    return "later verdicts win, missing cases counted, logs of another build refused"
+    return "later verdicts win, a case its process died in counted as failed, missing cases counted, logs of " \
+           "another build refused"
 
 
 add("ref/topk_order", ref_topk_order, gpu=False)
@@ -3511,9 +3543,9 @@ def bits(t):
 def train_gpu_deterministic(residual, arch="gpt"):
     # Two graphed runs of the cuda op set, one seed, one batch order: every loss, every eval loss,
     # every weight and every AdamW moment must agree to the bit after 10 steps (3 eager warm-up
-    # steps, the capture, 7 replays).
-    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=10, residual=residual,
-                 arch=arch)
+    # steps, the capture, 7 replays; 5 steps under a tool).
+    shape = dict(n_layer=3, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=under_tool(10, 5),
+                 residual=residual, arch=arch)
     ops = train.cuda_op_set(kernels, shape["n_embd"] // shape["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
         (r1, c1), (r2, c2) = [gpu_train(ops, os.path.join(tmp, f"run{i}"), **shape) for i in (1, 2)]
@@ -3540,7 +3572,7 @@ def train_gpu_deterministic(residual, arch="gpt"):
 def train_gpu_op_sets_agree(arch="gpt"):
     # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
     # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them.
-    steps = 20
+    steps = under_tool(20, 5)
     cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
         runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch)[0]
@@ -3669,7 +3701,7 @@ def train_gpu_bf16_op_sets_close(arch="gpt"):
     # the curves drift apart; how far is what this reports, and it must stay at bf16's scale
     if torch.cuda.get_device_capability() != (9, 0):
         raise Skip("the cuda op set's bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    steps = 100
+    steps = under_tool(100, 10)
     head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dtype="bf16")[0]
@@ -4563,6 +4595,50 @@ def bench_call_overhead(rows, calls=2000):
                              ours_us=per_call["ours"], torch_us=per_call["torch"]))
 
 
+def bench_ddp_scaling(rows, iters=200):
+    """train.py --preset=large, both op sets, fp32 and bf16, on one GPU at twice the preset's batch and at
+    the preset's batch, and through torchrun on two GPUs at the preset's batch a rank (the first run's
+    global batch): tokens/s of each, the scaling against each one-GPU run, and the op sets' largest loss
+    difference over the first 100 steps at the global batch, on one GPU and on two (results.json's)."""
+    if torch.cuda.device_count() < 2:
+        print(f"\nddp scaling: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+        return
+    b = train.PRESETS["large"]["batch_size"]
+    print(f"\nddp scaling: --preset=large, {iters} steps; tok/s on 1 GPU at batch {2 * b} and {b}, on 2 GPUs at {b} a "
+          f"rank;\nscaling: 2 GPUs over 1 GPU at {2 * b} (the same global batch) and at {b} (the same batch a GPU); "
+          f"loss diff: the op sets' largest |difference| over 100 steps at global batch {2 * b}")
+    print(f"{'dtype':<6} {'op set':<7} {f'1 GPU B{2 * b}':>12} {f'1 GPU B{b}':>12} {'2 GPUs':>12} {'scaling':>8} "
+          f"{f'vs B{b}':>8} {'loss diff 1 GPU':>16} {'2 GPUs':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("fp32", "bf16"):
+            common = ["--preset=large", f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
+                      "--sample_len=0", "--plot=false", f"--dtype={dtype}"]
+            runs = {"one2": (_train_run, 2 * b), "one": (_train_run, b), "two": (_torchrun, b)}
+            res = {}
+            for name, (launch, batch) in runs.items():
+                out = os.path.join(tmp, f"{dtype}_{name}")
+                p = launch(*common, f"--out_dir={out}", f"--batch_size={batch}", timeout=900)
+                if p.returncode:
+                    print(f"{dtype} {name}: exit {p.returncode}\n{p.stderr[-1500:]}")
+                    rows.append(dict(op="ddp", shape="large", dtype=dtype, check_ok=False))
+                    break
+                res[name] = json.load(open(os.path.join(out, "results.json")))
+            else:
+                bench_ddp_rows(rows, dtype, res)
+
+
+def bench_ddp_rows(rows, dtype, res):
+    """bench_ddp_scaling's rows for one dtype, from the three runs' results.json."""
+    diff = {n: res[n]["max_abs_loss_diff_first_100"] for n in res}
+    for ops in ("torch", "cuda"):
+        tps = {n: res[n]["op_sets"][ops]["tokens_per_s"] for n in res}
+        scaling, per_gpu = tps["two"] / tps["one2"], tps["two"] / tps["one"]
+        print(f"{dtype:<6} {ops:<7} {tps['one2']:>12,.0f} {tps['one']:>12,.0f} {tps['two']:>12,.0f} {scaling:>7.2f}x "
+              f"{per_gpu:>7.2f}x {diff['one2']:>16.2e} {diff['two']:>9.2e}", flush=True)
+        rows.append(dict(op="ddp", shape="large", dtype=dtype, op_set=ops, tok_s=tps, scaling=scaling,
+                         scaling_same_batch=per_gpu, loss_diff_one_gpu=diff["one2"], loss_diff_two_gpus=diff["two"]))
+
+
 def bench_main(json_path):
     if not HAS_CUDA:  # building the extension cannot help here
         print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
@@ -4585,6 +4661,8 @@ def bench_main(json_path):
         bench_attention_bf16(rows)
     if ONLY in "attention gqa":
         bench_gqa(rows)
+    if ONLY in "ddp":
+        bench_ddp_scaling(rows)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
