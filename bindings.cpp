@@ -747,14 +747,20 @@ Tensor rmsnorm_impl(const Tensor& x, const Tensor& weight, double eps, std::opti
   return KERNELS_OP("norm_forward", norm_forward_cuda).call(x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
 }
 
+// The schema's Tensor y takes Python's None as an undefined tensor, which norm_forward would read as
+// "no addend": the add_* ops refuse it where they are entered, above and below autograd.
+static void check_addend(const char* op, const Tensor& y) { REQUIRE(y.defined(), op, ": y must be a tensor, got None"); }
+
 std::tuple<Tensor, Tensor> add_layernorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight,
                                               const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
+  check_addend("add_layernorm", y);
   const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, y, weight, bias, eps, out_dtype);
   return {r.back(), r[0]};
 }
 
 std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
                                             std::optional<at::ScalarType> out_dtype) {
+  check_addend("add_rmsnorm", y);
   const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, y, weight, std::nullopt, eps, out_dtype);
   return {r.back(), r[0]};
 }
@@ -775,6 +781,7 @@ Tensor rmsnorm_autograd(const Tensor& x, const Tensor& weight, double eps, std::
 std::tuple<Tensor, Tensor> add_layernorm_autograd(const Tensor& x, const Tensor& y, const Tensor& weight,
                                                   const Tensor& bias, double eps,
                                                   std::optional<at::ScalarType> out_dtype) {
+  check_addend("add_layernorm", y);
   if (!wants_grad(x, y, weight, bias)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return add_layernorm_impl(x, y, weight, bias, eps, out_dtype);
@@ -785,6 +792,7 @@ std::tuple<Tensor, Tensor> add_layernorm_autograd(const Tensor& x, const Tensor&
 
 std::tuple<Tensor, Tensor> add_rmsnorm_autograd(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
                                                 std::optional<at::ScalarType> out_dtype) {
+  check_addend("add_rmsnorm", y);
   if (!wants_grad(x, y, weight)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return add_rmsnorm_impl(x, y, weight, eps, out_dtype);

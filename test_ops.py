@@ -1160,7 +1160,7 @@ class _FunctionalGPT(torch.nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + b.proj(y.transpose(1, 2).reshape(B, T, -1))
             x = x + b.out(F.gelu(b.fc(b.ln2(x)), approximate="tanh"))
-        return F.cross_entropy(self.head(self.ln_f(x)).view(B * T, -1), targets.view(-1))
+        return F.cross_entropy(self.head(self.ln_f(x)).view(B * T, -1), targets.reshape(-1))  # targets: a slice
 
 
 def _fake_kernels(calls):
@@ -3935,6 +3935,8 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      ("add_layernorm", "y", "BFloat16", "out_dtype")),
     ("add_layernorm_y_none", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), None, rand(8), rand(8)),
      ("add_layernorm", "y")),
+    ("add_rmsnorm_y_none_x_requires_grad", RuntimeError,  # autograd's path would have read None as no addend
+     lambda: kernels.add_rmsnorm(rand(4, 8).requires_grad_(), None, rand(8)), ("add_rmsnorm", "y", "None")),
     ("add_layernorm_bf16_x_float32_y", RuntimeError,
      lambda: kernels.add_layernorm(rand(4, 8).bfloat16(), rand(4, 8), rand(8).bfloat16(), rand(8).bfloat16(),
                                    out_dtype=torch.float32), ("add_layernorm", "y", "bfloat16")),
