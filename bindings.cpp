@@ -1,5 +1,5 @@
 // bindings.cpp: the PyTorch face of kernels.cu. Every op is a dispatcher op, kernels::<name>
-// (torch.ops.kernels.<name>, also kernels.<name>), registered at the end of this file: a CUDA
+// (torch.ops.kernels.<name>, also kernels.<name>), registered at the end of its section: a CUDA
 // implementation that checks its inputs (messages name the op and the argument), allocates outputs and
 // launches on the current CUDA stream under a device guard; a meta implementation (shapes and dtypes, for
 // fake tensors and torch.compile); and for a differentiable op an autograd Function whose backward is an
@@ -254,7 +254,7 @@ static const float* fptr(const Tensor& t) { return t.defined() ? t.data_ptr<floa
 static float* ws_ptr(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }  // optional workspace
 
 // ---- the dispatcher ---------------------------------------------------------------------------
-// Each op is a PyTorch dispatcher op, kernels::<name> (schemas and registrations at the end of this file),
+// Each op is a PyTorch dispatcher op, kernels::<name> (its schema and registration end its section),
 // so that torch.compile, fake tensors and torch.library.opcheck see it like one of PyTorch's own. A
 // differentiable op has three parts: its CUDA implementation (<name>_cuda), a meta implementation (shapes
 // and dtypes only, what fake tensors run), and an autograd Function whose forward calls the op below
@@ -294,6 +294,45 @@ static auto autograd_or_below(const Op& op, const Args&... args) {
   if (wants_grad(args...)) return Fn::apply(args...);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(args...);
+}
+
+// Registration: each op's section ends with a TORCH_LIBRARY_FRAGMENT holding its schema (every argument's
+// type and default, mutation as Tensor(a!)) and its implementations by dispatch key: cuda_meta (its
+// CUDA implementation and its meta one, and with CPU_ERRORS the meta one for CPU tensors too, whose first
+// check names the argument that must be a CUDA tensor), autograd (its Autograd kernel) or composite (an op
+// made of other ops, for every backend at once). The autocast section registers the bf16 policy.
+// def_op also exports the op as kernels.<name> (torch.ops.kernels.<name> itself, which torch.compile
+// traces into its graph); def_half defines the forward and backward halves an autograd Function calls.
+static std::vector<std::string>& exported_ops() {
+  static std::vector<std::string> names;
+  return names;
+}
+
+static void def_op(torch::Library& m, const char* schema) {
+  m.def(schema);
+  const std::string s = schema;
+  exported_ops().push_back(s.substr(0, s.find('(')));
+}
+
+static void def_half(torch::Library& m, const char* schema) { m.def(schema); }
+
+constexpr bool CPU_ERRORS = true;
+
+template <class Cuda, class Meta>
+static void cuda_meta(torch::Library& m, const char* name, Cuda* cuda, Meta* meta, bool cpu_errors = false) {
+  m.impl(name, torch::dispatch(c10::DispatchKey::CUDA, cuda));
+  m.impl(name, torch::dispatch(c10::DispatchKey::Meta, meta));
+  if (cpu_errors) m.impl(name, torch::dispatch(c10::DispatchKey::CPU, meta));
+}
+
+template <class F>
+static void autograd(torch::Library& m, const char* name, F* f) {
+  m.impl(name, torch::dispatch(c10::DispatchKey::Autograd, f));
+}
+
+template <class F>
+static void composite(torch::Library& m, const char* name, F* f) {
+  m.impl(name, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, f));
 }
 
 // A new tensor of x's shape and options, contiguous (what the CUDA implementations return for it).
@@ -498,6 +537,15 @@ Tensor linear_autograd(const Tensor& x, const Tensor& w, const std::optional<Ten
   return autograd_or_below<LinearFn>(KERNELS_OP("linear", linear_cuda), x, w, b);
 }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // y = x @ weight.T + bias, like F.linear; a bf16 x may take an fp32 (master) weight and bias.
+  def_op(m, "linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  cuda_meta(m, "linear", linear_cuda, linear_meta, CPU_ERRORS);
+  autograd(m, "linear", linear_autograd);
+  def_half(m, "linear_backward(Tensor dy, Tensor x, Tensor weight, bool has_bias) -> Tensor[]");
+  cuda_meta(m, "linear_backward", linear_backward_cuda, linear_backward_meta);
+}
+
 // ---- matmul -----------------------------------------------------------------------------------
 
 static void check_matmul(const Tensor& a, const Tensor& b) {
@@ -558,6 +606,15 @@ struct MatmulFn : torch::autograd::Function<MatmulFn> {
 
 Tensor matmul_autograd(const Tensor& a, const Tensor& b) {
   return autograd_or_below<MatmulFn>(KERNELS_OP("matmul", matmul_cuda), a, b);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // a @ b, 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N).
+  def_op(m, "matmul(Tensor a, Tensor b) -> Tensor");
+  cuda_meta(m, "matmul", matmul_cuda, matmul_meta, CPU_ERRORS);
+  autograd(m, "matmul", matmul_autograd);
+  def_half(m, "matmul_backward(Tensor dc, Tensor a, Tensor b) -> (Tensor, Tensor)");
+  cuda_meta(m, "matmul_backward", matmul_backward_cuda, matmul_backward_meta);
 }
 
 // ---- layernorm and RMSNorm --------------------------------------------------------------------
@@ -801,6 +858,31 @@ std::tuple<Tensor, Tensor> add_rmsnorm_autograd(const Tensor& x, const Tensor& y
   return {r[0], r[1]};
 }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Norms over the last dim, like F.layer_norm and F.rms_norm; the result in out_dtype (None: x's). The add_*
+  // forms return (s, norm(s)) with s = x + y in one pass (a sublayer's residual add and the next norm).
+  def_op(m, "layernorm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, ScalarType? out_dtype=None) -> Tensor");
+  composite(m, "layernorm", layernorm_impl);
+  autograd(m, "layernorm", layernorm_autograd);
+  def_op(m, "rmsnorm(Tensor x, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) -> Tensor");
+  composite(m, "rmsnorm", rmsnorm_impl);
+  autograd(m, "rmsnorm", rmsnorm_autograd);
+  def_op(m, "add_layernorm(Tensor x, Tensor y, Tensor weight, Tensor bias, float eps=1e-05, "
+         "ScalarType? out_dtype=None) -> (Tensor, Tensor)");
+  composite(m, "add_layernorm", add_layernorm_impl);
+  autograd(m, "add_layernorm", add_layernorm_autograd);
+  def_op(m, "add_rmsnorm(Tensor x, Tensor y, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) -> (Tensor, "
+         "Tensor)");
+  composite(m, "add_rmsnorm", add_rmsnorm_impl);
+  autograd(m, "add_rmsnorm", add_rmsnorm_autograd);
+  def_half(m, "norm_forward(Tensor x, Tensor? addend, Tensor weight, Tensor? bias, float eps, "
+           "ScalarType? out_dtype) -> Tensor[]");
+  cuda_meta(m, "norm_forward", norm_forward_cuda, norm_forward_meta, CPU_ERRORS);
+  def_half(m, "norm_backward(Tensor x, Tensor weight, Tensor? mean, Tensor rstd, Tensor? dy, Tensor? dsum, "
+           "ScalarType y_dtype, bool add) -> Tensor[]");
+  cuda_meta(m, "norm_backward", norm_backward_cuda, norm_backward_meta);
+}
+
 // ---- Sinkhorn ---------------------------------------------------------------------------------
 
 static void check_sinkhorn(const Tensor& logits, int64_t iters) {
@@ -860,6 +942,15 @@ struct SinkhornFn : torch::autograd::Function<SinkhornFn> {
 
 Tensor sinkhorn_autograd(const Tensor& logits, int64_t iters) {
   return autograd_or_below<SinkhornFn>(KERNELS_OP("sinkhorn", sinkhorn_cuda), logits, iters);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Hyper-connections (float32, n <= 8 streams): Sinkhorn-Knopp to a doubly stochastic matrix.
+  def_op(m, "sinkhorn(Tensor logits, int iters=20) -> Tensor");
+  cuda_meta(m, "sinkhorn", sinkhorn_cuda, sinkhorn_meta, CPU_ERRORS);
+  autograd(m, "sinkhorn", sinkhorn_autograd);
+  def_half(m, "sinkhorn_backward(Tensor logits, Tensor dp, int iters) -> Tensor");
+  cuda_meta(m, "sinkhorn_backward", sinkhorn_backward_cuda, sinkhorn_backward_meta);
 }
 
 // ---- stream mixing (hyper-connections) --------------------------------------------------------
@@ -1054,6 +1145,21 @@ Tensor stream_mix_autograd(const Tensor& x, const Tensor& h_res, const Tensor& h
   return autograd_or_below<StreamMixFn>(KERNELS_OP("stream_mix", stream_mix_cuda), x, h_res, h_post, y);
 }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Streams x (..., n, C) merged by h (n,) or per token (..., n); mixed by h_res and added to h_post * y.
+  def_op(m, "stream_merge(Tensor x, Tensor h) -> Tensor");
+  cuda_meta(m, "stream_merge", stream_merge_cuda, stream_merge_meta, CPU_ERRORS);
+  autograd(m, "stream_merge", stream_merge_autograd);
+  def_half(m, "stream_merge_backward(Tensor x, Tensor h, Tensor dout) -> (Tensor, Tensor)");
+  cuda_meta(m, "stream_merge_backward", stream_merge_backward_cuda, stream_merge_backward_meta);
+  def_op(m, "stream_mix(Tensor x, Tensor h_res, Tensor h_post, Tensor y) -> Tensor");
+  cuda_meta(m, "stream_mix", stream_mix_cuda, stream_mix_meta, CPU_ERRORS);
+  autograd(m, "stream_mix", stream_mix_autograd);
+  def_half(m, "stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) -> (Tensor, Tensor, "
+           "Tensor, Tensor)");
+  cuda_meta(m, "stream_mix_backward", stream_mix_backward_cuda, stream_mix_backward_meta);
+}
+
 // ---- softmax ----------------------------------------------------------------------------------
 
 // x float32 or bfloat16; y in out_dtype (default x's): autocast gives bf16 logits an fp32 softmax.
@@ -1121,6 +1227,15 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
 
 Tensor softmax_autograd(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
   return autograd_or_below<SoftmaxFn>(KERNELS_OP("softmax", softmax_cuda), x, out_dtype);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Softmax over the last dim, the result in out_dtype (None: x's).
+  def_op(m, "softmax(Tensor x, ScalarType? out_dtype=None) -> Tensor");
+  cuda_meta(m, "softmax", softmax_cuda, softmax_meta, CPU_ERRORS);
+  autograd(m, "softmax", softmax_autograd);
+  def_half(m, "softmax_backward(Tensor y, Tensor dy, ScalarType x_dtype) -> Tensor");
+  cuda_meta(m, "softmax_backward", softmax_backward_cuda, softmax_backward_meta);
 }
 
 // ---- GELU, SiLU and SwiGLU ---------------------------------------------------------------------
@@ -1281,6 +1396,25 @@ Tensor swiglu_autograd(const Tensor& a, const Tensor& b) {
   return autograd_or_below<SwigluFn>(KERNELS_OP("swiglu", swiglu_cuda), a, b);
 }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // GELU (approximate 'none' or 'tanh', like F.gelu), SiLU, and silu(a) * b in one kernel.
+  def_op(m, "gelu(Tensor x, str approximate='none') -> Tensor");
+  cuda_meta(m, "gelu", gelu_cuda, gelu_meta, CPU_ERRORS);
+  autograd(m, "gelu", gelu_autograd);
+  def_half(m, "gelu_backward(Tensor x, Tensor dy, str approximate) -> Tensor");
+  cuda_meta(m, "gelu_backward", gelu_backward_cuda, gelu_backward_meta);
+  def_op(m, "silu(Tensor x) -> Tensor");
+  cuda_meta(m, "silu", silu_cuda, silu_meta, CPU_ERRORS);
+  autograd(m, "silu", silu_autograd);
+  def_half(m, "silu_backward(Tensor x, Tensor dy) -> Tensor");
+  cuda_meta(m, "silu_backward", silu_backward_cuda, silu_backward_meta);
+  def_op(m, "swiglu(Tensor a, Tensor b) -> Tensor");
+  cuda_meta(m, "swiglu", swiglu_cuda, swiglu_meta, CPU_ERRORS);
+  autograd(m, "swiglu", swiglu_autograd);
+  def_half(m, "swiglu_backward(Tensor a, Tensor b, Tensor dy) -> (Tensor, Tensor)");
+  cuda_meta(m, "swiglu_backward", swiglu_backward_cuda, swiglu_backward_meta);
+}
+
 // ---- RoPE -------------------------------------------------------------------------------------
 
 // x (B, H, T, D) rotated into a new contiguous tensor; x is read in place when its last dim is contiguous.
@@ -1349,6 +1483,15 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
 
 Tensor rope_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return autograd_or_below<RopeFn>(KERNELS_OP("rope", rope_cuda), x, cos, sin);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Rotary embedding of x (B, H, T, D), element i paired with i + D/2; cos, sin (T, D/2) float32 tables.
+  def_op(m, "rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  cuda_meta(m, "rope", rope_cuda, rope_meta, CPU_ERRORS);
+  autograd(m, "rope", rope_autograd);
+  def_half(m, "rope_backward(Tensor dy, Tensor cos, Tensor sin) -> Tensor");
+  cuda_meta(m, "rope_backward", rope_backward_cuda, rope_backward_meta);
 }
 
 // ---- embedding --------------------------------------------------------------------------------
@@ -1425,6 +1568,16 @@ struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
 
 Tensor embedding_autograd(const Tensor& idx, const Tensor& w) {
   return autograd_or_below<EmbeddingFn>(KERNELS_OP("embedding", embedding_cuda), idx, w);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Rows of weight gathered by int64 idx (deterministic backward); an idx out of range gives a NaN row and
+  // a ValueError from the next call or check_errors().
+  def_op(m, "embedding(Tensor idx, Tensor weight) -> Tensor");
+  cuda_meta(m, "embedding", embedding_cuda, embedding_meta, CPU_ERRORS);
+  autograd(m, "embedding", embedding_autograd);
+  def_half(m, "embedding_backward(Tensor idx, Tensor dout, int num_embeddings) -> Tensor");
+  cuda_meta(m, "embedding_backward", embedding_backward_cuda, embedding_backward_meta);
 }
 
 // ---- cross-entropy ----------------------------------------------------------------------------
@@ -1504,6 +1657,18 @@ Tensor cross_entropy_impl(const Tensor& logits, const Tensor& tgt) {
 
 Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& tgt) {
   return autograd_or_below<CrossEntropyFn>(KERNELS_OP("cross_entropy", cross_entropy_impl), logits, tgt);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Mean cross-entropy of logits (N, C) against int64 targets (N,), float32; a target out of range: NaN, and
+  // a ValueError from the next call or check_errors().
+  def_op(m, "cross_entropy(Tensor logits, Tensor targets) -> Tensor");
+  composite(m, "cross_entropy", cross_entropy_impl);
+  autograd(m, "cross_entropy", cross_entropy_autograd);
+  def_half(m, "cross_entropy_forward(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
+  cuda_meta(m, "cross_entropy_forward", cross_entropy_forward_cuda, cross_entropy_forward_meta, CPU_ERRORS);
+  def_half(m, "cross_entropy_backward(Tensor logits, Tensor targets, Tensor lse, Tensor dloss) -> Tensor");
+  cuda_meta(m, "cross_entropy_backward", cross_entropy_backward_cuda, cross_entropy_backward_meta);
 }
 
 // ---- GEMV (inference only, no autograd) --------------------------------------------------------
@@ -1651,6 +1816,20 @@ Tensor expert_gemv_autograd(const Tensor& w, const Tensor& x, const std::optiona
   return call_below_autograd(KERNELS_OP("expert_gemv", expert_gemv_cuda), w, x, b, experts);
 }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Decoding, no autograd: y = weight @ x + bias for one vector; row s of x through expert experts[s] of
+  // weight (E, N, K); a KV cache write in place.
+  def_op(m, "gemv(Tensor weight, Tensor x, Tensor? bias=None) -> Tensor");
+  cuda_meta(m, "gemv", gemv_cuda, gemv_meta, CPU_ERRORS);
+  autograd(m, "gemv", gemv_autograd);
+  def_op(m, "expert_gemv(Tensor weight, Tensor x, Tensor? bias, Tensor experts) -> Tensor");
+  cuda_meta(m, "expert_gemv", expert_gemv_cuda, expert_gemv_meta, CPU_ERRORS);
+  autograd(m, "expert_gemv", expert_gemv_autograd);
+  def_op(m, "kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, Tensor k, Tensor v) -> ()");
+  cuda_meta(m, "kv_write", kv_write_cuda, kv_write_meta, CPU_ERRORS);
+  autograd(m, "kv_write", kv_write_autograd);
+}
+
 // ---- top-k (no autograd) ----------------------------------------------------------------------
 
 static std::vector<int64_t> check_topk(const Tensor& x, int64_t k) {
@@ -1687,6 +1866,13 @@ std::tuple<Tensor, Tensor> topk_meta(const Tensor& x, int64_t k) {
 
 std::tuple<Tensor, Tensor> topk_autograd(const Tensor& x, int64_t k) {
   return call_below_autograd(KERNELS_OP("topk", topk_cuda), x, k);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // The k largest of each row, sorted (ties: lower index first); no autograd.
+  def_op(m, "topk(Tensor x, int k) -> (Tensor, Tensor)");
+  cuda_meta(m, "topk", topk_cuda, topk_meta, CPU_ERRORS);
+  autograd(m, "topk", topk_autograd);
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -2012,6 +2198,31 @@ Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, boo
   return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32");
 }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // Attention over q (B, H, Sq, D), k, v (B, H_kv, Sk, D), like F.scaled_dot_product_attention; causal aligns
+  // the queries to the last keys; H_kv dividing H is grouped-query attention; kv_len (a 1-element int64
+  // tensor) counts a preallocated cache's valid keys (inference). float32 multiplies in 3xTF32
+  // (precision 'fp32') or TF32; bfloat16 (mode 'fused') in bf16 with fp32 softmax statistics.
+  def_op(m, "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str mode='fused', "
+         "str precision='fp32', Tensor? kv_len=None) -> Tensor");
+  composite(m, "attention", attention_impl);
+  autograd(m, "attention", attention_autograd);
+  def_half(m, "attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, "
+           "Tensor? kv_len) -> (Tensor, Tensor)");
+  cuda_meta(m, "attention_fused", attention_fused_cuda, attention_fused_meta, CPU_ERRORS);
+  def_half(m, "attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, "
+           "bool causal, float scale, bool precise) -> (Tensor, Tensor, Tensor)");
+  cuda_meta(m, "attention_fused_backward", attention_fused_backward_cuda, attention_fused_backward_meta);
+  def_half(m, "attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, "
+           "Tensor dout, bool causal, float scale, bool precise) -> Tensor");
+  cuda_meta(m, "attention_fused_backward_packed", attention_fused_backward_packed_cuda, attention_fused_backward_packed_meta);
+  def_half(m, "attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
+  cuda_meta(m, "attention_tiled", attention_tiled_cuda, attention_tiled_meta, CPU_ERRORS);
+  def_half(m, "attention_tiled_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor dout, "
+           "float scale) -> (Tensor, Tensor, Tensor)");
+  cuda_meta(m, "attention_tiled_backward", attention_tiled_backward_cuda, attention_tiled_backward_meta);
+}
+
 // ---- autocast ---------------------------------------------------------------------------------
 // torch.autocast("cuda", dtype=torch.bfloat16) around our ops makes the choices autocast makes for
 // PyTorch's: products (linear, matmul, attention) in bf16, linear's fp32 master weight and bias rounded by
@@ -2085,220 +2296,6 @@ Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, boo
       .to(at::kBFloat16);
 }
 
-// ---- registration -----------------------------------------------------------------------------
-// The schemas state every argument's type and default, and mutation (Tensor(a!)). Each differentiable
-// op's CUDA forward is registered for CUDA, its meta version for Meta, and its autograd Function for
-// Autograd; the ops made of another op's outputs (layernorm and friends from norm_forward) are
-// CompositeExplicitAutograd below autograd, for every backend at once.
-
-TORCH_LIBRARY(kernels, m) {
-  // The ops, each like its PyTorch twin (train.TORCH_OPS). float32 or bfloat16 where not said otherwise.
-  // y = x @ weight.T + bias, like F.linear; a bf16 x may take an fp32 (master) weight and bias.
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-  // a @ b, 2-D (M, K) @ (K, N) or batched 3-D (B, M, K) @ (B, K, N).
-  m.def("matmul(Tensor a, Tensor b) -> Tensor");
-  // Norms over the last dim, like F.layer_norm and F.rms_norm; the result in out_dtype (None: x's). The add_*
-  // forms return (s, norm(s)) with s = x + y in one pass (a sublayer's residual add and the next norm).
-  m.def("layernorm(Tensor x, Tensor weight, Tensor bias, float eps=1e-05, ScalarType? out_dtype=None) -> Tensor");
-  m.def("rmsnorm(Tensor x, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) -> Tensor");
-  m.def("add_layernorm(Tensor x, Tensor y, Tensor weight, Tensor bias, float eps=1e-05, "
-        "ScalarType? out_dtype=None) -> (Tensor, Tensor)");
-  m.def("add_rmsnorm(Tensor x, Tensor y, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) "
-        "-> (Tensor, Tensor)");
-  // Softmax over the last dim, the result in out_dtype (None: x's).
-  m.def("softmax(Tensor x, ScalarType? out_dtype=None) -> Tensor");
-  // GELU (approximate 'none' or 'tanh', like F.gelu), SiLU, and silu(a) * b in one kernel.
-  m.def("gelu(Tensor x, str approximate='none') -> Tensor");
-  m.def("silu(Tensor x) -> Tensor");
-  m.def("swiglu(Tensor a, Tensor b) -> Tensor");
-  // Rotary embedding of x (B, H, T, D), element i paired with i + D/2; cos, sin (T, D/2) float32 tables.
-  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  // Rows of weight gathered by int64 idx (deterministic backward); an idx out of range gives a NaN row and
-  // a ValueError from the next call or check_errors().
-  m.def("embedding(Tensor idx, Tensor weight) -> Tensor");
-  // Mean cross-entropy of logits (N, C) against int64 targets (N,), float32; a target out of range: NaN, and
-  // a ValueError from the next call or check_errors().
-  m.def("cross_entropy(Tensor logits, Tensor targets) -> Tensor");
-  // Attention over q (B, H, Sq, D), k, v (B, H_kv, Sk, D), like F.scaled_dot_product_attention; causal aligns
-  // the queries to the last keys; H_kv dividing H is grouped-query attention; kv_len (a 1-element int64
-  // tensor) counts a preallocated cache's valid keys (inference). float32 multiplies in 3xTF32
-  // (precision 'fp32') or TF32; bfloat16 (mode 'fused') in bf16 with fp32 softmax statistics.
-  m.def("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str mode='fused', "
-        "str precision='fp32', Tensor? kv_len=None) -> Tensor");
-  // Decoding, no autograd: y = weight @ x + bias for one vector; row s of x through expert experts[s] of
-  // weight (E, N, K); the k largest of each row, sorted (ties: lower index first); a KV cache write in place.
-  m.def("gemv(Tensor weight, Tensor x, Tensor? bias=None) -> Tensor");
-  m.def("expert_gemv(Tensor weight, Tensor x, Tensor? bias, Tensor experts) -> Tensor");
-  m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
-  m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, Tensor k, Tensor v) -> ()");
-  // Hyper-connections (float32, n <= 8 streams): Sinkhorn-Knopp to a doubly stochastic matrix; streams
-  // x (..., n, C) merged by h (n,) or per token; mixed by h_res and added to h_post * y.
-  m.def("sinkhorn(Tensor logits, int iters=20) -> Tensor");
-  m.def("stream_merge(Tensor x, Tensor h) -> Tensor");
-  m.def("stream_mix(Tensor x, Tensor h_res, Tensor h_post, Tensor y) -> Tensor");
-
-  // The halves the autograd Functions call: forwards that return what the backward reads, and backwards.
-  m.def("linear_backward(Tensor dy, Tensor x, Tensor weight, bool has_bias) -> Tensor[]");
-  m.def("matmul_backward(Tensor dc, Tensor a, Tensor b) -> (Tensor, Tensor)");
-  m.def("norm_forward(Tensor x, Tensor? addend, Tensor weight, Tensor? bias, float eps, ScalarType? out_dtype) "
-        "-> Tensor[]");
-  m.def("norm_backward(Tensor x, Tensor weight, Tensor? mean, Tensor rstd, Tensor? dy, Tensor? dsum, "
-        "ScalarType y_dtype, bool add) -> Tensor[]");
-  m.def("softmax_backward(Tensor y, Tensor dy, ScalarType x_dtype) -> Tensor");
-  m.def("gelu_backward(Tensor x, Tensor dy, str approximate) -> Tensor");
-  m.def("silu_backward(Tensor x, Tensor dy) -> Tensor");
-  m.def("swiglu_backward(Tensor a, Tensor b, Tensor dy) -> (Tensor, Tensor)");
-  m.def("rope_backward(Tensor dy, Tensor cos, Tensor sin) -> Tensor");
-  m.def("embedding_backward(Tensor idx, Tensor dout, int num_embeddings) -> Tensor");
-  m.def("cross_entropy_forward(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
-  m.def("cross_entropy_backward(Tensor logits, Tensor targets, Tensor lse, Tensor dloss) -> Tensor");
-  m.def("attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, Tensor? kv_len) "
-        "-> (Tensor, Tensor)");
-  m.def("attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, bool causal, "
-        "float scale, bool precise) -> (Tensor, Tensor, Tensor)");
-  m.def("attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, "
-        "bool causal, float scale, bool precise) -> Tensor");
-  m.def("attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
-  m.def("attention_tiled_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor dout, float scale) "
-        "-> (Tensor, Tensor, Tensor)");
-  m.def("sinkhorn_backward(Tensor logits, Tensor dp, int iters) -> Tensor");
-  m.def("stream_merge_backward(Tensor x, Tensor h, Tensor dout) -> (Tensor, Tensor)");
-  m.def("stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(kernels, CUDA, m) {
-  m.impl("linear", &linear_cuda);
-  m.impl("linear_backward", &linear_backward_cuda);
-  m.impl("matmul", &matmul_cuda);
-  m.impl("matmul_backward", &matmul_backward_cuda);
-  m.impl("softmax", &softmax_cuda);
-  m.impl("softmax_backward", &softmax_backward_cuda);
-  m.impl("gelu", &gelu_cuda);
-  m.impl("gelu_backward", &gelu_backward_cuda);
-  m.impl("silu", &silu_cuda);
-  m.impl("silu_backward", &silu_backward_cuda);
-  m.impl("swiglu", &swiglu_cuda);
-  m.impl("swiglu_backward", &swiglu_backward_cuda);
-  m.impl("norm_forward", &norm_forward_cuda);
-  m.impl("norm_backward", &norm_backward_cuda);
-  m.impl("sinkhorn", &sinkhorn_cuda);
-  m.impl("sinkhorn_backward", &sinkhorn_backward_cuda);
-  m.impl("stream_merge", &stream_merge_cuda);
-  m.impl("stream_merge_backward", &stream_merge_backward_cuda);
-  m.impl("stream_mix", &stream_mix_cuda);
-  m.impl("stream_mix_backward", &stream_mix_backward_cuda);
-  m.impl("rope", &rope_cuda);
-  m.impl("rope_backward", &rope_backward_cuda);
-  m.impl("embedding", &embedding_cuda);
-  m.impl("embedding_backward", &embedding_backward_cuda);
-  m.impl("cross_entropy_forward", &cross_entropy_forward_cuda);
-  m.impl("cross_entropy_backward", &cross_entropy_backward_cuda);
-  m.impl("gemv", &gemv_cuda);
-  m.impl("expert_gemv", &expert_gemv_cuda);
-  m.impl("kv_write", &kv_write_cuda);
-  m.impl("topk", &topk_cuda);
-  m.impl("attention_fused", &attention_fused_cuda);
-  m.impl("attention_fused_backward", &attention_fused_backward_cuda);
-  m.impl("attention_fused_backward_packed", &attention_fused_backward_packed_cuda);
-  m.impl("attention_tiled", &attention_tiled_cuda);
-  m.impl("attention_tiled_backward", &attention_tiled_backward_cuda);
-}
-
-TORCH_LIBRARY_IMPL(kernels, Meta, m) {
-  m.impl("linear", &linear_meta);
-  m.impl("linear_backward", &linear_backward_meta);
-  m.impl("matmul", &matmul_meta);
-  m.impl("matmul_backward", &matmul_backward_meta);
-  m.impl("softmax", &softmax_meta);
-  m.impl("softmax_backward", &softmax_backward_meta);
-  m.impl("gelu", &gelu_meta);
-  m.impl("gelu_backward", &gelu_backward_meta);
-  m.impl("silu", &silu_meta);
-  m.impl("silu_backward", &silu_backward_meta);
-  m.impl("swiglu", &swiglu_meta);
-  m.impl("swiglu_backward", &swiglu_backward_meta);
-  m.impl("norm_forward", &norm_forward_meta);
-  m.impl("norm_backward", &norm_backward_meta);
-  m.impl("sinkhorn", &sinkhorn_meta);
-  m.impl("sinkhorn_backward", &sinkhorn_backward_meta);
-  m.impl("stream_merge", &stream_merge_meta);
-  m.impl("stream_merge_backward", &stream_merge_backward_meta);
-  m.impl("stream_mix", &stream_mix_meta);
-  m.impl("stream_mix_backward", &stream_mix_backward_meta);
-  m.impl("rope", &rope_meta);
-  m.impl("rope_backward", &rope_backward_meta);
-  m.impl("embedding", &embedding_meta);
-  m.impl("embedding_backward", &embedding_backward_meta);
-  m.impl("cross_entropy_forward", &cross_entropy_forward_meta);
-  m.impl("cross_entropy_backward", &cross_entropy_backward_meta);
-  m.impl("gemv", &gemv_meta);
-  m.impl("expert_gemv", &expert_gemv_meta);
-  m.impl("kv_write", &kv_write_meta);
-  m.impl("topk", &topk_meta);
-  m.impl("attention_fused", &attention_fused_meta);
-  m.impl("attention_fused_backward", &attention_fused_backward_meta);
-  m.impl("attention_fused_backward_packed", &attention_fused_backward_packed_meta);
-  m.impl("attention_tiled", &attention_tiled_meta);
-  m.impl("attention_tiled_backward", &attention_tiled_backward_meta);
-}
-
-// CPU tensors reach the meta versions, whose first check says which argument must be a CUDA tensor.
-TORCH_LIBRARY_IMPL(kernels, CPU, m) {
-  m.impl("linear", &linear_meta);
-  m.impl("matmul", &matmul_meta);
-  m.impl("norm_forward", &norm_forward_meta);
-  m.impl("softmax", &softmax_meta);
-  m.impl("gelu", &gelu_meta);
-  m.impl("silu", &silu_meta);
-  m.impl("swiglu", &swiglu_meta);
-  m.impl("rope", &rope_meta);
-  m.impl("embedding", &embedding_meta);
-  m.impl("cross_entropy_forward", &cross_entropy_forward_meta);
-  m.impl("attention_fused", &attention_fused_meta);
-  m.impl("attention_tiled", &attention_tiled_meta);
-  m.impl("gemv", &gemv_meta);
-  m.impl("expert_gemv", &expert_gemv_meta);
-  m.impl("topk", &topk_meta);
-  m.impl("kv_write", &kv_write_meta);
-  m.impl("sinkhorn", &sinkhorn_meta);
-  m.impl("stream_merge", &stream_merge_meta);
-  m.impl("stream_mix", &stream_mix_meta);
-}
-
-TORCH_LIBRARY_IMPL(kernels, CompositeExplicitAutograd, m) {
-  m.impl("layernorm", &layernorm_impl);
-  m.impl("rmsnorm", &rmsnorm_impl);
-  m.impl("add_layernorm", &add_layernorm_impl);
-  m.impl("add_rmsnorm", &add_rmsnorm_impl);
-  m.impl("cross_entropy", &cross_entropy_impl);
-  m.impl("attention", &attention_impl);
-}
-
-TORCH_LIBRARY_IMPL(kernels, Autograd, m) {
-  m.impl("linear", &linear_autograd);
-  m.impl("matmul", &matmul_autograd);
-  m.impl("softmax", &softmax_autograd);
-  m.impl("gelu", &gelu_autograd);
-  m.impl("silu", &silu_autograd);
-  m.impl("swiglu", &swiglu_autograd);
-  m.impl("layernorm", &layernorm_autograd);
-  m.impl("rmsnorm", &rmsnorm_autograd);
-  m.impl("add_layernorm", &add_layernorm_autograd);
-  m.impl("add_rmsnorm", &add_rmsnorm_autograd);
-  m.impl("sinkhorn", &sinkhorn_autograd);
-  m.impl("stream_merge", &stream_merge_autograd);
-  m.impl("stream_mix", &stream_mix_autograd);
-  m.impl("rope", &rope_autograd);
-  m.impl("embedding", &embedding_autograd);
-  m.impl("cross_entropy", &cross_entropy_autograd);
-  m.impl("attention", &attention_autograd);
-  m.impl("gemv", &gemv_autograd);
-  m.impl("expert_gemv", &expert_gemv_autograd);
-  m.impl("topk", &topk_autograd);
-  m.impl("kv_write", &kv_write_autograd);
-}
-
 TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
   m.impl("linear", &linear_autocast);
   m.impl("matmul", &matmul_autocast);
@@ -2310,19 +2307,12 @@ TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
   m.impl("attention", &attention_autocast);
 }
 
-// The ops registered above, as `kernels.<name>` too: torch.ops.kernels.<name> itself, which torch.compile
-// traces into its graph (a pybind function would break the graph at every call).
-static const char* const DISPATCHER_OPS[] = {
-    "linear", "matmul", "layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm", "softmax", "gelu", "silu", "swiglu",
-    "rope", "embedding", "cross_entropy", "attention", "gemv", "expert_gemv", "topk", "kv_write", "sinkhorn",
-    "stream_merge", "stream_mix"};
-
 // ---- module -----------------------------------------------------------------------------------
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Hand-written CUDA kernels for transformer training and inference (fp32 and bf16).";
   const py::object ops = py::module_::import("torch").attr("ops").attr("kernels");
-  for (const char* name : DISPATCHER_OPS) m.attr(name) = ops.attr(name);
+  for (const std::string& name : exported_ops()) m.attr(name.c_str()) = ops.attr(name.c_str());
   m.def("check_errors", &check_errors,
         "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy, "
         "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad "
