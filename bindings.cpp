@@ -885,13 +885,17 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 
 // ---- Sinkhorn ---------------------------------------------------------------------------------
 
+// The most streams (n) of Sinkhorn and the stream ops: kernels.cu keeps n x n state in registers and
+// instantiates its kernels for n up to 8. Exported as kernels.MAX_STREAMS for the scripts' checks.
+constexpr int64_t MAX_STREAMS = 8;
+
 static void check_sinkhorn(const Tensor& logits, int64_t iters) {
   const char* op = "sinkhorn";
   check_float_cuda(op, logits, "logits");
   REQUIRE(logits.dim() >= 2 && logits.size(-1) == logits.size(-2), op,
           ": logits must have shape (..., n, n), square in its last two dims, got ", logits.sizes());
   const int64_t n = logits.size(-1);
-  REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = logits.shape[-1] must be in [1, 8], got n = ", n);
+  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS, op, ": n = logits.shape[-1] must be in [1, ", MAX_STREAMS, "], got n = ", n);
   REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
 }
 
@@ -962,7 +966,8 @@ static std::vector<int64_t> check_streams(const char* op, const Tensor& x) {
   check_float_cuda(op, x, "x");
   REQUIRE(x.dim() >= 2, op, ": x must have shape (..., n, C), got ", x.sizes());
   const int64_t n = x.size(-2);
-  REQUIRE_VALUE(n >= 1 && n <= 8, op, ": n = x.shape[-2], the number of streams, must be in [1, 8], got n = ", n);
+  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS, op, ": n = x.shape[-2], the number of streams, must be in [1, ", MAX_STREAMS,
+                "], got n = ", n);
   return x.sizes().slice(0, x.dim() - 2).vec();
 }
 
@@ -2334,4 +2339,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Process-wide, for launches from then on",
         py::arg("on"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
+  m.attr("MAX_STREAMS") = MAX_STREAMS;
 }

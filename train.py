@@ -113,7 +113,6 @@ HELP = {k: h for k, (_, h) in OPTIONS.items()}
 # Model-shape keys: a checkpoint can only be resumed with the same values.
 MODEL_KEYS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "residual", "n_streams")
 LN_EPS = 1e-5
-MAX_STREAMS = 8  # the n of kernels.sinkhorn, stream_merge and stream_mix: n x n state in registers
 GRAPH_WARMUP = 3                  # eager steps before capture, as in PyTorch's whole-network capture recipe
 # No dropout anywhere: the two op sets must compute the same function for their loss curves to be
 # compared step by step, and random masks drawn by two different implementations would not match.
@@ -1549,9 +1548,10 @@ def run_ranks(cfg, ranks, argv):
     op_sets, notes = choose_op_sets(cfg)
     for note in notes:
         print(note)
-    if cfg.n_streams > MAX_STREAMS and (cfg.residual != "baseline" or cfg.sweep) and any(o.name == "cuda" for o in op_sets):
-        fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {MAX_STREAMS} "
-             f"streams; use --n_streams<={MAX_STREAMS} or --backend=torch")
+    streams = cfg.residual != "baseline" or cfg.sweep
+    if streams and any(o.name == "cuda" for o in op_sets) and cfg.n_streams > (limit := import_kernels()[0].MAX_STREAMS):
+        fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {limit} "
+             f"streams; use --n_streams<={limit} or --backend=torch")
     cfg.backend = "both" if len(op_sets) == 2 else op_sets[0].name  # what runs, for results.json and checkpoints
     # Every check of out_dir happens before any training rather than at the first save.
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
