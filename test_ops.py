@@ -2493,6 +2493,12 @@ def bf16_tolerance(dtype, tol):
     return (atol, max(rtol, 2**-8)) if dtype == BF16 else (atol, rtol)
 
 
+def on_both(f):
+    """f(ops, **inputs) as compare_dtypes' (ours, torch_fn) pair: the call stated once, on kernels and on its
+    twins (REF, train.TORCH_OPS)."""
+    return functools.partial(f, kernels), functools.partial(f, REF)
+
+
 def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, ref_fn=None, **inputs):
     """ours(**inputs) on our kernels, every input in the dtype it comes in (bf16 or fp32; integer ones as
     they are), against torch_fn on the same values twice: in float64 (the reference; ref_fn instead where
@@ -2587,8 +2593,7 @@ def t_softmax_bf16(shape, scale, out):
         # (2^-9 relative) times |dy_i| + |sum| + max|dy| <= 3 * 5 (dy ~ randn), an error relative to y_i,
         # not to dx_i, which can cancel to far less
         grad_tol = (2**-9 * 3 * 5 * torch.softmax(x.double(), -1).max().item(), SM_GRAD_TOL[1])
-    compare_dtypes(lambda x: kernels.softmax(x, out_dtype=out), lambda x: torch.softmax(x, -1), SM_TOL, grad_tol,
-                   out, x=x)
+    compare_dtypes(lambda x: kernels.softmax(x, out_dtype=out), REF.softmax, SM_TOL, grad_tol, out, x=x)
 
 
 for _shape, _scale, _out in (((1, 1), 1, BF16), ((37, 1000), 1, BF16), ((4, 50304), 100, BF16),
@@ -2603,13 +2608,11 @@ def t_activation_bf16(op, shape, scale=1.0, layout="contiguous"):
             return rand(1 + math.prod(shape), scale=scale).to(BF16)[1:].view(shape)
         return rand(*shape, scale=scale).to(BF16)
     if op == "swiglu":
-        compare_dtypes(lambda a, b: kernels.swiglu(a, b), lambda a, b: F.silu(a) * b, GELU_TOL, GELU_GRAD_TOL,
-                       a=x_(), b=x_())
+        compare_dtypes(kernels.swiglu, REF.swiglu, GELU_TOL, GELU_GRAD_TOL, a=x_(), b=x_())
         return
-    fns = {"gelu": (lambda x: kernels.gelu(x), lambda x: F.gelu(x)),
-           "gelu_tanh": (lambda x: kernels.gelu(x, approximate="tanh"), lambda x: F.gelu(x, approximate="tanh")),
-           "silu": (lambda x: kernels.silu(x), lambda x: F.silu(x))}
-    compare_dtypes(*fns[op], GELU_TOL, GELU_GRAD_TOL, x=x_())
+    approximate = "tanh" if op == "gelu_tanh" else "none"
+    fns = {"gelu": (lambda ops, x: ops.gelu(x, approximate=approximate)), "silu": (lambda ops, x: ops.silu(x))}
+    compare_dtypes(*on_both(fns[op.split("_")[0]]), GELU_TOL, GELU_GRAD_TOL, x=x_())
 
 
 for _op in ("gelu", "gelu_tanh", "silu", "swiglu"):
@@ -2639,8 +2642,8 @@ def t_cross_entropy_bf16(N, V, scale=1.0):
     targets = torch.randint(0, V, (N,), device=DEV)
     targets[0], targets[-1] = V - 1, 0
     # the loss is fp32 from bf16 logits (autocast's choice); the logits' gradient is bf16
-    compare_dtypes(lambda logits: kernels.cross_entropy(logits, targets), lambda logits: F.cross_entropy(logits, targets),
-                   CE_TOL, CE_GRAD_TOL, torch.float32, logits=rand(N, V, scale=scale).to(BF16))
+    compare_dtypes(*on_both(lambda ops, logits: ops.cross_entropy(logits, targets)), CE_TOL, CE_GRAD_TOL, torch.float32,
+                   logits=rand(N, V, scale=scale).to(BF16))
 
 
 for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (37, 50304, 1), (37, 65, 30)):
@@ -2653,8 +2656,8 @@ def t_embedding_bf16(idx_shape, V, C):
     # forward: a copy, exact (asserted bit for bit); backward: fp32 sums rounded once to bf16
     w = rand(V, C).to(BF16)
     assert torch.equal(kernels.embedding(idx, w), F.embedding(idx, w)), "the bf16 embedding forward is not exact"
-    compare_dtypes(lambda w: kernels.embedding(idx, w), lambda w: F.embedding(idx, w), 0.0,
-                   EMB_GRAD_TOL_PER_USE * uses, ref_fn=lambda w: embedding_reference(idx, w), w=w)
+    compare_dtypes(*on_both(lambda ops, w: ops.embedding(idx, w)), 0.0, EMB_GRAD_TOL_PER_USE * uses,
+                   ref_fn=lambda w: embedding_reference(idx, w), w=w)
 
 
 add("embedding_bf16/3x1001_of_1000x64", t_embedding_bf16, (3, 1001), 1000, 64)
@@ -2668,13 +2671,13 @@ def t_gemv_bf16(N, K, bias, experts=None):
     b = (rand(4, N) if experts else rand(N)).to(BF16) if bias else None
     if experts:
         e = torch.tensor(experts, device=DEV)
-        compare_dtypes(lambda w, x, b: kernels.expert_gemv(w, x, b, e), lambda w, x, b: train.torch_expert_gemv(
-            w, x, b, e), tol, w=w, x=rand(len(experts), K).to(BF16), b=b)
+        compare_dtypes(*on_both(lambda ops, w, x, b: ops.expert_gemv(w, x, b, e)), tol, w=w,
+                       x=rand(len(experts), K).to(BF16), b=b)
     elif bias:
-        compare_dtypes(lambda w, x, b: kernels.linear(x, w, b), lambda w, x, b: F.linear(x, w, b), tol, w=w,
-                       x=rand(1, K).to(BF16), b=b)  # one row, no autograd: linear's GEMV path
+        compare_dtypes(*on_both(lambda ops, w, x, b: ops.linear(x, w, b)), tol, w=w, x=rand(1, K).to(BF16),
+                       b=b)  # one row, no autograd: linear's GEMV path
     else:
-        compare_dtypes(lambda w, x: kernels.gemv(w, x), lambda w, x: torch.mv(w, x), tol, w=w, x=rand(K).to(BF16))
+        compare_dtypes(*on_both(lambda ops, w, x: ops.gemv(w, x)), tol, w=w, x=rand(K).to(BF16))
 
 
 for _N, _K, _bias, _ex in ((1, 1, False, None), (3072, 768, False, None), (4096, 4096, False, None),
@@ -3355,9 +3358,8 @@ def t_norm_views(dt):
     x = rand(4, C, 6).transpose(1, 2).to(dt)
     w, b = rand(2 * C)[::2].to(dt), rand(C).to(dt)
     tol = (2e-2, 2e-2) if dt == BF16 else 1e-4
-    compare_dtypes(lambda x, w, b: kernels.layernorm(x, w, b), lambda x, w, b: REF.layernorm(x, w, b), tol, tol,
-                   out_dtype=dt, x=x, w=w, b=b)
-    compare_dtypes(lambda x, w: kernels.rmsnorm(x, w), lambda x, w: REF.rmsnorm(x, w), tol, tol, out_dtype=dt, x=x, w=w)
+    compare_dtypes(*on_both(lambda ops, x, w, b: ops.layernorm(x, w, b)), tol, tol, out_dtype=dt, x=x, w=w, b=b)
+    compare_dtypes(*on_both(lambda ops, x, w: ops.rmsnorm(x, w)), tol, tol, out_dtype=dt, x=x, w=w)
     return "  ".join(CHECKS)
 
 
