@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
+import data
 import train
 from data import CharTokenizer, atomic_write
 
@@ -67,14 +68,14 @@ def fail(msg):
 
 def parse_config(argv):
     if any(a in ("-h", "--help") for a in argv):
-        train.print_options("inference.py", "Decode with the GPT of train.py on both op sets and compare them.",
+        data.print_options("inference.py", "Decode with the GPT of train.py on both op sets and compare them.",
                             OPTIONS)
         sys.exit(0)
     cfg = dict(DEFAULTS)
-    given = train.parse_overrides(argv, DEFAULTS, fail)
+    given = data.parse_overrides(argv, DEFAULTS, fail)
     for key, val in given.items():
         try:
-            cfg[key] = train.parse_value(key, val, DEFAULTS[key])
+            cfg[key] = data.parse_value(key, val, DEFAULTS[key])
         except ValueError as e:
             fail(str(e))
     cfg = SimpleNamespace(**cfg, given=sorted(given))  # given: the keys the command line set
@@ -176,7 +177,7 @@ def random_model(kind, seed, cfg, tok):
 def checkpoint_model(cfg):
     """The model and tokenizer of a train.py checkpoint; any problem with the file is one clear line."""
     try:
-        ckpt = train.read_checkpoint(cfg.ckpt)
+        ckpt = data.read_checkpoint(cfg.ckpt)
     except ValueError as e:
         fail(f"--ckpt={cfg.ckpt}: {e}")
     c = SimpleNamespace(**ckpt["config"])
@@ -186,7 +187,7 @@ def checkpoint_model(cfg):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        fail(f"--ckpt={cfg.ckpt}: its weights do not fit the model its config describes ({train.one_line(e)})")
+        fail(f"--ckpt={cfg.ckpt}: its weights do not fit the model its config describes ({data.one_line(e)})")
     return model, tok, c
 
 
@@ -444,7 +445,7 @@ def main(argv):
     except OSError as e:
         fail(f"--out_dir={cfg.out_dir}: cannot create the folder ({e.strerror})")
     path = os.path.join(cfg.out_dir, "inference.json")
-    with train.out_dir_lock(cfg.out_dir, "inference.py", fail):
+    with data.out_dir_lock(cfg.out_dir, "inference.py", fail):
         try:
             decode_all(cfg, paths, base_model, tok, prompt_ids, results)
         except KeyboardInterrupt:  # keep what was measured: the finished models and the unfinished one's runs

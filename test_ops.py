@@ -3527,7 +3527,7 @@ def gpu_train(ops, out_dir, **overrides):
     assert r["status"] == "completed" and r["iters"] == cfg.max_iters, \
         f"{ops.name}: {r['status']} after {r['iters']} steps ({r['stopped_because']})"
     assert r["checkpoint_iter"] == cfg.max_iters, f"{ops.name}: checkpoint at iteration {r['checkpoint_iter']}"
-    return r, train.read_checkpoint(r["ckpt_path"])
+    return r, data.read_checkpoint(r["ckpt_path"])
 
 
 def run_tensors(ckpt):

@@ -26,10 +26,8 @@ Every default below can be overridden with --key=value; python train.py --help l
 import collections
 import contextlib
 import datetime
-import difflib
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
@@ -39,7 +37,6 @@ import sys
 import threading
 import time
 import warnings
-import zipfile
 from types import SimpleNamespace
 
 import torch
@@ -49,7 +46,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import mhc
-from data import CharTokenizer, atomic_write, fmt_seconds, get_batch, load_text, pyplot, split_data
+from data import (CharTokenizer, all_finite, atomic_write, fmt_seconds, get_batch, load_text, one_line, out_dir_lock,
+                  parse_overrides, parse_value, print_options, pyplot, read_checkpoint, split_data, weights_sha256)
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
@@ -122,20 +120,6 @@ def fail(msg):
     sys.exit(f"train.py: error: {msg}")
 
 
-def one_line(e, limit=200):
-    return " ".join(str(e).split())[:limit]
-
-
-def print_options(prog, what, options):
-    """--help: what the script does, then each option with its default and its meaning."""
-    print(f"usage: python {prog} [--key=value ...]\n\n{what} Each key below is shown with its\n"
-          "default; --key=value overrides it, parsed as the default's type (bools: true/false/1/0).\n")
-    width = 24
-    for k, (v, meaning) in options.items():
-        opt = f"--{k}={v}"
-        print(f"  {opt:<{width}}{meaning}" if len(opt) < width else f"  {opt}\n  {'':<{width}}{meaning}")
-
-
 def print_help():
     print_options("train.py", "Train the char GPT on each op set and compare the runs.", OPTIONS)
     print("\n--preset choices:\n  ''     the defaults above")
@@ -143,24 +127,6 @@ def print_help():
         print(f"  {name:<6} " + ", ".join(f"{k}={v}" for k, v in values.items()))
     print("--backend choices:\n  both   torch, then cuda, compared (the torch op set only without a GPU)\n"
           "  torch  torch.nn.functional\n  cuda   this repo's kernels (needs a GPU and the built extension)")
-
-
-def parse_overrides(argv, defaults, fail):
-    """The --key=value arguments as {key: text}, for train.py and inference.py alike; fail(msg) on the first
-    that is malformed or names no key of defaults (with the nearest key, where one is near)."""
-    overrides = {}
-    for arg in argv:
-        if arg.startswith("--") and arg[2:] in defaults:
-            fail(f"--{arg[2:]} needs a value: --{arg[2:]}=VALUE (default {defaults[arg[2:]]})")
-        if not arg.startswith("--") or "=" not in arg:
-            fail(f"expected --key=value, got {arg!r}")
-        key, val = arg[2:].split("=", 1)
-        if key not in defaults:
-            near = difflib.get_close_matches(key, defaults, n=1)
-            fail(f"unknown option --{key}; " + (f"did you mean --{near[0]}? " if near else "")
-                 + f"valid keys: {', '.join(defaults)}")
-        overrides[key] = val
-    return overrides
 
 
 def parse_config(argv):
@@ -254,28 +220,6 @@ def check_backend_and_device(cfg, fail):
         fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         fail(f"--device={cfg.device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
-
-
-def parse_value(key, text, default):
-    """--key's text as the type of its default; ValueError with one line when it is not one."""
-    if isinstance(default, bool):  # before int: bool is a subclass of int
-        low = text.lower()
-        if low not in ("true", "false", "1", "0"):
-            raise ValueError(f"--{key} expects a bool (true/false/1/0), got {text!r}")
-        return low in ("true", "1")
-    if isinstance(default, (int, float)):
-        kind = type(default)
-        try:
-            value = kind(text)
-        except ValueError:
-            raise ValueError(f"--{key} expects {'an int' if kind is int else 'a float'} (default {default}), "
-                             f"got {text!r}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"--{key} expects a finite number, got {text!r}")
-        return value
-    if default is None and text.lower() in ("", "none"):
-        return None
-    return text
 
 
 # -----------------------------------------------------------------------------
@@ -1079,95 +1023,8 @@ def generate(model, tok, cfg, device):
     return tok.decode(ids[n_prompt:])
 
 
-def weights_sha256(state_dict):
-    """sha256 over every tensor's name, dtype, shape and bytes. torch.load does not check the CRCs of
-    the zip it reads, so without this a checkpoint with flipped bytes in its weights loads silently."""
-    h = hashlib.sha256()
-    for name, t in state_dict.items():
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def all_finite(tensors):
-    flags = [t.isfinite().all() for t in tensors if t.is_floating_point()]
-    return not flags or bool(torch.stack(flags).all())  # one host sync for all of them
-
-
-CKPT_KEYS = ("config", "vocab", "iter", "model", "optimizer", "batch_rng", "train_loss", "evals")
 # Settings a resume is expected to change; any other difference from the checkpoint is reported.
 RESUME_KEYS = ("resume", "overwrite", "max_iters")
-
-
-@contextlib.contextmanager
-def out_dir_lock(out_dir, script, fail):
-    """Holds out_dir for this run of `script` (out_dir/.<script>.lock, holding the process id) until the
-    block ends: a second run of the same script into the same folder would overwrite this one's
-    checkpoints and results, so it fails(msg) instead while this process lives. A lock left by a process
-    that is gone is taken over."""
-    path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    pid = int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and process_alive(pid):
-                fail(f"--out_dir={out_dir} is in use by another {script} run (process {pid}); wait for it to end "
-                     f"or pass another --out_dir")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)  # its process is gone (or it is this one's, from an earlier main() in-process)
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-
-
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    return True
-
-
-def read_checkpoint(path):
-    """The dict of a checkpoint written by train.py, its weights verified against their checksum. Raises
-    ValueError with one line that says what is wrong with the file (train.py and inference.py print it)."""
-    def bad(what):
-        raise ValueError(what)
-
-    if not os.path.isfile(path):
-        bad("no such file" if not os.path.exists(path) else "not a file")
-    if os.path.getsize(path) == 0:
-        bad("the file is empty")
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip; its directory sits at the very end
-        bad("it is truncated or not a PyTorch checkpoint (no zip directory at its end)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # damage inside the zip shows up as any of RuntimeError, EOFError, UnpicklingError...
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        bad(f"it is damaged or not written by train.py ({type(e).__name__}{': ' + first if first else ''})")
-    if not isinstance(ckpt, dict) or any(k not in ckpt for k in CKPT_KEYS) or not isinstance(ckpt["model"], dict):
-        have = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-        bad(f"not a train.py checkpoint (expected the keys {', '.join(CKPT_KEYS)}; found {have})")
-    if "model_sha256" not in ckpt:
-        print(f"note: {path} has no weights checksum (written by an older train.py); its weights are not verified")
-    elif weights_sha256(ckpt["model"]) != ckpt["model_sha256"]:
-        bad("the weights are corrupted (their sha256 differs from the one stored when the file was written)")
-    if not all_finite(ckpt["model"].values()):
-        bad("its weights hold NaN or inf")
-    return ckpt
 
 
 def load_checkpoint(path, cfg, tok, model, opt, batch_gen):
