@@ -119,18 +119,18 @@ struct AttnLayout {  // as in kernels.cu: (b, h, s, d) at b * sb + h * sh + s * 
 struct AttnLayouts {
   AttnLayout q, k, v, out, dout, dq, dk, dv;
 };
-void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2,
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
                          const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
                          bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s);
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
-                         const float* lse2, float* delta, float* dq, float* dk, float* dv, const AttnLayouts& l,
+                         const float* lse_log2, float* delta, float* dq, float* dk, float* dv, const AttnLayouts& l,
                          int BH, int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
                          cudaStream_t s);
 void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         __nv_bfloat16* out, float* lse2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                         __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
                          int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse2, float* delta,
+                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
                          int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s);
 
@@ -806,7 +806,9 @@ Tensor rmsnorm_impl(const Tensor& x, const Tensor& weight, double eps, std::opti
 
 // The schema's Tensor y takes Python's None as an undefined tensor, which norm_forward would read as
 // "no addend": the add_* ops refuse it where they are entered, above and below autograd.
-static void check_addend(const char* op, const Tensor& y) { REQUIRE(y.defined(), op, ": y must be a tensor, got None"); }
+static void check_addend(const char* op, const Tensor& y) {
+  REQUIRE(y.defined(), op, ": y must be a tensor, got None");
+}
 
 std::tuple<Tensor, Tensor> add_layernorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight,
                                               const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
@@ -895,7 +897,8 @@ static void check_sinkhorn(const Tensor& logits, int64_t iters) {
   REQUIRE(logits.dim() >= 2 && logits.size(-1) == logits.size(-2), op,
           ": logits must have shape (..., n, n), square in its last two dims, got ", logits.sizes());
   const int64_t n = logits.size(-1);
-  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS, op, ": n = logits.shape[-1] must be in [1, ", MAX_STREAMS, "], got n = ", n);
+  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS, op, ": n = logits.shape[-1] must be in [1, ", MAX_STREAMS, "], got n = ",
+                n);
   REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
 }
 
@@ -966,8 +969,8 @@ static std::vector<int64_t> check_streams(const char* op, const Tensor& x) {
   check_float_cuda(op, x, "x");
   REQUIRE(x.dim() >= 2, op, ": x must have shape (..., n, C), got ", x.sizes());
   const int64_t n = x.size(-2);
-  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS, op, ": n = x.shape[-2], the number of streams, must be in [1, ", MAX_STREAMS,
-                "], got n = ", n);
+  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS, op, ": n = x.shape[-2], the number of streams, must be in [1, ",
+                MAX_STREAMS, "], got n = ", n);
   return x.sizes().slice(0, x.dim() - 2).vec();
 }
 
@@ -1964,7 +1967,7 @@ static std::vector<int64_t> fused_head_sizes() {
   return sizes;
 }
 
-// The fused forward: (out, lse2), lse2 the rows' log2-sum-exp2 that the backward reads. kv_len (a
+// The fused forward: (out, lse_log2), lse_log2 the rows' log2-sum-exp2 that the backward reads. kv_len (a
 // 1-element int64 tensor on q's device) counts the valid keys.
 std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                                 bool causal, double scale, bool precise,
@@ -1983,8 +1986,8 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
   // runs as (-q, -scale), the same products exactly (the backward takes q and scale as given).
   const Tensor q_fwd = scale < 0 ? attention_operand(q.neg()) : q;
   const float scale_fwd = (float)std::abs(scale);
-  const auto f32 = q.options().dtype(at::kFloat);  // lse2 and the splits' partial results stay fp32
-  Tensor out = empty_bshd(q), lse2 = at::empty({s.B, s.H, s.Sq}, f32);
+  const auto f32 = q.options().dtype(at::kFloat);  // lse_log2 and the splits' partial results stay fp32
+  Tensor out = empty_bshd(q), lse_log2 = at::empty({s.B, s.H, s.Sq}, f32);
   AttnLayouts l{};
   l.q = layout_of(q_fwd); l.k = layout_of(k); l.v = layout_of(v); l.out = layout_of(out);
   const int BH = to_int("attention", s.B * s.H, "B * H");
@@ -1993,13 +1996,13 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
   const Tensor kv_len = kv_len_opt.has_value() && kv_len_opt->defined() ? kv_len_opt->contiguous() : Tensor();
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
-    attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse2.data_ptr<float>(), l, BH,
+    attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse_log2.data_ptr<float>(), l, BH,
                         s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd, n, ws_ptr(ws), stream());
   else
     attention_fwd_fused(q_fwd.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        lse2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd,
+                        lse_log2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd,
                         precise, n, ws_ptr(ws), stream());
-  return {out, lse2};
+  return {out, lse_log2};
 }
 
 std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -2010,7 +2013,7 @@ std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k
 
 // The fused backward into the buffers dq, dk, dv (any (B, H, S, D) views with D contiguous).
 static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out,
-                                const Tensor& lse2, const Tensor& dout_in, bool causal, double scale, bool precise,
+                                const Tensor& lse_log2, const Tensor& dout_in, bool causal, double scale, bool precise,
                                 const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   if (std::isnan(scale)) {  // a NaN scale's outputs are NaN, and so are their gradients
@@ -2019,7 +2022,7 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
   }
   const Tensor q = attention_operand(q_in), k = attention_operand(k_in), v = attention_operand(v_in);
   const Tensor dout = attention_operand(dout_in.to(q.scalar_type()));
-  Tensor delta = at::empty_like(lse2);
+  Tensor delta = at::empty_like(lse_log2);
   // with no queries nothing reaches k and v: their gradients are zeros, which the kernels never write
   if (!q.size(2)) {
     dk.zero_();
@@ -2031,22 +2034,22 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
   const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
   if (q.scalar_type() == at::kBFloat16)
     attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
-                        lse2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk), ptr<bf16>(dv),
-                        l, BH, group, Sq, Sk, D, causal, (float)scale, stream());
+                        lse_log2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk),
+                        ptr<bf16>(dv), l, BH, group, Sq, Sk, D, causal, (float)scale, stream());
   else
     attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                        dout.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
-                        dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D, causal, (float)scale,
-                        precise, stream());
+                        dout.data_ptr<float>(), lse_log2.data_ptr<float>(), delta.data_ptr<float>(),
+                        dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D,
+                        causal, (float)scale, precise, stream());
 }
 
-// dq, dk, dv, each in (B, S, H, D) memory, from the forward's inputs, output and lse2.
+// dq, dk, dv, each in (B, S, H, D) memory, from the forward's inputs, output and lse_log2.
 std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                 const Tensor& out, const Tensor& lse2,
+                                                                 const Tensor& out, const Tensor& lse_log2,
                                                                  const Tensor& dout, bool causal, double scale,
                                                                  bool precise) {
   Tensor dq = empty_bshd(q), dk = empty_bshd(k), dv = empty_bshd(v);
-  fused_backward_into(q, k, v, out, lse2, dout, causal, scale, precise, dq, dk, dv);
+  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, dq, dk, dv);
   return {dq, dk, dv};
 }
 
@@ -2058,12 +2061,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_meta(const Tensor& q
 
 // The same for packed_qkv's inputs: one (B, S, (H + 2 H_kv) * D) buffer, dq, dk and dv side by side.
 Tensor attention_fused_backward_packed_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                            const Tensor& lse2, const Tensor& dout, bool causal, double scale,
+                                            const Tensor& lse_log2, const Tensor& dout, bool causal, double scale,
                                             bool precise) {
   const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(3);
   Tensor buf = at::empty({q.size(0), q.size(2), (H + 2 * Hkv) * D}, q.options());
   const auto [dq, dk, dv] = packed_heads(buf, H, Hkv, D);
-  fused_backward_into(q, k, v, out, lse2, dout, causal, scale, precise, dq, dk, dv);
+  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, dq, dk, dv);
   return buf;
 }
 
@@ -2163,7 +2166,7 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     const auto [out, stats] =
         tiled ? KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, scale)
               : KERNELS_OP("attention_fused", attention_fused_cuda).call(q, k, v, causal, scale, precise, std::nullopt);
-    ctx->save_for_backward({q, k, v, out, stats});  // stats: lse2 (fused) or P (tiled)
+    ctx->save_for_backward({q, k, v, out, stats});  // stats: lse_log2 (fused) or P (tiled)
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["tiled"] = tiled;
@@ -2215,12 +2218,13 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   def_half(m, "attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, "
            "Tensor? kv_len) -> (Tensor, Tensor)");
   cuda_meta(m, "attention_fused", attention_fused_cuda, attention_fused_meta, CPU_ERRORS);
-  def_half(m, "attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, Tensor dout, "
+  def_half(m, "attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse_log2, Tensor dout, "
            "bool causal, float scale, bool precise) -> (Tensor, Tensor, Tensor)");
   cuda_meta(m, "attention_fused_backward", attention_fused_backward_cuda, attention_fused_backward_meta);
-  def_half(m, "attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse2, "
+  def_half(m, "attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse_log2, "
            "Tensor dout, bool causal, float scale, bool precise) -> Tensor");
-  cuda_meta(m, "attention_fused_backward_packed", attention_fused_backward_packed_cuda, attention_fused_backward_packed_meta);
+  cuda_meta(m, "attention_fused_backward_packed", attention_fused_backward_packed_cuda,
+            attention_fused_backward_packed_meta);
   def_half(m, "attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
   cuda_meta(m, "attention_tiled", attention_tiled_cuda, attention_tiled_meta, CPU_ERRORS);
   def_half(m, "attention_tiled_backward(Tensor q, Tensor k, Tensor v, Tensor p, Tensor dout, "

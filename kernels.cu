@@ -3866,8 +3866,8 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // backward streams its Q/dO (dK/dV blocks) and K/V (dQ blocks) tiles the same way. The softmax is
 // online (running max m and sum l per row, the output accumulator rescaled when m grows), in log2
 // units: m is the max of s * scale * log2(e), a probability exp2(s * scale * log2(e) - m), one FFMA
-// and one ex2. The block saves lse2 = m + log2(l) per row so the backward can rebuild
-// P = exp2(s * scale * log2(e) - lse2) tile by tile.
+// and one ex2. The block saves lse_log2 = m + log2(l) per row so the backward can rebuild
+// P = exp2(s * scale * log2(e) - lse_log2) tile by tile.
 //
 // The products run on the tensor cores (helpers above), 3xTF32 by default ('fp32'), one TF32
 // product with precision='tf32'. A score tile from a C fragment feeds the next product as its A
@@ -3876,7 +3876,7 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
 // Shared-memory rows are padded to D + 4 floats, which makes every fragment read conflict-free.
 //
 // bf16 q, k, v (bf16 out and gradients) multiply on the tensor cores in bf16 with fp32 accumulation
-// (mma.sync m16n8k16, FlashAttention-2's shape); the softmax statistics, lse2 and delta stay fp32.
+// (mma.sync m16n8k16, FlashAttention-2's shape); the softmax statistics, lse_log2 and delta stay fp32.
 // Fragments come from shared memory through ldmatrix (.trans for the right operand of P V, dS K and
 // their transposed-frame twins); rows are padded by one 16-byte chunk (D + 8 elements), which puts
 // the 8 row addresses of each ldmatrix phase in 8 different bank groups. Two adjacent n8 score tiles
@@ -4093,7 +4093,7 @@ __device__ __forceinline__ Frag<4, PRECISE> frag_a_from_c(const float (&c)[4]) {
 
 // acc (16 x 8*NT per warp) += A (rows row0.., D wide) * B^T (rows of bsm, NT*8 of them).
 template <int D, int NT, bool PRECISE>
-__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const float* asm_, int row0, const float* bsm) {
+__device__ __forceinline__ void mma_a_times_bt(float (&acc)[NT][4], const float* asm_, int row0, const float* bsm) {
 #pragma unroll
   for (int kk = 0; kk < D; kk += 8) {
     const Frag<4, PRECISE> a = frag_a<D, PRECISE>(asm_, row0, kk);
@@ -4104,7 +4104,7 @@ __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const float* asm_, 
 
 // acc (16 x D per warp) += P (16 x 8*NT, C fragments) * M (rows of msm, D wide).
 template <int D, int NT, bool PRECISE>
-__device__ __forceinline__ void mma_pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const float* msm) {
+__device__ __forceinline__ void mma_p_times_m(float (&acc)[D / 8][4], const float (&p)[NT][4], const float* msm) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const Frag<4, PRECISE> a = frag_a_from_c<PRECISE>(p[j]);
@@ -4152,11 +4152,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return r;
 }
 
-// The operand policies of the fused kernels. abt<NT>: acc (16 x 8*NT per warp) += A (smem rows row0..,
-// D wide) * B^T (smem rows 0 .. 8*NT). pm<NT>: acc (16 x D per warp) += P (16 x 8*NT, C fragments) * M
-// (smem rows 0 .. 8*NT, D wide). Each also comes for MT such row tiles per warp at once (tile mt:
-// A rows row0 + 64 mt): the forward's warps own MT tiles of 16 rows, and each B fragment read from
-// shared memory then feeds MT products.
+// The operand policies of the fused kernels. a_times_bt<NT>: acc (16 x 8*NT per warp) += A (smem rows
+// row0.., D wide) * B^T (smem rows 0 .. 8*NT), the shape of Q K^T. p_times_m<NT>: acc (16 x D per warp) +=
+// P (16 x 8*NT, C fragments) * M (smem rows 0 .. 8*NT, D wide), the shape of P V. Each also comes for MT
+// such row tiles per warp at once (tile mt: A rows row0 + 64 mt): the forward's warps own MT tiles of 16
+// rows, and each B fragment read from shared memory then feeds MT products.
 template <int D_, bool PRECISE>
 struct AttnTf32 {
   using T = float;
@@ -4164,22 +4164,22 @@ struct AttnTf32 {
   static constexpr bool WGMMA = false;
   __device__ __forceinline__ static int at(int r, int c) { return r * LD + c; }  // padded rows
   template <int NT, int M>
-  __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
+  __device__ __forceinline__ static void a_times_bt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
 #pragma unroll
-    for (int mt = 0; mt < M; ++mt) mma_abt<D, NT, PRECISE>(acc[mt], a, row0 + 64 * mt, b);
+    for (int mt = 0; mt < M; ++mt) mma_a_times_bt<D, NT, PRECISE>(acc[mt], a, row0 + 64 * mt, b);
   }
   template <int NT, int M>
-  __device__ __forceinline__ static void pm(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
+  __device__ __forceinline__ static void p_times_m(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
 #pragma unroll
-    for (int mt = 0; mt < M; ++mt) mma_pm<D, NT, PRECISE>(acc[mt], p[mt], m);
+    for (int mt = 0; mt < M; ++mt) mma_p_times_m<D, NT, PRECISE>(acc[mt], p[mt], m);
   }
   template <int NT>
-  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
-    mma_abt<D, NT, PRECISE>(acc, a, row0, b);
+  __device__ __forceinline__ static void a_times_bt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
+    mma_a_times_bt<D, NT, PRECISE>(acc, a, row0, b);
   }
   template <int NT>
-  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
-    mma_pm<D, NT, PRECISE>(acc, p, m);
+  __device__ __forceinline__ static void p_times_m(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
+    mma_p_times_m<D, NT, PRECISE>(acc, p, m);
   }
 };
 
@@ -4187,13 +4187,13 @@ struct AttnTf32 {
 template <class P, int D, class T>
 struct OneRowTile {
   template <int NT>
-  __device__ __forceinline__ static void abt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
-    P::template abt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
+  __device__ __forceinline__ static void a_times_bt(float (&acc)[NT][4], const T* a, int row0, const T* b) {
+    P::template a_times_bt<NT, 1>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, row0, b);
   }
   template <int NT>
-  __device__ __forceinline__ static void pm(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
-    P::template pm<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc), reinterpret_cast<const float(&)[1][NT][4]>(p),
-                          m);
+  __device__ __forceinline__ static void p_times_m(float (&acc)[D / 8][4], const float (&p)[NT][4], const T* m) {
+    P::template p_times_m<NT, 1>(reinterpret_cast<float(&)[1][D / 8][4]>(acc),
+                                 reinterpret_cast<const float(&)[1][NT][4]>(p), m);
   }
 };
 
@@ -4208,7 +4208,7 @@ struct AttnBf16 : OneRowTile<AttnBf16<D_>, D_, __nv_bfloat16> {
   // tiles per ldmatrix, matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are
   // b0, b1 of the first tile and b0, b1 of the second.
   template <int NT, int M>
-  __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
+  __device__ __forceinline__ static void a_times_bt(float (&acc)[M][NT][4], const T* a, int row0, const T* b) {
     static_assert(NT % 2 == 0, "two n8 tiles per ldmatrix");
     const int l = threadIdx.x & 31;
     const T* pa = a + (row0 + (l & 15)) * LD + (l >> 4) * 8;
@@ -4234,7 +4234,7 @@ struct AttnBf16 : OneRowTile<AttnBf16<D_>, D_, __nv_bfloat16> {
   // transposed: (keys 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are b0, b1 of the first
   // n8 tile and b0, b1 of the second.
   template <int NT, int M>
-  __device__ __forceinline__ static void pm(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
+  __device__ __forceinline__ static void p_times_m(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
     static_assert(NT % 2 == 0, "k steps of 16 keys");
     const int l = threadIdx.x & 31;
     const T* pm_ = m + (l & 15) * LD + (l >> 4) * 8;
@@ -4260,8 +4260,8 @@ struct AttnBf16 : OneRowTile<AttnBf16<D_>, D_, __nv_bfloat16> {
       }
     }
   }
-  using OneRowTile<AttnBf16<D_>, D_, T>::abt;
-  using OneRowTile<AttnBf16<D_>, D_, T>::pm;
+  using OneRowTile<AttnBf16<D_>, D_, T>::a_times_bt;
+  using OneRowTile<AttnBf16<D_>, D_, T>::p_times_m;
 };
 
 // The 32 accumulators of an m64n64 wgmma (each thread's share), as asm operands %0-%31.
@@ -4309,7 +4309,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
 // layout for the left operand, as they are mma.sync's. The smem operands are read through
 // descriptors, in the 128-byte swizzle: a row is 64 elements (128 bytes, no padding), its 16-byte
 // chunk c stored at chunk c ^ (row % 8), a tile starting on 1024 bytes. The right operand is K-major
-// in abt (rows of B are its n, D along k) and N-major in pm (rows of M are its k). Each product waits
+// in a_times_bt (rows of B are its n, D along k) and N-major in p_times_m (rows of M are its k). Each product waits
 // for its wgmmas before returning: the softmax between them needs the results anyway, and two blocks
 // per SM overlap one's softmax with the other's products.
 template <int D_>
@@ -4328,7 +4328,7 @@ struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
     return smem_desc(smem_addr(p) + 2048 * kk, 8192, 1024);
   }
   template <int NT, int M>
-  __device__ __forceinline__ static void abt(float (&acc)[M][NT][4], const T* a, int, const T* b) {
+  __device__ __forceinline__ static void a_times_bt(float (&acc)[M][NT][4], const T* a, int, const T* b) {
     static_assert(NT == 8, "64 columns: m64n64");
     wgmma_fence();
 #pragma unroll
@@ -4339,7 +4339,7 @@ struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
     wgmma_commit_and_wait();
   }
   template <int NT, int M>
-  __device__ __forceinline__ static void pm(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
+  __device__ __forceinline__ static void p_times_m(float (&acc)[M][D / 8][4], const float (&p)[M][NT][4], const T* m) {
     static_assert(NT % 2 == 0, "k steps of 16");
     uint32_t af[M][NT / 2][4];  // packed first: the fence below covers every register the wgmmas read
 #pragma unroll
@@ -4359,8 +4359,8 @@ struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
         wgmma_m64n64k16<1>(reinterpret_cast<float(&)[32]>(acc[mt]), af[mt][j], n_major(m, j));
     wgmma_commit_and_wait();
   }
-  using OneRowTile<AttnBf16Wg<D_>, D_, T>::abt;
-  using OneRowTile<AttnBf16Wg<D_>, D_, T>::pm;
+  using OneRowTile<AttnBf16Wg<D_>, D_, T>::a_times_bt;
+  using OneRowTile<AttnBf16Wg<D_>, D_, T>::p_times_m;
 };
 
 // Two adjacent outputs of a row (a C fragment's pair) to global memory.
@@ -4374,12 +4374,12 @@ struct AttnArgs {
   const T *q, *k, *v, *dout;
   T *out, *dq, *dk, *dv;
   AttnLayout lq, lk, lv, lout, ldout, ldq, ldk, ldv;  // each tensor's strides
-  float *lse2, *delta;
+  float *lse_log2, *delta;
   const int64_t* kv_len;  // forward only: valid keys, read on the device; nullptr: all Sk
   int Sq, Sk;
   int group;  // query heads per K/V head
   int split_tiles;              // forward: key tiles per split
-  float *part_o, *part_lse2;    // forward with splits: each split's output and lse2 (workspace)
+  float *part_o, *part_lse_log2;    // forward with splits: each split's output and lse_log2 (workspace)
   bool causal;
   float scale, scale_log2;  // scale, and scale * log2(e)
 };
@@ -4426,7 +4426,7 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
 // owns 64 * MT of those rows, so one query per head (decoding) still fills 4 * group of them, and each
 // K/V tile a block loads serves the whole group. When the blocks are too few to fill the GPU (short
 // queries against a long cache), the key tiles are also split among `splits` blocks per row tile:
-// each writes its rows' output and lse2 over its keys to a workspace, and attention_combine_kernel
+// each writes its rows' output and lse_log2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
 template <class Ops, int MT>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
@@ -4489,7 +4489,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       cp_async_commit();
     }
     float s[MT][8][4] = {};
-    Ops::template abt<8>(s, Qs, warp * 16, Ks);
+    Ops::template a_times_bt<8>(s, Qs, warp * 16, Ks);
     if (STAGES == 1) {
       __syncthreads();  // all warps are done with Ks
       if (kt + 1 < t_end) load_rows_async<64, Ops>(Ks, k, k0 + 64, Sk);
@@ -4545,7 +4545,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
     }
 
     if (STAGES == 1) tiles_landed<Ops, 1>();  // this V tile has landed
-    Ops::template pm<8>(o, s, Vs);
+    Ops::template p_times_m<8>(o, s, Vs);
     if (STAGES == 1) {
       __syncthreads();  // all warps are done with Vs
       if (kt + 1 < t_end) load_rows_async<64, Ops>(Vs, v, k0 + 64, Sk);
@@ -4554,10 +4554,10 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
   }
   cp_async_wait<0>();
 
-  // Without splits straight into out and lse2; with them into this split's slice of the workspace.
-  // A split past the valid keys writes lse2 = -inf: weight 0 in the merge.
+  // Without splits straight into out and lse_log2; with them into this split's slice of the workspace.
+  // A split past the valid keys writes lse_log2 = -inf: weight 0 in the merge.
   const int64_t rows_total = (int64_t)gridDim.x * R;
-  float* lse2 = (gridDim.z == 1 ? p.lse2 : p.part_lse2 + split * rows_total) + (int64_t)kvh * R;
+  float* lse_log2 = (gridDim.z == 1 ? p.lse_log2 : p.part_lse_log2 + split * rows_total) + (int64_t)kvh * R;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float L0 = l0[mt], L1 = l1[mt];
@@ -4573,14 +4573,14 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       store_rows(AttnRows<float>{part, D}, o[mt], row0[mt], R, inv0, inv1);
     }
     if (t == 0) {
-      if (row0[mt] < R) lse2[row0[mt]] = m0[mt] + log2f(L0);
-      if (row0[mt] + 8 < R) lse2[row0[mt] + 8] = m1[mt] + log2f(L1);
+      if (row0[mt] < R) lse_log2[row0[mt]] = m0[mt] + log2f(L0);
+      if (row0[mt] + 8 < R) lse_log2[row0[mt] + 8] = m1[mt] + log2f(L1);
     }
   }
 }
 
-// Merges the splits of each row: out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse2_s - max lse2),
-// lse2 = max + log2(sum_s w_s). A split that saw no key has lse2_s = -inf (weight 0, its output not
+// Merges the splits of each row: out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_log2_s - max lse_log2),
+// lse_log2 = max + log2(sum_s w_s). A split that saw no key has lse_log2_s = -inf (weight 0, its output not
 // read); a row that no split saw gets zeros, as without splits. A block of 4 warps per
 // row: the lanes share out the splits for the max and the weight sum; for the output, warp w adds
 // splits w, w + 4, ... over the row's D (lanes over d), and the 4 partial rows are added in order:
@@ -4589,22 +4589,22 @@ constexpr int COMBINE_WARPS = 4;
 
 template <class T>
 __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(const float* part_o,
-    const float* part_lse2, T* out, AttnLayout lout, int Sq, float* lse2, int64_t rows, int D, int splits) {
+    const float* part_lse_log2, T* out, AttnLayout lout, int Sq, float* lse_log2, int64_t rows, int D, int splits) {
   __shared__ float partial[COMBINE_WARPS][128];  // D <= 128
   pdl_begin();
   const int64_t r = blockIdx.x;
   const int lane = threadIdx.x, warp = threadIdx.y;
   float mx = -INFINITY;
-  for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, part_lse2[s * rows + r]);
+  for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, part_lse_log2[s * rows + r]);
   mx = warp_max(mx);
   const float base = mx == -INFINITY ? 0.f : mx;
   float wsum = 0.f;
-  for (int s = lane; s < splits; s += 32) wsum += exp2f(part_lse2[s * rows + r] - base);
+  for (int s = lane; s < splits; s += 32) wsum += exp2f(part_lse_log2[s * rows + r] - base);
   wsum = warp_sum(wsum);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // d = lane + 32 i
 #pragma unroll 4
   for (int s = warp; s < splits; s += COMBINE_WARPS) {
-    const float w = exp2f(part_lse2[s * rows + r] - base);
+    const float w = exp2f(part_lse_log2[s * rows + r] - base);
     if (w == 0.f) continue;
     const float* o = part_o + (s * rows + r) * D;
 #pragma unroll
@@ -4624,7 +4624,7 @@ __global__ void __launch_bounds__(32 * COMBINE_WARPS) attention_combine_kernel(c
     for (int w = 0; w < COMBINE_WARPS; ++w) sum += partial[w][d];
     orow[d] = from_float<T>(sum * inv);
   }
-  if (lane == 0) lse2[r] = mx + log2f(wsum);
+  if (lane == 0) lse_log2[r] = mx + log2f(wsum);
 }
 
 // delta[r] = sum_d dout[r][d] * out[r][d]: the row term of the softmax backward. 16 lanes per row,
@@ -4657,19 +4657,19 @@ __global__ void __launch_bounds__(256) attention_delta_kernel(const T* out, Attn
   if (r < rows && lane == 0) delta[r] = acc;
 }
 
-// P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse2[q]),
+// P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse_log2[q]),
 // dp -> dS = P * (dp - delta[q]). With MASK (the tiles that hold hidden pairs: callers branch on it
 // once per tile), the query index of element (j, e) comes from qidx(j, e), the key from kidx(j, e), and
 // pairs out of range or past the causal diagonal get P = 0.
 template <bool MASK, int NT, class T, class QI, class KI>
 __device__ __forceinline__ void softmax_grad_tile(const AttnArgs<T>& p, float (&s)[NT][4], float (&dp)[NT][4],
-                                                  QI qidx, KI kidx, const float* lse2, const float* delta) {
+                                                  QI qidx, KI kidx, const float* lse_log2, const float* delta) {
   const int offset = p.Sk - p.Sq;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float pr = fast_exp2(s[j][e] * p.scale_log2 - lse2[e]);
+      float pr = fast_exp2(s[j][e] * p.scale_log2 - lse_log2[e]);
       if (MASK) {
         const int qi = qidx(j, e), ki = kidx(j, e);
         if (qi >= p.Sq || ki >= p.Sk || (p.causal && ki > qi + offset)) pr = 0.f;
@@ -4682,7 +4682,7 @@ __device__ __forceinline__ void softmax_grad_tile(const AttnArgs<T>& p, float (&
 // dK, dV for 64 keys per block (4 warps x 16 keys) of K/V head kvh, looping over the query tiles
 // (BQ rows) of every query head that shares it. Works in the transposed frame: S^T = K Q^T, P^T,
 // dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block writes its own rows of dK and dV, summed
-// over the group in a fixed order: no atomics, deterministic. Tile i's Q, dO, lse2 and delta load
+// over the group in a fixed order: no atomics, deterministic. Tile i's Q, dO, lse_log2 and delta load
 // into stage i % STAGES.
 template <class Ops, int BQ, int STAGES>
 __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int kvh,
@@ -4692,7 +4692,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + 64 * LD;
   T* QdO = Vs + 64 * LD;  // stage st: Q rows at QdO + st * 2 * BQ * LD, dO rows BQ * LD further
-  float* stats = reinterpret_cast<float*>(QdO + STAGES * 2 * BQ * LD);  // stage st: lse2 at stats + st * 2 * BQ,
+  float* stats = reinterpret_cast<float*>(QdO + STAGES * 2 * BQ * LD);  // stage st: lse_log2 at stats + st * 2 * BQ,
                                                                         // delta BQ further
   const int k0 = kblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -4709,13 +4709,13 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     T* Qs = QdO + st * 2 * BQ * LD;
     load_rows_async<BQ, Ops>(Qs, q_rows, q0_load, p.Sq);
     load_rows_async<BQ, Ops>(Qs + BQ * LD, do_rows, q0_load, p.Sq);
-    // lse2 and delta: (B * H, Sq), contiguous; threads [0, BQ) copy lse2, [BQ, 2 BQ) delta. Rows past Sq
+    // lse_log2 and delta: (B * H, Sq), contiguous; threads [0, BQ) copy lse_log2, [BQ, 2 BQ) delta. Rows past Sq
     // read as 0 (the mask zeroes their P).
     static_assert(2 * BQ <= ATTN_THREADS, "a thread per value");
     if (threadIdx.x < 2 * BQ) {
       const int r = threadIdx.x % BQ;
       const bool in = q0_load + r < p.Sq;
-      const float* src = threadIdx.x < BQ ? p.lse2 : p.delta;
+      const float* src = threadIdx.x < BQ ? p.lse_log2 : p.delta;
       cp_async<4>(stats + st * 2 * BQ + threadIdx.x, src + (int64_t)hq_load * p.Sq + (in ? q0_load + r : 0), in);
     }
     cp_async_commit();
@@ -4740,12 +4740,12 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     tiles_landed<Ops, 0>();  // tile i; two stages: and every warp is done with tile i - 1, whose stage takes i + 1
     if (STAGES == 2 && i + 1 < tiles) load_next(st ^ 1);
     float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
-    Ops::template abt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
-    Ops::template abt<BQ / 8>(dp, Vs, warp * 16, dOs); // dP^T
+    Ops::template a_times_bt<BQ / 8>(s, Ks, warp * 16, Qs);   // S^T (16 keys x BQ queries)
+    Ops::template a_times_bt<BQ / 8>(dp, Vs, warp * 16, dOs); // dP^T
     auto grads = [&](auto masked) {
 #pragma unroll
       for (int j = 0; j < BQ / 8; ++j) {
-        // lse2 and delta are per query: the column of the element
+        // lse_log2 and delta are per query: the column of the element
         const float2 l2 = *reinterpret_cast<const float2*>(Ls + j * 8 + 2 * t);
         const float2 d2 = *reinterpret_cast<const float2*>(Ds + j * 8 + 2 * t);
         const float lq[4] = {l2.x, l2.y, l2.x, l2.y}, dq[4] = {d2.x, d2.y, d2.x, d2.y};
@@ -4760,8 +4760,8 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
     };
     if (q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset)) grads(std::true_type{});
     else grads(std::false_type{});
-    Ops::template pm<BQ / 8>(dv, s, dOs);  // dV += P^T dO
-    Ops::template pm<BQ / 8>(dk, dp, Qs);  // dK += dS^T Q
+    Ops::template p_times_m<BQ / 8>(dv, s, dOs);  // dV += P^T dO
+    Ops::template p_times_m<BQ / 8>(dk, dp, Qs);  // dK += dS^T Q
     if (STAGES == 1) {
       __syncthreads();  // every warp is done with the stage tile i + 1 takes
       if (i + 1 < tiles) load_next(0);
@@ -4784,12 +4784,12 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
   T* KV = dOs + 64 * LD;  // stage st: K rows at KV + st * 2 * BK * LD, V rows BK * LD further
   const int q0 = qblock * 64;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const int64_t qbase = (int64_t)bh * p.Sq;  // lse2 and delta: (B * H, Sq), contiguous
+  const int64_t qbase = (int64_t)bh * p.Sq;  // lse_log2 and delta: (B * H, Sq), contiguous
   const AttnRows<const T> k = attn_rows(p.k, p.lk, bh / p.group), v = attn_rows(p.v, p.lv, bh / p.group);
   const int row0 = q0 + warp * 16 + g;
   const int offset = p.Sk - p.Sq;
-  const float lq[4] = {row0 < p.Sq ? p.lse2[qbase + row0] : INFINITY, 0.f,
-                       row0 + 8 < p.Sq ? p.lse2[qbase + row0 + 8] : INFINITY, 0.f};
+  const float lq[4] = {row0 < p.Sq ? p.lse_log2[qbase + row0] : INFINITY, 0.f,
+                       row0 + 8 < p.Sq ? p.lse_log2[qbase + row0 + 8] : INFINITY, 0.f};
   const float lse[4] = {lq[0], lq[0], lq[2], lq[2]};
   const float dl[4] = {row0 < p.Sq ? p.delta[qbase + row0] : 0.f, 0.f,
                        row0 + 8 < p.Sq ? p.delta[qbase + row0 + 8] : 0.f, 0.f};
@@ -4814,15 +4814,15 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
     tiles_landed<Ops, 0>();  // tile kt; two stages: and every warp is done with tile kt - 1, whose stage takes kt + 1
     if (STAGES == 2 && kt + 1 < ntiles) load_tile(kt + 1, st ^ 1);
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
-    Ops::template abt<BK / 8>(s, Qs, warp * 16, Ks);
-    Ops::template abt<BK / 8>(dp, dOs, warp * 16, Vs);
+    Ops::template a_times_bt<BK / 8>(s, Qs, warp * 16, Ks);
+    Ops::template a_times_bt<BK / 8>(dp, dOs, warp * 16, Vs);
     auto qidx = [&](int, int e) { return row0 + (e < 2 ? 0 : 8); };
     auto kidx = [&](int j, int e) { return k0 + j * 8 + 2 * t + (e & 1); };
     if (q0 + 64 > p.Sq || k0 + BK > p.Sk || (p.causal && k0 + BK - 1 > q0 + offset))
       softmax_grad_tile<true>(p, s, dp, qidx, kidx, lse, delta);
     else
       softmax_grad_tile<false>(p, s, dp, qidx, kidx, lse, delta);
-    Ops::template pm<BK / 8>(dq, dp, Ks);
+    Ops::template p_times_m<BK / 8>(dq, dp, Ks);
     if (STAGES == 1) {
       __syncthreads();  // every warp is done with the stage tile kt + 1 takes
       if (kt + 1 < ntiles) load_tile(kt + 1, 0);
@@ -4891,7 +4891,7 @@ template <class Ops>
 static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, cudaStream_t s) {
   constexpr int D = Ops::D;
   constexpr int BQ = D > 64 ? 32 : 64, BK = D > 64 ? 32 : 64;  // register budget at D = 128
-  // dK/dV blocks hold K, V (64 rows) + per stage Q, dO (BQ rows each), lse2, delta; dQ blocks Q, dO
+  // dK/dV blocks hold K, V (64 rows) + per stage Q, dO (BQ rows each), lse_log2, delta; dQ blocks Q, dO
   // (64 rows each) + per stage K, V (BK rows each). The larger of the two sets the stages.
   constexpr int STAGES = attn_stages<Ops>(128, 2 * std::max(BQ, BK), 2 * BQ * (int)sizeof(float));
   constexpr size_t smem_kv = attn_smem_bytes<Ops>(128 + STAGES * 2 * BQ, STAGES * 2 * BQ * sizeof(float));
@@ -4942,7 +4942,7 @@ int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D)
 }
 
 template <class T>
-static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse2, const AttnLayouts& l, int BH,
+static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse_log2, const AttnLayouts& l, int BH,
                           int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
                           const int64_t* kv_len, float* workspace, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
@@ -4953,41 +4953,41 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
   if (!(scale >= 0.f)) throw std::invalid_argument("attention_fwd_fused: scale must be >= 0 (pass -q for a negative one)");
   scale = std::max(scale, FLT_MIN);
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
-  p.q = q; p.k = k; p.v = v; p.out = out; p.lse2 = lse2; p.kv_len = kv_len;
+  p.q = q; p.k = k; p.v = v; p.out = out; p.lse_log2 = lse_log2; p.kv_len = kv_len;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out;
   const int splits = attention_fwd_splits(BH, group, Sq, Sk);
   p.split_tiles = ceil_div(ceil_div(Sk, 64), splits);
   const int64_t rows = (int64_t)BH * Sq;
   if (splits > 1) {
     p.part_o = workspace;
-    p.part_lse2 = workspace + splits * rows * D;
+    p.part_lse_log2 = workspace + splits * rows * D;
   }
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_fwd_dispatch<decltype(ops)>(p, BH / group, splits, s); });
   check_launch("attention_fwd_fused");
   if (splits > 1) {
     launch_pdl(attention_combine_kernel<T>, dim3((unsigned)rows), dim3(32, COMBINE_WARPS), 0, s, p.part_o,
-               p.part_lse2, out, l.out, Sq, lse2, rows, D, splits);
+               p.part_lse_log2, out, l.out, Sq, lse_log2, rows, D, splits);
     check_launch("attention_combine");
   }
 }
 
 // q, k, v, out laid out as l says (cp.async: 16-byte aligned base and strides). BH counts query
-// heads (B * H_q); k and v hold BH / group heads. lse2 receives BH * Sq floats (log2 units, (B, H, Sq)
+// heads (B * H_q); k and v hold BH / group heads. lse_log2 receives BH * Sq floats (log2 units, (B, H, Sq)
 // contiguous) for the backward. workspace: the floats attention_fwd_workspace_floats asks for.
 // kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
-void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse2,
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
                          const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
                          bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s) {
-  attention_fwd(q, k, v, out, lse2, l, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
+  attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
 }
 void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         __nv_bfloat16* out, float* lse2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                         __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
                          int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
-  attention_fwd(q, k, v, out, lse2, l, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
+  attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
 }
 
 template <class T>
-static void attention_bwd(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse2,
+static void attention_bwd(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse_log2,
                           float* delta, T* dq, T* dk, T* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
                           int D, bool causal, float scale, bool precise, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
@@ -4997,7 +4997,7 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
                                                                            D);
   check_launch("attention_delta");
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
-  p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse2 = const_cast<float*>(lse2);
+  p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse_log2 = const_cast<float*>(lse_log2);
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.ldout = l.dout; p.ldq = l.dq; p.ldk = l.dk; p.ldv = l.dv;
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_bwd_dispatch<decltype(ops)>(p, BH, s); });
@@ -5005,14 +5005,14 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
 
 // delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads).
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
-                         const float* dout, const float* lse2, float* delta, float* dq, float* dk,
+                         const float* dout, const float* lse_log2, float* delta, float* dq, float* dk,
                          float* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal,
                          float scale, bool precise, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise, s);
+  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise, s);
 }
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse2, float* delta,
+                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
                          int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, s);
+  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, s);
 }

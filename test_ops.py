@@ -3295,7 +3295,7 @@ def opcheck_cases(dt):
     x2, w2, b2 = _leaf(5, 7, 37, dtype=dt), _leaf(19, 37, dtype=dt), _leaf(19, dtype=dt)
     q, kk, v = _leaf(2, 4, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt)
     pq, pk, pv = plain(2, 4, 17, 64), plain(2, 2, 17, 64), plain(2, 2, 17, 64)
-    out, lse2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None)
+    out, lse_log2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None)
     cases += [("linear", k.linear, (x2, w2, b2), {}), ("linear_no_bias", k.linear, (x2, w2, None), {}),
               ("linear_one_row", k.linear, (_leaf(37, dtype=dt), w2, b2), {}),
               ("linear_backward", k.linear_backward, (plain(5, 7, 19), plain(5, 7, 37), plain(19, 37), True), {}),
@@ -3305,7 +3305,7 @@ def opcheck_cases(dt):
               ("attention_causal_gqa", k.attention, (q, kk, v), {"causal": True}),
               ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None), {}),
               ("attention_fused_backward", k.attention_fused_backward,
-               (pq, pk, pv, out, lse2, plain(2, 4, 17, 64), True, 0.125, True), {}),
+               (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True), {}),
               ("attention_kv_len", k.attention, (pq[:, :, :1], pk, pv),
                {"causal": True, "kv_len": torch.tensor([9], device=DEV)}),
               ("gemv", k.gemv, (plain(19, 37), plain(37), plain(19)), {}),
