@@ -873,8 +873,8 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
          "ScalarType? out_dtype=None) -> (Tensor, Tensor)");
   composite(m, "add_layernorm", add_layernorm_impl);
   autograd(m, "add_layernorm", add_layernorm_autograd);
-  def_op(m, "add_rmsnorm(Tensor x, Tensor y, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) -> (Tensor, "
-         "Tensor)");
+  def_op(m, "add_rmsnorm(Tensor x, Tensor y, Tensor weight, float eps=1e-05, ScalarType? out_dtype=None) "
+         "-> (Tensor, Tensor)");
   composite(m, "add_rmsnorm", add_rmsnorm_impl);
   autograd(m, "add_rmsnorm", add_rmsnorm_autograd);
   def_half(m, "norm_forward(Tensor x, Tensor? addend, Tensor weight, Tensor? bias, float eps, "
@@ -1163,8 +1163,8 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   def_op(m, "stream_mix(Tensor x, Tensor h_res, Tensor h_post, Tensor y) -> Tensor");
   cuda_meta(m, "stream_mix", stream_mix_cuda, stream_mix_meta, CPU_ERRORS);
   autograd(m, "stream_mix", stream_mix_autograd);
-  def_half(m, "stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) -> (Tensor, Tensor, "
-           "Tensor, Tensor)");
+  def_half(m, "stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) "
+           "-> (Tensor, Tensor, Tensor, Tensor)");
   cuda_meta(m, "stream_mix_backward", stream_mix_backward_cuda, stream_mix_backward_meta);
 }
 
