@@ -348,8 +348,11 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
 
 def start_logged(cmd, log, gpu=None):
     """Starts cmd (on GPU number gpu, if given) with its output going through keep_sanitizer_log to log:
-    (process, thread, start time)."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu) if gpu is not None else None
+    (process, thread, start time). One CPU thread a process (unless OMP_NUM_THREADS says otherwise): a
+    sweep runs dozens of them, each of whose thread pools would otherwise take every core."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                             env=env)
     thread = threading.Thread(target=keep_sanitizer_log, args=(proc, log), daemon=True)
