@@ -315,24 +315,9 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     runs = []
     for tool in tools:
-        options = kernel_filter(tool) if filtered else []
-        logs, cases = sanitizer_logs(log_dir, tool), tool_cases(tool, expected)
-        done = [name for name, verdict in case_verdicts(logs).items() if verdict in ("PASS", "SKIP")]
-        left = len(set(cases) - set(done))
-        print(f"{tool}: {left} cases to run ({len(cases) - left} done in earlier runs, {len(expected) - len(cases)} "
-              f"left out), instrumenting {options[1] if options else 'every kernel'}")
-        if not left:
-            continue
-        skip_file = os.path.join(log_dir, f"{tool}.done")
-        with open(skip_file, "w") as f:
-            f.write("".join(name + "\n" for name in set(done) | (set(expected) - set(cases))))
-        first = 1 + max((int(re.search(r"_(\d+)\.log$", f).group(1)) for f in logs), default=-1)
-        for k in range(shards):
-            cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device",
-                   *options, sys.executable, __file__, "--gpu_only", "--shard", f"{k}/{shards}", "--only", only,
-                   "--skip_file", skip_file]
-            log = os.path.join(log_dir, f"{tool}_{first + k}.log")
-            runs.append((f"{tool}_{first + k}", *start_logged(cmd, log, gpus[len(runs) % len(gpus)] if gpus else None)))
+        for name, cmd, log in sanitizer_commands(tool, kernel_filter(tool) if filtered else [], shards, only, log_dir,
+                                                 expected):
+            runs.append((name, *start_logged(cmd, log, gpus[len(runs) % len(gpus)] if gpus else None)))
     print(f"{len(runs)} processes over {max(1, len(gpus))} GPU(s), logs in {log_dir}", flush=True)
     try:
         for name, proc, thread, t0 in runs:
@@ -344,6 +329,35 @@ def sanitize(tools, shards, only, log_dir, filtered=True):
             proc.terminate()
             thread.join()
     return print_sanitizer_summary(log_dir, expected)
+
+
+def sanitizer_commands(tool, options, shards, only, log_dir, expected):
+    """(name, command, log) of each process that runs tool's cases not yet done in log_dir: `shards` of them
+    share the cases, and a case its process died in (DIED) gets a process of its own, so that dying again
+    takes no other case with it. The processes skip what the files log_dir/<tool>.*.skip name."""
+    logs, cases = sanitizer_logs(log_dir, tool), tool_cases(tool, expected)
+    verdicts = case_verdicts(logs)
+    done = {name for name, verdict in verdicts.items() if verdict in ("PASS", "SKIP")}
+    died = sorted(name for name, verdict in verdicts.items() if verdict == "DIED" and name in cases)
+    left = len(set(cases) - done)
+    print(f"{tool}: {left} cases to run ({len(cases) - left} done in earlier runs, {len(expected) - len(cases)} "
+          f"left out{f', {len(died)} alone' if died else ''}), instrumenting {options[1] if options else 'every kernel'}")
+    if not left:
+        return []
+
+    def skip_file(label, names):
+        path = os.path.join(log_dir, f"{tool}.{label}.skip")
+        with open(path, "w") as f:
+            f.write("".join(name + "\n" for name in sorted(names)))
+        return path
+    command = ["compute-sanitizer", "--tool", tool, "--print-limit", "0", "--show-backtrace", "device", *options,
+               sys.executable, __file__, "--gpu_only", "--only", only]
+    shared = skip_file("shared", done | (set(expected) - set(cases)) | set(died))
+    commands = [command + ["--shard", f"{k}/{shards}", "--skip_file", shared] for k in range(shards)] \
+        if left > len(died) else []
+    commands += [command + ["--skip_file", skip_file(f"alone{i}", set(expected) - {name})] for i, name in enumerate(died)]
+    first = 1 + max((int(re.search(r"_(\d+)\.log$", f).group(1)) for f in logs), default=-1)
+    return [(f"{tool}_{first + k}", cmd, os.path.join(log_dir, f"{tool}_{first + k}.log")) for k, cmd in enumerate(commands)]
 
 
 def start_logged(cmd, log, gpu=None):
@@ -1920,6 +1934,12 @@ def sanitizer_resume():
         row = out.getvalue().splitlines()[2].split()
         assert failed == 1 and row[:6] == ["racecheck", "3", "2", "1", "0", "1"], out.getvalue()
         assert "racecheck_0.log: d/4 DIED" in out.getvalue(), out.getvalue()
+        # a resumed run: c/3 on the shared processes, d/4, which died, on one of its own
+        with contextlib.redirect_stdout(io.StringIO()):
+            runs = sanitizer_commands("racecheck", [], 2, "", tmp, ["a/1", "b/2", "c/3", "d/4"])
+        skips = [open(cmd[cmd.index("--skip_file") + 1]).read().split() for _, cmd, _ in runs]
+        assert [name for name, _, _ in runs] == ["racecheck_2", "racecheck_3", "racecheck_4"], runs
+        assert skips == [["a/1", "b/2", "d/4"]] * 2 + [["a/1", "b/2", "c/3"]], skips
         check_sanitizer_logs_match(tmp)
         with open(os.path.join(tmp, "sources"), "w") as f:
             f.write("another build\n")
@@ -1929,8 +1949,8 @@ def sanitizer_resume():
             assert "another kernels.cu" in str(e), e
         else:
             raise AssertionError("logs of another build were resumed")
-    return "later verdicts win, a case its process died in counted as failed, missing cases counted, logs of " \
-           "another build refused"
+    return "later verdicts win, a case its process died in counted as failed and rerun alone, missing cases " \
+           "counted, logs of another build refused"
 
 
 add("ref/topk_order", ref_topk_order, gpu=False)
