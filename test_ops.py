@@ -1920,8 +1920,8 @@ def sanitizer_summary_of_logs():
 
 
 def sanitizer_resume():
-    # a later run's verdict replaces an earlier one's, cases no log names count as missing, and logs of
-    # another kernels.cu are not resumed
+    # a later run's verdict replaces an earlier one's, a case a log ends inside counts as DIED (and runs
+    # alone when resumed), cases no log names count as missing, and logs of another kernels.cu are not resumed
     with tempfile.TemporaryDirectory() as tmp:
         logs = ["a/1  FAIL  x\nb/2  PASS\nd/4  ========= Error: process didn't terminate successfully\n",
                 "a/1  \na/1  PASS  y\n"]
