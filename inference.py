@@ -69,7 +69,7 @@ def fail(msg):
 def parse_config(argv):
     if any(a in ("-h", "--help") for a in argv):
         data.print_options("inference.py", "Decode with the GPT of train.py on both op sets and compare them.",
-                            OPTIONS)
+                           OPTIONS)
         sys.exit(0)
     cfg = dict(DEFAULTS)
     given = data.parse_overrides(argv, DEFAULTS, fail)
