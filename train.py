@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import mhc
@@ -424,6 +426,13 @@ def bf16_op_set(ops, kernels, mode):
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def tracing(*tensors):
+    """Whether a call is traced rather than run: by Dynamo, or by AOTAutograd re-running Dynamo's graph on
+    fake or functional tensors. That graph calls torch.nn.functional by name, so inside patched() it calls
+    the routes again, where no tensor's data can be read."""
+    return torch.compiler.is_compiling() or any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors)
+
+
 def _functional_routes(kernels, device_type):
     """name -> torch.nn.functional.<name> on our kernels, or NotImplemented for arguments they do not take."""
     def ours(*tensors):  # GPU tensors in float32 or bfloat16 (None: an absent optional one)
@@ -478,7 +487,7 @@ def _functional_routes(kernels, device_type):
         # An ignored target must be looked for in the data: eagerly only (a traced graph cannot branch on it).
         if (ours(input) and input.dim() == 2 and target.dim() == 1 and weight is None and size_average is None
                 and reduce is None and reduction == "mean" and label_smoothing == 0.0
-                and not torch.compiler.is_compiling() and not bool((target == ignore_index).any())):
+                and not tracing(input, target) and not bool((target == ignore_index).any())):
             return kernels.cross_entropy(input, target)
         return NotImplemented
 
@@ -515,7 +524,7 @@ def patched(kernels=None, device_type="cuda"):
         @functools.wraps(original)
         def call(*args, **kwargs):
             out = ours(*args, **kwargs)
-            if not torch.compiler.is_compiling():  # eager calls: a compiled graph is traced once
+            if not tracing(*args):  # eager calls: a compiled graph is traced once
                 counts[name, "torch" if out is NotImplemented else "ours"] += 1
             return original(*args, **kwargs) if out is NotImplemented else out
         return call
