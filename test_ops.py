@@ -257,7 +257,7 @@ def kernel_filter(tool):
 def tool_cases(tool, names):
     """The cases a tool runs. initcheck leaves out the bf16 ones: their matmul outputs are written by the
     copy engine (cp.async.bulk.tensor), whose stores initcheck does not follow, so every later read of them,
-    in our kernels too, is reported as uninitialised (a 64 x 64 tile shows it; the README says more)."""
+    in our kernels too, is reported as uninitialised (a 64 x 64 tile stored by cp.async.bulk.tensor shows it)."""
     return [n for n in names if "bf16" not in n] if tool == "initcheck" else list(names)
 
 
