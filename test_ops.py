@@ -3443,7 +3443,7 @@ for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
 # two of those kernels, a workspace read before it is written or a race inside one shows as a repetition
 # that differs from the first in any bit.
 
-STRESS_REPS = 5 if UNDER_SANITIZER else 200  # the tools slow each repetition many times over
+STRESS_REPS = under_tool(200, 5)  # the tools slow each repetition many times over
 
 
 def same_bits(first, got, where):
