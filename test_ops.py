@@ -1341,12 +1341,37 @@ def train_ddp_rank_failure():
     return f"rank 0 stopped with a message: after a crash ({seen[0]}), at the timeout ({seen[1]})"
 
 
+def train_inductor_fallbacks():
+    # register_inductor_fallbacks gives every overload of a namespace's ops Inductor's lowering for a custom
+    # op (a call of the op, under the layout rule Inductor would pick), and a compiled call of one then runs
+    # it; shown on the CPU with ops of a namespace of this test's own
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+    if not hasattr(torch.ops.inductor_fallback_test, "scale"):
+        lib = torch.library.Library("inductor_fallback_test", "DEF")
+        lib.define("scale(Tensor x, float s) -> Tensor")
+        lib.define("scale.twice(Tensor x, float s) -> Tensor")
+        lib.impl("scale", lambda x, s: x * s, "CompositeExplicitAutograd")
+        lib.impl("scale.twice", lambda x, s: x * (2 * s), "CompositeExplicitAutograd")
+        train_inductor_fallbacks.lib = lib  # the registrations last as long as the library object
+    ops = [torch.ops.inductor_fallback_test.scale.default, torch.ops.inductor_fallback_test.scale.twice]
+    train.register_inductor_fallbacks("inductor_fallback_test")
+    for op in ops:
+        rule = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        assert op in lowering.lowerings, f"{op} has no lowering"
+        assert lowering.maybe_layout_constraints(op) is rule, f"{op}: {lowering.maybe_layout_constraints(op)}"
+    x = torch.randn(7)
+    compiled = torch.compile(lambda x: ops[1](ops[0](x + 1, 2.0), 3.0).sin(), fullgraph=True)
+    check("compiled", compiled(x), ((x + 1) * 12).sin(), 1e-6)
+    return f"{len(ops)} overloads lowered as calls with {lowering.maybe_layout_constraints(ops[0]).__name__}"
+
+
 for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_rejects_bad_type, train_cuda_backend_on_cpu_errors,
             train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_ddp_two_ranks,
-            train_ddp_rank_failure, train_patched_routes):
+            train_ddp_rank_failure, train_patched_routes, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------

@@ -514,6 +514,7 @@ def patched(kernels=None, device_type="cuda"):
         kernels, why = import_kernels()
         if kernels is None:
             raise RuntimeError(f"patched() needs the kernels extension: {why}")
+    register_inductor_fallbacks()
     counts = collections.Counter()
     routes = _functional_routes(kernels, device_type)
     originals = {name: getattr(F, name) for name in routes}
@@ -858,6 +859,23 @@ class GraphedStep:
         return self.static_loss  # overwritten by the next replay: copy it out before then
 
 
+def register_inductor_fallbacks(namespace="kernels"):
+    """Registers every op of the namespace with Inductor as a call of the op itself, with the layout rule
+    Inductor gives a custom op (what it does on meeting one unregistered). Ahead of the compile, because
+    torch 2.11 formats the arguments of an unregistered op's first call, their whole IR, into a log line
+    whether or not anything logs: on --preset=large that kept Inductor compiling for over 8 minutes."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith(namespace + "::")}  # "kernels::linear", "kernels::<name>.<overload>"
+    for name in sorted(names):
+        packet = getattr(getattr(torch.ops, namespace), name)
+        for op in (getattr(packet, overload) for overload in packet.overloads()):
+            if op not in lowering.lowerings:
+                rule = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+                lowering.make_fallback(op, layout_constraint=rule)
+
+
 def compiled_step(model, opt):
     """train_step on the model compiled by torch.compile(mode='reduce-overhead'): the forward and loss and the
     backward derived from them as Inductor's kernels (on the cuda op set, ours are nodes of that graph and
@@ -865,6 +883,7 @@ def compiled_step(model, opt):
     the eager fused step that every run uses. The compiled module shares the model's parameters and serves
     this step only, so evaluation, sampling and checkpoints see the eager model. The first call compiles
     and the second records the graphs, both inside the timing warm-up."""
+    register_inductor_fallbacks()
     compiled = torch.compile(model, mode="reduce-overhead")
 
     def step(x, y):
