@@ -15,6 +15,7 @@ import hashlib
 import math
 import os
 import re
+import sys
 import zipfile
 
 import requests
@@ -219,6 +220,17 @@ def fmt_seconds(s):
 
 def one_line(e, limit=200):
     return " ".join(str(e).split())[:limit]
+
+
+def print_help_and_exit(print_help):
+    """--help: print_help(), then exit 0, quietly also where the reader stops early (`| head`): the closed
+    pipe would otherwise end the script in a BrokenPipeError traceback, once when printing, again at exit."""
+    try:
+        print_help()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left for the exit's flush
+    sys.exit(0)
 
 
 def print_options(prog, what, options):

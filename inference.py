@@ -68,9 +68,8 @@ def fail(msg):
 
 def parse_config(argv):
     if any(a in ("-h", "--help") for a in argv):
-        data.print_options("inference.py", "Decode with the GPT of train.py on both op sets and compare them.",
-                           OPTIONS)
-        sys.exit(0)
+        data.print_help_and_exit(lambda: data.print_options(
+            "inference.py", "Decode with the GPT of train.py on both op sets and compare them.", OPTIONS))
     cfg = dict(DEFAULTS)
     given = data.parse_overrides(argv, DEFAULTS, fail)
     for key, val in given.items():

@@ -898,7 +898,14 @@ def train_help():
         at = next((i for i, ln in enumerate(lines) if ln.startswith(title)), None)
         assert at is not None, f"--help has no {title!r} section"
         assert all(any(ln.split()[:1] == [c] for ln in lines[at + 1:]) for c in choices), f"{title}: {choices}"
-    return f"{len(train.DEFAULTS)} keys described, preset and backend choices listed"
+    for script in ("train.py", "inference.py"):  # as `--help | head`: the reader has gone before the text comes
+        proc = subprocess.Popen([sys.executable, script, "--help"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # before the script has imported torch, let alone printed
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and not err, \
+            f"{script} into a closed pipe: exit {proc.returncode}, {err[-1500:]}"
+    return f"{len(train.DEFAULTS)} keys described, preset and backend choices listed; quiet into a closed pipe"
 
 
 def train_rejects_bad_values():

@@ -49,7 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mhc
 from data import (CharTokenizer, all_finite, atomic_write, fmt_seconds, get_batch, load_text, one_line, out_dir_lock,
-                  parse_overrides, parse_value, print_options, pyplot, read_checkpoint, split_data, weights_sha256)
+                  parse_overrides, parse_value, print_help_and_exit, print_options, pyplot, read_checkpoint,
+                  split_data, weights_sha256)
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
@@ -134,8 +135,7 @@ def print_help():
 def parse_config(argv):
     """DEFAULTS, then the preset, then the other --key=value overrides, each parsed as its default's type."""
     if any(a in ("-h", "--help") for a in argv):
-        print_help()
-        sys.exit(0)
+        print_help_and_exit(print_help)
     overrides = parse_overrides(argv, DEFAULTS, fail)
 
     cfg = dict(DEFAULTS)
