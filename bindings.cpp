@@ -208,6 +208,7 @@ static void with_type(at::ScalarType dtype, F&& f) {
 }
 
 static void check_index_cuda(const char* op, const Tensor& t, const char* name) {
+  REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
   REQUIRE(cuda_or_meta(t), op, ": ", name, " must be a CUDA tensor, got ", t.device());
   REQUIRE(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ", t.scalar_type());
 }
@@ -292,8 +293,7 @@ static auto call_below_autograd(const Op& op, const Args&... args) {
 template <class Fn, class Op, class... Args>
 static auto autograd_or_below(const Op& op, const Args&... args) {
   if (wants_grad(args...)) return Fn::apply(args...);
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(args...);
+  return call_below_autograd(op, args...);
 }
 
 // Registration: each op's section ends with a TORCH_LIBRARY_FRAGMENT holding its schema (every argument's
@@ -795,8 +795,17 @@ struct NormFn : torch::autograd::Function<NormFn> {
 
 // The four public ops. Below autograd (inference mode, and the backends' own calls) they are
 // norm_forward's outputs; with autograd, NormFn's.
+
+// A schema's Tensor takes Python's None as an undefined tensor, which norm_forward would read as no addend
+// (an undefined y) or as RMSNorm (an undefined bias): the ops refuse it where they are entered, above and
+// below autograd.
+static void check_given(const char* op, const Tensor& t, const char* name) {
+  REQUIRE(t.defined(), op, ": ", name, " must be a tensor, got None");
+}
+
 Tensor layernorm_impl(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                       std::optional<at::ScalarType> out_dtype) {
+  check_given("layernorm", bias, "bias");
   return KERNELS_OP("norm_forward", norm_forward_cuda).call(x, std::nullopt, weight, bias, eps, out_dtype)[0];
 }
 
@@ -804,28 +813,25 @@ Tensor rmsnorm_impl(const Tensor& x, const Tensor& weight, double eps, std::opti
   return KERNELS_OP("norm_forward", norm_forward_cuda).call(x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
 }
 
-// The schema's Tensor y takes Python's None as an undefined tensor, which norm_forward would read as
-// "no addend": the add_* ops refuse it where they are entered, above and below autograd.
-static void check_addend(const char* op, const Tensor& y) {
-  REQUIRE(y.defined(), op, ": y must be a tensor, got None");
-}
 
 std::tuple<Tensor, Tensor> add_layernorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight,
                                               const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
-  check_addend("add_layernorm", y);
+  check_given("add_layernorm", y, "y");
+  check_given("add_layernorm", bias, "bias");
   const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, y, weight, bias, eps, out_dtype);
   return {r.back(), r[0]};
 }
 
 std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
                                             std::optional<at::ScalarType> out_dtype) {
-  check_addend("add_rmsnorm", y);
+  check_given("add_rmsnorm", y, "y");
   const auto r = KERNELS_OP("norm_forward", norm_forward_cuda).call(x, y, weight, std::nullopt, eps, out_dtype);
   return {r.back(), r[0]};
 }
 
 Tensor layernorm_autograd(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                           std::optional<at::ScalarType> out_dtype) {
+  check_given("layernorm", bias, "bias");
   if (wants_grad(x, weight, bias)) return NormFn::apply(x, std::nullopt, weight, bias, eps, out_dtype)[0];
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return layernorm_impl(x, weight, bias, eps, out_dtype);
@@ -840,7 +846,8 @@ Tensor rmsnorm_autograd(const Tensor& x, const Tensor& weight, double eps, std::
 std::tuple<Tensor, Tensor> add_layernorm_autograd(const Tensor& x, const Tensor& y, const Tensor& weight,
                                                   const Tensor& bias, double eps,
                                                   std::optional<at::ScalarType> out_dtype) {
-  check_addend("add_layernorm", y);
+  check_given("add_layernorm", y, "y");
+  check_given("add_layernorm", bias, "bias");
   if (!wants_grad(x, y, weight, bias)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return add_layernorm_impl(x, y, weight, bias, eps, out_dtype);
@@ -851,7 +858,7 @@ std::tuple<Tensor, Tensor> add_layernorm_autograd(const Tensor& x, const Tensor&
 
 std::tuple<Tensor, Tensor> add_rmsnorm_autograd(const Tensor& x, const Tensor& y, const Tensor& weight, double eps,
                                                 std::optional<at::ScalarType> out_dtype) {
-  check_addend("add_rmsnorm", y);
+  check_given("add_rmsnorm", y, "y");
   if (!wants_grad(x, y, weight)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return add_rmsnorm_impl(x, y, weight, eps, out_dtype);
@@ -1702,21 +1709,21 @@ static Tensor checked_bias(const char* op, const Tensor& w, const std::optional<
   return b_in->contiguous();
 }
 
-static void check_gemv(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
+// Both return the bias, checked and contiguous (undefined where none is given).
+static Tensor check_gemv(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
   const char* op = "gemv";
   check_fp_cuda(op, w, "weight", w, "weight");
   check_fp_cuda(op, x, "x", w, "weight");
   check_same_device(op, w, "weight", x, "x");
   check_dim(op, w, "weight", 2, "(N, K)");
   REQUIRE(x.dim() == 1 && x.size(0) == w.size(1), op, ": x must have shape (", w.size(1), ",), got ", x.sizes());
-  checked_bias(op, w, b, {w.size(0)});
+  return checked_bias(op, w, b, {w.size(0)});
 }
 
 Tensor gemv_cuda(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b) {
   raise_pending_index_error();
-  check_gemv(w, x, b);
+  const Tensor bias = check_gemv(w, x, b);
   const c10::cuda::CUDAGuard guard(w.device());
-  const Tensor bias = checked_bias("gemv", w, b, {w.size(0)});
   return gemv_launch("gemv", w.contiguous(), x.reshape({1, -1}).contiguous(), bias, Tensor()).view({w.size(0)});
 }
 
@@ -1725,8 +1732,8 @@ Tensor gemv_meta(const Tensor& w, const Tensor& x, const std::optional<Tensor>& 
   return at::empty({w.size(0)}, w.options());
 }
 
-static void check_expert_gemv(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b,
-                              const Tensor& experts) {
+static Tensor check_expert_gemv(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b,
+                                const Tensor& experts) {
   const char* op = "expert_gemv";
   check_fp_cuda(op, w, "weight", w, "weight");
   check_fp_cuda(op, x, "x", w, "weight");
@@ -1738,14 +1745,13 @@ static void check_expert_gemv(const Tensor& w, const Tensor& x, const std::optio
   REQUIRE(x.size(1) == w.size(2), op, ": x must have shape (S, ", w.size(2), "), got ", x.sizes());
   REQUIRE(experts.dim() == 1 && experts.size(0) == x.size(0), op, ": experts must have shape (", x.size(0),
           ",), one per row of x, got ", experts.sizes());
-  checked_bias(op, w, b, {w.size(0), w.size(1)});
+  return checked_bias(op, w, b, {w.size(0), w.size(1)});
 }
 
 Tensor expert_gemv_cuda(const Tensor& w, const Tensor& x, const std::optional<Tensor>& b, const Tensor& experts) {
   raise_pending_index_error();
-  check_expert_gemv(w, x, b, experts);
+  const Tensor bias = check_expert_gemv(w, x, b, experts);
   const c10::cuda::CUDAGuard guard(w.device());
-  const Tensor bias = checked_bias("expert_gemv", w, b, {w.size(0), w.size(1)});
   return gemv_launch("expert_gemv", w.contiguous(), x.contiguous(), bias, experts.contiguous());
 }
 
@@ -1783,8 +1789,7 @@ static void check_kv_write(const Tensor& k_cache, const Tensor& v_cache, const T
   REQUIRE(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": k_cache and v_cache must be contiguous");
   REQUIRE(k.stride(3) == 1 && v.stride(3) == 1, op, ": k and v must have a contiguous last dim, got strides ",
           k.strides(), " and ", v.strides());
-  REQUIRE(!at::GradMode::is_enabled() || !(k.requires_grad() || v.requires_grad() || k_cache.requires_grad() ||
-                                           v_cache.requires_grad()), op,
+  REQUIRE(!wants_grad(k, v, k_cache, v_cache), op,
           ": writes to a cache and has no gradient; call it under torch.no_grad()");
 }
 
@@ -2142,9 +2147,8 @@ static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, 
             kv_len->sizes(), " on ", kv_len->device());
     check_same_device("attention", q, "q", *kv_len, "kv_len");
     REQUIRE_VALUE(mode == "fused", "attention: kv_len needs mode='fused', got mode='", std::string(mode), "'");
-    const bool wants_grad = torch::autograd::GradMode::is_enabled() &&
-                            (q.requires_grad() || k.requires_grad() || v.requires_grad());
-    REQUIRE(!wants_grad, "attention: kv_len is for inference and has no backward; call it under torch.no_grad()");
+    REQUIRE(!wants_grad(q, k, v),
+            "attention: kv_len is for inference and has no backward; call it under torch.no_grad()");
   }
   return scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
 }

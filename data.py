@@ -222,6 +222,12 @@ def one_line(e, limit=200):
     return " ".join(str(e).split())[:limit]
 
 
+def device_name(device):
+    """What results record as the machine: the GPU's name, or cpu."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def print_help_and_exit(print_help):
     """--help: print_help(), then exit 0, quietly also where the reader stops early (`| head`): the closed
     pipe would otherwise end the script in a BrokenPipeError traceback, once when printing, again at exit."""

@@ -424,7 +424,7 @@ def main(argv):
     paths, notes = choose_paths(cfg)
     for note in notes:
         print(note)
-    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    hw = data.device_name(dev)
     sampling = "greedy" if cfg.temperature == 0 else \
         f"temperature {cfg.temperature}, top-k {cfg.sample_top_k or 'all'}"
     bw = copy_bandwidth(dev) if dev.type == "cuda" else None

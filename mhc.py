@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from data import INCREMENT_VOCAB, atomic_write, fmt_seconds, get_batch, increment_batch, pyplot
+from data import INCREMENT_VOCAB, atomic_write, device_name, fmt_seconds, get_batch, increment_batch, pyplot
 
 
 def sinkhorn_torch(logits, iters=20):
@@ -346,10 +346,6 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
         eval_cfg = SimpleNamespace(**{**vars(cfg), "batch_size": batch_size})
         record["eval"] = {k: finite_or_none(v) for k, v in trainer.estimate_loss(model, task.splits, eval_cfg).items()}
     return record
-
-
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def load_sweep(path, settings, fail):

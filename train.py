@@ -48,8 +48,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import mhc
-from data import (CharTokenizer, all_finite, atomic_write, fmt_seconds, get_batch, load_text, one_line, out_dir_lock,
-                  parse_overrides, parse_value, print_help_and_exit, print_options, pyplot, read_checkpoint,
+from data import (CharTokenizer, all_finite, atomic_write, device_name, fmt_seconds, get_batch, load_text, one_line,
+                  out_dir_lock, parse_overrides, parse_value, print_help_and_exit, print_options, pyplot, read_checkpoint,
                   split_data, weights_sha256)
 
 # -----------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def patched(kernels=None, device_type="cuda"):
         @functools.wraps(original)
         def call(*args, **kwargs):
             out = ours(*args, **kwargs)
-            if not tracing(*args):  # eager calls: a compiled graph is traced once
+            if not tracing(*args, *kwargs.values()):  # eager calls: a compiled graph is traced once
                 counts[name, "torch" if out is NotImplemented else "ours"] += 1
             return original(*args, **kwargs) if out is NotImplemented else out
         return call
@@ -1314,8 +1314,7 @@ OP_SET_TITLES = {"torch": "PyTorch op set", "cuda": "custom CUDA op set"}
 
 
 def report(runs, cfg):
-    device = torch.device(cfg.device)
-    hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    hw = device_name(cfg.device)
     ranks = f" x {cfg.world_size}, global batch {cfg.world_size} x {cfg.batch_size}" if cfg.world_size > 1 else ""
     print(f"\nresults on {hw}{ranks}, {cfg.dtype} (tok/s: training steps only, of all ranks, after "
           f"{timing_skip(cfg)} warm-up steps; wall s: whole run including evals)")
