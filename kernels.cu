@@ -1729,6 +1729,16 @@ __device__ __forceinline__ void grouped_tile(int pid, int tiles_m, int tiles_n, 
   tile_n = (pid % per_group) / group_m;
 }
 
+// 3xTF32 splits an infinite operand into inf and a NaN lo part, so every output an inf reaches comes
+// out NaN, where an fp32 product gives ±inf (and NaN only for inf * 0, inf - inf or a NaN operand). The
+// epilogues sum a NaN output again here, in plain fp32 along row a (stride a_ks) and column b (stride
+// b_ks) over [k0, k1), stopping at the first NaN, which no later term can undo. Only NaN outputs pay.
+__device__ __noinline__ float plain_dot(const float* a, int64_t a_ks, const float* b, int64_t b_ks, int k0, int k1) {
+  float sum = 0.f;
+  for (int k = k0; k < k1 && !isnan(sum); ++k) sum = fmaf(a[k * a_ks], b[k * b_ks], sum);
+  return sum;
+}
+
 template <int BM, int BN, int NT, bool TA, bool TB, int VEC>
 __global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArgs p) {
   constexpr int BK = 16, PAD = BK + 4;
@@ -1852,7 +1862,11 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArg
         float o[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          o[e] = p.alpha * acc[i][j][2 * h + e];
+          float v = acc[i][j][2 * h + e];
+          if (isnan(v) && n + e < p.N)
+            v = plain_dot(a + (TA ? m : m * p.lda), TA ? p.lda : 1, b + (TB ? (n + e) * p.ldb : n + e),
+                          TB ? 1 : p.ldb, k_lo, k_hi);
+          o[e] = p.alpha * v;
           if (p.bias && n + e < p.N) o[e] += p.bias[n + e];
         }
         float* dst = c + (int64_t)m * p.ldc + n;
@@ -2072,6 +2086,11 @@ struct WgmmaArgs {
   bool vec_c;
   int splits, kt_per_split;  // split-K as in MatmulArgs, in units of K tiles
   int64_t split_stride;
+  // The operands as given, for plain_dot: op(A)(m, k) = a_src[m * a_rs + k * a_ks], op(B)(k, n) =
+  // b_src[k * b_ks + n * b_cs], batch strides sa and sb.
+  const float* a_src; const float* b_src;
+  int64_t a_rs, a_ks, b_ks, b_cs, sa, sb;
+  int K;
 };
 
 __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
@@ -2144,7 +2163,11 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
       float o[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        o[e] = p.alpha * acc[4 * j + 2 * h + e];
+        float v = acc[4 * j + 2 * h + e];
+        if (isnan(v) && n + e < p.N)
+          v = plain_dot(p.a_src + bz * p.sa + m * p.a_rs, p.a_ks, p.b_src + bz * p.sb + (n + e) * p.b_cs, p.b_ks,
+                        kt0 * WG_BK, min(p.K, kt1 * WG_BK));
+        o[e] = p.alpha * v;
         if (p.bias && n + e < p.N) o[e] += p.bias[n + e];
       }
       float* dst = c + (int64_t)m * p.ldc + n;
@@ -2684,10 +2707,12 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
     const int64_t a_bs = matmul_pack(a, pa, batch, M, K, ta ? 1 : lda, ta ? lda : 1, sa, s);
     const int64_t b_bs = matmul_pack(b, pb, batch, N, K, tb ? ldb : 1, tb ? 1 : ldb, sb, s);
     WgmmaArgs p{pa, pb, out_bias, out, M, N, ceil_div(K, WG_BK), a_bs, b_bs, ldo, so, out_alpha, vec_c,
-                plan.splits, plan.kchunk / WG_BK, split_stride};
+                plan.splits, plan.kchunk / WG_BK, split_stride,
+                a, b, ta ? 1 : lda, ta ? lda : 1, tb ? 1 : ldb, tb ? ldb : 1, sa, sb, K};
     for (int z0 = 0; z0 < batch; z0 += zmax) {
       WgmmaArgs q = p;
       q.a += z0 * a_bs; q.b += z0 * b_bs; q.c += z0 * so;
+      q.a_src += z0 * sa; q.b_src += z0 * sb;
       const dim3 grid(ceil_div(M, WG_BM) * ceil_div(N, WG_BN), 1, std::min(batch - z0, zmax) * plan.splits);
       matmul_wgmma_kernel<<<grid, 384, WG_SMEM, s>>>(q);
       check_launch("matmul");
