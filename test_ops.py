@@ -3543,7 +3543,52 @@ def t_compile_fullgraph(dt):
     return f"{explain.graph_count} graph, 0 breaks"
 
 
+def t_autocast_policy():
+    # torch.autocast(bfloat16) around our fp32 calls makes the bf16 policy's casts (bindings.cpp's autocast
+    # section): outputs and gradients equal, bit for bit and dtype for dtype, to the same calls with those
+    # casts written out. The cuda op set's --dtype=bf16 is this autocast around its fp32 op set.
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 products run on Hopper's wgmma (compute capability 9.0)")
+    k, bf, f32, C = kernels, BF16, torch.float32, 64
+
+    def b16(t):
+        return t.to(bf)
+    qkv, qkv24 = [(2, 3, 17, 64)] * 3, [(2, 3, 17, 24)] * 3  # 24: a head size the fused kernels lack
+    cases = (  # name, the call under autocast, the call with autocast's casts written out, leaf shapes
+        # (float32 leaves, or (shape, dtype))
+        ("linear", lambda x, w, b: k.linear(x, w, b), lambda x, w, b: k.linear(b16(x), w, b),
+         [(5, 7, C), (48, C), (48,)]),
+        ("matmul", k.matmul, lambda a, m: k.matmul(b16(a), b16(m)), [(37, C), (C, 24)]),
+        ("layernorm", k.layernorm, lambda x, w, b: k.layernorm(x, w, b, out_dtype=bf), [(37, C), (C,), (C,)]),
+        ("rmsnorm", k.rmsnorm, lambda x, w: k.rmsnorm(x, w, out_dtype=bf), [(37, C), (C,)]),
+        ("add_layernorm", k.add_layernorm, lambda x, y, w, b: k.add_layernorm(x, y, w, b, out_dtype=bf),
+         [(37, C), ((37, C), bf), (C,), (C,)]),  # y: a sublayer's output, bf16 under autocast
+        ("add_rmsnorm", k.add_rmsnorm, lambda x, y, w: k.add_rmsnorm(x, y, w, out_dtype=bf),
+         [(37, C), ((37, C), bf), (C,)]),
+        ("softmax of bf16", lambda x: k.softmax(b16(x)), lambda x: k.softmax(b16(x), out_dtype=f32), [(37, C)]),
+        ("attention fused", lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="fused"),
+         lambda q, kk, v: k.attention(b16(q), b16(kk), b16(v), causal=True, mode="fused"), qkv),
+        ("attention tiled", lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="tiled"),
+         lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="tiled").to(bf), qkv24),
+        ("gelu, as called", k.gelu, k.gelu, [(37, C)]),
+    )
+    for name, under, written, shapes in cases:
+        leaves = [_leaf(*s[0], dtype=s[1]) if isinstance(s[0], tuple) else _leaf(*s) for s in shapes]
+        copies = [t.detach().clone().requires_grad_() for t in leaves]
+        with torch.autocast("cuda", dtype=bf):
+            got = outputs(under(*leaves))
+        want = outputs(written(*copies))
+        dys = [torch.randn_like(t) for _, t in want]
+        for (label, g), (_, w) in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} {label}: {g.dtype} vs {w.dtype}, or values differ"
+        grads = torch.autograd.grad([t for _, t in got], leaves, dys)
+        for i, (g, w) in enumerate(zip(grads, torch.autograd.grad([t for _, t in want], copies, dys))):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} d{i}: {g.dtype} vs {w.dtype}, or values differ"
+    return f"{len(cases)} calls: outputs and gradients bit-identical to the casts written out"
+
+
 add("dispatcher/opcheck_covers_every_op", t_opcheck_covers_every_op)
+add("dispatcher/autocast_policy", t_autocast_policy)
 for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
     add(f"dispatcher/opcheck_{_tag}", t_opcheck, _dt)
     add(f"dispatcher/attention_nan_scale_{_tag}", t_attention_nan_scale, _dt)
@@ -3824,23 +3869,6 @@ def train_gpu_cuda_model_fullgraph(arch, residual, dtype):
     return f"{explain.graph_count} graph(s), 0 breaks; gradients within {worst:.1e} (relative)"
 
 
-def train_gpu_autocast_is_bf16_op_set(arch="gpt"):
-    # torch.autocast(bfloat16) around the fp32 cuda op set runs the same kernels on the same casts as the
-    # bf16 op set written out by hand (train.bf16_op_set): the same losses, bit for bit
-    if torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("the cuda op set's bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    steps = 20
-    head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
-    autocast = train.cuda_op_set(kernels, head)
-    autocast.autocast = functools.partial(torch.autocast, "cuda", dtype=BF16)
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = [gpu_train(ops, os.path.join(tmp, str(i)), max_iters=steps, arch=arch)[0]
-                for i, ops in enumerate((autocast, train.cuda_op_set(kernels, head, "bf16")))]
-    assert runs[0]["train_loss"] == runs[1]["train_loss"], \
-        f"autocast {runs[0]['train_loss'][:4]}..., bf16 op set {runs[1]['train_loss'][:4]}..."
-    return f"{arch}: {steps} losses bit-identical (last {runs[0]['train_loss'][-1]:.6f})"
-
-
 def train_gpu_bf16_op_sets_close(arch="gpt"):
     # --dtype=bf16: the torch op set under autocast and ours on the bf16 kernels, 100 steps each from the
     # same weights and batches. bf16 rounds differently in each (cuBLAS's and our accumulation orders), so
@@ -3899,8 +3927,6 @@ add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
 add("train/gpu_patched_compiled_gpt", train_gpu_patched_compiled_gpt)
 add("readme/patched_example", readme_patched_example)
-add("train/gpu_autocast_is_bf16_op_set", train_gpu_autocast_is_bf16_op_set)
-add("train/gpu_autocast_is_bf16_op_set_llama", train_gpu_autocast_is_bf16_op_set, "llama")
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
                          ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16")):
     add(f"train/gpu_cuda_model_fullgraph_{_arch}_{_res}_{_dt}", train_gpu_cuda_model_fullgraph, _arch, _res, _dt)

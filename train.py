@@ -7,8 +7,8 @@ which is no kernel). The "torch" op set maps those names to PyTorch; the "cuda" 
 repo's kernels (forward and backward). Both runs start from the same weights and see the same batches,
 so their loss curves should agree to float32 rounding and the tokens/s ratio is the speedup. With
 --dtype=bf16 both compute in bf16 from fp32 master weights (mixed precision): the torch op set under
-torch.autocast, the cuda op set on the bf16 kernels with autocast's choices made by hand (bf16_op_set);
-their curves then agree to bf16 rounding, and results report how close.
+torch.autocast, the cuda op set under it too, on the bf16 kernels (bindings.cpp registers autocast's choices
+for our ops); their curves then agree to bf16 rounding, and results report how close.
 
     python train.py                                   # both op sets, default tiny config
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
@@ -372,51 +372,29 @@ DTYPES = ("fp32", "bf16")
 BF16 = torch.bfloat16
 
 
+def precision(dtype, device):
+    """The context GPT.forward runs in: none for fp32; for bf16 torch.autocast, whose casts our ops make too
+    (their autocast kernels in bindings.cpp): products in bf16 from the fp32 master weights, norms computing
+    in fp32 and writing bf16, softmax and the loss in fp32, the embedding and the residual stream in fp32."""
+    if dtype == "fp32":
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, torch.device(device).type, dtype=BF16)
+
+
 def torch_op_set(dtype="fp32", device="cuda"):
     """The torch op set; with bf16, GPT.forward runs under torch.autocast(bfloat16) on `device`."""
-    if dtype == "fp32":
-        return TORCH_OPS
-    return SimpleNamespace(**{**vars(TORCH_OPS), "autocast": functools.partial(
-        torch.autocast, torch.device(device).type, dtype=BF16)})
+    return TORCH_OPS if dtype == "fp32" else SimpleNamespace(**{**vars(TORCH_OPS), "autocast": precision(dtype, device)})
 
 
 def cuda_op_set(kernels, head_size, dtype="fp32"):
     """Our kernels under the same names. Every forward and backward runs in kernels.cu; autograd pairs
-    them in bindings.cpp. Attention is the fused kernel where it supports the head size, else tiled;
-    'fp32' (3xTF32) matches SDPA's fp32 accuracy, which the curve comparison relies on."""
+    them in bindings.cpp. Attention is the fused kernel where it supports the head size, else tiled (in fp32,
+    its output rounded to bf16 under autocast); 'fp32' (3xTF32) matches SDPA's fp32 accuracy, which the curve
+    comparison relies on. With bf16, the same ops under torch.autocast, as the torch op set."""
     mode = "fused" if head_size in kernels.FUSED_HEAD_SIZES else "tiled"
-    ops = SimpleNamespace(name="cuda", autocast=contextlib.nullcontext,
+    ops = SimpleNamespace(name="cuda", autocast=precision(dtype, "cuda"),
                           split=joined_split, **{n: getattr(kernels, n) for n in OP_NAMES})
     ops.attention = functools.partial(kernels.attention, mode=mode, precision="fp32")
-    return bf16_op_set(ops, kernels, mode) if dtype == "bf16" else ops
-
-
-def bf16_op_set(ops, kernels, mode):
-    """autocast's choices, made by hand on our kernels (its lists: matmuls and attention in bf16; norms,
-    softmax and the loss in fp32). Matmuls compute in bf16 from the fp32 master weights rounded each call,
-    as autocast does, so gradients reach them in fp32: linear takes the fp32 weight and bias as they are
-    (kernels.linear rounds them and writes their gradients in fp32, where a cast's backward would add a
-    kernel per parameter), matmul casts both operands. The norms compute in fp32 and write bf16, the
-    input of the next matmul that autocast would cast anyway (one pass instead of two). Activations and
-    RoPE keep bf16; the cross-entropy reads bf16 logits and returns an fp32 loss; the router's softmax
-    returns fp32. The embedding and the residual stream stay fp32: add_layernorm adds a sublayer's bf16
-    output to the fp32 stream (fp32 sum) as autocast's promoting add does, and hands the stream's
-    gradient back in fp32 and, for the sublayer, in bf16."""
-    def bf16(t):
-        return None if t is None else t.to(BF16)
-    ops.linear = lambda x, weight, bias=None: kernels.linear(bf16(x), weight, bias)
-    ops.matmul = lambda a, b: kernels.matmul(bf16(a), bf16(b))
-    ops.layernorm = lambda x, weight, bias, eps=LN_EPS: kernels.layernorm(x, weight, bias, eps, out_dtype=BF16)
-    ops.rmsnorm = lambda x, weight, eps=LN_EPS: kernels.rmsnorm(x, weight, eps, out_dtype=BF16)
-    ops.add_layernorm = lambda x, y, weight, bias, eps=LN_EPS: kernels.add_layernorm(x, y, weight, bias, eps,
-                                                                                    out_dtype=BF16)
-    ops.add_rmsnorm = lambda x, y, weight, eps=LN_EPS: kernels.add_rmsnorm(x, y, weight, eps, out_dtype=BF16)
-    ops.softmax = lambda x: kernels.softmax(x, out_dtype=torch.float32)
-    if mode == "fused":
-        ops.attention = lambda q, k, v, **kw: kernels.attention(bf16(q), bf16(k), bf16(v), mode="fused", **kw)
-    else:  # head sizes the fused kernels lack: the fp32 tiled path, rounded to bf16 like a bf16 kernel's output
-        ops.attention = lambda q, k, v, **kw: kernels.attention(q.float(), k.float(), v.float(), mode="tiled",
-                                                                **kw).to(BF16)
     return ops
 
 
