@@ -3824,10 +3824,11 @@ def train_gpu_compiled_torch_step():
 
 def train_gpu_compiled_cuda_step():
     # --compile=true on the cuda op set: our ops traced whole into Inductor's graph, trains like the
-    # hand-captured CUDA graph of the same step (to rounding: Inductor fuses the glue in other orders)
+    # hand-captured CUDA graph of the same step, within 1e-5 over 100 steps (to rounding: Inductor fuses
+    # the glue in other orders)
     if UNDER_SANITIZER:
         raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
-    steps = 20
+    steps = 100
     shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=8, max_iters=steps)
     cuda = train.cuda_op_set(kernels, 32)
     with tempfile.TemporaryDirectory() as tmp:
@@ -3838,7 +3839,7 @@ def train_gpu_compiled_cuda_step():
     graphed, comp = runs[False], runs[True]
     assert (graphed["mode"], comp["mode"]) == ("graph", "compile"), f"modes {graphed['mode']}, {comp['mode']}"
     g, c = (torch.tensor(r["train_loss"], dtype=torch.float64) for r in (graphed, comp))
-    check("loss", c, g, 1e-4)
+    check("loss", c, g, 1e-5)
     return (f"max |loss difference| {(c - g).abs().max():.2e} over {steps} steps; tok/s graphed "
             f"{graphed['tokens_per_s']:,.0f}, compiled {comp['tokens_per_s']:,.0f}")
 
