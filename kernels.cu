@@ -1732,7 +1732,9 @@ __device__ __forceinline__ void grouped_tile(int pid, int tiles_m, int tiles_n, 
 // 3xTF32 splits an infinite operand into inf and a NaN lo part, so every output an inf reaches comes
 // out NaN, where an fp32 product gives ±inf (and NaN only for inf * 0, inf - inf or a NaN operand). The
 // epilogues sum a NaN output again here, in plain fp32 along row a (stride a_ks) and column b (stride
-// b_ks) over [k0, k1), stopping at the first NaN, which no later term can undo. Only NaN outputs pay.
+// b_ks) over [k0, k1), stopping at the first NaN, which no later term can undo. Only NaN outputs pay, but
+// each one its whole row of K terms, one thread alone: operands with infinite rows or columns (a diverged
+// run) make every output they reach a serial dot product.
 __device__ __noinline__ float plain_dot(const float* a, int64_t a_ks, const float* b, int64_t b_ks, int k0, int k1) {
   float sum = 0.f;
   for (int k = k0; k < k1 && !isnan(sum); ++k) sum = fmaf(a[k * a_ks], b[k * b_ks], sum);

@@ -2095,17 +2095,21 @@ add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: op
     mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
 
 
-def t_matmul_special(M, K, N, batch=None, a_t=False, bias=False):
+def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
     # +-inf and NaN operands give what an fp32 product gives: +-inf where infinite terms of one sign meet
-    # finite ones, NaN for inf * 0, inf - inf or a NaN term (3xTF32 alone gives NaN wherever an inf reaches)
+    # finite ones, NaN for inf * 0, inf - inf or a NaN term (3xTF32 alone gives NaN wherever an inf reaches).
+    # Rows 0-3 put them at the start of K, rows 4-6 in its middle and at its end (split K's later splits;
+    # row 6's inf and -inf in different splits of a long K), and row 5's NaN at k = 0 sits right after row
+    # 4's last element in a row-major a: a sum that read past K would turn row 4's inf into NaN.
     lead = (batch,) if batch else ()
     a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
     b = rand(*lead, K, N)
     inf, nan = float("inf"), float("nan")
     a[..., 0, 1], a[..., 1, 2], a[..., 2, 1], a[..., 2, 2], a[..., 3, 4] = inf, -inf, inf, inf, nan
-    b[..., 5, 0], b[..., 1, 3] = -inf, 0.0  # column 0 infinite everywhere; row 0's inf meets a zero in column 3
+    a[..., 4, K - 1], a[..., 5, 0], a[..., 5, K // 2], a[..., 6, 1], a[..., 6, K - 1] = inf, nan, -inf, inf, -inf
+    b[..., 5, 0], b[..., 1, 3] = -inf, 0.0  # column 0 meets an inf in every row; rows 0, 2 and 6 meet a zero
     bias_t = rand(N) if bias else None
-    ours = (kernels.linear(a, b.transpose(-1, -2), bias_t) if bias else kernels.matmul(a, b)).double().cpu()
+    ours = (kernels.linear(a, b.transpose(-1, -2), bias_t) if linear else kernels.matmul(a, b)).double().cpu()
     ref = a.double().cpu() @ b.double().cpu() + (bias_t.double().cpu() if bias else 0.0)
     for what, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         assert torch.equal(f(ours), f(ref)), (f"{what} at {f(ours).sum().item()} outputs, fp32 has "
@@ -2119,10 +2123,14 @@ def t_matmul_special(M, K, N, batch=None, a_t=False, bias=False):
 add("matmul_special/17x33x65", t_matmul_special, 17, 33, 65)
 add("matmul_special/3x17x33x65_aT", t_matmul_special, 17, 33, 65, batch=3, a_t=True)
 add("matmul_special/33x5000x65_splitK", t_matmul_special, 33, 5000, 65)
-add("matmul_special/linear_40x64x24_bias", t_matmul_special, 40, 64, 24, bias=True)
+add("matmul_special/linear_40x64x24_bias", t_matmul_special, 40, 64, 24, linear=True, bias=True)
 add("matmul_special/257x515x1031_wgmma", t_matmul_special, 257, 515, 1031)
 add("matmul_special/2x300x700x333_wgmma_aT", t_matmul_special, 300, 700, 333, batch=2, a_t=True)
 add("matmul_special/130x8200x129_wgmma_splitK", t_matmul_special, 130, 8200, 129)
+# linear's weight is B transposed; 144 output tiles fill an H100 (132 SMs), so K is not split and the
+# bias is added in the wgmma epilogue itself
+add("matmul_special/linear_2048x192x1152_wgmma_bias", t_matmul_special, 2048, 192, 1152, linear=True, bias=True)
+add("matmul_special/linear_600x700x500_wgmma_splitK", t_matmul_special, 600, 700, 500, linear=True)
 
 # bf16 (Hopper): one bf16 rounding of each output (rtol 2^-8), plus fp32 accumulation error over the
 # K products (atol 1e-4 * sqrt(K), far below an indexing slip's O(sqrt(K)))

@@ -373,9 +373,10 @@ BF16 = torch.bfloat16
 
 
 def precision(dtype, device):
-    """The context GPT.forward runs in: none for fp32; for bf16 torch.autocast, whose casts our ops make too
-    (their autocast kernels in bindings.cpp): products in bf16 from the fp32 master weights, norms computing
-    in fp32 and writing bf16, softmax and the loss in fp32, the embedding and the residual stream in fp32."""
+    """The context GPT.forward runs in: none for fp32; for bf16 torch.autocast, for both op sets. Our ops'
+    autocast kernels (bindings.cpp) make PyTorch's casts (products in bf16 from the fp32 master weights,
+    softmax and the loss in fp32, the embedding and the residual stream in fp32) except that our norms,
+    computing in fp32, write bf16, the next product's input, where PyTorch's write fp32."""
     if dtype == "fp32":
         return contextlib.nullcontext
     return functools.partial(torch.autocast, torch.device(device).type, dtype=BF16)
@@ -735,7 +736,7 @@ class GPT(nn.Module):
         """idx (B, T) int64. With targets (B, T): (logits (B, T, V), mean loss). Without: the last
         position's logits (B, 1, V) and None. With a cache (inference.py's KVCache: k, v, pos, and the
         positions and kv_len this sets), idx continues the cached tokens. Runs in the
-        op set's precision context (torch.autocast for the torch op set in bf16)."""
+        op set's precision context (torch.autocast in bf16: precision)."""
         with self.ops.autocast():
             return self.run(idx, targets, cache)
 
