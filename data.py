@@ -1,6 +1,6 @@
-"""What the scripts read and write: the text, its batches, their command lines and checkpoint files.
-
-Text data for the character-level GPTs: fetching, cleaning, tokenizing and batching.
+"""The scripts' plumbing, so that train.py and inference.py hold only the model, the op sets and their loops:
+the text and its batches, the command line, the machine (our kernels where they can run, step timing,
+Ctrl-C), checkpoint and result files, plots, and the processes that share the batches under torchrun.
 
 The training text is The Wonderful Wizard of Oz (Project Gutenberg eBook #55). It is downloaded once
 and cached next to this file, or read from any UTF-8 file given with --data_path. Gutenberg's header
@@ -10,16 +10,24 @@ The synthetic incrementing-token task of the mHC depth sweep lives here too (inc
 """
 
 import contextlib
+import datetime
 import difflib
 import hashlib
+import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
+import time
 import zipfile
+from types import SimpleNamespace
 
 import requests
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 BOOK_URL = "https://www.gutenberg.org/cache/epub/55/pg55.txt"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_cache")
@@ -146,6 +154,17 @@ def split_data(ids: torch.Tensor, val_fraction=0.1):
     return ids[:n_train], ids[n_train:]
 
 
+def read_text_splits(data_path, fail):
+    """The tokenizer of the training text and its (train, validation) token ids; fail(msg) if it can't."""
+    try:
+        text = load_text(data_path)
+        tok = CharTokenizer(text)
+        train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
+    except (OSError, ValueError, RuntimeError) as e:
+        fail(str(e))
+    return tok, train_ids, val_ids
+
+
 def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
               generator: torch.Generator, device="cpu", rank=0, world=1):
     """Draw batch_size random windows; y is x shifted one token ahead. With world > 1 every rank draws the
@@ -198,6 +217,10 @@ def atomic_write(path, write):
         raise
 
 
+def write_json(path, obj):
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
+
+
 def pyplot():
     """matplotlib.pyplot drawing to files only (no display needed), or None with a note if missing."""
     try:
@@ -213,6 +236,41 @@ def pyplot():
 def fmt_seconds(s):
     s = int(round(s))
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+OP_SET_TITLES = {"torch": "PyTorch op set", "cuda": "custom CUDA op set"}
+
+
+def plot_losses(runs, path):
+    """train.py's loss.png: each op set's train and val losses, and below them the curves' difference."""
+    plt = pyplot()
+    if plt is None:
+        return
+    both = len(runs) == 2
+    fig, axes = plt.subplots(2 if both else 1, 1, figsize=(8, 7 if both else 4.5), sharex=True, squeeze=False)
+    ax = axes[0, 0]
+    for name, r in runs.items():
+        steps = range(1, len(r["train_loss"]) + 1)
+        ax.plot(steps, r["train_loss"], lw=0.8, label=f"{name} ({r['mode']}) train")
+        ax.plot([e["iter"] for e in r["evals"]], [e["val"] for e in r["evals"]], "o--", ms=3, label=f"{name} val")
+    ax.set_ylabel("loss")
+    ax.legend()
+    stopped = [f"{name} {r['status']} at iteration {r['stopped_at']}" for name, r in runs.items()
+               if r["status"] != "completed"]
+    title = ("char GPT: " + " vs ".join(OP_SET_TITLES.get(name, name) for name in runs)
+             + (f" ({'; '.join(stopped)})" if stopped else ""))
+    ax.set_title(title)
+    if both:
+        t, c = runs["torch"]["train_loss"], runs["cuda"]["train_loss"]
+        diffs = [max(abs(a - b), 1e-12) for a, b in zip(t, c)]  # floor: log scale cannot show exact zeros
+        axes[1, 0].semilogy(range(1, len(diffs) + 1), diffs, lw=0.8)
+        axes[1, 0].axhline(1e-3, color="gray", ls=":", lw=0.8)
+        axes[1, 0].set_ylabel("|torch - cuda| train loss")
+    axes[-1, 0].set_xlabel("iteration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, metadata={"Title": title})  # the title, readable without looking
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 # -----------------------------------------------------------------------------
@@ -247,6 +305,35 @@ def print_options(prog, what, options):
     for k, (v, meaning) in options.items():
         opt = f"--{k}={v}"
         print(f"  {opt:<{width}}{meaning}" if len(opt) < width else f"  {opt}\n  {'':<{width}}{meaning}")
+
+
+def parse_options(argv, options, fail, print_help, presets=None):
+    """The command line as a namespace: each option's default, then the chosen --preset's values (where the
+    script has presets), then the --key=value overrides, each parsed as its default's type; fail(msg) on the
+    first bad one, --help prints print_help() and exits. Returns (namespace, the keys the command line set)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print_help_and_exit(print_help)
+    defaults = {k: v for k, (v, _) in options.items()}
+    given = {}
+    for key, text in parse_overrides(argv, defaults, fail).items():
+        try:
+            given[key] = parse_value(key, text, defaults[key])
+        except ValueError as e:
+            fail(str(e))
+    cfg = dict(defaults)
+    if presets is not None:
+        name = given.get("preset", defaults["preset"])
+        if name and name not in presets:
+            fail(f"--preset must be '' or one of {', '.join(presets)}, got {name!r}")
+        cfg.update(presets.get(name, {}))
+    return SimpleNamespace(**{**cfg, **given}), list(given)
+
+
+def check_at_least(cfg, low, keys, fail):
+    """fail(msg) on the first of the options keys below low."""
+    for key in keys:
+        if getattr(cfg, key) < low:
+            fail(f"--{key} must be >= {low}, got {getattr(cfg, key)}")
 
 
 def parse_overrides(argv, defaults, fail):
@@ -289,6 +376,138 @@ def parse_value(key, text, default):
     return text
 
 
+BACKENDS = ("both", "torch", "cuda")
+
+
+def check_backend_and_device(cfg, fail):
+    """--backend and --device, shared by train.py and inference.py: fail(msg) on the first bad one."""
+    if cfg.backend not in BACKENDS:
+        fail(f"--backend must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}, got {cfg.backend!r}")
+    try:
+        dev = torch.device(cfg.device)
+    except RuntimeError:
+        fail(f"--device={cfg.device!r} is not a torch device; use cuda, cuda:N or cpu")
+    if dev.type not in ("cuda", "cpu"):
+        fail(f"--device must be cuda, cuda:N or cpu, got {cfg.device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        fail(f"--device={cfg.device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
+
+
+# -----------------------------------------------------------------------------
+# the machine: our kernels where they can run and in Inductor's graphs, step timing, Ctrl-C
+
+def import_kernels():
+    """Return (module, None), or (None, why) when the extension is not built for this machine."""
+    try:
+        import kernels
+    except (ImportError, OSError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return kernels, None
+
+
+def cuda_kernels_for(device, bf16):
+    """(kernels, None) where the cuda op set can run on device (with bf16: Hopper's wgmma), else (None, why),
+    the reason with the build hint where a build could help (not for a GPU that is not Hopper). train.py
+    and inference.py both ask here."""
+    hint = "; the cuda op set needs a GPU and the extension built with `python setup.py build_ext --inplace`"
+    if torch.device(device).type != "cuda":
+        seen = "" if torch.cuda.is_available() else " (no GPU visible to PyTorch)"
+        return None, f"device is {device}{seen}{hint}"
+    kernels, err = import_kernels()
+    if kernels is None:
+        return None, f"`import kernels` failed ({err}){hint}"
+    if bf16 and torch.cuda.get_device_capability(device) != (9, 0):
+        return None, (f"bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
+                      f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
+    return kernels, None
+
+
+def register_inductor_fallbacks(namespace="kernels"):
+    """Registers every op of the namespace with Inductor as a call of the op itself, with the layout rule
+    Inductor gives a custom op (what it does on meeting one unregistered). Ahead of the compile, because
+    torch 2.11 formats the arguments of an unregistered op's first call, their whole IR, into a log line
+    whether or not anything logs: on --preset=large that kept Inductor compiling for over 8 minutes."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith(namespace + "::")}  # "kernels::linear", "kernels::<name>.<overload>"
+    for name in sorted(names):
+        packet = getattr(getattr(torch.ops, namespace), name)
+        for op in (getattr(packet, overload) for overload in packet.overloads()):
+            if op not in lowering.lowerings:
+                rule = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+                lowering.make_fallback(op, layout_constraint=rule)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Wall time of training steps only. Eval, checkpoints and logging happen between windows, and each
+    window ends with a device sync so that it holds the GPU time of its steps, not just their launches.
+    Steps before `skip` are left out of the totals."""
+
+    def __init__(self, device, skip):
+        self.device, self.skip = device, skip
+        self.seen = 0
+        self.timed_s, self.timed_steps = 0.0, 0
+        self.start()
+
+    def start(self):
+        sync(self.device)
+        self.t0, self.steps = time.perf_counter(), 0
+        self.counting = self.seen >= self.skip
+
+    def before_step(self):
+        if self.seen == self.skip and not self.counting:
+            self.start()  # end of warm-up: restart the window so the totals hold steady-state steps only
+
+    def after_step(self):
+        self.steps += 1
+        self.seen += 1
+
+    def stop(self):
+        """End the window; return its (seconds, steps)."""
+        sync(self.device)
+        dt = time.perf_counter() - self.t0
+        if self.counting:
+            self.timed_s += dt
+            self.timed_steps += self.steps
+        return dt, self.steps
+
+
+class StopRequest:
+    """Ctrl-C while training sets a flag that the loop reads after each step: the step in flight completes,
+    so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside opt.step()
+    or a graph capture could leave the weights half updated). A second Ctrl-C interrupts at once, except
+    under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already (and SIGTERM
+    on its own SIGTERM): there every signal sets the flag, and the agent's SIGKILL is the hard stop."""
+
+    def __init__(self, world=1):  # world: processes torchrun started
+        self.requested = False
+        self.signals = (signal.SIGINT,) if world == 1 else (signal.SIGINT, signal.SIGTERM)
+        self.once = world == 1
+
+    def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        if self.once:
+            signal.signal(signum, self.previous[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 # -----------------------------------------------------------------------------
 # checkpoint files (train.py writes them, train.py and inference.py read them) and the out_dir lock
 
@@ -309,6 +528,19 @@ def all_finite(tensors):
 
 
 CKPT_KEYS = ("config", "vocab", "iter", "model", "optimizer", "batch_rng", "train_loss", "evals")
+
+
+def make_out_dir(out_dir, fail, holds):
+    """Creates out_dir if needed, before any work: fail(msg) if it is a file or cannot be written. holds: what
+    the script writes there, for the message."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        fail(f"--out_dir={out_dir} is a file; expected a folder for {holds}")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        fail(f"--out_dir={out_dir}: cannot create the folder ({e.strerror})")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        fail(f"--out_dir={out_dir} is not writable")
 
 
 @contextlib.contextmanager
@@ -379,3 +611,134 @@ def read_checkpoint(path):
     if not all_finite(ckpt["model"].values()):
         bad("its weights hold NaN or inf")
     return ckpt
+
+
+# Model-shape keys: a checkpoint can only be resumed with the same values.
+MODEL_KEYS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "residual", "n_streams")
+# Settings a resume is expected to change; any other difference from the checkpoint is reported.
+RESUME_KEYS = ("resume", "overwrite", "max_iters")
+
+
+def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
+    """Restore model, optimizer and batch generator in place; return (iteration, train losses, evals).
+    Whatever is wrong with the file ends the run with one line that names it."""
+    def bad(what):
+        fail(f"cannot resume from {path}: {what}")
+
+    try:
+        ckpt = read_checkpoint(path)
+    except ValueError as e:
+        bad(str(e))
+    # files from before a model key existed: that key's only value then
+    old = {"residual": "baseline", "n_streams": cfg.n_streams, "arch": "gpt", "n_kv_head": ckpt["config"].get("n_head")}
+    saved = {**old, **ckpt["config"]}
+    diff = [f"{k}={saved.get(k)}" for k in MODEL_KEYS if saved.get(k) != getattr(cfg, k)]
+    if diff:
+        fail(f"{path} was trained with {', '.join(diff)}; pass the same values (or the same --preset) to resume")
+    if ckpt["vocab"] != tok.to_dict():
+        fail(f"{path} was trained on a text with a different character set; pass the same --data_path")
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        bad(f"its weights do not fit this model ({one_line(e)})")
+    # Hyperparameters come from this command line, not the checkpoint; that includes fused/capturable,
+    # which also decide whether the step counters are loaded onto the GPU or kept on the CPU.
+    state = ckpt["optimizer"]
+    try:
+        for saved_group, current in zip(state["param_groups"], opt.param_groups):
+            saved_group.update({k: v for k, v in current.items() if k != "params"})
+        opt.load_state_dict(state)
+        batch_gen.set_state(ckpt["batch_rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        bad(f"its optimizer or batch-generator state does not fit this model ({one_line(e)})")
+
+    if saved.get("world_size", 1) != cfg.world_size:
+        print(f"note: {path} was trained by {saved.get('world_size', 1)} process(es), this run has "
+              f"{cfg.world_size}: the global batch is now {cfg.world_size} x {cfg.batch_size}")
+    changed = [k for k in saved if k not in MODEL_KEYS + RESUME_KEYS + ("world_size",) and hasattr(cfg, k)
+               and saved[k] != getattr(cfg, k)]
+    if changed:
+        print(f"note: {path} was trained with {', '.join(f'{k}={saved[k]}' for k in changed)}; this run uses "
+              f"{', '.join(f'{k}={getattr(cfg, k)}' for k in changed)} (the command line's values)")
+    return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"])
+
+
+def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals):
+    state = model.state_dict()
+    ckpt = {
+        "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
+        "model": state, "model_sha256": weights_sha256(state), "optimizer": opt.state_dict(),
+        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
+    }
+    atomic_write(path, lambda f: torch.save(ckpt, f))
+
+
+# -----------------------------------------------------------------------------
+# several processes: `torchrun --nproc_per_node=N train.py` trains with DistributedDataParallel, each rank
+# on its slice of every batch (get_batch)
+
+class Ranks:
+    """This process's place among torchrun's ranks, and the collectives the training loop needs. A process
+    started without torchrun is rank 0 of 1, and its collectives do nothing."""
+
+    def __init__(self, rank=0, world=1):
+        self.rank, self.world = rank, world
+        self.main = rank == 0
+
+    def mean_(self, t):
+        """t averaged over the ranks, in place."""
+        if self.world > 1:
+            dist.all_reduce(t)
+            t.div_(self.world)
+        return t
+
+    def any(self, flag, device):
+        """Whether flag is set on any rank: every rank then takes the same branch."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def wrap(self, model, graphed):
+        """The module the training step calls: the model, or the model in DistributedDataParallel, whose
+        backward averages the gradients over the ranks. Before a CUDA graph captures it, DDP is built on
+        a side stream and the step runs eagerly for longer first (train.graph_warmup; PyTorch's notes on
+        CUDA graphs with DDP)."""
+        if self.world == 1:
+            return model
+        device = next(model.parameters()).device
+        with torch.cuda.stream(torch.cuda.Stream()) if graphed else contextlib.nullcontext():
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+ONE_PROCESS = Ranks()
+
+
+def lost_other_ranks(e):
+    """Whether e is a collective's failure: a rank that crashed, stopped or outlasted --dist_timeout.
+    gloo reports a closed connection as a plain RuntimeError."""
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return under_torchrun and (isinstance(e, dist.DistError) or
+                               any(m in str(e) for m in ("gloo", "NCCL", "Connection closed by peer")))
+
+
+def start_ranks(cfg, fail):
+    """Under torchrun (WORLD_SIZE > 1): joins the process group (NCCL on GPUs, gloo on the CPU), gives
+    this rank the GPU cuda:LOCAL_RANK."""
+    world = cfg.world_size
+    if world == 1:
+        return ONE_PROCESS
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            fail(f"--device={cfg.device}: under torchrun each rank takes cuda:LOCAL_RANK; pass --device=cuda")
+        if local >= torch.cuda.device_count():
+            fail(f"rank {rank}: LOCAL_RANK={local}, but this process sees {torch.cuda.device_count()} GPU(s); "
+                 f"start at most that many processes a node")
+        cfg.device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    return Ranks(rank, world)

@@ -13,11 +13,15 @@ the decode step captured in a CUDA graph; the generated tokens are compared one 
     python inference.py --device=cpu --seeds=0       # PyTorch path only
     python inference.py --dtype=fp32,bf16            # also in bf16 (weights, activations, KV cache), compared
 
+patched() runs other people's models on our kernels: torch.nn.functional's calls, routed to them.
+
 Every default below can be overridden with --key=value; python inference.py --help lists them.
 """
 
+import collections
+import contextlib
 import copy
-import json
+import functools
 import os
 import statistics
 import sys
@@ -26,10 +30,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 import data
 import train
-from data import CharTokenizer, atomic_write
+from data import CharTokenizer
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means); override with --key=value
@@ -67,17 +74,9 @@ def fail(msg):
 
 
 def parse_config(argv):
-    if any(a in ("-h", "--help") for a in argv):
-        data.print_help_and_exit(lambda: data.print_options(
-            "inference.py", "Decode with the GPT of train.py on both op sets and compare them.", OPTIONS))
-    cfg = dict(DEFAULTS)
-    given = data.parse_overrides(argv, DEFAULTS, fail)
-    for key, val in given.items():
-        try:
-            cfg[key] = data.parse_value(key, val, DEFAULTS[key])
-        except ValueError as e:
-            fail(str(e))
-    cfg = SimpleNamespace(**cfg, given=sorted(given))  # given: the keys the command line set
+    cfg, given = data.parse_options(argv, OPTIONS, fail, lambda: data.print_options(
+        "inference.py", "Decode with the GPT of train.py on both op sets and compare them.", OPTIONS))
+    cfg.given = sorted(given)  # the keys the command line set
     cfg.models = [m.strip() for m in cfg.models.split(",") if m.strip()]
     if not cfg.models or any(m not in ("dense", "moe") for m in cfg.models):
         fail(f"--models must be dense, moe or dense,moe, got {','.join(cfg.models)!r}")
@@ -85,9 +84,8 @@ def parse_config(argv):
         cfg.seeds = [int(s) for s in cfg.seeds.split(",")]
     except ValueError:
         fail(f"--seeds must be comma-separated integers, got {cfg.seeds!r}")
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "top_k", "max_new_tokens"):
-        if getattr(cfg, key) < 1:
-            fail(f"--{key} must be >= 1, got {getattr(cfg, key)}")
+    data.check_at_least(cfg, 1, ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "top_k", "max_new_tokens"),
+                        fail)
     train.check_arch(cfg, fail)
     if cfg.top_k > cfg.n_expert:
         fail(f"--top_k ({cfg.top_k}) must be <= --n_expert ({cfg.n_expert})")
@@ -95,7 +93,7 @@ def parse_config(argv):
         fail(f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}")
     if not 0 <= cfg.sample_top_k <= 128:
         fail(f"--sample_top_k must be in [0, 128] (0: all tokens), got {cfg.sample_top_k}")
-    train.check_backend_and_device(cfg, fail)
+    data.check_backend_and_device(cfg, fail)
     cfg.dtypes = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
     if not cfg.dtypes or any(d not in train.DTYPES for d in cfg.dtypes) or len(set(cfg.dtypes)) < len(cfg.dtypes):
         fail(f"--dtype must be fp32, bf16 or fp32,bf16, got {cfg.dtype!r}")
@@ -299,10 +297,10 @@ def generate(dec, prompt_ids, n_new):
     capacity = dec.cache.capacity
     keep = capacity // 2
     dec.step.zero_()
-    sync(prompt_ids.device)
+    data.sync(prompt_ids.device)
     t0 = time.perf_counter()
     dec.prefill(prompt_ids[None])
-    sync(prompt_ids.device)
+    data.sync(prompt_ids.device)
     t1 = time.perf_counter()
     in_cache = len(prompt_ids)
     for i in range(1, n_new):
@@ -313,15 +311,10 @@ def generate(dec, prompt_ids, n_new):
         else:
             dec.decode()
             in_cache += 1
-    sync(prompt_ids.device)
+    data.sync(prompt_ids.device)
     t2 = time.perf_counter()
     dec.model.ops.check_errors()  # a bad index met inside the (graphed) steps raises here, after the timing
     return t1 - t0, t2 - t1
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device, nbytes=256 * 2**20, reps=20):
@@ -370,7 +363,7 @@ def choose_paths(cfg):
     notes, kernels = [], None
     if "cuda" in names:
         # with bf16, the prefill's linear runs our bf16 matmul (Hopper only), as in train.py
-        kernels, why = train.cuda_kernels_for(cfg.device, "bf16" in cfg.dtypes)
+        kernels, why = data.cuda_kernels_for(cfg.device, "bf16" in cfg.dtypes)
         if why:
             if cfg.backend == "cuda":
                 fail(f"--backend=cuda cannot run: {why}")
@@ -391,6 +384,125 @@ def choose_paths(cfg):
             ops = train.cuda_op_set(kernels, head)
         paths += [(name, ops, g) for g in modes]
     return paths, notes
+
+
+# -----------------------------------------------------------------------------
+# the drop-in: other people's models on our kernels, through torch.nn.functional (README: In your own model)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def tracing(*tensors):
+    """Whether a call is traced rather than run: by Dynamo, or by AOTAutograd re-running Dynamo's graph on
+    fake or functional tensors. That graph calls torch.nn.functional by name, so inside patched() it calls
+    the routes again, where no tensor's data can be read."""
+    return torch.compiler.is_compiling() or any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors)
+
+
+def _functional_routes(kernels, device_type):
+    """name -> torch.nn.functional.<name> on our kernels, or NotImplemented for arguments they do not take."""
+    def ours(*tensors):  # GPU tensors in float32 or bfloat16 (None: an absent optional one)
+        return all(t is None or (t.device.type == device_type and t.dtype in FLOAT_DTYPES) for t in tensors)
+
+    def linear(input, weight, bias=None):
+        ok = ours(input, weight, bias) and weight.dim() == 2
+        return kernels.linear(input, weight, bias) if ok else NotImplemented
+
+    def norm_ok(input, normalized_shape, *params):  # the last dim, its parameters all given, in input's dtype
+        return (ours(input) and tuple(normalized_shape) == input.shape[-1:]
+                and all(p is not None and ours(p) and p.dtype == input.dtype for p in params))
+
+    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        ok = norm_ok(input, normalized_shape, weight, bias)
+        return kernels.layernorm(input, weight, bias, eps) if ok else NotImplemented
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        eps = torch.finfo(torch.float32).eps if eps is None else eps  # as F.rms_norm, which computes in float32
+        return kernels.rmsnorm(input, weight, eps) if norm_ok(input, normalized_shape, weight) else NotImplemented
+
+    def gelu(input, approximate="none"):
+        return kernels.gelu(input, approximate=approximate) if ours(input) else NotImplemented
+
+    def silu(input, inplace=False):
+        return kernels.silu(input) if ours(input) and not inplace else NotImplemented
+
+    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False):
+        if (ours(weight) and input.device.type == device_type and input.dtype == torch.long and weight.dim() == 2
+                and padding_idx is None and max_norm is None and not scale_grad_by_freq and not sparse):
+            return kernels.embedding(input, weight)
+        return NotImplemented
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        ok = ours(input) and dim in (-1, input.dim() - 1) and dtype in (None,) + FLOAT_DTYPES
+        return kernels.softmax(input, out_dtype=dtype) if ok else NotImplemented
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        fused = query.shape[-1] in kernels.FUSED_HEAD_SIZES
+        # SDPA's causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk
+        if (ours(query, key, value) and query.dim() == 4 and attn_mask is None and dropout_p == 0.0
+                and (not is_causal or query.shape[-2] == key.shape[-2])
+                and (enable_gqa or query.shape[1] == key.shape[1]) and (fused or query.dtype == torch.float32)):
+            return kernels.attention(query, key, value, causal=is_causal, scale=scale,
+                                     mode="fused" if fused else "tiled")
+        return NotImplemented
+
+    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                      reduction="mean", label_smoothing=0.0):
+        # An ignored target must be looked for in the data: eagerly only (a traced graph cannot branch on it).
+        if (ours(input) and input.dim() == 2 and target.dim() == 1 and weight is None and size_average is None
+                and reduce is None and reduction == "mean" and label_smoothing == 0.0
+                and not tracing(input, target) and not bool((target == ignore_index).any())):
+            return kernels.cross_entropy(input, target)
+        return NotImplemented
+
+    return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, cross_entropy,
+                                    scaled_dot_product_attention)}
+
+
+@contextlib.contextmanager
+def patched(kernels=None, device_type="cuda"):
+    """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
+    scaled_dot_product_attention and cross_entropy run on our kernels wherever a call's arguments are ones
+    they support (GPU tensors in float32 or bfloat16, and none of: an attention mask or dropout, SDPA's
+    causal mask with Sq != Sk, an embedding's padding_idx or max_norm, a loss's weights, reduction other
+    than the mean, label smoothing or an ignored target hit), and on PyTorch's own otherwise. Yields a
+    Counter of the eager calls by (name, "ours" or "torch"). A model under torch.compile traces our ops
+    whole, at static shapes (dynamic=False: the ops' meta versions are C++ functions of concrete sizes);
+    cross_entropy then stays PyTorch's (finding an ignored target would read the data). Under bf16
+    autocast our norms write bf16, the next product's input, where PyTorch's write float32.
+
+        with inference.patched() as counts:
+            model = torch.compile(model, fullgraph=True)
+            loss = model(x, y)  # F.linear, F.layer_norm, ... on our kernels"""
+    if kernels is None:
+        kernels, why = data.import_kernels()
+        if kernels is None:
+            raise RuntimeError(f"patched() needs the kernels extension: {why}")
+    data.register_inductor_fallbacks()
+    counts = collections.Counter()
+    routes = _functional_routes(kernels, device_type)
+    originals = {name: getattr(F, name) for name in routes}
+
+    def route(name):
+        ours, original = routes[name], originals[name]
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            out = ours(*args, **kwargs)
+            if not tracing(*args, *kwargs.values()):  # eager calls: a compiled graph is traced once
+                counts[name, "torch" if out is NotImplemented else "ours"] += 1
+            return original(*args, **kwargs) if out is NotImplemented else out
+        return call
+
+    for name in routes:
+        setattr(F, name, route(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(F, name, original)
 
 
 CKPT_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")  # what a checkpoint decides
@@ -439,20 +551,17 @@ def main(argv):
               "python train.py writes, decodes a trained model")
     prompt_ids = torch.tensor(prompt, dtype=torch.long, device=dev)
     results = {"device": hw, "copy_bytes_per_s": bw, "config": vars(cfg), "models": {}}
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    except OSError as e:
-        fail(f"--out_dir={cfg.out_dir}: cannot create the folder ({e.strerror})")
+    data.make_out_dir(cfg.out_dir, fail, "inference.json")
     path = os.path.join(cfg.out_dir, "inference.json")
     with data.out_dir_lock(cfg.out_dir, "inference.py", fail):
         try:
             decode_all(cfg, paths, base_model, tok, prompt_ids, results)
         except KeyboardInterrupt:  # keep what was measured: the finished models and the unfinished one's runs
             results["interrupted"] = True
-            write_results(path, results)
+            data.write_json(path, results)
             sys.stderr.write(f"inference.py: interrupted; the results so far are in {path}\n")
             sys.exit(130)  # the shell's code for a run ended by Ctrl-C
-        write_results(path, results)
+        data.write_json(path, results)
     print(f"\nwrote {path}")
 
 
@@ -484,10 +593,6 @@ def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
             del results["unfinished"]
         if len(cfg.dtypes) == 2:
             results["models"][f"{kind} bf16 / fp32"] = dtype_speedups(kind, results["models"])
-
-
-def write_results(path, results):
-    atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
 def dtype_speedups(kind, models):

@@ -1741,6 +1741,17 @@ __device__ __noinline__ float plain_dot(const float* a, int64_t a_ks, const floa
   return sum;
 }
 
+// Outputs n and n + 1 of a row of C: one float2 store where the row's alignment allows (vec), else the
+// ones below N.
+__device__ __forceinline__ void store_pair(float* dst, const float (&o)[2], int n, int N, bool vec) {
+  if (vec && n + 1 < N) {
+    *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
+  } else {
+    if (n < N) dst[0] = o[0];
+    if (n + 1 < N) dst[1] = o[1];
+  }
+}
+
 template <int BM, int BN, int NT, bool TA, bool TB, int VEC>
 __global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArgs p) {
   constexpr int BK = 16, PAD = BK + 4;
@@ -1871,13 +1882,7 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 2 : 3) matmul_kernel(MatmulArg
           o[e] = p.alpha * v;
           if (p.bias && n + e < p.N) o[e] += p.bias[n + e];
         }
-        float* dst = c + (int64_t)m * p.ldc + n;
-        if (p.vec_c && n + 1 < p.N) {
-          *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
-        } else {
-          if (n < p.N) dst[0] = o[0];
-          if (n + 1 < p.N) dst[1] = o[1];
-        }
+        store_pair(c + (int64_t)m * p.ldc + n, o, n, p.N, p.vec_c);
       }
     }
 }
@@ -2172,13 +2177,7 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
         o[e] = p.alpha * v;
         if (p.bias && n + e < p.N) o[e] += p.bias[n + e];
       }
-      float* dst = c + (int64_t)m * p.ldc + n;
-      if (p.vec_c && n + 1 < p.N) {
-        *reinterpret_cast<float2*>(dst) = make_float2(o[0], o[1]);
-      } else {
-        if (n < p.N) dst[0] = o[0];
-        if (n + 1 < p.N) dst[1] = o[1];
-      }
+      store_pair(c + (int64_t)m * p.ldc + n, o, n, p.N, p.vec_c);
     }
 #else
   __trap();  // built without sm_90a: the launcher only picks this kernel when it was compiled

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from data import INCREMENT_VOCAB, atomic_write, device_name, fmt_seconds, get_batch, increment_batch, pyplot
+from data import (INCREMENT_VOCAB, device_name, fmt_seconds, get_batch, increment_batch, pyplot,
+                  read_text_splits, write_json)
 
 
 def sinkhorn_torch(logits, iters=20):
@@ -213,9 +214,29 @@ SWEEP_METRICS = ("loss", "grad_norm", "nonfinite") + tuple(f"gain_{g}" for g in 
 SWEEP_SETTINGS = ("sweep", "arch", "n_kv_head", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay", "beta1", "beta2",
                   "max_iters", "seed", "data_path")
 
+# train.py's options and presets for the residual and the sweep
+OPTIONS = dict(
+    residual=("baseline", "residual connection (mhc.py): " + " | ".join(VARIANTS)),
+    n_streams=(4, "residual streams of hc, mhc and mhc-dynamic"),
+    sweep=("", "'' trains the op sets; 'increment' | 'text': the mHC depth sweep on that task instead"),
+    sweep_depths=("12,24,48:16", "sweep: depths, comma-separated; depth:B trains that depth with batch B"),
+    sweep_variants=(",".join(VARIANTS), "sweep: residual variants, comma-separated"),
+)
+# The depth sweep at the published runs' settings, a short look at 24 layers, and the book.
+PRESETS = {
+    "mhc": dict(sweep="increment", n_embd=256, n_head=4, block_size=128, batch_size=32, lr=2e-3, weight_decay=0.0,
+                max_iters=200, seed=0, out_dir="out/mhc_sweep"),
+    "mhc-demo": dict(sweep="increment", sweep_depths="24", n_embd=128, n_head=4, block_size=128, batch_size=32,
+                     lr=2e-3, weight_decay=0.0, max_iters=50, log_interval=10, seed=0, out_dir="out/mhc_demo"),
+    "mhc-text": dict(sweep="text", sweep_depths="24,48:16", n_embd=256, n_head=4, block_size=128, batch_size=32,
+                     lr=2e-3, weight_decay=0.0, max_iters=200, seed=0, out_dir="out/mhc_text"),
+}
+
 
 def check_config(cfg, fail):
     """The residual and sweep keys, checked before anything trains."""
+    if cfg.dtype == "bf16" and (cfg.residual != "baseline" or cfg.sweep):
+        fail("--dtype=bf16 trains the baseline residual; the mHC streams (--residual, --sweep) run in fp32")
     if cfg.residual not in VARIANTS:
         fail(f"--residual must be one of {', '.join(VARIANTS)}, got {cfg.residual!r}")
     if cfg.n_streams < 1:
@@ -280,7 +301,7 @@ def sweep_task(cfg, device, trainer):
     if cfg.sweep == "increment":
         return SimpleNamespace(vocab_size=INCREMENT_VOCAB, splits=None,
                                batch=lambda B, g: increment_batch(B, cfg.block_size, g, device))
-    tok, train_ids, val_ids = trainer.read_text(cfg)
+    tok, train_ids, val_ids = read_text_splits(cfg.data_path, trainer.fail)
     train_ids, val_ids = train_ids.to(device), val_ids.to(device)
     return SimpleNamespace(vocab_size=tok.vocab_size, splits={"train": train_ids, "val": val_ids},
                            batch=lambda B, g: get_batch(train_ids, B, cfg.block_size, g, device))
@@ -391,7 +412,7 @@ def run_sweep(cfg, ops, trainer):
         cells[cell_key(variant, depth)] = rec = sweep_cell(cfg, ops, task, variant, depth, batch, trainer)
         os.makedirs(cfg.out_dir, exist_ok=True)
         results = {"settings": settings, "cells": cells}
-        atomic_write(path, lambda f: f.write(json.dumps(results, indent=1).encode()))
+        write_json(path, results)
         work_done, work_left = work_done + depth * batch, work_left - depth * batch
         elapsed = time.perf_counter() - t_run
         print(f"{tag}: done in {fmt_seconds(rec['wall_s'])}, final loss {fmt_float(rec['final']['loss'], '.4f')}"

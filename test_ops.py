@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import inference
 import mhc
 import train
 
@@ -894,7 +895,7 @@ def train_help():
         at = next((i for i, ln in enumerate(lines) if ln.strip().startswith(f"--{k}=")), None)
         shown = " ".join(lines[at:at + 2]) if at is not None else ""  # a long default puts its meaning below
         assert f"--{k}={v}" in shown and train.HELP[k] in shown, f"--help line of {k}: {shown!r}"
-    for title, choices in (("--preset choices", train.PRESETS), ("--backend choices", train.BACKENDS)):
+    for title, choices in (("--preset choices", train.PRESETS), ("--backend choices", data.BACKENDS)):
         at = next((i for i, ln in enumerate(lines) if ln.startswith(title)), None)
         assert at is not None, f"--help has no {title!r} section"
         assert all(any(ln.split()[:1] == [c] for ln in lines[at + 1:]) for c in choices), f"{title}: {choices}"
@@ -1197,109 +1198,6 @@ class _FunctionalGPT(torch.nn.Module):
         return F.cross_entropy(self.head(self.ln_f(x)).view(B * T, -1), targets.reshape(-1))  # targets: a slice
 
 
-def _fake_kernels(calls):
-    """Our ops' names over PyTorch's ATen ops (not torch.nn.functional, which patched() replaces), each
-    call recorded: what train.patched routes can be checked on the CPU."""
-    def op(name, fn):
-        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
-    return types.SimpleNamespace(
-        FUSED_HEAD_SIZES=(32,),
-        linear=op("linear", lambda x, w, b=None: torch.ops.aten.linear(x, w, b)),
-        layernorm=op("layernorm", lambda x, w, b, eps: torch.ops.aten.layer_norm(x, [x.shape[-1]], w, b, eps)),
-        rmsnorm=op("rmsnorm", lambda x, w, eps: torch.ops.aten.rms_norm(x, [x.shape[-1]], w, eps)),
-        gelu=op("gelu", lambda x, approximate: torch.ops.aten.gelu(x, approximate=approximate)),
-        silu=op("silu", torch.ops.aten.silu),
-        embedding=op("embedding", lambda idx, w: torch.ops.aten.embedding(w, idx)),
-        softmax=op("softmax", lambda x, out_dtype=None: torch.ops.aten.softmax(x, -1, out_dtype)),
-        attention=op("attention", lambda q, k, v, causal, scale, mode: torch.ops.aten.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale)),
-        cross_entropy=op("cross_entropy", lambda x, t: torch.ops.aten.cross_entropy_loss(x, t)))
-
-
-def train_patched_routes():
-    # train.patched sends torch.nn.functional's calls to our ops where their arguments are supported and to
-    # PyTorch's where not, counts both, gives the same values, and puts torch.nn.functional back after
-    calls, before = [], {n: getattr(F, n) for n in ("linear", "layer_norm", "softmax", "cross_entropy")}
-    torch.manual_seed(0)
-    model, idx = _FunctionalGPT(), torch.randint(0, 48, (3, 32))
-    want = model(idx, idx)
-    x, t = torch.randn(6, 48), torch.randint(0, 48, (6,))
-    t_ignored = t.clone()
-    t_ignored[2] = -100
-    qkv, w64 = torch.randn(3, 1, 2, 5, 32), torch.randn(7, 48).double()
-
-    def unsupported_calls():  # each with an argument our ops do not take: PyTorch's, values unchanged
-        return [F.softmax(x, dim=0), F.cross_entropy(x, t, label_smoothing=0.1), F.cross_entropy(x, t_ignored),
-                F.scaled_dot_product_attention(*qkv, attn_mask=torch.ones(5, 5).bool()),
-                F.layer_norm(x, (48,)), F.linear(x.double(), w64),
-                F.layer_norm(x.bfloat16(), (48,), torch.ones(48), torch.zeros(48))]  # mixed dtypes
-    want_unsupported = unsupported_calls()
-    with train.patched(_fake_kernels(calls), device_type="cpu") as counts:
-        got = model(idx, idx)
-        unsupported = unsupported_calls()
-        # a traced graph's tensors have no data: the ignored-target check is not made, the call is PyTorch's,
-        # and it is not counted (AOTAutograd re-runs Dynamo's graph, which calls F.cross_entropy by name)
-        with torch._subclasses.fake_tensor.FakeTensorMode():
-            traced = F.cross_entropy(torch.randn(6, 48), torch.randint(0, 48, (6,)))
-    check("loss", got, want, 1e-6)
-    assert type(traced).__name__ == "FakeTensor", type(traced)
-    assert all(getattr(F, n) is f for n, f in before.items()), "torch.nn.functional was not put back"
-    layers = 2
-    expect = {("embedding", "ours"): 2, ("layer_norm", "ours"): 2 * layers + 1, ("linear", "ours"): 4 * layers + 1,
-              ("scaled_dot_product_attention", "ours"): layers, ("gelu", "ours"): layers, ("cross_entropy", "ours"): 1,
-              ("softmax", "torch"): 1, ("cross_entropy", "torch"): 2, ("scaled_dot_product_attention", "torch"): 1,
-              ("layer_norm", "torch"): 2, ("linear", "torch"): 1}
-    assert dict(counts) == expect, f"counts {dict(counts)}"
-    assert len(calls) == sum(n for (_, way), n in expect.items() if way == "ours"), calls
-    for k, (u, want_u) in enumerate(zip(unsupported, want_unsupported, strict=True)):
-        assert torch.equal(u, want_u), f"unsupported call {k} changed its value under patched()"
-    total = sum(counts.values())
-    return f"{total} calls: {len(calls)} on our ops, {total - len(calls)} on PyTorch's; same loss"
-
-
-def readme_patched_example():
-    # the README's example of our ops in another model runs as printed (its code block, executed)
-    if UNDER_SANITIZER:
-        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
-    text = open(os.path.join(HERE, "README.md")).read()
-    block = text.split("**In your own model.**", 1)[1].split("\n\n    import torch", 1)[1]
-    code = "    import torch" + block.split("\n\n", 1)[0]
-    code = "\n".join(line[4:] for line in code.splitlines())
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
-    loss = float(out.getvalue().split()[0])
-    assert math.isfinite(loss) and loss < math.log(96) + 1, out.getvalue()
-    return f"printed {one_line(out.getvalue())[:120]}"
-
-
-def train_gpu_patched_compiled_gpt():
-    # a GPT written on torch.nn.functional trains on our kernels under train.patched and
-    # torch.compile(fullgraph=True), its losses within fp32 drift of the same model on PyTorch's ops
-    if UNDER_SANITIZER:
-        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
-    import torch._dynamo
-    steps, losses = 10, {}
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 48, (8, 33), generator=g).to(DEV) for _ in range(steps)]
-    for ours in (False, True):
-        torch.manual_seed(0)
-        model = _FunctionalGPT().to(DEV)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with train.patched(kernels) if ours else contextlib.nullcontext():
-            step_model = torch.compile(model, fullgraph=True) if ours else model
-            losses[ours] = []
-            for b in batches:
-                loss = step_model(b[:, :-1], b[:, 1:])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses[ours].append(loss.item())
-        torch._dynamo.reset()
-    check("losses", torch.tensor(losses[True]), torch.tensor(losses[False]), 1e-4)
-    return f"{steps} steps compiled whole on our ops; loss {losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
-
-
 def train_ddp_two_ranks():
     # 2 ranks at batch 2 (gloo, torch op set) train on the rows one process sees at batch 4: the same
     # losses to fp32 rounding. The 2-rank run stops at 3 and resumes to 6 from rank 0's checkpoint.
@@ -1369,7 +1267,7 @@ def train_inductor_fallbacks():
         train_inductor_fallbacks.lib = lib  # the registrations last as long as the library object
     ops = [torch.ops.inductor_fallback_test.scale.default, torch.ops.inductor_fallback_test.scale.twice]
     assert not any(op in lowering.lowerings for op in ops) or hasattr(train_inductor_fallbacks, "registered")
-    train.register_inductor_fallbacks("inductor_fallback_test")
+    data.register_inductor_fallbacks("inductor_fallback_test")
     train_inductor_fallbacks.registered = True  # a second run in this process finds them registered
     for op in ops:
         rule = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
@@ -1386,13 +1284,11 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_ddp_two_ranks,
-            train_ddp_rank_failure, train_patched_routes, train_inductor_fallbacks):
+            train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
 # inference.py: the KV cache, the MoE feed-forward and the command line, on the CPU at tiny sizes
-
-import inference  # noqa: E402  (after train: inference imports it)
 
 _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=4",
              "--seeds=0", "--max_new_tokens=12", "--prompt=Oz"]
@@ -1566,7 +1462,6 @@ def inference_bad_inputs():
 
 def inference_interrupt_keeps_results():
     # Ctrl-C during the second run: exit 130, one line, and inference.json with the first run in it
-    import inference
     real, calls = inference.run_path, []
 
     def interrupted_second_time(*args, **kwargs):
@@ -1599,9 +1494,114 @@ def inference_option_typos():
     _expect_inference_error(["--ckpt"], "--ckpt needs a value", "--ckpt=VALUE")
 
 
+# the drop-in, inference.patched: torch.nn.functional's calls on our ops
+
+def _fake_kernels(calls):
+    """Our ops' names over PyTorch's ATen ops (not torch.nn.functional, which patched() replaces), each
+    call recorded: what inference.patched routes can be checked on the CPU."""
+    def op(name, fn):
+        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
+    return types.SimpleNamespace(
+        FUSED_HEAD_SIZES=(32,),
+        linear=op("linear", lambda x, w, b=None: torch.ops.aten.linear(x, w, b)),
+        layernorm=op("layernorm", lambda x, w, b, eps: torch.ops.aten.layer_norm(x, [x.shape[-1]], w, b, eps)),
+        rmsnorm=op("rmsnorm", lambda x, w, eps: torch.ops.aten.rms_norm(x, [x.shape[-1]], w, eps)),
+        gelu=op("gelu", lambda x, approximate: torch.ops.aten.gelu(x, approximate=approximate)),
+        silu=op("silu", torch.ops.aten.silu),
+        embedding=op("embedding", lambda idx, w: torch.ops.aten.embedding(w, idx)),
+        softmax=op("softmax", lambda x, out_dtype=None: torch.ops.aten.softmax(x, -1, out_dtype)),
+        attention=op("attention", lambda q, k, v, causal, scale, mode: torch.ops.aten.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale)),
+        cross_entropy=op("cross_entropy", lambda x, t: torch.ops.aten.cross_entropy_loss(x, t)))
+
+
+def inference_patched_routes():
+    # inference.patched sends torch.nn.functional's calls to our ops where their arguments are supported and to
+    # PyTorch's where not, counts both, gives the same values, and puts torch.nn.functional back after
+    calls, before = [], {n: getattr(F, n) for n in ("linear", "layer_norm", "softmax", "cross_entropy")}
+    torch.manual_seed(0)
+    model, idx = _FunctionalGPT(), torch.randint(0, 48, (3, 32))
+    want = model(idx, idx)
+    x, t = torch.randn(6, 48), torch.randint(0, 48, (6,))
+    t_ignored = t.clone()
+    t_ignored[2] = -100
+    qkv, w64 = torch.randn(3, 1, 2, 5, 32), torch.randn(7, 48).double()
+
+    def unsupported_calls():  # each with an argument our ops do not take: PyTorch's, values unchanged
+        return [F.softmax(x, dim=0), F.cross_entropy(x, t, label_smoothing=0.1), F.cross_entropy(x, t_ignored),
+                F.scaled_dot_product_attention(*qkv, attn_mask=torch.ones(5, 5).bool()),
+                F.layer_norm(x, (48,)), F.linear(x.double(), w64),
+                F.layer_norm(x.bfloat16(), (48,), torch.ones(48), torch.zeros(48))]  # mixed dtypes
+    want_unsupported = unsupported_calls()
+    with inference.patched(_fake_kernels(calls), device_type="cpu") as counts:
+        got = model(idx, idx)
+        unsupported = unsupported_calls()
+        # a traced graph's tensors have no data: the ignored-target check is not made, the call is PyTorch's,
+        # and it is not counted (AOTAutograd re-runs Dynamo's graph, which calls F.cross_entropy by name)
+        with torch._subclasses.fake_tensor.FakeTensorMode():
+            traced = F.cross_entropy(torch.randn(6, 48), torch.randint(0, 48, (6,)))
+    check("loss", got, want, 1e-6)
+    assert type(traced).__name__ == "FakeTensor", type(traced)
+    assert all(getattr(F, n) is f for n, f in before.items()), "torch.nn.functional was not put back"
+    layers = 2
+    expect = {("embedding", "ours"): 2, ("layer_norm", "ours"): 2 * layers + 1, ("linear", "ours"): 4 * layers + 1,
+              ("scaled_dot_product_attention", "ours"): layers, ("gelu", "ours"): layers, ("cross_entropy", "ours"): 1,
+              ("softmax", "torch"): 1, ("cross_entropy", "torch"): 2, ("scaled_dot_product_attention", "torch"): 1,
+              ("layer_norm", "torch"): 2, ("linear", "torch"): 1}
+    assert dict(counts) == expect, f"counts {dict(counts)}"
+    assert len(calls) == sum(n for (_, way), n in expect.items() if way == "ours"), calls
+    for k, (u, want_u) in enumerate(zip(unsupported, want_unsupported, strict=True)):
+        assert torch.equal(u, want_u), f"unsupported call {k} changed its value under patched()"
+    total = sum(counts.values())
+    return f"{total} calls: {len(calls)} on our ops, {total - len(calls)} on PyTorch's; same loss"
+
+
+def readme_patched_example():
+    # the README's example of our ops in another model runs as printed (its code block, executed)
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
+    text = open(os.path.join(HERE, "README.md")).read()
+    block = text.split("**In your own model.**", 1)[1].split("\n\n    import torch", 1)[1]
+    code = "    import torch" + block.split("\n\n", 1)[0]
+    code = "\n".join(line[4:] for line in code.splitlines())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    loss = float(out.getvalue().split()[0])
+    assert math.isfinite(loss) and loss < math.log(96) + 1, out.getvalue()
+    return f"printed {one_line(out.getvalue())[:120]}"
+
+
+def inference_gpu_patched_compiled_gpt():
+    # a GPT written on torch.nn.functional trains on our kernels under inference.patched and
+    # torch.compile(fullgraph=True), its losses within fp32 drift of the same model on PyTorch's ops
+    if UNDER_SANITIZER:
+        raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
+    import torch._dynamo
+    steps, losses = 10, {}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 48, (8, 33), generator=g).to(DEV) for _ in range(steps)]
+    for ours in (False, True):
+        torch.manual_seed(0)
+        model = _FunctionalGPT().to(DEV)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with inference.patched(kernels) if ours else contextlib.nullcontext():
+            step_model = torch.compile(model, fullgraph=True) if ours else model
+            losses[ours] = []
+            for b in batches:
+                loss = step_model(b[:, :-1], b[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses[ours].append(loss.item())
+        torch._dynamo.reset()
+    check("losses", torch.tensor(losses[True]), torch.tensor(losses[False]), 1e-4)
+    return f"{steps} steps compiled whole on our ops; loss {losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
+
+
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
             inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
-            inference_interrupt_keeps_results, inference_option_typos):
+            inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
@@ -3934,7 +3934,7 @@ add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
-add("train/gpu_patched_compiled_gpt", train_gpu_patched_compiled_gpt)
+add("inference/gpu_patched_compiled_gpt", inference_gpu_patched_compiled_gpt)
 add("readme/patched_example", readme_patched_example)
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
                          ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16")):

@@ -1,20 +1,15 @@
 """Train a character-level GPT twice, once per op set, and compare the runs.
 
-The model is written once against an op namespace (embedding, layernorm, linear, attention, gelu,
-cross_entropy; for the llama arch rmsnorm, rope and swiglu; for the other uses of the model softmax, topk,
-gemv, expert_gemv, kv_write, sinkhorn, stream_merge, stream_mix; plus silu and check_errors: OP_NAMES; and split,
-which is no kernel). The "torch" op set maps those names to PyTorch; the "cuda" op set maps them to this
-repo's kernels (forward and backward). Both runs start from the same weights and see the same batches,
-so their loss curves should agree to float32 rounding and the tokens/s ratio is the speedup. With
---dtype=bf16 both compute in bf16 from fp32 master weights (mixed precision): the torch op set under
-torch.autocast, the cuda op set under it too, on the bf16 kernels (bindings.cpp registers autocast's choices
-for our ops); their curves then agree to bf16 rounding, and results report how close.
+The model is written once against an op namespace (OP_NAMES, and split). The "torch" op set maps the names
+to PyTorch, the "cuda" op set to this repo's kernels, forward and backward. Both runs start from the same
+weights and see the same batches, so their loss curves agree to float32 rounding and the tokens/s ratio is
+the speedup. With --dtype=bf16 both run under torch.autocast from fp32 master weights (the cuda op set on
+our bf16 kernels) and agree to bf16 rounding.
 
     python train.py                                   # both op sets, default tiny config
     python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
-    python train.py --compile=true                    # both op sets through torch.compile (GPU)
     python train.py --dtype=bf16 --compile=true       # mixed precision: autocast vs our bf16 kernels, compiled
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
     python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
@@ -23,18 +18,13 @@ for our ops); their curves then agree to bf16 rounding, and results report how c
 Every default below can be overridden with --key=value; python train.py --help lists them.
 """
 
-import collections
 import contextlib
-import datetime
 import functools
 import gc
-import json
 import math
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 import warnings
 from types import SimpleNamespace
@@ -43,28 +33,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.nn.parallel import DistributedDataParallel
 
 import mhc
-from data import (CharTokenizer, all_finite, atomic_write, device_name, fmt_seconds, get_batch, load_text, one_line,
-                  out_dir_lock, parse_overrides, parse_value, print_help_and_exit, print_options, pyplot, read_checkpoint,
-                  split_data, weights_sha256)
+from data import (BACKENDS, ONE_PROCESS, StepTimer, StopRequest, all_finite, check_at_least,
+                  check_backend_and_device, cuda_kernels_for, device_name, fmt_seconds, get_batch, import_kernels,
+                  load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock, parse_options, plot_losses,
+                  print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, start_ranks,
+                  write_json)
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
 # python train.py --help prints this table.
-BACKENDS = ("both", "torch", "cuda")
 PRESETS = {
     "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64),
-    # The mHC depth sweep at the published runs' settings, a short look at 24 layers, and the book.
-    "mhc": dict(sweep="increment", n_embd=256, n_head=4, block_size=128, batch_size=32, lr=2e-3, weight_decay=0.0,
-                max_iters=200, seed=0, out_dir="out/mhc_sweep"),
-    "mhc-demo": dict(sweep="increment", sweep_depths="24", n_embd=128, n_head=4, block_size=128, batch_size=32,
-                     lr=2e-3, weight_decay=0.0, max_iters=50, log_interval=10, seed=0, out_dir="out/mhc_demo"),
-    "mhc-text": dict(sweep="text", sweep_depths="24,48:16", n_embd=256, n_head=4, block_size=128, batch_size=32,
-                     lr=2e-3, weight_decay=0.0, max_iters=200, seed=0, out_dir="out/mhc_text"),
+    **mhc.PRESETS,  # the mHC depth sweeps
 }
 OPTIONS = dict(
     batch_size=(16, "sequences per training step"),
@@ -73,8 +55,7 @@ OPTIONS = dict(
     n_head=(4, "attention heads; the fused attention kernel takes n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
     n_layer=(4, "transformer blocks"),
     arch=("gpt", "gpt: LayerNorm, learned positions, GELU MLP, biases | llama: RMSNorm, RoPE, SwiGLU, no biases"),
-    n_kv_head=(0, "key/value heads, dividing n_head (fewer: grouped-query attention); 0: n_head for gpt, "
-                  "n_head // 2 for llama"),
+    n_kv_head=(0, "key/value heads dividing n_head (grouped-query attention); 0: n_head (gpt), n_head // 2 (llama)"),
     lr=(3e-4, "AdamW learning rate, > 0; constant: no schedule keeps the graphed step free of lr updates"),
     weight_decay=(0.1, "AdamW decay, on weight matrices and embeddings only (not biases or LayerNorm)"),
     beta1=(0.9, "AdamW first-moment decay, in [0, 1)"),
@@ -85,14 +66,12 @@ OPTIONS = dict(
     log_interval=(50, "print loss and speed every this many steps (the only host syncs while training)"),
     timing_warmup=(10, "first steps of a run left out of tokens/s (allocator growth, library init, graph capture)"),
     seed=(1337, "seeds the weights, the batch order, the eval batches and the text sample"),
-    device=("cuda" if torch.cuda.is_available() else "cpu",
-            "cuda, cuda:N or cpu (default: cuda when PyTorch sees a GPU); cpu trains the PyTorch op set only"),
+    device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu (the PyTorch op set only)"),
     backend=("both", "which op sets to train, torch first: " + ", ".join(BACKENDS)),
     cuda_graph=(True, "cuda op set on a GPU: capture the whole training step in one CUDA graph"),
     graph_torch=(False, "torch op set on a GPU: capture it too, for a like-for-like graphed comparison"),
-    compile=(False, "both op sets on a GPU: forward, loss and backward through torch.compile(mode='reduce-overhead'), "
-                    "which records its own CUDA graphs (in place of --cuda_graph); AdamW eager; not with "
-                    "--graph_torch=true, --sweep or --device=cpu"),
+    compile=(False, "both op sets on a GPU: forward, loss and backward through torch.compile(mode='reduce-overhead') "
+                    "(its own CUDA graphs, in place of --cuda_graph); not with --graph_torch=true or --sweep"),
     dtype=("fp32", "fp32 | bf16: bf16 matmuls, attention and activations from fp32 master weights, fp32 norms' "
                    "statistics, softmax and loss (torch: autocast; cuda: the bf16 kernels, Hopper)"),
     data_path=(None, "UTF-8 text to train on; None: the Wizard of Oz from data_cache/, downloaded once"),
@@ -102,17 +81,11 @@ OPTIONS = dict(
     overwrite=(False, "let a fresh run replace the checkpoints already in out_dir"),
     sample_len=(300, "characters generated by each trained model at the end"),
     plot=(True, "write out_dir/loss.png (needs matplotlib)"),
-    residual=("baseline", "residual connection (mhc.py): " + " | ".join(mhc.VARIANTS)),
-    n_streams=(4, "residual streams of hc, mhc and mhc-dynamic"),
-    sweep=("", "'' trains the op sets; 'increment' | 'text': the mHC depth sweep on that task instead"),
-    sweep_depths=("12,24,48:16", "sweep: depths, comma-separated; depth:B trains that depth with batch B"),
-    sweep_variants=(",".join(mhc.VARIANTS), "sweep: residual variants, comma-separated"),
+    **mhc.OPTIONS,  # --residual, --n_streams and the sweep's
     dist_timeout=(300, "under torchrun: seconds a rank waits for the others before it stops with an error"),
 )
 DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
 HELP = {k: h for k, (_, h) in OPTIONS.items()}
-# Model-shape keys: a checkpoint can only be resumed with the same values.
-MODEL_KEYS = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "residual", "n_streams")
 LN_EPS = 1e-5
 GRAPH_WARMUP = 3                  # eager steps before capture, as in PyTorch's whole-network capture recipe
 # No dropout anywhere: the two op sets must compute the same function for their loss curves to be
@@ -134,31 +107,11 @@ def print_help():
 
 def parse_config(argv):
     """DEFAULTS, then the preset, then the other --key=value overrides, each parsed as its default's type."""
-    if any(a in ("-h", "--help") for a in argv):
-        print_help_and_exit(print_help)
-    overrides = parse_overrides(argv, DEFAULTS, fail)
-
-    cfg = dict(DEFAULTS)
-    cfg["preset"] = overrides.get("preset", cfg["preset"])
-    if cfg["preset"] and cfg["preset"] not in PRESETS:
-        fail(f"--preset must be '' or one of {', '.join(PRESETS)}, got {cfg['preset']!r}")
-    cfg.update(PRESETS.get(cfg["preset"], {}))
-    for key, val in overrides.items():
-        if key != "preset":
-            try:
-                cfg[key] = parse_value(key, val, DEFAULTS[key])
-            except ValueError as e:
-                fail(str(e))
-    cfg = SimpleNamespace(**cfg)
+    cfg, given = parse_options(argv, OPTIONS, fail, print_help, PRESETS)
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # processes torchrun started (1 without it)
-
-    for key in ("batch_size", "block_size", "n_embd", "n_head", "n_layer", "eval_interval", "eval_iters",
-                "log_interval", "dist_timeout"):
-        if getattr(cfg, key) < 1:
-            fail(f"--{key} must be >= 1, got {getattr(cfg, key)}")
-    for key in ("max_iters", "timing_warmup", "sample_len"):
-        if getattr(cfg, key) < 0:
-            fail(f"--{key} must be >= 0, got {getattr(cfg, key)}")
+    check_at_least(cfg, 1, ("batch_size", "block_size", "n_embd", "n_head", "n_layer", "eval_interval", "eval_iters",
+                            "log_interval", "dist_timeout"), fail)
+    check_at_least(cfg, 0, ("max_iters", "timing_warmup", "sample_len"), fail)
     check_arch(cfg, fail)
     # torch.optim checks these too, but only once training starts, and with a traceback.
     if not cfg.lr > 0:
@@ -172,10 +125,8 @@ def parse_config(argv):
     check_compile(cfg)
     if cfg.dtype not in DTYPES:
         fail(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
-    if cfg.dtype == "bf16" and (cfg.residual != "baseline" or cfg.sweep):
-        fail("--dtype=bf16 trains the baseline residual; the mHC streams (--residual, --sweep) run in fp32")
-    if overrides:
-        print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in overrides))
+    if given:
+        print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in given))
     return cfg
 
 
@@ -206,22 +157,6 @@ def check_compile(cfg):
         fail(f"--compile=true applies to the op sets' training runs, not to the mHC sweep (--sweep={cfg.sweep})")
     if torch.device(cfg.device).type != "cuda":
         fail(f"--compile=true needs a GPU (mode='reduce-overhead' replays CUDA graphs), but --device={cfg.device}")
-
-
-def check_backend_and_device(cfg, fail):
-    """--backend and --device, shared by train.py and inference.py: fail(msg) on the first bad one."""
-    if cfg.backend not in BACKENDS:
-        fail(f"--backend must be {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}, got {cfg.backend!r}")
-    try:
-        dev = torch.device(cfg.device)
-    except RuntimeError:
-        fail(f"--device={cfg.device!r} is not a torch device; use cuda, cuda:N or cpu")
-    if dev.type not in ("cuda", "cpu"):
-        fail(f"--device must be cuda, cuda:N or cpu, got {cfg.device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        fail(f"--device={cfg.device} but PyTorch sees no CUDA device (torch {torch.__version__}); use --device=cpu")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        fail(f"--device={cfg.device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s)")
 
 
 # -----------------------------------------------------------------------------
@@ -271,12 +206,6 @@ def torch_rope(x, cos, sin):
     cos and sin (T, D/2) the angles of the T tokens' positions."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def torch_rope_dtype(x, cos, sin):
-    """torch_rope in x's dtype: with bf16 x (autocast) the fp32 tables promote the rotation to fp32, and the
-    result is rounded back once, as the attention that reads it would round it."""
-    return torch_rope(x, cos, sin).to(x.dtype)
 
 
 def torch_add_layernorm(x, y, weight, bias, eps=LN_EPS):
@@ -334,11 +263,6 @@ def joined_split(x, sizes):
     return x.split(sizes, dim=-1)
 
 
-def torch_check_errors():
-    """The twin of kernels.check_errors, which raises a bad index our kernels found on the GPU. PyTorch reports
-    its own: at once on the CPU, as a device-side assert at the next sync on the GPU. Nothing is left to raise."""
-
-
 TORCH_OPS = SimpleNamespace(
     name="torch",
     autocast=contextlib.nullcontext,  # the precision context GPT.forward runs in (bf16: torch.autocast)
@@ -354,7 +278,7 @@ TORCH_OPS = SimpleNamespace(
     gelu=F.gelu,
     silu=F.silu,
     swiglu=lambda a, b: F.silu(a) * b,
-    rope=torch_rope_dtype,
+    rope=lambda x, cos, sin: torch_rope(x, cos, sin).to(x.dtype),  # bf16 x: rotated in fp32, rounded once
     softmax=lambda x: torch.softmax(x, -1),
     cross_entropy=F.cross_entropy,
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
@@ -364,7 +288,7 @@ TORCH_OPS = SimpleNamespace(
     sinkhorn=mhc.sinkhorn_torch,
     stream_merge=mhc.stream_merge_torch,
     stream_mix=mhc.stream_mix_torch,
-    check_errors=torch_check_errors,
+    check_errors=lambda: None,  # kernels.check_errors raises our bad indices; PyTorch reports its own
 )
 # the ops kernels.cu implements; split is no kernel (the cuda op set's is joined_split)
 OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k not in ("name", "autocast", "split"))
@@ -399,151 +323,6 @@ def cuda_op_set(kernels, head_size, dtype="fp32"):
     return ops
 
 
-# -----------------------------------------------------------------------------
-# the drop-in: other people's models on our kernels, through torch.nn.functional
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def tracing(*tensors):
-    """Whether a call is traced rather than run: by Dynamo, or by AOTAutograd re-running Dynamo's graph on
-    fake or functional tensors. That graph calls torch.nn.functional by name, so inside patched() it calls
-    the routes again, where no tensor's data can be read."""
-    return torch.compiler.is_compiling() or any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors)
-
-
-def _functional_routes(kernels, device_type):
-    """name -> torch.nn.functional.<name> on our kernels, or NotImplemented for arguments they do not take."""
-    def ours(*tensors):  # GPU tensors in float32 or bfloat16 (None: an absent optional one)
-        return all(t is None or (t.device.type == device_type and t.dtype in FLOAT_DTYPES) for t in tensors)
-
-    def linear(input, weight, bias=None):
-        ok = ours(input, weight, bias) and weight.dim() == 2
-        return kernels.linear(input, weight, bias) if ok else NotImplemented
-
-    def norm_ok(input, normalized_shape, *params):  # the last dim, its parameters all given, in input's dtype
-        return (ours(input) and tuple(normalized_shape) == input.shape[-1:]
-                and all(p is not None and ours(p) and p.dtype == input.dtype for p in params))
-
-    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-        ok = norm_ok(input, normalized_shape, weight, bias)
-        return kernels.layernorm(input, weight, bias, eps) if ok else NotImplemented
-
-    def rms_norm(input, normalized_shape, weight=None, eps=None):
-        eps = torch.finfo(torch.float32).eps if eps is None else eps  # as F.rms_norm, which computes in float32
-        return kernels.rmsnorm(input, weight, eps) if norm_ok(input, normalized_shape, weight) else NotImplemented
-
-    def gelu(input, approximate="none"):
-        return kernels.gelu(input, approximate=approximate) if ours(input) else NotImplemented
-
-    def silu(input, inplace=False):
-        return kernels.silu(input) if ours(input) and not inplace else NotImplemented
-
-    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
-                  sparse=False):
-        if (ours(weight) and input.device.type == device_type and input.dtype == torch.long and weight.dim() == 2
-                and padding_idx is None and max_norm is None and not scale_grad_by_freq and not sparse):
-            return kernels.embedding(input, weight)
-        return NotImplemented
-
-    def softmax(input, dim=None, _stacklevel=3, dtype=None):
-        ok = ours(input) and dim in (-1, input.dim() - 1) and dtype in (None,) + FLOAT_DTYPES
-        return kernels.softmax(input, out_dtype=dtype) if ok else NotImplemented
-
-    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                     enable_gqa=False):
-        fused = query.shape[-1] in kernels.FUSED_HEAD_SIZES
-        # SDPA's causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk
-        if (ours(query, key, value) and query.dim() == 4 and attn_mask is None and dropout_p == 0.0
-                and (not is_causal or query.shape[-2] == key.shape[-2])
-                and (enable_gqa or query.shape[1] == key.shape[1]) and (fused or query.dtype == torch.float32)):
-            return kernels.attention(query, key, value, causal=is_causal, scale=scale,
-                                     mode="fused" if fused else "tiled")
-        return NotImplemented
-
-    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                      reduction="mean", label_smoothing=0.0):
-        # An ignored target must be looked for in the data: eagerly only (a traced graph cannot branch on it).
-        if (ours(input) and input.dim() == 2 and target.dim() == 1 and weight is None and size_average is None
-                and reduce is None and reduction == "mean" and label_smoothing == 0.0
-                and not tracing(input, target) and not bool((target == ignore_index).any())):
-            return kernels.cross_entropy(input, target)
-        return NotImplemented
-
-    return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, cross_entropy,
-                                    scaled_dot_product_attention)}
-
-
-@contextlib.contextmanager
-def patched(kernels=None, device_type="cuda"):
-    """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
-    scaled_dot_product_attention and cross_entropy run on our kernels wherever a call's arguments are ones
-    they support (GPU tensors in float32 or bfloat16, and none of: an attention mask or dropout, SDPA's
-    causal mask with Sq != Sk, an embedding's padding_idx or max_norm, a loss's weights, reduction other
-    than the mean, label smoothing or an ignored target hit), and on PyTorch's own otherwise. Yields a
-    Counter of the eager calls by (name, "ours" or "torch"). A model under torch.compile traces our ops
-    whole, at static shapes (dynamic=False: the ops' meta versions are C++ functions of concrete sizes);
-    cross_entropy then stays PyTorch's (finding an ignored target would read the data). Under bf16
-    autocast our norms write bf16, the next product's input, where PyTorch's write float32.
-
-        with train.patched() as counts:
-            model = torch.compile(model, fullgraph=True)
-            loss = model(x, y)  # F.linear, F.layer_norm, ... on our kernels"""
-    if kernels is None:
-        kernels, why = import_kernels()
-        if kernels is None:
-            raise RuntimeError(f"patched() needs the kernels extension: {why}")
-    register_inductor_fallbacks()
-    counts = collections.Counter()
-    routes = _functional_routes(kernels, device_type)
-    originals = {name: getattr(F, name) for name in routes}
-
-    def route(name):
-        ours, original = routes[name], originals[name]
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            out = ours(*args, **kwargs)
-            if not tracing(*args, *kwargs.values()):  # eager calls: a compiled graph is traced once
-                counts[name, "torch" if out is NotImplemented else "ours"] += 1
-            return original(*args, **kwargs) if out is NotImplemented else out
-        return call
-
-    for name in routes:
-        setattr(F, name, route(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(F, name, original)
-
-
-def import_kernels():
-    """Return (module, None), or (None, why) when the extension is not built for this machine."""
-    try:
-        import kernels
-    except (ImportError, OSError) as e:
-        return None, f"{type(e).__name__}: {e}"
-    return kernels, None
-
-
-def cuda_kernels_for(device, bf16):
-    """(kernels, None) where the cuda op set can run on device (with bf16: Hopper's wgmma), else (None, why),
-    the reason with the build hint where a build could help (not for a GPU that is not Hopper). train.py
-    and inference.py both ask here."""
-    hint = "; the cuda op set needs a GPU and the extension built with `python setup.py build_ext --inplace`"
-    if torch.device(device).type != "cuda":
-        seen = "" if torch.cuda.is_available() else " (no GPU visible to PyTorch)"
-        return None, f"device is {device}{seen}{hint}"
-    kernels, err = import_kernels()
-    if kernels is None:
-        return None, f"`import kernels` failed ({err}){hint}"
-    if bf16 and torch.cuda.get_device_capability(device) != (9, 0):
-        return None, (f"bf16 runs our bf16 matmul on Hopper's wgmma (compute capability 9.0); "
-                      f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
-    return kernels, None
-
-
 def choose_op_sets(cfg):
     """The op sets to train, in order, plus notes to print. Exits if --backend=cuda cannot run."""
     torch_ops = torch_op_set(cfg.dtype, cfg.device)
@@ -564,14 +343,12 @@ def choose_op_sets(cfg):
 
 
 # -----------------------------------------------------------------------------
-# the model, written once against an op namespace.
-# Splits, views, transposes and the few elementwise adds left are plain PyTorch tensor ops in both op
-# sets: memory moves or single adds, and keeping them shared keeps the model definition single. The
-# residual adds are not among them: each is done by the norm that reads the stream next (pre_norm).
-# Three seams let other scripts reuse the one model: the residual connection (mhc.py's streams), the
-# feed-forward (dense MLP or mixture of experts), and the attention's KV cache (inference.py).
-# Two architectures share it: gpt (GPT-2: LayerNorm, learned positions, GELU MLP, biases) and llama
-# (RMSNorm, rotary positions, SwiGLU feed-forward, no biases). Both take grouped-query attention.
+# the model, written once against an op namespace. Splits, views, transposes and the few elementwise adds
+# left are plain tensor ops in both op sets (the residual adds are done by the norm that reads the stream
+# next: pre_norm). Three seams let other scripts reuse it: the residual connection (mhc.py's streams), the
+# feed-forward (dense MLP or mixture of experts) and the attention's KV cache (inference.py). Two
+# architectures: gpt (GPT-2: LayerNorm, learned positions, GELU MLP, biases) and llama (RMSNorm, rotary
+# positions, SwiGLU, no biases), both with grouped-query attention.
 
 ARCHS = ("gpt", "llama")
 ROPE_THETA = 10000.0  # RoPE's base: frequency i of a head of size D turns by theta^(-2i/D) per position
@@ -590,20 +367,16 @@ def swiglu_hidden(n_embd):
     return (8 * n_embd // 3 + 63) // 64 * 64
 
 
-def norm(ops, x, weight, bias):
-    """LayerNorm (gpt, with a bias) or RMSNorm (llama, none)."""
-    return ops.layernorm(x, weight, bias) if bias is not None else ops.rmsnorm(x, weight)
-
-
 def pre_norm(ops, x, weight, bias):
-    """The residual stream x and its norm, a sublayer's input: (x, norm(x)). A stream whose last add is
+    """The residual stream x and its norm, a sublayer's input: (x, norm(x)), LayerNorm with a bias (gpt) or
+    RMSNorm without (llama). A stream whose last add is
     pending (mhc.PendingSum) is added in the norm's own pass (add_layernorm / add_rmsnorm) and comes back
     as a tensor."""
     if isinstance(x, mhc.PendingSum):
         if bias is not None:
             return ops.add_layernorm(x.x, x.y, weight, bias)
         return ops.add_rmsnorm(x.x, x.y, weight)
-    return x, norm(ops, x, weight, bias)
+    return x, ops.layernorm(x, weight, bias) if bias is not None else ops.rmsnorm(x, weight)
 
 
 def last_position(x):  # (B, T, C) -> (B, 1, C), of a tensor or of both terms of a PendingSum
@@ -801,13 +574,11 @@ def train_step(model, opt, x, y):
 class GraphedStep:
     """train_step captured once into a CUDA graph, then replayed: one launch per step instead of hundreds.
 
-    The first `warmup` calls are ordinary eager steps on a side stream (library handles, optimizer
-    state and autograd's buffers get created there, as capture requires); they are real training steps,
-    so the run updates the weights exactly as an eager run would. The next call captures the step into
-    static input, target and loss tensors, and every call from then on copies its batch into the static
-    inputs and replays. `step` is train_step or another function of (model, opt, x, y) that returns
-    device tensors (the mHC sweep's step adds its metrics), captured and replayed as a whole.
-    """
+    The first `warmup` calls are real eager steps on a side stream (library handles, optimizer state and
+    autograd's buffers get created there, as capture requires). The next call captures the step into static
+    input, target and loss tensors; every call from then on copies its batch in and replays. `step` is
+    train_step or another function of (model, opt, x, y) returning device tensors (the mHC sweep's adds
+    its metrics), captured and replayed as a whole."""
 
     def __init__(self, model, opt, step=train_step, warmup=GRAPH_WARMUP):
         self.model, self.opt, self.step, self.warmup = model, opt, step, warmup
@@ -838,30 +609,11 @@ class GraphedStep:
         return self.static_loss  # overwritten by the next replay: copy it out before then
 
 
-def register_inductor_fallbacks(namespace="kernels"):
-    """Registers every op of the namespace with Inductor as a call of the op itself, with the layout rule
-    Inductor gives a custom op (what it does on meeting one unregistered). Ahead of the compile, because
-    torch 2.11 formats the arguments of an unregistered op's first call, their whole IR, into a log line
-    whether or not anything logs: on --preset=large that kept Inductor compiling for over 8 minutes."""
-    from torch._inductor import lowering
-    from torch._library.utils import get_layout_constraint_tag
-    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
-             if n.startswith(namespace + "::")}  # "kernels::linear", "kernels::<name>.<overload>"
-    for name in sorted(names):
-        packet = getattr(getattr(torch.ops, namespace), name)
-        for op in (getattr(packet, overload) for overload in packet.overloads()):
-            if op not in lowering.lowerings:
-                rule = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
-                lowering.make_fallback(op, layout_constraint=rule)
-
-
 def compiled_step(model, opt):
-    """train_step on the model compiled by torch.compile(mode='reduce-overhead'): the forward and loss and the
-    backward derived from them as Inductor's kernels (on the cuda op set, ours are nodes of that graph and
-    Inductor fuses the glue between them), each replayed from a CUDA graph; AdamW stays
-    the eager fused step that every run uses. The compiled module shares the model's parameters and serves
-    this step only, so evaluation, sampling and checkpoints see the eager model. The first call compiles
-    and the second records the graphs, both inside the timing warm-up."""
+    """train_step on the model under torch.compile(mode='reduce-overhead'): forward, loss and backward as
+    Inductor's kernels around ours (on the cuda op set), replayed from CUDA graphs; AdamW stays eager. The
+    compiled module shares the model's parameters and serves this step only: evaluation, sampling and
+    checkpoints see the eager model. The first call compiles and the second records, both in the warm-up."""
     register_inductor_fallbacks()
     compiled = torch.compile(model, mode="reduce-overhead")
 
@@ -873,94 +625,7 @@ def compiled_step(model, opt):
     return step
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class StepTimer:
-    """Wall time of training steps only. Eval, checkpoints and logging happen between windows, and each
-    window ends with a device sync so that it holds the GPU time of its steps, not just their launches.
-    Steps before `skip` are left out of the totals."""
-
-    def __init__(self, device, skip):
-        self.device, self.skip = device, skip
-        self.seen = 0
-        self.timed_s, self.timed_steps = 0.0, 0
-        self.start()
-
-    def start(self):
-        sync(self.device)
-        self.t0, self.steps = time.perf_counter(), 0
-        self.counting = self.seen >= self.skip
-
-    def before_step(self):
-        if self.seen == self.skip and not self.counting:
-            self.start()  # end of warm-up: restart the window so the totals hold steady-state steps only
-
-    def after_step(self):
-        self.steps += 1
-        self.seen += 1
-
-    def stop(self):
-        """End the window; return its (seconds, steps)."""
-        sync(self.device)
-        dt = time.perf_counter() - self.t0
-        if self.counting:
-            self.timed_s += dt
-            self.timed_steps += self.steps
-        return dt, self.steps
-
-
-# -----------------------------------------------------------------------------
-# several processes: `torchrun --nproc_per_node=N train.py` trains with DistributedDataParallel
-
 DDP_GRAPH_WARMUP = 11  # eager DDP steps before a capture: DDP settles its gradient buckets in the first ones
-
-
-class Ranks:
-    """This process's place among torchrun's ranks, and the collectives the training loop needs. A process
-    started without torchrun is rank 0 of 1, and its collectives do nothing."""
-
-    def __init__(self, rank=0, world=1):
-        self.rank, self.world = rank, world
-        self.main = rank == 0
-
-    def mean_(self, t):
-        """t averaged over the ranks, in place."""
-        if self.world > 1:
-            dist.all_reduce(t)
-            t.div_(self.world)
-        return t
-
-    def any(self, flag, device):
-        """Whether flag is set on any rank: every rank then takes the same branch."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    def wrap(self, model, graphed):
-        """The module the training step calls: the model, or the model in DistributedDataParallel, whose
-        backward averages the gradients over the ranks. Before a CUDA graph captures it, DDP is built on
-        a side stream and runs DDP_GRAPH_WARMUP eager steps (PyTorch's notes on CUDA graphs with DDP)."""
-        if self.world == 1:
-            return model
-        device = next(model.parameters()).device
-        with torch.cuda.stream(torch.cuda.Stream()) if graphed else contextlib.nullcontext():
-            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-ONE_PROCESS = Ranks()
-
-
-def lost_other_ranks(e):
-    """Whether e is a collective's failure: a rank that crashed, stopped or outlasted --dist_timeout.
-    gloo reports a closed connection as a plain RuntimeError."""
-    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return under_torchrun and (isinstance(e, dist.DistError) or
-                               any(m in str(e) for m in ("gloo", "NCCL", "Connection closed by peer")))
 
 
 def graph_warmup(world):
@@ -973,37 +638,13 @@ def timing_skip(cfg):
     return max(cfg.timing_warmup, graph_warmup(cfg.world_size) + 1)
 
 
-def start_ranks(cfg):
-    """Under torchrun (WORLD_SIZE > 1): joins the process group (NCCL on GPUs, gloo on the CPU), gives
-    this rank the GPU cuda:LOCAL_RANK."""
-    world = cfg.world_size
-    if world == 1:
-        return ONE_PROCESS
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if cfg.sweep:
-        fail("--sweep trains in one process: start it with python, not torchrun")
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        if device.index is not None:
-            fail(f"--device={cfg.device}: under torchrun each rank takes cuda:LOCAL_RANK; pass --device=cuda")
-        if local >= torch.cuda.device_count():
-            fail(f"rank {rank}: LOCAL_RANK={local}, but this process sees {torch.cuda.device_count()} GPU(s); "
-                 f"start at most that many processes a node")
-        cfg.device = f"cuda:{local}"
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-    return Ranks(rank, world)
-
-
 # -----------------------------------------------------------------------------
-# evaluation, sampling, checkpoints
+# evaluation and sampling
 
 @torch.no_grad()
 def estimate_loss(model, splits, cfg, ranks=ONE_PROCESS):
-    """Mean loss over eval_iters batches per split. A fresh generator each time: every evaluation of
-    every op set sees the same windows, so val losses compare like for like. Under torchrun each rank
-    takes its slice of every batch, as in training, and the ranks' means are averaged."""
+    """Mean loss over eval_iters batches per split, the same windows at every evaluation of every op set (a
+    fresh generator). Under torchrun each rank takes its slice of every batch and the means are averaged."""
     out = {}
     for name, data in splits.items():
         g = torch.Generator().manual_seed(cfg.seed + 1)
@@ -1030,105 +671,8 @@ def generate(model, tok, cfg, device):
     return tok.decode(ids[n_prompt:])
 
 
-# Settings a resume is expected to change; any other difference from the checkpoint is reported.
-RESUME_KEYS = ("resume", "overwrite", "max_iters")
-
-
-def load_checkpoint(path, cfg, tok, model, opt, batch_gen):
-    """Restore model, optimizer and batch generator in place; return (iteration, train losses, evals).
-    Whatever is wrong with the file ends the run with one line that names it."""
-    def bad(what):
-        fail(f"cannot resume from {path}: {what}")
-
-    try:
-        ckpt = read_checkpoint(path)
-    except ValueError as e:
-        bad(str(e))
-    # files from before a model key existed: that key's only value then
-    old = {"residual": "baseline", "n_streams": cfg.n_streams, "arch": "gpt", "n_kv_head": ckpt["config"].get("n_head")}
-    saved = {**old, **ckpt["config"]}
-    diff = [f"{k}={saved.get(k)}" for k in MODEL_KEYS if saved.get(k) != getattr(cfg, k)]
-    if diff:
-        fail(f"{path} was trained with {', '.join(diff)}; pass the same values (or the same --preset) to resume")
-    if ckpt["vocab"] != tok.to_dict():
-        fail(f"{path} was trained on a text with a different character set; pass the same --data_path")
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        bad(f"its weights do not fit this model ({one_line(e)})")
-    # Hyperparameters come from this command line, not the checkpoint; that includes fused/capturable,
-    # which also decide whether the step counters are loaded onto the GPU or kept on the CPU.
-    state = ckpt["optimizer"]
-    try:
-        for saved_group, current in zip(state["param_groups"], opt.param_groups):
-            saved_group.update({k: v for k, v in current.items() if k != "params"})
-        opt.load_state_dict(state)
-        batch_gen.set_state(ckpt["batch_rng"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        bad(f"its optimizer or batch-generator state does not fit this model ({one_line(e)})")
-
-    if saved.get("world_size", 1) != cfg.world_size:
-        print(f"note: {path} was trained by {saved.get('world_size', 1)} process(es), this run has "
-              f"{cfg.world_size}: the global batch is now {cfg.world_size} x {cfg.batch_size}")
-    changed = [k for k in saved if k not in MODEL_KEYS + RESUME_KEYS and k in DEFAULTS
-               and saved[k] != getattr(cfg, k)]
-    if changed:
-        print(f"note: {path} was trained with {', '.join(f'{k}={saved[k]}' for k in changed)}; this run uses "
-              f"{', '.join(f'{k}={getattr(cfg, k)}' for k in changed)} (the command line's values)")
-    return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"])
-
-
-def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals):
-    state = model.state_dict()
-    ckpt = {
-        "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
-        "model": state, "model_sha256": weights_sha256(state), "optimizer": opt.state_dict(),
-        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
-    }
-    atomic_write(path, lambda f: torch.save(ckpt, f))
-
-
-def read_text_splits(cfg):
-    """The tokenizer of the training text and its (train, validation) token ids; one line if it can't."""
-    try:
-        text = load_text(cfg.data_path)
-        tok = CharTokenizer(text)
-        train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
-    except (OSError, ValueError, RuntimeError) as e:
-        fail(str(e))
-    return tok, train_ids, val_ids
-
-
 # -----------------------------------------------------------------------------
 # training one op set
-
-class StopRequest:
-    """Ctrl-C while training sets a flag that the loop reads after each step: the step in flight completes,
-    so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside opt.step()
-    or a graph capture could leave the weights half updated). A second Ctrl-C interrupts at once, except
-    under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already (and SIGTERM
-    on its own SIGTERM): there every signal sets the flag, and the agent's SIGKILL is the hard stop."""
-
-    def __init__(self, ranks=ONE_PROCESS):
-        self.requested = False
-        self.signals = (signal.SIGINT,) if ranks.world == 1 else (signal.SIGINT, signal.SIGTERM)
-        self.once = ranks.world == 1
-
-    def __enter__(self):
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        if self.once:
-            signal.signal(signum, self.previous[signum])
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
 
 class OpSetRun:
     """One op set's training run: its model, optimizer and step, the losses so far, and how it ended
@@ -1168,7 +712,7 @@ class OpSetRun:
         name, cfg, start = self.ops.name, self.cfg, 0
         if cfg.resume and os.path.isfile(self.ckpt_path):
             start, self.train_loss, self.evals = load_checkpoint(self.ckpt_path, cfg, self.tok, self.model, self.opt,
-                                                                 self.batch_gen)
+                                                                 self.batch_gen, fail)
             self.start = self.saved_iter = start
             print(f"{name} | resuming from iteration {start} ({self.ckpt_path})")
         elif cfg.resume:
@@ -1268,7 +812,7 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
     # of the timed steps.
     timer = StepTimer(run.device, skip=timing_skip(cfg))
     t_run = time.perf_counter()
-    with StopRequest(ranks) as stop:
+    with StopRequest(ranks.world) as stop:
         while run.done < cfg.max_iters:
             timer.before_step()
             run.train_one_step()
@@ -1288,9 +832,6 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
 
 # -----------------------------------------------------------------------------
 # the comparison
-
-OP_SET_TITLES = {"torch": "PyTorch op set", "cuda": "custom CUDA op set"}
-
 
 def report(runs, cfg):
     hw = device_name(cfg.device)
@@ -1340,41 +881,10 @@ def report(runs, cfg):
         "val_loss_rel_diff": val_rel,
     }
     path = os.path.join(cfg.out_dir, "results.json")
-    atomic_write(path, lambda f: f.write(json.dumps(results, indent=2).encode()))
+    write_json(path, results)
     print(f"\nwrote {path}")
     if cfg.plot:
         plot_losses(runs, os.path.join(cfg.out_dir, "loss.png"))
-
-
-def plot_losses(runs, path):
-    plt = pyplot()
-    if plt is None:
-        return
-    both = len(runs) == 2
-    fig, axes = plt.subplots(2 if both else 1, 1, figsize=(8, 7 if both else 4.5), sharex=True, squeeze=False)
-    ax = axes[0, 0]
-    for name, r in runs.items():
-        steps = range(1, len(r["train_loss"]) + 1)
-        ax.plot(steps, r["train_loss"], lw=0.8, label=f"{name} ({r['mode']}) train")
-        ax.plot([e["iter"] for e in r["evals"]], [e["val"] for e in r["evals"]], "o--", ms=3, label=f"{name} val")
-    ax.set_ylabel("loss")
-    ax.legend()
-    stopped = [f"{name} {r['status']} at iteration {r['stopped_at']}" for name, r in runs.items()
-               if r["status"] != "completed"]
-    title = ("char GPT: " + " vs ".join(OP_SET_TITLES.get(name, name) for name in runs)
-             + (f" ({'; '.join(stopped)})" if stopped else ""))
-    ax.set_title(title)
-    if both:
-        t, c = runs["torch"]["train_loss"], runs["cuda"]["train_loss"]
-        diffs = [max(abs(a - b), 1e-12) for a, b in zip(t, c)]  # floor: log scale cannot show exact zeros
-        axes[1, 0].semilogy(range(1, len(diffs) + 1), diffs, lw=0.8)
-        axes[1, 0].axhline(1e-3, color="gray", ls=":", lw=0.8)
-        axes[1, 0].set_ylabel("|torch - cuda| train loss")
-    axes[-1, 0].set_xlabel("iteration")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Title": title})  # the title, readable without looking
-    plt.close(fig)
-    print(f"wrote {path}")
 
 
 # -----------------------------------------------------------------------------
@@ -1385,7 +895,7 @@ def plot_losses(runs, path):
 SWEEP_TRAINER = SimpleNamespace(
     model=model_from_config, optimizer=make_optimizer, train_step=train_step, graphed=GraphedStep,
     timer=lambda device, cfg: StepTimer(device, skip=timing_skip(cfg)), estimate_loss=estimate_loss,
-    read_text=read_text_splits, fail=fail)
+    fail=fail)
 
 
 def main(argv):
@@ -1393,7 +903,9 @@ def main(argv):
         sys.stdout = open(os.devnull, "w")  # under torchrun rank 0 alone prints; errors still reach stderr
     cfg = parse_config(argv)
     mhc.check_config(cfg, fail)
-    ranks = start_ranks(cfg)
+    if cfg.sweep and cfg.world_size > 1:
+        fail("--sweep trains in one process: start it with python, not torchrun")
+    ranks = start_ranks(cfg, fail)
     try:
         run_ranks(cfg, ranks, argv)
         if ranks.world > 1:
@@ -1416,15 +928,7 @@ def run_ranks(cfg, ranks, argv):
         fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {limit} "
              f"streams; use --n_streams<={limit} or --backend=torch")
     cfg.backend = "both" if len(op_sets) == 2 else op_sets[0].name  # what runs, for results.json and checkpoints
-    # Every check of out_dir happens before any training rather than at the first save.
-    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
-        fail(f"--out_dir={cfg.out_dir} is a file; expected a folder for checkpoints, results.json and loss.png")
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    except OSError as e:
-        fail(f"--out_dir={cfg.out_dir}: cannot create the folder ({e.strerror})")
-    if not os.access(cfg.out_dir, os.W_OK | os.X_OK):
-        fail(f"--out_dir={cfg.out_dir} is not writable")
+    make_out_dir(cfg.out_dir, fail, "checkpoints, results.json and loss.png")
     with out_dir_lock(cfg.out_dir, "train.py", fail) if ranks.main else contextlib.nullcontext():
         return run_in_out_dir(cfg, op_sets, argv, ranks)
 
@@ -1443,7 +947,7 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
         fail(f"{', '.join(found)} already exists and a fresh run would replace it; pass --resume=true to "
              f"continue it, --overwrite=true to start over, or another --out_dir")
 
-    tok, train_ids, val_ids = read_text_splits(cfg)
+    tok, train_ids, val_ids = read_text_splits(cfg.data_path, fail)
     for name, part in (("training", train_ids), ("validation", val_ids)):
         if len(part) <= cfg.block_size:
             fail(f"the {name} split has {len(part)} tokens, not more than block_size={cfg.block_size}; "
