@@ -3388,145 +3388,162 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
 // |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps.
 //
-// One thread per matrix, its n x n state in registers: n is a template parameter (dispatched 1..8)
-// and every loop over i, j is unrolled, so all indices are compile-time and nothing goes to local
-// memory (-Xptxas -v: no stack, no spills). Each thread reads and writes its own n * n contiguous
-// floats (not coalesced across the warp; L1 serves the rest of each line): n^2 loads against 2 n^2
-// exp() per iteration, so staging through shared memory would buy nothing measurable.
+// One row per lane: a matrix is a group of G lanes of one warp (G = n rounded up to a power of 2), lane
+// r holding row r of the state in registers (n is a template parameter, dispatched 1..8, and every loop
+// over j is unrolled, so nothing goes to local memory). A row step is the lane's own; a column step
+// reduces each column over the group with shuffles (lanes past n give -inf to the max and 0 to the
+// sum), the same fixed tree every time, so results are deterministic. The work of one iteration is
+// then spread over n lanes instead of being one thread's serial chain: a single matrix (static mHC)
+// and thousands of them (one per token, mhc-dynamic) both run several times faster than one thread a
+// matrix.
 //
 // Backward, one launch: recompute the forward, storing every half-step's lse (n floats) in a
-// workspace laid out (2 * iters, n, M), M fastest, so a warp's stores are coalesced; then the exact
-// reverse pass. Start with dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian
-// of a log-softmax along that axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j
-// for each row i after a row step, over i for each column j after a column step), since exp(A') is
-// the softmax of A along it. The state before the step is A = A' + lse, from the stored lse (it
-// differs from the forward's by the rounding of lse, which matters only where exp(A) is tiny). The
-// gradient w.r.t. the logits is dA after undoing the first column step.
+// workspace laid out (2 * iters, n, M), M fastest; then the exact reverse pass. Start with
+// dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian of a log-softmax along that
+// axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j for each row i after a row
+// step, over i for each column j after a column step), since exp(A') is the softmax of A along it.
+// The state before the step is A = A' + lse, from the stored lse (it differs from the forward's by
+// the rounding of lse, which matters only where exp(A) is tiny). The gradient w.r.t. the logits is
+// dA after undoing the first column step.
 
-// One half-step on a[N][N]: ROWS normalises each row (over j), else each column (over i). lse[k]
-// receives the k-th row's (column's) log-sum-exp.
-template <int N, bool ROWS>
-__device__ __forceinline__ void sinkhorn_normalize(float (&a)[N][N], float (&lse)[N]) {
+constexpr int SINKHORN_THREADS = 128;
+constexpr int SINKHORN_MAX_N = 8;
+
+template <int N>
+struct SinkhornGroup {
+  static constexpr int G = N == 1 ? 1 : N == 2 ? 2 : N <= 4 ? 4 : 8;  // lanes per matrix
+  static constexpr int PER_BLOCK = SINKHORN_THREADS / G;             // matrices per block
+  int m, r;     // this lane's matrix and row
+  bool active;  // a row of a matrix that exists
+  __device__ SinkhornGroup(int M) {
+    m = blockIdx.x * PER_BLOCK + threadIdx.x / G;
+    r = threadIdx.x % G;
+    active = m < M && r < N;
+  }
+  __device__ static float max(float v) {
 #pragma unroll
-  for (int k = 0; k < N; ++k) {
-    auto e = [&](int l) -> float& { return ROWS ? a[k][l] : a[l][k]; };  // l-th entry of line k
-    float mx = e(0);
+    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+  __device__ static float sum(float v) {
 #pragma unroll
-    for (int l = 1; l < N; ++l) mx = fmaxf(mx, e(l));
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  }
+};
+
+// The forward's iterations on row a of group grp; ws != nullptr stores each half-step's lse at
+// ws[(step, k, m)] (row k's by lane k, column k's by lane k).
+template <int N>
+__device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
+                                                 float* ws, int M) {
+  using Grp = SinkhornGroup<N>;
+  const bool store = ws && grp.active;
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {  // column j over the group's rows
+      const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
+      const float log_sum = logf(Grp::sum(grp.active ? expf(a[j] - mx) : 0.f));
+      a[j] = (a[j] - mx) - log_sum;
+      if (store && grp.r == j) ws[((int64_t)(2 * it) * N + j) * M + grp.m] = mx + log_sum;
+    }
+    float mx = a[0];  // row r, the lane's own
+#pragma unroll
+    for (int j = 1; j < N; ++j) mx = fmaxf(mx, a[j]);
     float sum = 0.f;
 #pragma unroll
-    for (int l = 0; l < N; ++l) sum += expf(e(l) - mx);
+    for (int j = 0; j < N; ++j) sum += expf(a[j] - mx);
     const float log_sum = logf(sum);
 #pragma unroll
-    for (int l = 0; l < N; ++l) e(l) = (e(l) - mx) - log_sum;
-    lse[k] = mx + log_sum;
-  }
-}
-
-// Undo one half-step: a holds A' (after it), g holds dA'. Leaves A (before it) and dA. lse points
-// at the step's n stored values, k-th at lse[k * M].
-template <int N, bool ROWS>
-__device__ __forceinline__ void sinkhorn_unnormalize(float (&a)[N][N], float (&g)[N][N], const float* lse,
-                                                     int M) {
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    auto ea = [&](int l) -> float& { return ROWS ? a[k][l] : a[l][k]; };
-    auto eg = [&](int l) -> float& { return ROWS ? g[k][l] : g[l][k]; };
-    float sum = 0.f;
-#pragma unroll
-    for (int l = 0; l < N; ++l) sum += eg(l);
-    const float shift = lse[(int64_t)k * M];
-#pragma unroll
-    for (int l = 0; l < N; ++l) {
-      eg(l) -= expf(ea(l)) * sum;
-      ea(l) += shift;
-    }
+    for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
+    if (store) ws[((int64_t)(2 * it + 1) * N + grp.r) * M + grp.m] = mx + log_sum;
   }
 }
 
 template <int N>
-__device__ __forceinline__ void sinkhorn_load(const float* src, float (&a)[N][N]) {
+__device__ __forceinline__ void sinkhorn_load_row(const SinkhornGroup<N>& grp, const float* src, float (&a)[N]) {
+  const float* row = src + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) a[i][j] = src[i * N + j];
+  for (int j = 0; j < N; ++j) a[j] = grp.active ? row[j] : 0.f;
 }
-
-// The forward's iterations on a; ws != nullptr stores each half-step's lse at ws[(step, k, m)].
-template <int N>
-__device__ __forceinline__ void sinkhorn_iterate(float (&a)[N][N], int iters, float* ws, int M, int m) {
-  float lse[N];
-  for (int it = 0; it < iters; ++it) {
-    sinkhorn_normalize<N, false>(a, lse);  // columns
-    if (ws) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) ws[((int64_t)(2 * it) * N + k) * M + m] = lse[k];
-    }
-    sinkhorn_normalize<N, true>(a, lse);  // rows
-    if (ws) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) ws[((int64_t)(2 * it + 1) * N + k) * M + m] = lse[k];
-    }
-  }
-}
-
-// Small blocks, so that a few thousand matrices (one thread each) spread over all SMs: 4096 are 64
-// blocks of 2 warps. Time then hardly depends on M up to ~100 matrices per SM.
-constexpr int SINKHORN_THREADS = 64;
-constexpr int SINKHORN_MAX_N = 8;
 
 template <int N>
 __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const float* logits, float* out, int M,
                                                                          int iters) {
-  const int m = blockIdx.x * SINKHORN_THREADS + threadIdx.x;
-  if (m >= M) return;
-  float a[N][N];
-  sinkhorn_load<N>(logits + (int64_t)m * N * N, a);
-  sinkhorn_iterate<N>(a, iters, nullptr, M, m);
-  float* dst = out + (int64_t)m * N * N;
+  const SinkhornGroup<N> grp(M);
+  float a[N];
+  sinkhorn_load_row<N>(grp, logits, a);
+  sinkhorn_iterate<N>(grp, a, iters, nullptr, M);
+  if (!grp.active) return;
+  float* dst = out + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) dst[i * N + j] = expf(a[i][j]);
+  for (int j = 0; j < N; ++j) dst[j] = expf(a[j]);
 }
 
 template <int N>
 __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
     float* dlogits, float* ws, int M, int iters) {
-  const int m = blockIdx.x * SINKHORN_THREADS + threadIdx.x;
-  if (m >= M) return;
-  float a[N][N], g[N][N];
-  sinkhorn_load<N>(logits + (int64_t)m * N * N, a);
-  sinkhorn_iterate<N>(a, iters, ws, M, m);
-  sinkhorn_load<N>(dout + (int64_t)m * N * N, g);
+  using Grp = SinkhornGroup<N>;
+  const Grp grp(M);
+  float a[N], g[N];
+  sinkhorn_load_row<N>(grp, logits, a);
+  sinkhorn_iterate<N>(grp, a, iters, ws, M);
+  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
+  sinkhorn_load_row<N>(grp, dout, g);
 #pragma unroll
-  for (int i = 0; i < N; ++i)
+  for (int j = 0; j < N; ++j) g[j] *= expf(a[j]);  // dA = dP * P
+  // The lse of iteration it - 1 are loaded while iteration it is undone: each load waits on L2 (the
+  // forward's stores went there), which would otherwise add its latency to every half-step.
+  const int64_t m = grp.active ? grp.m : 0;  // lanes outside a matrix read matrix 0's lse, unused
+  const int r = grp.r < N ? grp.r : 0;
+  auto load_lse = [&](int it, float& row, float (&col)[N]) {
+    row = ws[((int64_t)(2 * it + 1) * N + r) * M + m];
 #pragma unroll
-    for (int j = 0; j < N; ++j) g[i][j] *= expf(a[i][j]);  // dA = dP * P
+    for (int j = 0; j < N; ++j) col[j] = ws[((int64_t)(2 * it) * N + j) * M + m];
+  };
+  float row_next, col_next[N];
+  load_lse(iters - 1, row_next, col_next);
   for (int it = iters - 1; it >= 0; --it) {
-    sinkhorn_unnormalize<N, true>(a, g, ws + (int64_t)(2 * it + 1) * N * M + m, M);  // rows
-    sinkhorn_unnormalize<N, false>(a, g, ws + (int64_t)(2 * it) * N * M + m, M);     // columns
+    float row_lse = row_next, col_lse[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) col_lse[j] = col_next[j];
+    if (it > 0) load_lse(it - 1, row_next, col_next);
+    float sum = 0.f;  // undo the row step: over j, the lane's own
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum += g[j];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      g[j] -= expf(a[j]) * sum;
+      a[j] += row_lse;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {  // undo the column step: column j over the group's rows
+      const float col_sum = Grp::sum(grp.active ? g[j] : 0.f);
+      g[j] -= expf(a[j]) * col_sum;
+      a[j] += col_lse[j];
+    }
   }
-  float* dst = dlogits + (int64_t)m * N * N;
+  if (!grp.active) return;
+  float* dst = dlogits + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < N; ++j) dst[i * N + j] = g[i][j];
+  for (int j = 0; j < N; ++j) dst[j] = g[j];
 }
 
 // Floats of workspace sinkhorn_bwd needs.
 int64_t sinkhorn_workspace_floats(int M, int n, int iters) { return (int64_t)M * 2 * iters * n; }
 
-#define SINKHORN_DISPATCH(KERNEL, n, grid, stream, ...)                                           \
-  switch (n) {                                                                                 \
-    case 1: KERNEL<1><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    case 2: KERNEL<2><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    case 3: KERNEL<3><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    case 4: KERNEL<4><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    case 5: KERNEL<5><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    case 6: KERNEL<6><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    case 7: KERNEL<7><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__); break;              \
-    default: KERNEL<8><<<grid, SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__);                    \
+#define SINKHORN_LAUNCH(KERNEL, N, M, stream, ...) \
+  KERNEL<N><<<ceil_div(M, SinkhornGroup<N>::PER_BLOCK), SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__)
+#define SINKHORN_DISPATCH(KERNEL, n, M, stream, ...)                      \
+  switch (n) {                                                         \
+    case 1: SINKHORN_LAUNCH(KERNEL, 1, M, stream, __VA_ARGS__); break; \
+    case 2: SINKHORN_LAUNCH(KERNEL, 2, M, stream, __VA_ARGS__); break; \
+    case 3: SINKHORN_LAUNCH(KERNEL, 3, M, stream, __VA_ARGS__); break; \
+    case 4: SINKHORN_LAUNCH(KERNEL, 4, M, stream, __VA_ARGS__); break; \
+    case 5: SINKHORN_LAUNCH(KERNEL, 5, M, stream, __VA_ARGS__); break; \
+    case 6: SINKHORN_LAUNCH(KERNEL, 6, M, stream, __VA_ARGS__); break; \
+    case 7: SINKHORN_LAUNCH(KERNEL, 7, M, stream, __VA_ARGS__); break; \
+    default: SINKHORN_LAUNCH(KERNEL, 8, M, stream, __VA_ARGS__);       \
   }
 
 static void sinkhorn_check_args(const char* what, int n, int iters) {
@@ -3539,7 +3556,7 @@ static void sinkhorn_check_args(const char* what, int n, int iters) {
 void sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s) {
   sinkhorn_check_args("sinkhorn_fwd", n, iters);
   if (M == 0) return;
-  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, ceil_div(M, SINKHORN_THREADS), s, logits, out, M, iters);
+  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, M, s, logits, out, M, iters);
   check_launch("sinkhorn_fwd");
 }
 
@@ -3548,7 +3565,7 @@ void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float*
                   cudaStream_t s) {
   sinkhorn_check_args("sinkhorn_bwd", n, iters);
   if (M == 0) return;
-  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, ceil_div(M, SINKHORN_THREADS), s, logits, dout, dlogits, ws, M, iters);
+  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, M, s, logits, dout, dlogits, ws, M, iters);
   check_launch("sinkhorn_bwd");
 }
 

@@ -4525,9 +4525,9 @@ def bench_ops(rows):
         for pas, nbytes in (("fwd", 4 * N * V), ("bwd", 8 * N * V)):
             bench_op(rows, "cross_entropy", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
                      ins, nbytes, "GB/s")
-    # mHC's residual mixing: one 4x4 matrix per token (M tokens), 20 iterations; eager PyTorch
+    # mHC's residual mixing: one 4x4 matrix per sublayer (M = 1) or per token, 20 iterations; eager PyTorch
     # launches over ten small kernels per iteration in each direction, ours one kernel per pass
-    for M in (24, 4096):
+    for M in (1, 24, 4096):
         bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
                  [rand(M, 4, 4)], M, "M matrices/s")
     # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
