@@ -57,6 +57,12 @@ int64_t norm_bwd_workspace_floats(bool rms, int R, int C);
 int64_t sinkhorn_workspace_floats(int, int, int);
 void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
 void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
+int64_t hc_coeffs_workspace_floats(int M, int n, int iters);
+void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
+                   int n, int iters, cudaStream_t s);
+void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
+                   const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
+                   cudaStream_t s);
 void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
                       cudaStream_t s);
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
@@ -965,6 +971,125 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   autograd(m, "sinkhorn", sinkhorn_autograd);
   def_half(m, "sinkhorn_backward(Tensor logits, Tensor dp, int iters) -> Tensor");
   cuda_meta(m, "sinkhorn_backward", sinkhorn_backward_cuda, sinkhorn_backward_meta);
+}
+
+// ---- mhc-dynamic's coefficients ----------------------------------------------------------------
+// From each token's K = 2n + n^2 projections of its streams: pre = sigmoid, post = 2 sigmoid and res =
+// Sinkhorn of alpha (per group) * h + bias, one kernel each way (kernels.cu, "mhc-dynamic's coefficients").
+
+// Checks the arguments; returns n.
+static int64_t check_hc_coeffs(const Tensor& h, const Tensor& alpha, const Tensor& bias, int64_t iters) {
+  const char* op = "hc_coeffs";
+  check_float_cuda(op, h, "h");
+  check_float_cuda(op, alpha, "alpha");
+  check_float_cuda(op, bias, "bias");
+  REQUIRE(h.dim() >= 1, op, ": h must have shape (..., 2n + n^2), got a 0-dim tensor");
+  const int64_t K = h.size(-1);
+  int64_t n = 1;
+  while ((n + 1) * (n + 1) <= K + 1) ++n;  // K + 1 = (n + 1)^2
+  --n;
+  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS && 2 * n + n * n == K, op, ": h's last dim must be 2n + n^2 for n in [1, ",
+                MAX_STREAMS, "] (3, 8, 15, 24, 35, 48, 63 or 80), got ", K);
+  REQUIRE(alpha.dim() == 1 && alpha.size(0) == 3, op, ": alpha must have shape (3,), got ", alpha.sizes());
+  REQUIRE(bias.dim() == 1 && bias.size(0) == K, op, ": bias must have shape (", K, ",), got ", bias.sizes());
+  REQUIRE(alpha.device() == h.device() && bias.device() == h.device(), op,
+          ": h, alpha and bias must be on one device, got ", h.device(), ", ", alpha.device(), ", ", bias.device());
+  REQUIRE_VALUE(iters >= 1, op, ": iters must be >= 1, got iters = ", iters);
+  return n;
+}
+
+static std::vector<int64_t> with_dims(const Tensor& h, std::initializer_list<int64_t> last) {
+  std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end() - 1);
+  shape.insert(shape.end(), last);
+  return shape;
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_coeffs_cuda(const Tensor& h_in, const Tensor& alpha_in, const Tensor& bias_in,
+                                                  int64_t iters) {
+  raise_pending_index_error();
+  const int64_t n = check_hc_coeffs(h_in, alpha_in, bias_in, iters);
+  const c10::cuda::CUDAGuard guard(h_in.device());
+  const Tensor h = h_in.contiguous(), alpha = alpha_in.contiguous(), bias = bias_in.contiguous();
+  Tensor pre = at::empty(with_dims(h, {n}), h.options()), post = at::empty_like(pre);
+  Tensor res = at::empty(with_dims(h, {n, n}), h.options());
+  const int M = to_int("hc_coeffs", h.numel() / h.size(-1), "number of tokens");
+  hc_coeffs_fwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), pre.data_ptr<float>(),
+                post.data_ptr<float>(), res.data_ptr<float>(), M, (int)n, to_int("hc_coeffs", iters, "iters"),
+                stream());
+  return {pre, post, res};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_coeffs_meta(const Tensor& h, const Tensor& alpha, const Tensor& bias,
+                                                  int64_t iters) {
+  const int64_t n = check_hc_coeffs(h, alpha, bias, iters);
+  const Tensor pre = at::empty(with_dims(h, {n}), h.options());
+  return {pre, at::empty_like(pre), at::empty(with_dims(h, {n, n}), h.options())};
+}
+
+// The backward recomputes Sinkhorn from h; an undefined gradient (an output nobody used) counts as zeros.
+std::tuple<Tensor, Tensor, Tensor> hc_coeffs_backward_cuda(const Tensor& h_in, const Tensor& alpha_in,
+                                                           const Tensor& bias_in, const std::optional<Tensor>& dpre_in,
+                                                           const std::optional<Tensor>& dpost_in,
+                                                           const std::optional<Tensor>& dres_in, int64_t iters) {
+  const int64_t n = check_hc_coeffs(h_in, alpha_in, bias_in, iters);
+  const c10::cuda::CUDAGuard guard(h_in.device());
+  const Tensor h = h_in.contiguous(), alpha = alpha_in.contiguous(), bias = bias_in.contiguous();
+  auto grad = [&](const std::optional<Tensor>& g, std::initializer_list<int64_t> last) {
+    return g.has_value() && g->defined() ? g->contiguous() : at::zeros(with_dims(h, last), h.options());
+  };
+  const Tensor dpre = grad(dpre_in, {n}), dpost = grad(dpost_in, {n}), dres = grad(dres_in, {n, n});
+  const int M = (int)(h.numel() / h.size(-1));
+  Tensor dh = at::empty_like(h), dalpha = at::empty_like(alpha), dbias = at::empty_like(bias);
+  Tensor ws = at::empty({hc_coeffs_workspace_floats(M, (int)n, (int)iters)}, h.options());
+  hc_coeffs_bwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), dpre.data_ptr<float>(),
+                dpost.data_ptr<float>(), dres.data_ptr<float>(), dh.data_ptr<float>(), dalpha.data_ptr<float>(),
+                dbias.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)iters, stream());
+  return {dh, dalpha, dbias};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_coeffs_backward_meta(const Tensor& h, const Tensor& alpha, const Tensor& bias,
+                                                           const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                                           const std::optional<Tensor>&, int64_t) {
+  return {empty_like_contiguous(h), empty_like_contiguous(alpha), empty_like_contiguous(bias)};
+}
+
+struct HcCoeffsFn : torch::autograd::Function<HcCoeffsFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& h, const Tensor& alpha, const Tensor& bias,
+                               int64_t iters) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined: the kernel reads zeros
+    ctx->save_for_backward({h, alpha, bias});
+    ctx->saved_data["iters"] = iters;
+    const auto [pre, post, res] = KERNELS_OP("hc_coeffs", hc_coeffs_cuda).call(h, alpha, bias, iters);
+    return {pre, post, res};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto given = [](const Tensor& g) { return g.defined() ? std::optional<Tensor>(g) : std::nullopt; };
+    const auto [dh, dalpha, dbias] = KERNELS_OP("hc_coeffs_backward", hc_coeffs_backward_cuda)
+        .call(s[0], s[1], s[2], given(grads[0]), given(grads[1]), given(grads[2]),
+              ctx->saved_data["iters"].toInt());
+    return {dh, dalpha, dbias, Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> hc_coeffs_autograd(const Tensor& h, const Tensor& alpha, const Tensor& bias,
+                                                      int64_t iters) {
+  if (!wants_grad(h, alpha, bias)) return call_below_autograd(KERNELS_OP("hc_coeffs", hc_coeffs_cuda), h, alpha,
+                                                              bias, iters);
+  const auto r = HcCoeffsFn::apply(h, alpha, bias, iters);
+  return {r[0], r[1], r[2]};
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // mhc-dynamic's coefficients (float32, n <= 8 streams) from each token's 2n + n^2 projections.
+  def_op(m, "hc_coeffs(Tensor h, Tensor alpha, Tensor bias, int iters=20) -> (Tensor, Tensor, Tensor)");
+  cuda_meta(m, "hc_coeffs", hc_coeffs_cuda, hc_coeffs_meta, CPU_ERRORS);
+  autograd(m, "hc_coeffs", hc_coeffs_autograd);
+  def_half(m, "hc_coeffs_backward(Tensor h, Tensor alpha, Tensor bias, Tensor? dpre, Tensor? dpost, Tensor? dres, "
+           "int iters) -> (Tensor, Tensor, Tensor)");
+  cuda_meta(m, "hc_coeffs_backward", hc_coeffs_backward_cuda, hc_coeffs_backward_meta);
 }
 
 // ---- stream mixing (hyper-connections) --------------------------------------------------------

@@ -22,6 +22,7 @@
 //   KV cache write                  kv_write
 //   top-k                           topk, topk_workspace_bytes
 //   Sinkhorn                        sinkhorn_fwd, sinkhorn_bwd, sinkhorn_workspace_floats
+//   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats
 //   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd
 //   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
 //                                   attention_fwd_workspace_floats, set_attention_wgmma
@@ -3480,16 +3481,11 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const fl
   for (int j = 0; j < N; ++j) dst[j] = expf(a[j]);
 }
 
+// The reverse pass: a holds the forward's last state, g = dL/dP of the lane's row; leaves g = dL/dlogits.
 template <int N>
-__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
-    float* dlogits, float* ws, int M, int iters) {
+__device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, float (&a)[N], float (&g)[N],
+                                                 const float* ws, int M, int iters) {
   using Grp = SinkhornGroup<N>;
-  const Grp grp(M);
-  float a[N], g[N];
-  sinkhorn_load_row<N>(grp, logits, a);
-  sinkhorn_iterate<N>(grp, a, iters, ws, M);
-  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
-  sinkhorn_load_row<N>(grp, dout, g);
 #pragma unroll
   for (int j = 0; j < N; ++j) g[j] *= expf(a[j]);  // dA = dP * P
   // The lse of iteration it - 1 are loaded while iteration it is undone: each load waits on L2 (the
@@ -3523,6 +3519,18 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const fl
       a[j] += col_lse[j];
     }
   }
+}
+
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
+    float* dlogits, float* ws, int M, int iters) {
+  const SinkhornGroup<N> grp(M);
+  float a[N], g[N];
+  sinkhorn_load_row<N>(grp, logits, a);
+  sinkhorn_iterate<N>(grp, a, iters, ws, M);
+  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
+  sinkhorn_load_row<N>(grp, dout, g);
+  sinkhorn_reverse<N>(grp, a, g, ws, M, iters);
   if (!grp.active) return;
   float* dst = dlogits + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
@@ -3567,6 +3575,156 @@ void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float*
   if (M == 0) return;
   SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, M, s, logits, dout, dlogits, ws, M, iters);
   check_launch("sinkhorn_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// mhc-dynamic's coefficients from the projected streams, one kernel each way (the twin is
+// mhc.hc_coeffs_torch). h (M, K) holds each token's K = 2n + n^2 projections; with the per-group
+// scales alpha (3) and the bias (K),
+//   pre  = sigmoid(alpha[0] h[:, :n] + bias[:n])                      (M, n)
+//   post = 2 sigmoid(alpha[1] h[:, n:2n] + bias[n:2n])                (M, n)
+//   res  = Sinkhorn(alpha[2] h[:, 2n:] + bias[2n:], as (n, n))        (M, n, n)
+// in place of PyTorch's chain of scale, add, slice, sigmoid and Sinkhorn kernels (and in the backward
+// their sums over tokens). A token is a Sinkhorn group (SinkhornGroup): lane r computes pre[r], post[r]
+// and row r of res. The backward returns dh and, summed over the tokens, dalpha and dbias: each block
+// sums its tokens' terms in a fixed order into a row of partials, and one more launch sums the rows
+// (deterministic, no atomics).
+
+__host__ __device__ constexpr int hc_coeff_count(int n) { return 2 * n + n * n; }
+
+__device__ __forceinline__ float sigmoidf(float u) { return 1.f / (1.f + expf(-u)); }
+
+// Lane r's logits of row r of res: alpha[2] h + bias.
+template <int N>
+__device__ __forceinline__ void hc_res_logits(const SinkhornGroup<N>& grp, const float* hm, const float* alpha,
+                                              const float* bias, float (&a)[N]) {
+  const int base = 2 * N + (grp.r < N ? grp.r : 0) * N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] = grp.active ? alpha[2] * hm[base + j] + bias[base + j] : 0.f;
+}
+
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_fwd_kernel(const float* h, const float* alpha,
+    const float* bias, float* pre, float* post, float* res, int M, int iters) {
+  constexpr int K = hc_coeff_count(N);
+  const SinkhornGroup<N> grp(M);
+  const float* hm = h + (int64_t)(grp.active ? grp.m : 0) * K;
+  float a[N];
+  hc_res_logits<N>(grp, hm, alpha, bias, a);
+  sinkhorn_iterate<N>(grp, a, iters, nullptr, M);
+  if (!grp.active) return;
+  const int64_t row = (int64_t)grp.m * N + grp.r;
+  pre[row] = sigmoidf(alpha[0] * hm[grp.r] + bias[grp.r]);
+  post[row] = 2.f * sigmoidf(alpha[1] * hm[N + grp.r] + bias[N + grp.r]);
+#pragma unroll
+  for (int j = 0; j < N; ++j) res[row * N + j] = expf(a[j]);
+}
+
+// part: one row of 2K floats a block, the block's sums of dL/du (the bias's gradient) and of dL/du * h
+// (alpha's, before the sum over its group), u being alpha h + bias.
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_bwd_kernel(const float* h, const float* alpha,
+    const float* bias, const float* dpre, const float* dpost, const float* dres, float* dh, float* part, float* ws,
+    int M, int iters) {
+  using Grp = SinkhornGroup<N>;
+  constexpr int K = hc_coeff_count(N);
+  __shared__ float du_s[Grp::PER_BLOCK][K], duh_s[Grp::PER_BLOCK][K];
+  const Grp grp(M);
+  const int tok = threadIdx.x / Grp::G;  // the token's slot in the block
+  const float* hm = h + (int64_t)(grp.active ? grp.m : 0) * K;
+  float a[N], g[N];
+  hc_res_logits<N>(grp, hm, alpha, bias, a);
+  sinkhorn_iterate<N>(grp, a, iters, ws, M);
+  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
+  sinkhorn_load_row<N>(grp, dres, g);
+  sinkhorn_reverse<N>(grp, a, g, ws, M, iters);  // g: dL/du of row r of res
+  if (grp.r < N) {  // the token's terms, zero for a slot past M
+    const int r = grp.r, base = 2 * N + r * N;
+    const int64_t row = (int64_t)(grp.active ? grp.m : 0) * N + r;
+    float du_pre = 0.f, du_post = 0.f;
+    if (grp.active) {
+      const float sp = sigmoidf(alpha[0] * hm[r] + bias[r]), sq = sigmoidf(alpha[1] * hm[N + r] + bias[N + r]);
+      du_pre = dpre[row] * sp * (1.f - sp);
+      du_post = dpost[row] * 2.f * sq * (1.f - sq);
+      float* dhm = dh + (int64_t)grp.m * K;
+      dhm[r] = alpha[0] * du_pre;
+      dhm[N + r] = alpha[1] * du_post;
+#pragma unroll
+      for (int j = 0; j < N; ++j) dhm[base + j] = alpha[2] * g[j];
+    }
+    du_s[tok][r] = du_pre;
+    du_s[tok][N + r] = du_post;
+    duh_s[tok][r] = grp.active ? du_pre * hm[r] : 0.f;
+    duh_s[tok][N + r] = grp.active ? du_post * hm[N + r] : 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      du_s[tok][base + j] = grp.active ? g[j] : 0.f;
+      duh_s[tok][base + j] = grp.active ? g[j] * hm[base + j] : 0.f;
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < 2 * K; t += SINKHORN_THREADS) {
+    const float (*src)[K] = t < K ? du_s : duh_s;
+    const int c = t < K ? t : t - K;
+    float sum = 0.f;
+    for (int i = 0; i < Grp::PER_BLOCK; ++i) sum += src[i][c];
+    part[(int64_t)blockIdx.x * 2 * K + t] = sum;
+  }
+}
+
+// The blocks' partials summed in block order: dbias[c] over all rows, dalpha[g] over its group's c too.
+__global__ void hc_coeffs_finish_kernel(const float* part, int blocks, int n, float* dalpha, float* dbias) {
+  __shared__ float duh[hc_coeff_count(SINKHORN_MAX_N)];
+  const int K = hc_coeff_count(n);
+  for (int c = threadIdx.x; c < K; c += blockDim.x) {
+    float db = 0.f, da = 0.f;
+    for (int b = 0; b < blocks; ++b) {
+      db += part[(int64_t)b * 2 * K + c];
+      da += part[(int64_t)b * 2 * K + K + c];
+    }
+    dbias[c] = db;
+    duh[c] = da;
+  }
+  __syncthreads();
+  if (threadIdx.x < 3) {
+    const int lo = threadIdx.x == 0 ? 0 : threadIdx.x == 1 ? n : 2 * n, hi = threadIdx.x == 2 ? K : lo + n;
+    float sum = 0.f;
+    for (int c = lo; c < hi; ++c) sum += duh[c];
+    dalpha[threadIdx.x] = sum;
+  }
+}
+
+static int hc_coeffs_blocks(int M, int n) {
+  const int g = n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8;
+  return ceil_div(M, SINKHORN_THREADS / g);
+}
+
+// Floats of workspace hc_coeffs_bwd needs: Sinkhorn's lse, then the blocks' partial sums.
+int64_t hc_coeffs_workspace_floats(int M, int n, int iters) {
+  return sinkhorn_workspace_floats(M, n, iters) + (int64_t)hc_coeffs_blocks(M, n) * 2 * hc_coeff_count(n);
+}
+
+// h (M, K) contiguous, K = 2n + n^2; pre, post (M, n); res (M, n, n).
+void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
+                   int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("hc_coeffs_fwd", n, iters);
+  if (M == 0) return;
+  SINKHORN_DISPATCH(hc_coeffs_fwd_kernel, n, M, s, h, alpha, bias, pre, post, res, M, iters);
+  check_launch("hc_coeffs_fwd");
+}
+
+// dpre, dpost (M, n), dres (M, n, n) -> dh (M, K), dalpha (3), dbias (K); ws: hc_coeffs_workspace_floats.
+// With M = 0, dalpha and dbias are zeros.
+void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
+                   const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
+                   cudaStream_t s) {
+  sinkhorn_check_args("hc_coeffs_bwd", n, iters);
+  const int blocks = M == 0 ? 0 : hc_coeffs_blocks(M, n);
+  float* part = ws + sinkhorn_workspace_floats(M, n, iters);
+  if (M > 0) SINKHORN_DISPATCH(hc_coeffs_bwd_kernel, n, M, s, h, alpha, bias, dpre, dpost, dres, dh, part, ws, M,
+                               iters);
+  hc_coeffs_finish_kernel<<<1, 128, 0, s>>>(part, blocks, n, dalpha, dbias);
+  check_launch("hc_coeffs_bwd");
 }
 
 // ------------------------------------------------------------------------------------------------

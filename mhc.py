@@ -38,6 +38,18 @@ def sinkhorn_torch(logits, iters=20):
     return torch.exp(a)
 
 
+def hc_coeffs_torch(h, alpha, bias, iters=20):
+    """The PyTorch twin of kernels.hc_coeffs: mhc-dynamic's coefficients from each token's K = 2n + n^2
+    projections h (..., K), with one scale per group alpha (3,) and a bias (K,): u = alpha h + bias, then
+    H_pre = sigmoid(u[..., :n]) (..., n), H_post = 2 sigmoid(u[..., n:2n]) (..., n) and
+    H_res = Sinkhorn(u[..., 2n:] as (n, n)) (..., n, n)."""
+    n = math.isqrt(h.shape[-1] + 1) - 1  # K + 1 = (n + 1)^2
+    scale = torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])  # (K,)
+    u = h * scale + bias
+    res = sinkhorn_torch(u[..., 2 * n:].reshape(*u.shape[:-1], n, n), iters)
+    return torch.sigmoid(u[..., :n]), 2 * torch.sigmoid(u[..., n:2 * n]), res
+
+
 def stream_merge_torch(x, h):
     """The PyTorch twin of kernels.stream_merge: x (..., n, C) merged into one stream (..., C),
     out[..., c] = sum_i h[i] x[..., i, c]. h is (n,), the same for every token, or (..., n), one set
@@ -133,12 +145,7 @@ class DynamicHyperConnection(nn.Module):
     def forward(self, x, norm, f, ops):  # x (B, T, n, C)
         B, T, n, C = x.shape
         h = ops.linear(ops.rmsnorm(x.reshape(B, T, n * C), self.norm_w), self.phi_w, None)  # (B, T, 2n + n^2)
-        a_pre, a_post, a_res = self.alpha
-        scale = torch.cat([a_pre.expand(n), a_post.expand(n), a_res.expand(n * n)])  # (2n + n^2,)
-        h = h * scale + self.bias
-        h_pre = torch.sigmoid(h[..., :n])  # (B, T, n)
-        h_post = 2 * torch.sigmoid(h[..., n:2 * n])  # (B, T, n)
-        h_res = ops.sinkhorn(h[..., 2 * n:].reshape(B, T, n, n), self.iters)  # (B, T, n, n)
+        h_pre, h_post, h_res = ops.hc_coeffs(h, self.alpha, self.bias, self.iters)  # (B, T, n), (B, T, n), (B, T, n, n)
         self.last_res = h_res.detach()
         y = f(norm(ops.stream_merge(x, h_pre))[1])  # (B, T, C)
         return ops.stream_mix(x, h_res, h_post, y)  # (B, T, n, C)

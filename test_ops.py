@@ -2920,6 +2920,25 @@ for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for
 add("sinkhorn/2x12x4x4", t_sinkhorn, (2, 12, 4, 4), 1)
 add("sinkhorn/2x12x4x4_x30_transposed", t_sinkhorn, (2, 12, 4, 4), 30, transposed=True)
 add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
+
+
+def t_hc_coeffs(lead, n, scale, iters=20):
+    # mhc-dynamic's coefficients: h (*lead, 2n + n^2) of randn * scale, alpha (3,) and bias (K,) of randn,
+    # so the logits alpha h + bias reach about 3 * scale. dalpha and dbias are sums over the tokens: their
+    # atol grows with the token count (a wrong term errs by ~sqrt(tokens), a lost one by ~1)
+    K, M = 2 * n + n * n, math.prod(lead)
+    tol = sinkhorn_tol(3 * scale)
+    grad_tol = {"h": tol, "bias": (tol[0] + 1e-6 * M, 1e-4), "alpha": (tol[0] + 1e-6 * M * K * scale, 1e-4)}
+    compare(lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, iters), tol, grad_tol,
+            h=rand(*lead, K, scale=scale), alpha=rand(3), bias=rand(K))
+
+
+for _lead in ((1,), (24,), (4096,), (2, 65), (0,)):
+    for _n in (1, 2, 4, 8):
+        add(f"hc_coeffs/{'x'.join(map(str, _lead))}_n{_n}", t_hc_coeffs, _lead, _n, 1.0)
+for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for, with larger logits
+    add(f"hc_coeffs/24_n{_n}_x30", t_hc_coeffs, (24,), _n, 30.0)
+add("hc_coeffs/300_n4_x30_iters7", t_hc_coeffs, (300,), 4, 30.0, iters=7)
 add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
 add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
 
@@ -3463,6 +3482,9 @@ def opcheck_cases(dt):
         tiled_qkv = (plain(2, 4, 9, 40), plain(2, 2, 11, 40), plain(2, 2, 11, 40))
         cases += [("sinkhorn", k.sinkhorn, (_leaf(3, 5, 4, 4),), {"iters": 7}),
                   ("sinkhorn_backward", k.sinkhorn_backward, (plain(3, 4, 4), plain(3, 4, 4), 5), {}),
+                  ("hc_coeffs", k.hc_coeffs, (_leaf(2, 3, 15), _leaf(3), _leaf(15)), {"iters": 5}),
+                  ("hc_coeffs_backward", k.hc_coeffs_backward, (plain(5, 24), plain(3), plain(24), plain(5, 4),
+                                                                plain(5, 4), plain(5, 4, 4), 3), {}),
                   ("stream_merge", k.stream_merge, (xs, _leaf(4)), {}),
                   ("stream_merge_per_token", k.stream_merge, (xs, _leaf(2, 3, 4)), {}),
                   ("stream_merge_backward", k.stream_merge_backward, (plain(2, 3, 4, 37), plain(4), plain(2, 3, 37)),
@@ -4004,6 +4026,16 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
     ("rmsnorm_cpu_x", RuntimeError, lambda: kernels.rmsnorm(torch.randn(4, 8), rand(8)), ("rmsnorm", "x")),
     ("sinkhorn_n9", ValueError, lambda: kernels.sinkhorn(rand(4, 9, 9)), ("sinkhorn", "n")),
+    ("hc_coeffs_K10", ValueError, lambda: kernels.hc_coeffs(rand(4, 10), rand(3), rand(10)), ("hc_coeffs", "2n + n^2")),
+    ("hc_coeffs_K99", ValueError, lambda: kernels.hc_coeffs(rand(4, 99), rand(3), rand(99)), ("hc_coeffs", "h")),
+    ("hc_coeffs_alpha_size", RuntimeError, lambda: kernels.hc_coeffs(rand(4, 24), rand(4), rand(24)),
+     ("hc_coeffs", "alpha")),
+    ("hc_coeffs_bias_size", RuntimeError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(23)),
+     ("hc_coeffs", "bias")),
+    ("hc_coeffs_cpu", RuntimeError, lambda: kernels.hc_coeffs(torch.randn(4, 24), rand(3), rand(24)),
+     ("hc_coeffs", "h")),
+    ("hc_coeffs_iters0", ValueError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(24), iters=0),
+     ("hc_coeffs", "iters")),
     ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
     ("sinkhorn_iters0", ValueError, lambda: kernels.sinkhorn(rand(2, 4, 4), iters=0), ("sinkhorn", "iters")),
     ("sinkhorn_float64", RuntimeError, lambda: kernels.sinkhorn(rand(2, 4, 4).double()), ("sinkhorn", "logits")),
@@ -4328,7 +4360,7 @@ def fmt(x, spec):
     return "OOM" if x is None else format(x, spec)
 
 
-UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6}
+UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6, "M tokens/s": 1e6}
 
 
 def print_header_once(rows):
@@ -4530,6 +4562,11 @@ def bench_ops(rows):
     for M in (1, 24, 4096):
         bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
                  [rand(M, 4, 4)], M, "M matrices/s")
+    # mhc-dynamic's coefficients for the sweep's 4096 tokens: PyTorch's scale, add, slices, sigmoids and
+    # Sinkhorn (and their sums over tokens backward) against one kernel each way
+    bench_op(rows, "hc_coeffs", "4096x24 n=4 iters=20", "fwd+bwd",
+             lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, 20), [rand(4096, 24), rand(3), rand(24)], 4096,
+             "M tokens/s")
     # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
     # must move: merge fwd reads x, writes out; its bwd reads dout and x, writes dx. mix fwd reads x
     # and y, writes out; its bwd reads dout, x and y, writes dx and dy. Plus the coefficients: read by

@@ -286,6 +286,7 @@ TORCH_OPS = SimpleNamespace(
     kv_write=torch_kv_write,
     topk=lambda x, k: torch.topk(x, k),
     sinkhorn=mhc.sinkhorn_torch,
+    hc_coeffs=mhc.hc_coeffs_torch,
     stream_merge=mhc.stream_merge_torch,
     stream_mix=mhc.stream_mix_torch,
     check_errors=lambda: None,  # kernels.check_errors raises our bad indices; PyTorch reports its own
@@ -293,7 +294,6 @@ TORCH_OPS = SimpleNamespace(
 # the ops kernels.cu implements; split is no kernel (the cuda op set's is joined_split)
 OP_NAMES = sorted(k for k in vars(TORCH_OPS) if k not in ("name", "autocast", "split"))
 DTYPES = ("fp32", "bf16")
-BF16 = torch.bfloat16
 
 
 def precision(dtype, device):
@@ -303,7 +303,7 @@ def precision(dtype, device):
     computing in fp32, write bf16, the next product's input, where PyTorch's write fp32."""
     if dtype == "fp32":
         return contextlib.nullcontext
-    return functools.partial(torch.autocast, torch.device(device).type, dtype=BF16)
+    return functools.partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16)
 
 
 def torch_op_set(dtype="fp32", device="cuda"):
