@@ -2925,10 +2925,11 @@ add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
 def t_hc_coeffs(lead, n, scale, iters=20):
     # mhc-dynamic's coefficients: h (*lead, 2n + n^2) of randn * scale, alpha (3,) and bias (K,) of randn,
     # so the logits alpha h + bias reach about 3 * scale. dalpha and dbias are sums over the tokens: their
-    # atol grows with the token count (a wrong term errs by ~sqrt(tokens), a lost one by ~1)
+    # atol grows with the terms summed, at least 5x the errors these cases showed on an H100 (one token's
+    # terms lost from a sum err by ~0.1 to ~10)
     K, M = 2 * n + n * n, math.prod(lead)
     tol = sinkhorn_tol(3 * scale)
-    grad_tol = {"h": tol, "bias": (tol[0] + 1e-6 * M, 1e-4), "alpha": (tol[0] + 1e-6 * M * K * scale, 1e-4)}
+    grad_tol = {"h": tol, "bias": (tol[0] + 1e-7 * M, 1e-4), "alpha": (tol[0] + 1e-8 * M * K * scale, 1e-4)}
     compare(lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, iters), tol, grad_tol,
             h=rand(*lead, K, scale=scale), alpha=rand(3), bias=rand(K))
 
