@@ -1430,11 +1430,13 @@ struct GeluTanh {
   }
 };
 
+__device__ __forceinline__ float sigmoidf(float u) { return 1.f / (1.f + expf(-u)); }
+
 // SiLU(x) = x * sigmoid(x), written as PyTorch writes it: x / (1 + exp(-x)).
 struct Silu {
   __device__ float fwd(float x) const { return x / (1.f + expf(-x)); }
   __device__ float bwd(float x, float dy) const {
-    const float s = 1.f / (1.f + expf(-x));
+    const float s = sigmoidf(x);
     return dy * s * (1.f + x * (1.f - s));
   }
 };
@@ -3410,9 +3412,12 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 constexpr int SINKHORN_THREADS = 128;
 constexpr int SINKHORN_MAX_N = 8;
 
+// Lanes per matrix: n rounded up to a power of 2.
+__host__ __device__ constexpr int sinkhorn_lanes(int n) { return n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8; }
+
 template <int N>
 struct SinkhornGroup {
-  static constexpr int G = N == 1 ? 1 : N == 2 ? 2 : N <= 4 ? 4 : 8;  // lanes per matrix
+  static constexpr int G = sinkhorn_lanes(N);                        // lanes per matrix
   static constexpr int PER_BLOCK = SINKHORN_THREADS / G;             // matrices per block
   int m, r;     // this lane's matrix and row
   bool active;  // a row of a matrix that exists
@@ -3592,8 +3597,6 @@ void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float*
 
 __host__ __device__ constexpr int hc_coeff_count(int n) { return 2 * n + n * n; }
 
-__device__ __forceinline__ float sigmoidf(float u) { return 1.f / (1.f + expf(-u)); }
-
 // Lane r's logits of row r of res: alpha[2] h + bias.
 template <int N>
 __device__ __forceinline__ void hc_res_logits(const SinkhornGroup<N>& grp, const float* hm, const float* alpha,
@@ -3694,10 +3697,7 @@ __global__ void hc_coeffs_finish_kernel(const float* part, int blocks, int n, fl
   }
 }
 
-static int hc_coeffs_blocks(int M, int n) {
-  const int g = n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8;
-  return ceil_div(M, SINKHORN_THREADS / g);
-}
+static int hc_coeffs_blocks(int M, int n) { return ceil_div(M, SINKHORN_THREADS / sinkhorn_lanes(n)); }
 
 // Floats of workspace hc_coeffs_bwd needs: Sinkhorn's lse, then the blocks' partial sums.
 int64_t hc_coeffs_workspace_floats(int M, int n, int iters) {
