@@ -63,6 +63,12 @@ void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float*
 void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
                    const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
                    cudaStream_t s);
+int64_t hc_project_fwd_workspace_floats(int M, int n, int D);
+int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
+void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
+                    int D, float eps, cudaStream_t s);
+void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
+                    const float* dh, float* dx, float* dw, float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
 void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
                       cudaStream_t s);
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
@@ -977,6 +983,13 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // From each token's K = 2n + n^2 projections of its streams: pre = sigmoid, post = 2 sigmoid and res =
 // Sinkhorn of alpha (per group) * h + bias, one kernel each way (kernels.cu, "mhc-dynamic's coefficients").
 
+// n for K = 2n + n^2 coefficients a token (K + 1 = (n + 1)^2), or 0 if K is no such count for n <= MAX_STREAMS.
+static int64_t streams_of_coeffs(int64_t K) {
+  for (int64_t n = 1; n <= MAX_STREAMS; ++n)
+    if (2 * n + n * n == K) return n;
+  return 0;
+}
+
 // Checks the arguments; returns n.
 static int64_t check_hc_coeffs(const Tensor& h, const Tensor& alpha, const Tensor& bias, int64_t iters) {
   const char* op = "hc_coeffs";
@@ -984,12 +997,9 @@ static int64_t check_hc_coeffs(const Tensor& h, const Tensor& alpha, const Tenso
   check_float_cuda(op, alpha, "alpha");
   check_float_cuda(op, bias, "bias");
   REQUIRE(h.dim() >= 1, op, ": h must have shape (..., 2n + n^2), got a 0-dim tensor");
-  const int64_t K = h.size(-1);
-  int64_t n = 1;
-  while ((n + 1) * (n + 1) <= K + 1) ++n;  // K + 1 = (n + 1)^2
-  --n;
-  REQUIRE_VALUE(n >= 1 && n <= MAX_STREAMS && 2 * n + n * n == K, op, ": h's last dim must be 2n + n^2 for n in [1, ",
-                MAX_STREAMS, "] (3, 8, 15, 24, 35, 48, 63 or 80), got ", K);
+  const int64_t K = h.size(-1), n = streams_of_coeffs(K);
+  REQUIRE_VALUE(n > 0, op, ": h's last dim must be 2n + n^2 for n in [1, ", MAX_STREAMS,
+                "] (3, 8, 15, 24, 35, 48, 63 or 80), got ", K);
   REQUIRE(alpha.dim() == 1 && alpha.size(0) == 3, op, ": alpha must have shape (3,), got ", alpha.sizes());
   REQUIRE(bias.dim() == 1 && bias.size(0) == K, op, ": bias must have shape (", K, ",), got ", bias.sizes());
   REQUIRE(alpha.device() == h.device() && bias.device() == h.device(), op,
@@ -1090,6 +1100,110 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   def_half(m, "hc_coeffs_backward(Tensor h, Tensor alpha, Tensor bias, Tensor? dpre, Tensor? dpost, Tensor? dres, "
            "int iters) -> (Tensor, Tensor, Tensor)");
   cuda_meta(m, "hc_coeffs_backward", hc_coeffs_backward_cuda, hc_coeffs_backward_meta);
+}
+
+// ---- mhc-dynamic's projection -----------------------------------------------------------------
+// h = RMSNorm(x, weight) phi^T for x (..., D), a token's n streams flattened, and phi (2n + n^2, D): the norm
+// and the narrow matmul in one kernel each way (kernels.cu, "mhc-dynamic's projection").
+
+// Checks the arguments; returns n.
+static int64_t check_hc_project(const Tensor& x, const Tensor& weight, const Tensor& phi) {
+  const char* op = "hc_project";
+  check_float_cuda(op, x, "x");
+  check_float_cuda(op, weight, "weight");
+  check_float_cuda(op, phi, "phi");
+  REQUIRE(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must have shape (..., D) with D >= 1, got ", x.sizes());
+  const int64_t D = x.size(-1);
+  REQUIRE(weight.dim() == 1 && weight.size(0) == D, op, ": weight must have shape (", D, ",), x's last dim, got ",
+          weight.sizes());
+  REQUIRE(phi.dim() == 2 && phi.size(1) == D, op, ": phi must have shape (2n + n^2, ", D, "), got ", phi.sizes());
+  const int64_t n = streams_of_coeffs(phi.size(0));
+  REQUIRE_VALUE(n > 0, op, ": phi's rows must be 2n + n^2 for n in [1, ", MAX_STREAMS,
+                "] (3, 8, 15, 24, 35, 48, 63 or 80), got ", phi.size(0));
+  REQUIRE(weight.device() == x.device() && phi.device() == x.device(), op,
+          ": x, weight and phi must be on one device, got ", x.device(), ", ", weight.device(), ", ", phi.device());
+  return n;
+}
+
+std::tuple<Tensor, Tensor> hc_project_forward_cuda(const Tensor& x_in, const Tensor& weight_in, const Tensor& phi_in,
+                                                   double eps) {
+  raise_pending_index_error();
+  const int64_t n = check_hc_project(x_in, weight_in, phi_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), phi = phi_in.contiguous();
+  const int64_t D = x.size(-1);
+  Tensor h = at::empty(with_dims(x, {phi.size(0)}), x.options()), rstd = at::empty(with_dims(x, {}), x.options());
+  const int M = to_int("hc_project", x.numel() / D, "number of tokens"), Di = to_int("hc_project", D, "x's last dim");
+  const int64_t ws_floats = hc_project_fwd_workspace_floats(M, (int)n, Di);
+  const Tensor ws = ws_floats ? at::empty({ws_floats}, x.options()) : Tensor();
+  hc_project_fwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+                 rstd.data_ptr<float>(), ws_ptr(ws), M, (int)n, Di, (float)eps, stream());
+  return {h, rstd};
+}
+
+std::tuple<Tensor, Tensor> hc_project_forward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi, double) {
+  check_hc_project(x, weight, phi);
+  return {at::empty(with_dims(x, {phi.size(0)}), x.options()), at::empty(with_dims(x, {}), x.options())};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_project_backward_cuda(const Tensor& x_in, const Tensor& weight_in,
+                                                            const Tensor& phi_in, const Tensor& h_in,
+                                                            const Tensor& rstd_in, const Tensor& dh_in) {
+  const int64_t n = check_hc_project(x_in, weight_in, phi_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), phi = phi_in.contiguous();
+  const Tensor h = h_in.contiguous(), rstd = rstd_in.contiguous(), dh = dh_in.contiguous();
+  const int64_t D = x.size(-1);
+  const int M = (int)(x.numel() / D);
+  Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
+  Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
+  hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+                 rstd.data_ptr<float>(), dh.data_ptr<float>(), dx.data_ptr<float>(), dweight.data_ptr<float>(),
+                 dphi.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)D, stream());
+  return {dx, dweight, dphi};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_project_backward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi,
+                                                            const Tensor&, const Tensor&, const Tensor&) {
+  return {empty_like_contiguous(x), empty_like_contiguous(weight), empty_like_contiguous(phi)};
+}
+
+struct HcProjectFn : torch::autograd::Function<HcProjectFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& phi, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto [h, rstd] = KERNELS_OP("hc_project_forward", hc_project_forward_cuda).call(x, weight, phi, eps);
+    ctx->save_for_backward({x, weight, phi, h, rstd});
+    return h;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto [dx, dweight, dphi] = KERNELS_OP("hc_project_backward", hc_project_backward_cuda)
+        .call(s[0], s[1], s[2], s[3], s[4], grads[0]);
+    return {dx, dweight, dphi, Tensor()};
+  }
+};
+
+Tensor hc_project_impl(const Tensor& x, const Tensor& weight, const Tensor& phi, double eps) {
+  return std::get<0>(KERNELS_OP("hc_project_forward", hc_project_forward_cuda).call(x, weight, phi, eps));
+}
+
+Tensor hc_project_autograd(const Tensor& x, const Tensor& weight, const Tensor& phi, double eps) {
+  if (wants_grad(x, weight, phi)) return HcProjectFn::apply(x, weight, phi, eps);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return hc_project_impl(x, weight, phi, eps);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // mhc-dynamic's projection (float32, n <= 8 streams): RMSNorm(x, weight) phi^T, phi of 2n + n^2 rows.
+  def_op(m, "hc_project(Tensor x, Tensor weight, Tensor phi, float eps=1e-05) -> Tensor");
+  composite(m, "hc_project", hc_project_impl);
+  autograd(m, "hc_project", hc_project_autograd);
+  def_half(m, "hc_project_forward(Tensor x, Tensor weight, Tensor phi, float eps) -> (Tensor, Tensor)");
+  cuda_meta(m, "hc_project_forward", hc_project_forward_cuda, hc_project_forward_meta, CPU_ERRORS);
+  def_half(m, "hc_project_backward(Tensor x, Tensor weight, Tensor phi, Tensor h, Tensor rstd, Tensor dh) "
+           "-> (Tensor, Tensor, Tensor)");
+  cuda_meta(m, "hc_project_backward", hc_project_backward_cuda, hc_project_backward_meta);
 }
 
 // ---- stream mixing (hyper-connections) --------------------------------------------------------

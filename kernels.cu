@@ -23,6 +23,8 @@
 //   top-k                           topk, topk_workspace_bytes
 //   Sinkhorn                        sinkhorn_fwd, sinkhorn_bwd, sinkhorn_workspace_floats
 //   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats
+//   mhc-dynamic's projection        hc_project_fwd, hc_project_bwd, hc_project_fwd_workspace_floats,
+//                                   hc_project_bwd_workspace_floats
 //   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd
 //   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
 //                                   attention_fwd_workspace_floats, set_attention_wgmma
@@ -3675,18 +3677,19 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_bwd_kernel(const f
   }
 }
 
-// The blocks' partials summed in block order: dbias[c] over all rows, dalpha[g] over its group's c too.
+// The blocks' partials summed: dbias[c] over all rows, dalpha[g] over its group's c too. A warp takes a column,
+// its lanes strided over the blocks, then a shuffle tree: a fixed order, so the same bits every run.
 __global__ void hc_coeffs_finish_kernel(const float* part, int blocks, int n, float* dalpha, float* dbias) {
   __shared__ float duh[hc_coeff_count(SINKHORN_MAX_N)];
-  const int K = hc_coeff_count(n);
-  for (int c = threadIdx.x; c < K; c += blockDim.x) {
-    float db = 0.f, da = 0.f;
-    for (int b = 0; b < blocks; ++b) {
-      db += part[(int64_t)b * 2 * K + c];
-      da += part[(int64_t)b * 2 * K + K + c];
+  const int K = hc_coeff_count(n), lane = threadIdx.x % 32;
+  for (int t = threadIdx.x / 32; t < 2 * K; t += blockDim.x / 32) {
+    float sum = 0.f;
+    for (int b = lane; b < blocks; b += 32) sum += part[(int64_t)b * 2 * K + t];
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      if (t < K) dbias[t] = sum;
+      else duh[t - K] = sum;
     }
-    dbias[c] = db;
-    duh[c] = da;
   }
   __syncthreads();
   if (threadIdx.x < 3) {
@@ -3723,9 +3726,369 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
   float* part = ws + sinkhorn_workspace_floats(M, n, iters);
   if (M > 0) SINKHORN_DISPATCH(hc_coeffs_bwd_kernel, n, M, s, h, alpha, bias, dpre, dpost, dres, dh, part, ws, M,
                                iters);
-  hc_coeffs_finish_kernel<<<1, 128, 0, s>>>(part, blocks, n, dalpha, dbias);
+  hc_coeffs_finish_kernel<<<1, 256, 0, s>>>(part, blocks, n, dalpha, dbias);
   check_launch("hc_coeffs_bwd");
 }
+
+// ------------------------------------------------------------------------------------------------
+// mhc-dynamic's projection of the streams, RMSNorm and the narrow matmul in one pass each way (the
+// twin is mhc.hc_project_torch): x (M, D) holds a token's n streams flattened (D = nC), w (D) the norm's
+// weight, phi (K, D) the projection, K = 2n + n^2 outputs (8 to 80). RMSNorm only scales a row, so
+//   h[m, k] = rstd[m] sum_d x[m, d] (w[d] phi[k, d]),   rstd[m] = 1 / sqrt(mean_d x[m, d]^2 + eps),
+// and one read of x gives the K dot products and the sum of squares together, where the unfused path
+// reads x, writes the normalized copy and reads it again (three kernels forward, four backward).
+//
+// Forward: x times w * phi on the tensor cores (below, at hc_project_fwd_kernel); rstd is kept for the
+// backward. The backward has no product wide enough for a tensor-core tile: fp32 FMAs on the CUDA cores.
+// Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
+//   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
+//   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
+// A block owns a run of HPB_TOKENS tokens and HPB_COLS threads of one or two columns each (their K values of
+// phi in registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
+// (before the w) and dw, K + 1 rows; a second kernel adds the runs in order (deterministic).
+
+constexpr int HP_TOKENS = 32, HP_SPLIT = 2;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
+constexpr int HP_STAGE_FLOATS = 25000;       // forward: floats of w * phi a block stages at most (~98 KB)
+constexpr int HP_UNROLL = 8;                 // forward: steps of 16 columns whose loads are issued together
+constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (1 or 2 columns each) and tokens
+constexpr int HPB_UNROLL = 16;                   // backward: tokens whose loads are issued together
+
+template <int VEC>
+__device__ __forceinline__ void hp_load(const float* row, int u, float (&v)[VEC]) {
+  if constexpr (VEC == 4) {
+    const float4 t = __ldg(reinterpret_cast<const float4*>(row) + u);
+    v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+  } else if constexpr (VEC == 2) {
+    const float2 t = __ldg(reinterpret_cast<const float2*>(row) + u);
+    v[0] = t.x; v[1] = t.y;
+  } else {
+    v[0] = __ldg(row + u);
+  }
+}
+
+// On the tensor cores: a block takes HP_TOKENS tokens and a range of DR columns, whose w * phi it stages in shared
+// memory once (K rows padded to 8: the n-tiles of mma m16n8k8, 3xTF32 as the fp32 matmul), then streams x with
+// no further barrier. A warp owns 16 tokens and every HP_SPLIT-th step of 16 columns of the range; lane
+// (g, t) loads 4 adjacent columns of rows g and g + 8, and its two products take them as the k indices (t,
+// t + 4) of one step and of the next, phi's columns read in the same order (the sum over k does not care
+// which columns go together). Where D needs more than one range (wide models, large n), each range's sums
+// and sums of squares go to a workspace and hc_project_finish_kernel adds them up.
+__host__ __device__ constexpr int hp_range_cols(int KP, int D) {  // columns a block takes: all of D if they fit
+  const int most = ((HP_STAGE_FLOATS / KP - 16) / 32) * 32, need = (D + 31) / 32 * 32;
+  return most < need ? most : need;
+}
+
+// Shared memory: the staged rows (stride 16 mod 32: conflict-free fragment reads), later the warps' sums.
+__host__ __device__ constexpr int hp_smem_bytes(int KP, int D) {
+  const int staged = KP * (hp_range_cols(KP, D) + 16), sums = HP_TOKENS * HP_SPLIT * (KP + 1);
+  return 4 * (staged > sums ? staged : sums);
+}
+
+template <int N>
+struct HpFwd {
+  static constexpr int K = hc_coeff_count(N), KP = (K + 7) / 8 * 8, NT = KP / 8;  // padded rows, n-tiles
+  static constexpr int SMEM = hp_smem_bytes(KP, 1 << 30);                          // bytes at most
+};
+
+// out: h (M, K) and rstd (M) when the block's range is all of D, else its partial sums (ranges, M, K + 1).
+template <int N, bool VEC>
+__global__ void __launch_bounds__(HP_TOKENS / 16 * HP_SPLIT * 32) hc_project_fwd_kernel(const float* x,
+    const float* w, const float* phi, float* h, float* rstd, float* part, int M, int D, float eps) {
+  using P = HpFwd<N>;
+  constexpr int K = P::K, KP = P::KP, NT = P::NT, THREADS = HP_TOKENS / 16 * HP_SPLIT * 32;
+  extern __shared__ __align__(16) float hp_smem[];
+  const int DR = hp_range_cols(KP, D), stride = DR + 16;  // row stride 16 mod 32: conflict-free fragment reads
+  const int r0 = blockIdx.y * DR, cols = min(DR, D - r0);
+  if (VEC) {  // w * phi of the range, zeros past K and D: a thread's quads of columns, every row
+    for (int c = 4 * threadIdx.x; c < DR; c += 4 * THREADS) {
+      const bool in = c < cols;  // D % 4 == 0: the whole quad is in or out
+      const float4 wq = in ? __ldg(reinterpret_cast<const float4*>(w + r0 + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int kk = 0; kk < KP; ++kk) {
+        float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (in && kk < K) p = __ldg(reinterpret_cast<const float4*>(phi + (int64_t)kk * D + r0 + c));
+        *reinterpret_cast<float4*>(hp_smem + kk * stride + c) = make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < KP * DR; i += THREADS) {
+      const int kk = i / DR, c = i % DR, col = r0 + c;
+      hp_smem[kk * stride + c] = kk < K && c < cols ? __ldg(w + col) * __ldg(phi + (int64_t)kk * D + col) : 0.f;
+    }
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int group = warp / HP_SPLIT, split = warp % HP_SPLIT;
+  const int64_t m0 = (int64_t)blockIdx.x * HP_TOKENS + group * 16;
+  const bool live_a = m0 + g < M, live_b = m0 + g + 8 < M;
+  const float* xa = x + (live_a ? m0 + g : 0) * D + r0;
+  const float* xb = x + (live_b ? m0 + g + 8 : 0) * D + r0;
+  auto load4 = [&](const float* row, bool live, int c, float (&v)[4]) {  // columns c..c+3 of the range, zeros past it
+    if (VEC && live && c + 3 < cols) {
+      const float4 q = __ldg(reinterpret_cast<const float4*>(row + c));
+      v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = live && c + e < cols ? __ldg(row + c + e) : 0.f;
+    }
+  };
+  float acc[NT][4] = {}, ss_a = 0.f, ss_b = 0.f;
+  const int steps = (cols + 15) / 16;
+  for (int s0 = split; s0 < steps; s0 += HP_UNROLL * HP_SPLIT) {
+    float va[HP_UNROLL][4], vb[HP_UNROLL][4];  // HP_UNROLL steps' loads in flight before any math
+#pragma unroll
+    for (int u = 0; u < HP_UNROLL; ++u) {
+      const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
+      load4(xa, live_a, c, va[u]);
+      load4(xb, live_b, c, vb[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < HP_UNROLL; ++u) {
+      if (s0 + u * HP_SPLIT >= steps) break;
+      const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ss_a = fmaf(va[u][e], va[u][e], ss_a);
+        ss_b = fmaf(vb[u][e], vb[u][e], ss_b);
+      }
+      Frag<4, true> a[2];  // columns 4t + 2 half and 4t + 2 half + 1 as k = t and t + 4 of product `half`
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        a[half].set({va[u][2 * half], vb[u][2 * half], va[u][2 * half + 1], vb[u][2 * half + 1]});
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float4 p = *reinterpret_cast<const float4*>(hp_smem + (j * 8 + g) * stride + c);
+        Frag<2, true> b0, b1;
+        b0.set({p.x, p.y});
+        b1.set({p.z, p.w});
+        mma<true>(acc[j], a[0], b0);
+        mma<true>(acc[j], a[1], b1);
+      }
+    }
+  }
+  // the HP_SPLIT warps of a group meet in shared memory (over the staged phi, which nobody reads any more)
+  __syncthreads();
+  float* red = hp_smem + (group * HP_SPLIT + split) * 16 * (KP + 1);  // [16 rows][KP sums, sum of squares]
+  ss_a += __shfl_xor_sync(0xffffffffu, ss_a, 1);
+  ss_a += __shfl_xor_sync(0xffffffffu, ss_a, 2);
+  ss_b += __shfl_xor_sync(0xffffffffu, ss_b, 1);
+  ss_b += __shfl_xor_sync(0xffffffffu, ss_b, 2);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    red[g * (KP + 1) + j * 8 + 2 * t] = acc[j][0];
+    red[g * (KP + 1) + j * 8 + 2 * t + 1] = acc[j][1];
+    red[(g + 8) * (KP + 1) + j * 8 + 2 * t] = acc[j][2];
+    red[(g + 8) * (KP + 1) + j * 8 + 2 * t + 1] = acc[j][3];
+  }
+  if (t == 0) {
+    red[g * (KP + 1) + KP] = ss_a;
+    red[(g + 8) * (KP + 1) + KP] = ss_b;
+  }
+  __syncthreads();
+  if (split != 0) return;
+  const float* mine = hp_smem + group * HP_SPLIT * 16 * (KP + 1);
+  for (int i = lane; i < 16 * (K + 1); i += 32) {  // (row, k), k = K: the sum of squares
+    const int row = i / (K + 1), kk = i % (K + 1);
+    const int64_t m = m0 + row;
+    if (m >= M) continue;
+    float sum = 0.f, ss = 0.f;  // the splits in order
+#pragma unroll
+    for (int sp = 0; sp < HP_SPLIT; ++sp) {
+      sum += mine[(sp * 16 + row) * (KP + 1) + (kk < K ? kk : KP)];
+      ss += mine[(sp * 16 + row) * (KP + 1) + KP];
+    }
+    if (gridDim.y > 1) {
+      part[((int64_t)blockIdx.y * M + m) * (K + 1) + kk] = sum;
+    } else {
+      const float r = rsqrtf(ss / D + eps);
+      if (kk < K) h[m * K + kk] = sum * r;
+      else rstd[m] = r;
+    }
+  }
+}
+
+// The ranges' partial sums added in range order: h = sum * rstd, rstd from the sum of squares.
+__global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int M, int K, int D, float eps, float* h,
+                                             float* rstd) {
+  const int64_t m = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (m >= M) return;
+  auto sum_of = [&](int kk) {
+    float sum = 0.f;
+    for (int r = 0; r < ranges; ++r) sum += part[((int64_t)r * M + m) * (K + 1) + kk];
+    return sum;
+  };
+  const float r = rsqrtf(sum_of(K) / D + eps);
+  rstd[m] = r;
+  for (int kk = 0; kk < K; ++kk) h[m * K + kk] = sum_of(kk) * r;
+}
+
+// part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes CV
+// adjacent columns (2 where the K sums of both fit in registers and x allows 8-byte loads).
+template <int N, int CV>
+__global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x, const float* w, const float* phi,
+    const float* h, const float* rstd, const float* dh, float* dx, float* part, int M, int D) {
+  constexpr int K = hc_coeff_count(N), K4 = (K + 3) / 4 * 4;  // g's rows padded for 16-byte loads
+  __shared__ __align__(16) float g_s[HPB_TOKENS][K4];
+  __shared__ float r_s[HPB_TOKENS], q_s[HPB_TOKENS];  // rstd and rstd^2 c / D
+  const int d0 = (blockIdx.x * HPB_COLS + threadIdx.x) * CV, m0 = blockIdx.y * HPB_TOKENS;
+  const int count = min(HPB_TOKENS, M - m0);
+  for (int i = threadIdx.x; i < HPB_TOKENS * K4; i += HPB_COLS) {
+    const int t = i / K4, k = i % K4;
+    g_s[t][k] = t < count && k < K ? dh[(int64_t)(m0 + t) * K + k] : 0.f;
+  }
+  for (int t = threadIdx.x; t < count; t += HPB_COLS) {
+    const float* hm = h + (int64_t)(m0 + t) * K;
+    const float* gm = dh + (int64_t)(m0 + t) * K;
+    float c = 0.f;
+    for (int k = 0; k < K; ++k) c = fmaf(gm[k], hm[k], c);
+    const float r = rstd[m0 + t];
+    r_s[t] = r;
+    q_s[t] = r * r * c / D;
+  }
+  __syncthreads();
+  if (d0 >= D) return;
+  float p[CV][K], e[CV][K] = {}, ew[CV] = {}, wd[CV];
+#pragma unroll
+  for (int c = 0; c < CV; ++c) {
+    wd[c] = __ldg(w + d0 + c);
+#pragma unroll
+    for (int k = 0; k < K; ++k) p[c][k] = __ldg(phi + (int64_t)k * D + d0 + c);
+  }
+  for (int t0 = 0; t0 < count; t0 += HPB_UNROLL) {
+    float xv[HPB_UNROLL][CV];  // HPB_UNROLL tokens' loads in flight before any math
+#pragma unroll
+    for (int i = 0; i < HPB_UNROLL; ++i)
+      if (t0 + i < count) hp_load<CV>(x + (int64_t)(m0 + t0 + i) * D + d0, 0, xv[i]);
+#pragma unroll
+    for (int i = 0; i < HPB_UNROLL; ++i) {
+      const int t = t0 + i;
+      if (t >= count) break;
+      const float r = r_s[t];
+      float s4[CV][4] = {};  // s in four partial sums: chains of K / 4 dependent FMAs, not K
+#pragma unroll
+      for (int k4 = 0; k4 < K4; k4 += 4) {
+        const float4 g4 = *reinterpret_cast<const float4*>(&g_s[t][k4]);
+        const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (k4 + j < K) {
+#pragma unroll
+            for (int c = 0; c < CV; ++c) {
+              s4[c][j] = fmaf(g[j], p[c][k4 + j], s4[c][j]);
+              e[c][k4 + j] = fmaf(g[j], xv[i][c] * r, e[c][k4 + j]);
+            }
+          }
+      }
+      float out[CV], s[CV];
+#pragma unroll
+      for (int c = 0; c < CV; ++c) {
+        s[c] = (s4[c][0] + s4[c][1]) + (s4[c][2] + s4[c][3]);
+        out[c] = r * wd[c] * s[c] - xv[i][c] * q_s[t];
+        ew[c] = fmaf(xv[i][c] * r, s[c], ew[c]);
+      }
+      float* dst = dx + (int64_t)(m0 + t) * D + d0;
+      if constexpr (CV == 2) *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
+      else dst[0] = out[0];
+    }
+  }
+  float* out = part + (int64_t)blockIdx.y * (K + 1) * D + d0;
+#pragma unroll
+  for (int c = 0; c < CV; ++c) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[(int64_t)k * D + c] = e[c][k];
+    out[(int64_t)K * D + c] = ew[c];
+  }
+}
+
+// The runs' partials summed in run order: row k < K of blockIdx.y gives dphi[k] (times w), row K dw.
+__global__ void __launch_bounds__(HPB_COLS) hc_project_finish_kernel(const float* part, const float* w, int runs, int K,
+                                                                     int D, float* dphi, float* dw) {
+  const int d = blockIdx.x * HPB_COLS + threadIdx.x, k = blockIdx.y;
+  if (d >= D) return;
+  float sum = 0.f;
+#pragma unroll 8
+  for (int run = 0; run < runs; ++run) sum += part[((int64_t)run * (K + 1) + k) * D + d];
+  if (k < K) dphi[(int64_t)k * D + d] = w[d] * sum;
+  else dw[d] = sum;
+}
+
+static int hc_project_runs(int M) { return ceil_div(M, HPB_TOKENS); }
+
+// Floats of workspace hc_project_bwd needs: the runs' partial sums.
+int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
+  return (int64_t)hc_project_runs(M) * (hc_coeff_count(n) + 1) * D;
+}
+
+#define HP_FWD_LAUNCH(N)                                                                                    \
+  {                                                                                                         \
+    const int KP = HpFwd<N>::KP, smem = hp_smem_bytes(KP, D);                                               \
+    const dim3 grid(ceil_div(M, HP_TOKENS), ceil_div(D, hp_range_cols(KP, D)));                             \
+    float* part = grid.y > 1 ? ws : nullptr;                                                                \
+    if (vec4) {                                                                                             \
+      raise_smem_limit<hc_project_fwd_kernel<N, true>>(HpFwd<N>::SMEM);                                     \
+      hc_project_fwd_kernel<N, true><<<grid, block, smem, s>>>(x, w, phi, h, rstd, part, M, D, eps);        \
+    } else {                                                                                                \
+      raise_smem_limit<hc_project_fwd_kernel<N, false>>(HpFwd<N>::SMEM);                                    \
+      hc_project_fwd_kernel<N, false><<<grid, block, smem, s>>>(x, w, phi, h, rstd, part, M, D, eps);       \
+    }                                                                                                       \
+    if (grid.y > 1)                                                                                         \
+      hc_project_fwd_finish_kernel<<<ceil_div(M, 128), 128, 0, s>>>(ws, (int)grid.y, M, hc_coeff_count(N), D, \
+                                                                    eps, h, rstd);                          \
+  }
+#define HP_BWD_LAUNCH(N)                                                                                \
+  {                                                                                                     \
+    constexpr int CV = hc_coeff_count(N) <= 35 ? 2 : 1; /* n > 5: one column, room for the K sums */   \
+    if (pairs) hc_project_bwd_kernel<N, CV><<<dim3(ceil_div(D, CV * HPB_COLS), runs), HPB_COLS, 0, s>>>( \
+        x, w, phi, h, rstd, dh, dx, ws, M, D);                                                          \
+    else hc_project_bwd_kernel<N, 1><<<dim3(ceil_div(D, HPB_COLS), runs), HPB_COLS, 0, s>>>(           \
+        x, w, phi, h, rstd, dh, dx, ws, M, D);                                                          \
+  }
+#define HP_DISPATCH(LAUNCH) \
+  switch (n) {              \
+    case 1: LAUNCH(1) break;  \
+    case 2: LAUNCH(2) break;  \
+    case 3: LAUNCH(3) break;  \
+    case 4: LAUNCH(4) break;  \
+    case 5: LAUNCH(5) break;  \
+    case 6: LAUNCH(6) break;  \
+    case 7: LAUNCH(7) break;  \
+    default: LAUNCH(8)        \
+  }
+
+// Floats of workspace hc_project_fwd needs: the column ranges' partial sums, where D takes more than one.
+int64_t hc_project_fwd_workspace_floats(int M, int n, int D) {
+  const int KP = (hc_coeff_count(n) + 7) / 8 * 8, ranges = ceil_div(D, hp_range_cols(KP, D));
+  return ranges > 1 ? (int64_t)ranges * M * (hc_coeff_count(n) + 1) : 0;
+}
+
+// x (M, D), w (D), phi (K, D) with K = 2n + n^2 -> h (M, K), rstd (M); all contiguous; ws:
+// hc_project_fwd_workspace_floats.
+void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
+                    int D, float eps, cudaStream_t s) {
+  sinkhorn_check_args("hc_project_fwd", n, 1);
+  if (M == 0) return;
+  const bool vec4 = D % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(phi);
+  const dim3 block(HP_TOKENS / 16 * HP_SPLIT * 32);
+  HP_DISPATCH(HP_FWD_LAUNCH)
+  check_launch("hc_project_fwd");
+}
+
+// dh (M, K) -> dx (M, D), dw (D), dphi (K, D), from the forward's h and rstd; ws:
+// hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros.
+void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
+                    const float* dh, float* dx, float* dw, float* dphi, float* ws, int M, int n, int D, cudaStream_t s) {
+  sinkhorn_check_args("hc_project_bwd", n, 1);
+  const int K = hc_coeff_count(n), runs = hc_project_runs(M);
+  if (runs > 65535) throw std::runtime_error("hc_project_bwd: more than 65535 * 64 tokens");
+  const bool pairs = D % 2 == 0 && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(dx)) & 7) == 0;
+  if (M > 0) HP_DISPATCH(HP_BWD_LAUNCH)
+  hc_project_finish_kernel<<<dim3(ceil_div(D, HPB_COLS), K + 1), HPB_COLS, 0, s>>>(ws, w, runs, K, D, dphi, dw);
+  check_launch("hc_project_bwd");
+}
+#undef HP_DISPATCH
+#undef HP_BWD_LAUNCH
+#undef HP_FWD_LAUNCH
 
 // ------------------------------------------------------------------------------------------------
 // stream mixing for hyper-connections (mhc.py). x (M, n, C) holds the n residual streams of M

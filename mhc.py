@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from data import (INCREMENT_VOCAB, device_name, fmt_seconds, get_batch, increment_batch, pyplot,
                   read_text_splits, write_json)
@@ -48,6 +49,12 @@ def hc_coeffs_torch(h, alpha, bias, iters=20):
     u = h * scale + bias
     res = sinkhorn_torch(u[..., 2 * n:].reshape(*u.shape[:-1], n, n), iters)
     return torch.sigmoid(u[..., :n]), 2 * torch.sigmoid(u[..., n:2 * n]), res
+
+
+def hc_project_torch(x, weight, phi, eps=1e-5):
+    """The PyTorch twin of kernels.hc_project: mhc-dynamic's projections of each token's flattened streams,
+    RMSNorm(x, weight) phi^T, x (..., D), weight (D,), phi (2n + n^2, D) -> (..., 2n + n^2)."""
+    return F.linear(F.rms_norm(x, x.shape[-1:], weight, eps), phi)
 
 
 def stream_merge_torch(x, h):
@@ -100,25 +107,43 @@ class PlainResidual(nn.Module):
         return PendingSum(x, f(h))
 
 
-class StaticHyperConnection(nn.Module):
-    """hc / mhc: n streams x (B, T, n, C) mixed by learned matrices that do not depend on the input.
-    The sublayer sees the merged stream H_pre x; then x <- H_res x + H_post^T F(H_pre x).
-    H_pre, H_post = softmax of their logits (H_pre: mostly stream index mod n at init, pre_logits_init;
-    H_post: 1/n each); H_res = exp(L) for hc (unconstrained), Sinkhorn(L) for mhc (doubly stochastic);
-    L starts at 2I - 1."""
+class StaticMixing(nn.Module):
+    """hc / mhc: the mixing logits of all of a model's sublayers, stacked, and their matrices for the current
+    forward. H_pre, H_post = softmax of their logits (H_pre: mostly stream index mod n at init,
+    pre_logits_init; H_post: 1/n each); H_res = exp(L) for hc (unconstrained), Sinkhorn(L) for mhc (doubly
+    stochastic); L starts at 2I - 1. Stacked, every sublayer's matrices take one softmax each and one Sinkhorn
+    per forward (and as many launches backward), where a module each would launch three kernels per sublayer
+    each way, every launch's latency paid for a few numbers."""
 
-    def __init__(self, n, constrained, sinkhorn_iters=20, index=0):
+    def __init__(self, n, count, constrained, sinkhorn_iters=20):
         super().__init__()
         self.constrained, self.iters = constrained, sinkhorn_iters
-        self.pre_logits = nn.Parameter(pre_logits_init(n, index))
-        self.post_logits = nn.Parameter(torch.zeros(n))
-        self.res_logits = nn.Parameter(2 * torch.eye(n) - 1)
-        self.last_res = None  # H_res of the latest forward, detached, for the gain metrics
+        self.pre_logits = nn.Parameter(torch.stack([pre_logits_init(n, i) for i in range(count)]))  # (count, n)
+        self.post_logits = nn.Parameter(torch.zeros(count, n))
+        self.res_logits = nn.Parameter((2 * torch.eye(n) - 1).repeat(count, 1, 1))  # (count, n, n)
+        # per sublayer (H_pre, H_post, H_res) of the forward under way: the list the sublayers hold, refilled
+        # at its start and emptied at its end (the views hold that forward's autograd graph)
+        self.matrices = []
+        self.last_res = None  # every H_res of the latest forward, detached (count, n, n), for the gain metrics
+
+    def compute(self, ops):
+        h_pre, h_post = ops.softmax(self.pre_logits), ops.softmax(self.post_logits)  # (count, n) each
+        h_res = ops.sinkhorn(self.res_logits, self.iters) if self.constrained else torch.exp(self.res_logits)
+        self.last_res = h_res.detach()
+        self.matrices[:] = zip(h_pre.unbind(0), h_post.unbind(0), h_res.unbind(0))  # views: one stack backward
+
+
+class StaticHyperConnection(nn.Module):
+    """hc / mhc: n streams x (B, T, n, C) mixed by learned matrices that do not depend on the input.
+    The sublayer sees the merged stream H_pre x; then x <- H_res x + H_post^T F(H_pre x). The matrices are
+    entry `index` of StaticMixing.matrices, the list it refills at the start of every forward."""
+
+    def __init__(self, matrices, index):
+        super().__init__()
+        self.matrices, self.index = matrices, index
 
     def forward(self, x, norm, f, ops):  # x (B, T, n, C)
-        h_pre, h_post = ops.softmax(self.pre_logits), ops.softmax(self.post_logits)  # (n,) each
-        h_res = ops.sinkhorn(self.res_logits, self.iters) if self.constrained else torch.exp(self.res_logits)
-        self.last_res = h_res.detach()  # (n, n)
+        h_pre, h_post, h_res = self.matrices[self.index]  # (n,), (n,), (n, n)
         y = f(norm(ops.stream_merge(x, h_pre))[1])  # F of H_pre x: (B, T, C)
         return ops.stream_mix(x, h_res, h_post, y)  # H_res x + H_post^T y: (B, T, n, C)
 
@@ -144,39 +169,47 @@ class DynamicHyperConnection(nn.Module):
 
     def forward(self, x, norm, f, ops):  # x (B, T, n, C)
         B, T, n, C = x.shape
-        h = ops.linear(ops.rmsnorm(x.reshape(B, T, n * C), self.norm_w), self.phi_w, None)  # (B, T, 2n + n^2)
+        h = ops.hc_project(x.reshape(B, T, n * C), self.norm_w, self.phi_w)  # RMSNorm, then phi: (B, T, 2n + n^2)
         h_pre, h_post, h_res = ops.hc_coeffs(h, self.alpha, self.bias, self.iters)  # (B, T, n), (B, T, n), (B, T, n, n)
         self.last_res = h_res.detach()
         y = f(norm(ops.stream_merge(x, h_pre))[1])  # (B, T, C)
         return ops.stream_mix(x, h_res, h_post, y)  # (B, T, n, C)
 
 
-class Streams:
-    """One variant's residual streams for a whole model: a factory of per-sublayer residual modules,
-    and the model's entry (the embedding copied to every stream) and exit (the mean over streams)."""
+class Streams(nn.Module):
+    """One variant's residual streams for a whole model of `sublayers` sublayers: a factory of per-sublayer
+    residual modules, and the model's entry (the embedding copied to every stream, and for hc / mhc every
+    sublayer's mixing matrices for this forward) and exit (the mean over streams)."""
 
-    def __init__(self, variant, n, n_embd, sinkhorn_iters=20):
+    def __init__(self, variant, n, n_embd, sublayers, sinkhorn_iters=20):
+        super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"residual variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
         if variant != "baseline" and n < 1:
             raise ValueError(f"n_streams must be >= 1, got {n}")
         self.variant, self.n = variant, 1 if variant == "baseline" else n
-        self.n_embd, self.iters = n_embd, sinkhorn_iters
+        self.n_embd, self.iters, self.sublayers = n_embd, sinkhorn_iters, sublayers
+        self.mixing = StaticMixing(n, sublayers, variant == "mhc", sinkhorn_iters) if variant in ("hc", "mhc") else None
         self.made = 0  # residual modules made so far: the next one's sublayer index
 
     def residual(self):
         """The next sublayer's residual module; the model asks for them in depth order."""
         index, self.made = self.made, self.made + 1
+        assert index < self.sublayers, f"sublayer {index} of a model of {self.sublayers}"
         if self.variant == "baseline":
             return PlainResidual()
         if self.variant == "mhc-dynamic":
             return DynamicHyperConnection(self.n, self.n_embd, self.iters, index)
-        return StaticHyperConnection(self.n, self.variant == "mhc", self.iters, index)
+        return StaticHyperConnection(self.mixing.matrices, index)
 
-    def expand(self, x):  # (B, T, C) -> (B, T, n, C)
+    def expand(self, x, ops):  # (B, T, C) -> (B, T, n, C)
+        if self.mixing is not None:
+            self.mixing.compute(ops)
         return x if self.variant == "baseline" else x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
 
     def collapse(self, x):  # (B, T, n, C) -> (B, T, C); the baseline's (a PendingSum) as it is
+        if self.mixing is not None:
+            self.mixing.matrices.clear()
         return x if self.variant == "baseline" else x.mean(-2)
 
 
@@ -186,26 +219,36 @@ class Streams:
 GAINS = ("proxy", "fwd", "bwd")  # the order of composite_gain_tensor's entries
 
 
-def composite_gain_tensor(residuals):
-    """From the residual modules of a model (in depth order), after a forward: the gains of P, the
-    product of every sublayer's H_res (per token for mhc-dynamic), as log10 values, max over tokens,
-    in GAINS order: 'proxy' = max |P_ij| (the published runs' measure), 'fwd' = max absolute row sum
-    (the paper's forward Amax gain), 'bwd' = max absolute column sum (backward). A (3,) float64 tensor
-    on the matrices' device, or None for the baseline. Device ops only: reading nothing back, it can
-    run every training step (inside a CUDA graph too) without a host sync."""
-    mats = [r.last_res for r in residuals if getattr(r, "last_res", None) is not None]
+def residual_maps(model):
+    """Every sublayer's H_res of the model's latest forward, detached, in the order they apply: (n, n) each,
+    (B, T, n, n) for mhc-dynamic; none for the baseline."""
+    if model.streams.mixing is not None:
+        return list(model.streams.mixing.last_res.unbind(0))
+    return [r.last_res for r in residual_modules(model) if getattr(r, "last_res", None) is not None]
+
+
+def composite_gain_tensor(mats):
+    """The gains of P, the product of the matrices mats (residual_maps: every sublayer's H_res, static or per
+    token), as log10 values, max over tokens, in GAINS order: 'proxy' = max |P_ij| (the published runs'
+    measure), 'fwd' = max absolute row sum (the paper's forward Amax gain), 'bwd' = max absolute column sum
+    (backward). A (3,) float64 tensor on the matrices' device, or None for no matrices (the baseline). Device
+    ops only: reading nothing back, it can run every training step (inside a CUDA graph too) without a host
+    sync."""
     if not mats:
         return None
-    p = mats[0].double()  # float64: HC's product can pass float32's range long before it is inf
-    for h in mats[1:]:
-        p = h.double() @ p  # broadcasts a static (n, n) against per-token (B, T, n, n)
+    # float64: HC's product can pass float32's range long before it is inf. Multiplied as a tree, each level one
+    # batched matmul of neighbours (later @ earlier), so log2(L) launches instead of L - 1.
+    p = torch.stack(torch.broadcast_tensors(*mats)).double()  # (L, [B, T,] n, n), H_res[0] first
+    while p.shape[0] > 1:
+        even = p.shape[0] // 2 * 2
+        p = torch.cat([p[1:even:2] @ p[0:even:2], p[even:]])  # an odd one out, the latest, stays last
     a = p.abs()
     return torch.stack([a.amax(), a.sum(-1).amax(), a.sum(-2).amax()]).log10()
 
 
-def composite_gains(residuals):
+def composite_gains(mats):
     """composite_gain_tensor read back as {'proxy': float, 'fwd': float, 'bwd': float}, or None."""
-    g = composite_gain_tensor(residuals)
+    g = composite_gain_tensor(mats)
     return None if g is None else dict(zip(GAINS, g.tolist()))
 
 
@@ -296,7 +339,7 @@ def sweep_step(train_step, model, opt, x, y):
     loss = train_step(model, opt, x, y)  # the update leaves the gradients in .grad
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])  # all of them, flat
     nonfinite = (~torch.isfinite(loss)).sum() + (~torch.isfinite(grads)).sum()
-    gains = composite_gain_tensor(residual_modules(model))  # (3,)
+    gains = composite_gain_tensor(residual_maps(model))  # (3,)
     if gains is None:
         gains = torch.full((len(GAINS),), math.nan, dtype=torch.float64, device=loss.device)
     head = torch.stack([loss.double(), torch.linalg.vector_norm(grads, dtype=torch.float64)])  # float64: no overflow

@@ -1696,26 +1696,22 @@ def data_increment_batch():
     return f"({B}, {T}) rows (s, s+1, ...) mod {V}, seeded"
 
 
-def _fake_residuals(*mats):
-    return [types.SimpleNamespace(last_res=m) for m in mats]
-
-
 def mhc_composite_gains_known():
     eye = torch.eye(4)
-    g = mhc.composite_gains(_fake_residuals(eye, eye, eye))
+    g = mhc.composite_gains([eye, eye, eye])
     assert all(abs(v) < 1e-12 for v in g.values()), f"identity: {g}"
     # P = H1 @ H0 = [[1, 2], [3, 7]] (H0 applies first): max entry 7, row sums 3 and 10, column sums 4 and 9
     h0, h1 = torch.tensor([[1.0, 2.0], [0.0, 1.0]]), torch.tensor([[1.0, 0.0], [3.0, 1.0]])
-    g = mhc.composite_gains(_fake_residuals(h0, h1))
+    g = mhc.composite_gains([h0, h1])
     want = {"proxy": math.log10(7), "fwd": 1.0, "bwd": math.log10(9)}
     assert all(abs(g[k] - want[k]) < 1e-12 for k in want), f"2x2 product: {g}, expected {want}"
     # absolute values, and per token (B, T, n, n) against a static (n, n): the max over tokens
     tok = eye.expand(2, 3, 4, 4).clone()
     tok[1, 2] = torch.diag(torch.tensor([-5.0, 1.0, 1.0, 1.0]))
-    g = mhc.composite_gains(_fake_residuals(2 * eye, tok))
+    g = mhc.composite_gains([2 * eye, tok])
     assert all(abs(g[k] - 1.0) < 1e-12 for k in g), f"per token: {g}, expected log10(10) = 1"
-    assert mhc.composite_gains([mhc.PlainResidual()]) is None, "baseline has no gains"
-    t = mhc.composite_gain_tensor(_fake_residuals(h0, h1))
+    assert mhc.composite_gains([]) is None, "baseline has no gains"
+    t = mhc.composite_gain_tensor([h0, h1])
     assert t.shape == (3,) and t.dtype == torch.float64, f"{t.shape} {t.dtype}"
     return "identity 0, [[1,2],[3,7]] -> proxy log10 7, fwd 1, bwd log10 9; per-token max"
 
@@ -1738,12 +1734,12 @@ def mhc_doubly_stochastic_after_step():
             train.train_step(model, opt, *data.increment_batch(4, 16, g))
         with torch.no_grad():
             model(*data.increment_batch(4, 16, g))  # H_res of the updated weights
-        h = torch.stack([r.last_res for r in mhc.residual_modules(model)]).double()  # (2L, [B, T,] 4, 4)
+        h = torch.stack(mhc.residual_maps(model)).double()  # (2L, [B, T,] 4, 4)
         assert (h >= 0).all(), f"{variant}: negative entry"
         check(f"{variant}_rows", h.sum(-1), torch.ones_like(h.sum(-1)), 1e-6)
         check(f"{variant}_cols", h.sum(-2), torch.ones_like(h.sum(-2)), 1e-4)
         if variant == "mhc":
-            moved = (mhc.residual_modules(model)[1].res_logits - (2 * torch.eye(4) - 1)).abs().max().item()
+            moved = (model.streams.mixing.res_logits[1] - (2 * torch.eye(4) - 1)).abs().max().item()
             assert moved > 1e-2, f"H_res logits moved only {moved:.1e}: nothing was tested"
 
 
@@ -1757,9 +1753,9 @@ def train_variants_few_steps():
         if variant != "baseline":
             # The streams start as copies of the embedding; unless the sublayers read them differently, the
             # first gradient of the mixing is rounding noise (~1e-11) and the streams stay alike.
-            res = mhc.residual_modules(model)[0]
-            mix = res.post_logits if variant != "mhc-dynamic" else res.bias
-            assert mix.grad.abs().max() > 1e-8, f"{variant}: first mixing gradient {mix.grad.abs().max():.1e}"
+            mix = (mhc.residual_modules(model)[0].bias.grad if variant == "mhc-dynamic"
+                   else model.streams.mixing.post_logits.grad[0])  # the first sublayer's
+            assert mix.abs().max() > 1e-8, f"{variant}: first mixing gradient {mix.abs().max():.1e}"
         losses[variant] += [train.train_step(model, opt, *data.increment_batch(4, 16, g)).item() for _ in range(2)]
         assert all(math.isfinite(v) for v in losses[variant]), f"{variant}: {losses[variant]}"
     return " ".join(f"{v} {ls[-1]:.3f}" for v, ls in losses.items())
@@ -2940,6 +2936,25 @@ for _lead in ((1,), (24,), (4096,), (2, 65), (0,)):
 for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for, with larger logits
     add(f"hc_coeffs/24_n{_n}_x30", t_hc_coeffs, (24,), _n, 30.0)
 add("hc_coeffs/300_n4_x30_iters7", t_hc_coeffs, (300,), 4, 30.0, iters=7)
+def t_hc_project(lead, n, C, x=None):
+    # mhc-dynamic's projection of the flattened streams, RMSNorm(x, w) phi^T, against F.rms_norm and F.linear:
+    # a dot product of length D = nC per output, and dw sums over the tokens, so tolerances as a matmul's
+    K, D = 2 * n + n * n, n * C
+    tol = mm_tol(math.prod(lead), D, K)
+    compare(lambda ops, x, w, phi: ops.hc_project(x, w, phi), tol, tol,
+            x=rand(*lead, D) if x is None else x, w=rand(D), phi=rand(K, D))
+
+
+# every n the kernels are compiled for; odd D takes the scalar path; D past one block's staged columns (n = 8 and
+# C >= 64, C = 768, n = 7 and C = 101) is summed over column ranges
+for _n in range(1, 9):
+    add(f"hc_project/5_n{_n}_C3", t_hc_project, (5,), _n, 3)
+for _lead, _n, _C in (((1,), 4, 256), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
+                      ((7,), 2, 1), ((12,), 4, 768), ((3,), 8, 2048), ((0,), 4, 8), ((130,), 4, 257),
+                      ((33,), 7, 101)):
+    add(f"hc_project/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_project, _lead, _n, _C)
+add("hc_project/9_n4_C64_misaligned", lambda: t_hc_project((9,), 4, 64, x=misaligned(9, 256)))
+
 add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
 add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
 
@@ -3484,6 +3499,10 @@ def opcheck_cases(dt):
         cases += [("sinkhorn", k.sinkhorn, (_leaf(3, 5, 4, 4),), {"iters": 7}),
                   ("sinkhorn_backward", k.sinkhorn_backward, (plain(3, 4, 4), plain(3, 4, 4), 5), {}),
                   ("hc_coeffs", k.hc_coeffs, (_leaf(2, 3, 15), _leaf(3), _leaf(15)), {"iters": 5}),
+                  ("hc_project", k.hc_project, (_leaf(2, 3, 12), _leaf(12), _leaf(8, 12)), {}),
+                  ("hc_project_forward", k.hc_project_forward, (plain(5, 12), plain(12), plain(8, 12), 1e-5), {}),
+                  ("hc_project_backward", k.hc_project_backward, (plain(5, 12), plain(12), plain(8, 12), plain(5, 8),
+                                                                  plain(5).abs(), plain(5, 8)), {}),
                   ("hc_coeffs_backward", k.hc_coeffs_backward, (plain(5, 24), plain(3), plain(24), plain(5, 4),
                                                                 plain(5, 4), plain(5, 4, 4), 3), {}),
                   ("stream_merge", k.stream_merge, (xs, _leaf(4)), {}),
@@ -4035,6 +4054,14 @@ BAD_CASES = [  # name, exception, call, words its message must hold
      ("hc_coeffs", "bias")),
     ("hc_coeffs_cpu", RuntimeError, lambda: kernels.hc_coeffs(torch.randn(4, 24), rand(3), rand(24)),
      ("hc_coeffs", "h")),
+    ("hc_project_K10", ValueError, lambda: kernels.hc_project(rand(4, 12), rand(12), rand(10, 12)), ("hc_project", "phi")),
+    ("hc_project_phi_cols", RuntimeError, lambda: kernels.hc_project(rand(4, 12), rand(12), rand(8, 13)),
+     ("hc_project", "phi")),
+    ("hc_project_weight_size", RuntimeError, lambda: kernels.hc_project(rand(4, 12), rand(11), rand(8, 12)),
+     ("hc_project", "weight")),
+    ("hc_project_cpu", RuntimeError, lambda: kernels.hc_project(torch.randn(4, 12), rand(12), rand(8, 12)),
+     ("hc_project", "x")),
+    ("hc_project_D0", RuntimeError, lambda: kernels.hc_project(rand(4, 0), rand(0), rand(8, 0)), ("hc_project", "x")),
     ("hc_coeffs_iters0", ValueError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(24), iters=0),
      ("hc_coeffs", "iters")),
     ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
@@ -4568,6 +4595,12 @@ def bench_ops(rows):
     bench_op(rows, "hc_coeffs", "4096x24 n=4 iters=20", "fwd+bwd",
              lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, 20), [rand(4096, 24), rand(3), rand(24)], 4096,
              "M tokens/s")
+    # mhc-dynamic's projection at the sweep's shape (4096 tokens, 4 streams of 256) and 768 wide: PyTorch's
+    # RMSNorm and linear against one kernel each way. The bytes the pair must move: x read forward, x read and dx
+    # written backward
+    for M, D in ((4096, 4 * 256), (4096, 4 * 768)):
+        bench_op(rows, "hc_project", f"{M}x{D} n=4", "fwd+bwd", lambda ops, x, w, phi: ops.hc_project(x, w, phi),
+                 [rand(M, D), rand(D), rand(24, D)], 12 * M * D, "GB/s")
     # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
     # must move: merge fwd reads x, writes out; its bwd reads dout and x, writes dx. mix fwd reads x
     # and y, writes out; its bwd reads dout, x and y, writes dx and dy. Plus the coefficients: read by

@@ -286,7 +286,7 @@ TORCH_OPS = SimpleNamespace(
     kv_write=torch_kv_write,
     topk=lambda x, k: torch.topk(x, k),
     sinkhorn=mhc.sinkhorn_torch,
-    hc_coeffs=mhc.hc_coeffs_torch,
+    hc_project=mhc.hc_project_torch, hc_coeffs=mhc.hc_coeffs_torch,  # mhc-dynamic's
     stream_merge=mhc.stream_merge_torch,
     stream_mix=mhc.stream_mix_torch,
     check_errors=lambda: None,  # kernels.check_errors raises our bad indices; PyTorch reports its own
@@ -481,7 +481,7 @@ class GPT(nn.Module):
         self.wte = nn.Parameter(torch.empty(vocab_size, n_embd))  # token embedding and output head
         # gpt learns a position embedding; llama rotates q and k instead (tables below)
         self.wpe = nn.Parameter(torch.empty(block_size, n_embd)) if arch == "gpt" else None
-        self.streams = mhc.Streams(residual, n_streams, n_embd)
+        self.streams = mhc.Streams(residual, n_streams, n_embd, sublayers=2 * n_layer)
         mlp = mlp or (lambda: MLP(n_embd, arch))  # the feed-forward seam: inference.py's MoE plugs in here
         self.blocks = nn.ModuleList(Block(n_embd, n_head, n_kv_head, mlp(), self.streams.residual, arch)
                                     for _ in range(n_layer))
@@ -526,7 +526,7 @@ class GPT(nn.Module):
             x = x + ops.embedding(positions, self.wpe)  # + (T, C)
         else:
             rope = self.rope_cos[positions], self.rope_sin[positions]  # (T, hs/2) each
-        x = self.streams.expand(x)  # (B, T, n, C) with n residual streams, else unchanged
+        x = self.streams.expand(x, ops)  # (B, T, n, C) with n residual streams, else unchanged
         for layer, block in enumerate(self.blocks):
             x = block(x, ops, cache, layer, rope)
         x = self.streams.collapse(x)  # (B, T, C), or the baseline's PendingSum: ln_f does the last add
