@@ -68,7 +68,8 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
 void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
                     int D, float eps, cudaStream_t s);
 void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
-                    const float* dh, float* dx, float* dw, float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
+                    const float* dh, const float* pre, const float* dmerged, float* dx, float* dw, float* dphi,
+                    float* ws, int M, int n, int D, cudaStream_t s);
 void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
                       cudaStream_t s);
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
@@ -1158,8 +1159,8 @@ std::tuple<Tensor, Tensor, Tensor> hc_project_backward_cuda(const Tensor& x_in, 
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
   Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
   hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
-                 rstd.data_ptr<float>(), dh.data_ptr<float>(), dx.data_ptr<float>(), dweight.data_ptr<float>(),
-                 dphi.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)D, stream());
+                 rstd.data_ptr<float>(), dh.data_ptr<float>(), nullptr, nullptr, dx.data_ptr<float>(),
+                 dweight.data_ptr<float>(), dphi.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)D, stream());
   return {dx, dweight, dphi};
 }
 
@@ -1412,6 +1413,133 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   def_half(m, "stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) "
            "-> (Tensor, Tensor, Tensor, Tensor)");
   cuda_meta(m, "stream_mix_backward", stream_mix_backward_cuda, stream_mix_backward_meta);
+}
+
+// ---- mhc-dynamic's pre-sublayer step -------------------------------------------------------------
+// hc_pre(x, weight, phi, alpha, bias) = (stream_merge(x, pre), post, res) with (pre, post, res) =
+// hc_coeffs(hc_project(x flattened, weight, phi), alpha, bias): the three ops in a row, one op so that its
+// backward reads x once for both uses of it (the projection's and the merge's: hc_project_bwd adds the merge's
+// share of dx in its pass), where the three ops would leave autograd two dx to add.
+
+// Checks the arguments; returns n.
+static int64_t check_hc_pre(const Tensor& x, const Tensor& weight, const Tensor& phi) {
+  const char* op = "hc_pre";
+  check_streams(op, x);
+  const int64_t n = x.size(-2);
+  REQUIRE(phi.dim() == 2 && phi.size(0) == 2 * n + n * n, op, ": phi must have 2n + n^2 = ", 2 * n + n * n,
+          " rows for x's n = ", n, " streams, got shape ", phi.sizes());
+  return n;
+}
+
+// (merged, post, res, and for the backward h, rstd, pre)
+std::vector<Tensor> hc_pre_forward_cuda(const Tensor& x_in, const Tensor& weight, const Tensor& phi,
+                                        const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
+  const int64_t n = check_hc_pre(x_in, weight, phi);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous();
+  const int64_t C = x.size(-1);
+  const auto [h, rstd] = hc_project_forward_cuda(x.flatten(-2), weight, phi, eps);
+  const auto [pre, post, res] = hc_coeffs_cuda(h, alpha, bias, iters);
+  Tensor merged = at::empty(with_dims(x.select(-2, 0), {C}), x.options());
+  stream_merge_fwd(x.data_ptr<float>(), pre.data_ptr<float>(), merged.data_ptr<float>(),
+                   to_int("hc_pre", x.numel() / std::max<int64_t>(n * C, 1), "number of tokens"), (int)n,
+                   to_int("hc_pre", C, "C"), true, stream());
+  return {merged, post, res, h, rstd, pre};
+}
+
+std::vector<Tensor> hc_pre_forward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
+                                        const Tensor& bias, int64_t iters, double eps) {
+  const int64_t n = check_hc_pre(x, weight, phi);
+  const auto [h, rstd] = hc_project_forward_meta(x.flatten(-2), weight, phi, eps);
+  const auto [pre, post, res] = hc_coeffs_meta(h, alpha, bias, iters);
+  return {at::empty(with_dims(x.select(-2, 0), {x.size(-1)}), x.options()), post, res, h, rstd, pre};
+}
+
+// (dx, dweight, dphi, dalpha, dbias); an undefined gradient (an output nobody used) counts as zeros.
+std::vector<Tensor> hc_pre_backward_cuda(const Tensor& x_in, const Tensor& weight_in, const Tensor& phi_in,
+                                         const Tensor& alpha, const Tensor& bias, const Tensor& h, const Tensor& rstd,
+                                         const Tensor& pre, const std::optional<Tensor>& dmerged_in,
+                                         const std::optional<Tensor>& dpost, const std::optional<Tensor>& dres,
+                                         int64_t iters) {
+  const int64_t n = check_hc_pre(x_in, weight_in, phi_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), phi = phi_in.contiguous();
+  const int64_t C = x.size(-1), D = n * C;
+  const int M = (int)(x.numel() / std::max<int64_t>(D, 1));
+  const bool merged_used = dmerged_in.has_value() && dmerged_in->defined();
+  const Tensor dmerged = merged_used ? dmerged_in->contiguous() : Tensor();
+  Tensor dpre = at::zeros_like(pre);
+  if (merged_used && M > 0)  // the merge's coefficient gradient only; its dx comes with the projection's below
+    stream_merge_bwd(x.data_ptr<float>(), pre.data_ptr<float>(), dmerged.data_ptr<float>(), nullptr,
+                     dpre.data_ptr<float>(), nullptr, nullptr, M, (int)n, (int)C, true, stream());
+  const auto [dh, dalpha, dbias] = hc_coeffs_backward_cuda(h, alpha, bias, dpre, dpost, dres, iters);
+  Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
+  Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
+  hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+                 rstd.data_ptr<float>(), dh.data_ptr<float>(), merged_used ? pre.data_ptr<float>() : nullptr,
+                 fptr(dmerged), dx.data_ptr<float>(), dweight.data_ptr<float>(), dphi.data_ptr<float>(), ws_ptr(ws), M,
+                 (int)n, (int)D, stream());
+  return {dx, dweight, dphi, dalpha, dbias};
+}
+
+std::vector<Tensor> hc_pre_backward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
+                                         const Tensor& bias, const Tensor&, const Tensor&, const Tensor&,
+                                         const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                         const std::optional<Tensor>&, int64_t) {
+  return {empty_like_contiguous(x), empty_like_contiguous(weight), empty_like_contiguous(phi),
+          empty_like_contiguous(alpha), empty_like_contiguous(bias)};
+}
+
+struct HcPreFn : torch::autograd::Function<HcPreFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& phi,
+                               const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined: read as zeros
+    const auto r = KERNELS_OP("hc_pre_forward", hc_pre_forward_cuda).call(x, weight, phi, alpha, bias, iters, eps);
+    ctx->save_for_backward({x, weight, phi, alpha, bias, r[3], r[4], r[5]});
+    ctx->saved_data["iters"] = iters;
+    return {r[0], r[1], r[2]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto given = [](const Tensor& g) { return g.defined() ? std::optional<Tensor>(g) : std::nullopt; };
+    const auto r = KERNELS_OP("hc_pre_backward", hc_pre_backward_cuda)
+        .call(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], given(grads[0]), given(grads[1]), given(grads[2]),
+              ctx->saved_data["iters"].toInt());
+    return {r[0], r[1], r[2], r[3], r[4], Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> hc_pre_impl(const Tensor& x, const Tensor& weight, const Tensor& phi,
+                                               const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
+  const auto r = KERNELS_OP("hc_pre_forward", hc_pre_forward_cuda).call(x, weight, phi, alpha, bias, iters, eps);
+  return {r[0], r[1], r[2]};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_pre_autograd(const Tensor& x, const Tensor& weight, const Tensor& phi,
+                                                   const Tensor& alpha, const Tensor& bias, int64_t iters,
+                                                   double eps) {
+  if (!wants_grad(x, weight, phi, alpha, bias)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return hc_pre_impl(x, weight, phi, alpha, bias, iters, eps);
+  }
+  const auto r = HcPreFn::apply(x, weight, phi, alpha, bias, iters, eps);
+  return {r[0], r[1], r[2]};
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // mhc-dynamic's step before a sublayer (float32, n <= 8 streams): the merged stream and H_post, H_res.
+  def_op(m, "hc_pre(Tensor x, Tensor weight, Tensor phi, Tensor alpha, Tensor bias, int iters=20, float eps=1e-05) "
+         "-> (Tensor, Tensor, Tensor)");
+  composite(m, "hc_pre", hc_pre_impl);
+  autograd(m, "hc_pre", hc_pre_autograd);
+  def_half(m, "hc_pre_forward(Tensor x, Tensor weight, Tensor phi, Tensor alpha, Tensor bias, int iters, float eps) "
+           "-> Tensor[]");
+  cuda_meta(m, "hc_pre_forward", hc_pre_forward_cuda, hc_pre_forward_meta, CPU_ERRORS);
+  def_half(m, "hc_pre_backward(Tensor x, Tensor weight, Tensor phi, Tensor alpha, Tensor bias, Tensor h, "
+           "Tensor rstd, Tensor pre, Tensor? dmerged, Tensor? dpost, Tensor? dres, int iters) -> Tensor[]");
+  cuda_meta(m, "hc_pre_backward", hc_pre_backward_cuda, hc_pre_backward_meta);
 }
 
 // ---- softmax ----------------------------------------------------------------------------------

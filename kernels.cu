@@ -3751,7 +3751,7 @@ constexpr int HP_TOKENS = 32, HP_SPLIT = 2;  // forward: a block's tokens (16 a 
 constexpr int HP_STAGE_FLOATS = 25000;       // forward: floats of w * phi a block stages at most (~98 KB)
 constexpr int HP_UNROLL = 8;                 // forward: steps of 16 columns whose loads are issued together
 constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (1 or 2 columns each) and tokens
-constexpr int HPB_UNROLL = 16;                   // backward: tokens whose loads are issued together
+constexpr int HPB_UNROLL = 8;                    // backward: tokens whose loads are issued together
 
 template <int VEC>
 __device__ __forceinline__ void hp_load(const float* row, int u, float (&v)[VEC]) {
@@ -3925,14 +3925,19 @@ __global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int 
 
 // part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes CV
 // adjacent columns (2 where the K sums of both fit in registers and x allows 8-byte loads).
+// Given pre (M, n) and dmerged (M, C), C = D / n: dx also gets the merge's pre[m, i] dmerged[m, c] (d = iC + c).
 template <int N, int CV>
 __global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x, const float* w, const float* phi,
-    const float* h, const float* rstd, const float* dh, float* dx, float* part, int M, int D) {
+    const float* h, const float* rstd, const float* dh, const float* pre, const float* dmerged, float* dx, float* part,
+    int M, int D) {
   constexpr int K = hc_coeff_count(N), K4 = (K + 3) / 4 * 4;  // g's rows padded for 16-byte loads
   __shared__ __align__(16) float g_s[HPB_TOKENS][K4];
   __shared__ float r_s[HPB_TOKENS], q_s[HPB_TOKENS];  // rstd and rstd^2 c / D
+  __shared__ float pre_s[HPB_TOKENS][N];
   const int d0 = (blockIdx.x * HPB_COLS + threadIdx.x) * CV, m0 = blockIdx.y * HPB_TOKENS;
-  const int count = min(HPB_TOKENS, M - m0);
+  const int count = min(HPB_TOKENS, M - m0), C = pre ? D / N : 1;  // C: the merge's stream width
+  if (pre)
+    for (int i = threadIdx.x; i < count * N; i += HPB_COLS) pre_s[i / N][i % N] = pre[(int64_t)m0 * N + i];
   for (int i = threadIdx.x; i < HPB_TOKENS * K4; i += HPB_COLS) {
     const int t = i / K4, k = i % K4;
     g_s[t][k] = t < count && k < K ? dh[(int64_t)(m0 + t) * K + k] : 0.f;
@@ -3955,11 +3960,19 @@ __global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x
 #pragma unroll
     for (int k = 0; k < K; ++k) p[c][k] = __ldg(phi + (int64_t)k * D + d0 + c);
   }
+  int stream[CV], col[CV];  // the merge's (i, c) of each column
+#pragma unroll
+  for (int c = 0; c < CV; ++c) stream[c] = (d0 + c) / C, col[c] = (d0 + c) % C;
   for (int t0 = 0; t0 < count; t0 += HPB_UNROLL) {
-    float xv[HPB_UNROLL][CV];  // HPB_UNROLL tokens' loads in flight before any math
+    float xv[HPB_UNROLL][CV], mv[HPB_UNROLL][CV] = {};  // HPB_UNROLL tokens' loads in flight before any math
 #pragma unroll
     for (int i = 0; i < HPB_UNROLL; ++i)
-      if (t0 + i < count) hp_load<CV>(x + (int64_t)(m0 + t0 + i) * D + d0, 0, xv[i]);
+      if (t0 + i < count) {
+        hp_load<CV>(x + (int64_t)(m0 + t0 + i) * D + d0, 0, xv[i]);
+        if (pre)
+#pragma unroll
+          for (int c = 0; c < CV; ++c) mv[i][c] = __ldg(dmerged + (int64_t)(m0 + t0 + i) * C + col[c]);
+      }
 #pragma unroll
     for (int i = 0; i < HPB_UNROLL; ++i) {
       const int t = t0 + i;
@@ -3985,6 +3998,7 @@ __global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x
       for (int c = 0; c < CV; ++c) {
         s[c] = (s4[c][0] + s4[c][1]) + (s4[c][2] + s4[c][3]);
         out[c] = r * wd[c] * s[c] - xv[i][c] * q_s[t];
+        if (pre) out[c] = fmaf(pre_s[t][stream[c]], mv[i][c], out[c]);
         ew[c] = fmaf(xv[i][c] * r, s[c], ew[c]);
       }
       float* dst = dx + (int64_t)(m0 + t) * D + d0;
@@ -4038,11 +4052,11 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
   }
 #define HP_BWD_LAUNCH(N)                                                                                \
   {                                                                                                     \
-    constexpr int CV = hc_coeff_count(N) <= 35 ? 2 : 1; /* n > 5: one column, room for the K sums */   \
+    constexpr int CV = hc_coeff_count(N) <= 24 ? 2 : 1; /* n > 4: one column, room for the K sums */   \
     if (pairs) hc_project_bwd_kernel<N, CV><<<dim3(ceil_div(D, CV * HPB_COLS), runs), HPB_COLS, 0, s>>>( \
-        x, w, phi, h, rstd, dh, dx, ws, M, D);                                                          \
+        x, w, phi, h, rstd, dh, pre, dmerged, dx, ws, M, D);                                            \
     else hc_project_bwd_kernel<N, 1><<<dim3(ceil_div(D, HPB_COLS), runs), HPB_COLS, 0, s>>>(           \
-        x, w, phi, h, rstd, dh, dx, ws, M, D);                                                          \
+        x, w, phi, h, rstd, dh, pre, dmerged, dx, ws, M, D);                                            \
   }
 #define HP_DISPATCH(LAUNCH) \
   switch (n) {              \
@@ -4075,9 +4089,11 @@ void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, 
 }
 
 // dh (M, K) -> dx (M, D), dw (D), dphi (K, D), from the forward's h and rstd; ws:
-// hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros.
+// hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros. Given pre (M, n) and dmerged (M, D / n),
+// dx also gets the gradient of stream_merge(x, pre) (hc_pre's backward: x read once, no add of two dx).
 void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
-                    const float* dh, float* dx, float* dw, float* dphi, float* ws, int M, int n, int D, cudaStream_t s) {
+                    const float* dh, const float* pre, const float* dmerged, float* dx, float* dw, float* dphi,
+                    float* ws, int M, int n, int D, cudaStream_t s) {
   sinkhorn_check_args("hc_project_bwd", n, 1);
   const int K = hc_coeff_count(n), runs = hc_project_runs(M);
   if (runs > 65535) throw std::runtime_error("hc_project_bwd: more than 65535 * 64 tokens");
@@ -4217,7 +4233,7 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(St
   const int units = a.C / VEC;
   const float* x = a.x + (int64_t)m * N * a.C;
   const float* g = a.dout + (int64_t)m * a.C;
-  float* dx = a.dx + (int64_t)m * N * a.C;
+  float* dx = a.dx ? a.dx + (int64_t)m * N * a.C : nullptr;  // none: hc_pre adds h[i] dout in its own pass
   float h[N], acc[N] = {};
   stream_coefs<N>(a.h + m * a.h_stride, h);
   for (int u = lane; u < units; u += 32) {
@@ -4233,7 +4249,7 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(St
         d[k] = h[i] * gv[k];
         acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
       }
-      stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
+      if (dx) stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
     }
   }
 #pragma unroll
@@ -4353,6 +4369,7 @@ void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, 
 
 // dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the
 // workspaces ws (M * n floats) and part (colsum_chunks(M, n) * n floats). Zeros where C or M is 0.
+// dx = nullptr (per token only) leaves dx to the caller: hc_pre adds it in hc_project_bwd's pass.
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
                       float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
   stream_check_n("stream_merge_bwd", n);

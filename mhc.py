@@ -57,6 +57,14 @@ def hc_project_torch(x, weight, phi, eps=1e-5):
     return F.linear(F.rms_norm(x, x.shape[-1:], weight, eps), phi)
 
 
+def hc_pre_torch(x, weight, phi, alpha, bias, iters=20, eps=1e-5):
+    """The PyTorch twin of kernels.hc_pre: mhc-dynamic's step before a sublayer, from the streams x (..., n, C):
+    the coefficients of the projections of each token's flattened streams, hc_coeffs(hc_project(x)), and the
+    streams merged by H_pre: (merged (..., C), H_post (..., n), H_res (..., n, n))."""
+    h_pre, h_post, h_res = hc_coeffs_torch(hc_project_torch(x.flatten(-2), weight, phi, eps), alpha, bias, iters)
+    return stream_merge_torch(x, h_pre), h_post, h_res
+
+
 def stream_merge_torch(x, h):
     """The PyTorch twin of kernels.stream_merge: x (..., n, C) merged into one stream (..., C),
     out[..., c] = sum_i h[i] x[..., i, c]. h is (n,), the same for every token, or (..., n), one set
@@ -168,11 +176,11 @@ class DynamicHyperConnection(nn.Module):
         self.last_res = None
 
     def forward(self, x, norm, f, ops):  # x (B, T, n, C)
-        B, T, n, C = x.shape
-        h = ops.hc_project(x.reshape(B, T, n * C), self.norm_w, self.phi_w)  # RMSNorm, then phi: (B, T, 2n + n^2)
-        h_pre, h_post, h_res = ops.hc_coeffs(h, self.alpha, self.bias, self.iters)  # (B, T, n), (B, T, n), (B, T, n, n)
+        # H_pre x (B, T, C), H_post (B, T, n), H_res (B, T, n, n): the RMSNorm and phi of hc_project, the
+        # coefficients of hc_coeffs and the merge in one op (hc_pre), whose backward reads x once for both uses
+        merged, h_post, h_res = ops.hc_pre(x, self.norm_w, self.phi_w, self.alpha, self.bias, self.iters)
         self.last_res = h_res.detach()
-        y = f(norm(ops.stream_merge(x, h_pre))[1])  # (B, T, C)
+        y = f(norm(merged)[1])  # (B, T, C)
         return ops.stream_mix(x, h_res, h_post, y)  # (B, T, n, C)
 
 

@@ -2955,6 +2955,24 @@ for _lead, _n, _C in (((1,), 4, 256), ((24,), 4, 256), ((4096,), 4, 256), ((2, 6
     add(f"hc_project/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_project, _lead, _n, _C)
 add("hc_project/9_n4_C64_misaligned", lambda: t_hc_project((9,), 4, 64, x=misaligned(9, 256)))
 
+
+def t_hc_pre(lead, n, C, used=(True, True, True)):
+    # hc_pre = hc_coeffs(hc_project(x flattened)) and the merge, against the twins in a row: the merged stream and
+    # H_post, H_res, and the gradients of all five inputs. phi / sqrt(D) keeps the projections near 1, so the
+    # logits alpha h + bias are a few units. used: which outputs the loss takes (an unused one's gradient is zeros)
+    K, D, M = 2 * n + n * n, n * C, math.prod(lead)
+    tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
+    chosen = [i for i, u in enumerate(used) if u]
+    compare(lambda ops, x, w, phi, alpha, bias: tuple(ops.hc_pre(x, w, phi, alpha, bias)[i] for i in chosen), tol, tol,
+            x=rand(*lead, n, C), w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
+
+
+for _lead, _n, _C in (((1,), 1, 3), ((5,), 2, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
+                      ((12,), 4, 768), ((33,), 7, 101), ((0,), 4, 8), ((7,), 5, 1)):
+    add(f"hc_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_pre, _lead, _n, _C)
+add("hc_pre/24_n4_C64_merged_unused", t_hc_pre, (24,), 4, 64, used=(False, True, True))
+add("hc_pre/24_n4_C64_only_merged", t_hc_pre, (24,), 4, 64, used=(True, False, False))
+
 add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
 add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
 
@@ -3501,6 +3519,12 @@ def opcheck_cases(dt):
                   ("hc_coeffs", k.hc_coeffs, (_leaf(2, 3, 15), _leaf(3), _leaf(15)), {"iters": 5}),
                   ("hc_project", k.hc_project, (_leaf(2, 3, 12), _leaf(12), _leaf(8, 12)), {}),
                   ("hc_project_forward", k.hc_project_forward, (plain(5, 12), plain(12), plain(8, 12), 1e-5), {}),
+                  ("hc_pre", k.hc_pre, (_leaf(2, 3, 4, 5), _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
+                  ("hc_pre_forward", k.hc_pre_forward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
+                                                        1e-5), {}),
+                  ("hc_pre_backward", k.hc_pre_backward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8),
+                                                          plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 3),
+                                                          plain(5, 2), plain(5, 2, 2), 3), {}),
                   ("hc_project_backward", k.hc_project_backward, (plain(5, 12), plain(12), plain(8, 12), plain(5, 8),
                                                                   plain(5).abs(), plain(5, 8)), {}),
                   ("hc_coeffs_backward", k.hc_coeffs_backward, (plain(5, 24), plain(3), plain(24), plain(5, 4),
@@ -4062,6 +4086,10 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("hc_project_cpu", RuntimeError, lambda: kernels.hc_project(torch.randn(4, 12), rand(12), rand(8, 12)),
      ("hc_project", "x")),
     ("hc_project_D0", RuntimeError, lambda: kernels.hc_project(rand(4, 0), rand(0), rand(8, 0)), ("hc_project", "x")),
+    ("hc_pre_phi_rows", RuntimeError, lambda: kernels.hc_pre(rand(4, 2, 3), rand(6), rand(15, 6), rand(3), rand(15)),
+     ("hc_pre", "phi")),
+    ("hc_pre_x_dims", RuntimeError, lambda: kernels.hc_pre(rand(6), rand(6), rand(8, 6), rand(3), rand(8)),
+     ("hc_pre", "x")),
     ("hc_coeffs_iters0", ValueError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(24), iters=0),
      ("hc_coeffs", "iters")),
     ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
@@ -4598,6 +4626,9 @@ def bench_ops(rows):
     # mhc-dynamic's projection at the sweep's shape (4096 tokens, 4 streams of 256) and 768 wide: PyTorch's
     # RMSNorm and linear against one kernel each way. The bytes the pair must move: x read forward, x read and dx
     # written backward
+    bench_op(rows, "hc_pre", "4096x4x256 iters=20", "fwd+bwd",
+             lambda ops, x, w, phi, a, b: ops.hc_pre(x, w, phi, a, b, 20),
+             [rand(4096, 4, 256), rand(1024), rand(24, 1024, scale=1 / 32), rand(3), rand(24)], 4096, "M tokens/s")
     for M, D in ((4096, 4 * 256), (4096, 4 * 768)):
         bench_op(rows, "hc_project", f"{M}x{D} n=4", "fwd+bwd", lambda ops, x, w, phi: ops.hc_project(x, w, phi),
                  [rand(M, D), rand(D), rand(24, D)], 12 * M * D, "GB/s")

@@ -286,7 +286,7 @@ TORCH_OPS = SimpleNamespace(
     kv_write=torch_kv_write,
     topk=lambda x, k: torch.topk(x, k),
     sinkhorn=mhc.sinkhorn_torch,
-    hc_project=mhc.hc_project_torch, hc_coeffs=mhc.hc_coeffs_torch,  # mhc-dynamic's
+    hc_project=mhc.hc_project_torch, hc_coeffs=mhc.hc_coeffs_torch, hc_pre=mhc.hc_pre_torch,  # mhc-dynamic's
     stream_merge=mhc.stream_merge_torch,
     stream_mix=mhc.stream_mix_torch,
     check_errors=lambda: None,  # kernels.check_errors raises our bad indices; PyTorch reports its own
