@@ -3733,7 +3733,7 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
 // ------------------------------------------------------------------------------------------------
 // mhc-dynamic's projection of the streams, RMSNorm and the narrow matmul in one pass each way (the
 // twin is mhc.hc_project_torch): x (M, D) holds a token's n streams flattened (D = nC), w (D) the norm's
-// weight, phi (K, D) the projection, K = 2n + n^2 outputs (8 to 80). RMSNorm only scales a row, so
+// weight, phi (K, D) the projection, K = 2n + n^2 outputs (3 to 80). RMSNorm only scales a row, so
 //   h[m, k] = rstd[m] sum_d x[m, d] (w[d] phi[k, d]),   rstd[m] = 1 / sqrt(mean_d x[m, d]^2 + eps),
 // and one read of x gives the K dot products and the sum of squares together, where the unfused path
 // reads x, writes the normalized copy and reads it again (three kernels forward, four backward).
@@ -4081,6 +4081,7 @@ int64_t hc_project_fwd_workspace_floats(int M, int n, int D) {
 void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
                     int D, float eps, cudaStream_t s) {
   sinkhorn_check_args("hc_project_fwd", n, 1);
+  require_tensor_cores("hc_project_fwd");
   if (M == 0) return;
   const bool vec4 = D % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(phi);
   const dim3 block(HP_TOKENS / 16 * HP_SPLIT * 32);
