@@ -1468,8 +1468,9 @@ std::vector<Tensor> hc_pre_backward_cuda(const Tensor& x_in, const Tensor& weigh
   const int M = (int)(x.numel() / std::max<int64_t>(D, 1));
   const bool merged_used = dmerged_in.has_value() && dmerged_in->defined();
   const Tensor dmerged = merged_used ? dmerged_in->contiguous() : Tensor();
-  Tensor dpre = at::zeros_like(pre);
-  if (merged_used && M > 0)  // the merge's coefficient gradient only; its dx comes with the projection's below
+  // the merge's coefficient gradient only (its dx comes with the projection's below); zeros if merged was unused
+  Tensor dpre = merged_used && M > 0 ? at::empty_like(pre) : at::zeros_like(pre);
+  if (merged_used && M > 0)
     stream_merge_bwd(x.data_ptr<float>(), pre.data_ptr<float>(), dmerged.data_ptr<float>(), nullptr,
                      dpre.data_ptr<float>(), nullptr, nullptr, M, (int)n, (int)C, true, stream());
   const auto [dh, dalpha, dbias] = hc_coeffs_backward_cuda(h, alpha, bias, dpre, dpost, dres, iters);

@@ -3753,12 +3753,10 @@ constexpr int HP_UNROLL = 8;                 // forward: steps of 16 columns who
 constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (1 or 2 columns each) and tokens
 constexpr int HPB_UNROLL = 8;                    // backward: tokens whose loads are issued together
 
-template <int VEC>
-__device__ __forceinline__ void hp_load(const float* row, int u, float (&v)[VEC]) {
-  if constexpr (VEC == 4) {
-    const float4 t = __ldg(reinterpret_cast<const float4*>(row) + u);
-    v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
-  } else if constexpr (VEC == 2) {
+// The backward's CV (1 or 2) adjacent floats of a row, from column u * CV.
+template <int CV>
+__device__ __forceinline__ void hp_load(const float* row, int u, float (&v)[CV]) {
+  if constexpr (CV == 2) {
     const float2 t = __ldg(reinterpret_cast<const float2*>(row) + u);
     v[0] = t.x; v[1] = t.y;
   } else {
@@ -3773,6 +3771,8 @@ __device__ __forceinline__ void hp_load(const float* row, int u, float (&v)[VEC]
 // t + 4) of one step and of the next, phi's columns read in the same order (the sum over k does not care
 // which columns go together). Where D needs more than one range (wide models, large n), each range's sums
 // and sums of squares go to a workspace and hc_project_finish_kernel adds them up.
+__host__ __device__ constexpr int hp_padded_rows(int n) { return (hc_coeff_count(n) + 7) / 8 * 8; }  // n-tiles of 8
+
 __host__ __device__ constexpr int hp_range_cols(int KP, int D) {  // columns a block takes: all of D if they fit
   const int most = ((HP_STAGE_FLOATS / KP - 16) / 32) * 32, need = (D + 31) / 32 * 32;
   return most < need ? most : need;
@@ -3786,7 +3786,7 @@ __host__ __device__ constexpr int hp_smem_bytes(int KP, int D) {
 
 template <int N>
 struct HpFwd {
-  static constexpr int K = hc_coeff_count(N), KP = (K + 7) / 8 * 8, NT = KP / 8;  // padded rows, n-tiles
+  static constexpr int K = hc_coeff_count(N), KP = hp_padded_rows(N), NT = KP / 8;  // padded rows, n-tiles
   static constexpr int SMEM = hp_smem_bytes(KP, 1 << 30);                          // bytes at most
 };
 
@@ -4072,7 +4072,7 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
 
 // Floats of workspace hc_project_fwd needs: the column ranges' partial sums, where D takes more than one.
 int64_t hc_project_fwd_workspace_floats(int M, int n, int D) {
-  const int KP = (hc_coeff_count(n) + 7) / 8 * 8, ranges = ceil_div(D, hp_range_cols(KP, D));
+  const int KP = hp_padded_rows(n), ranges = ceil_div(D, hp_range_cols(KP, D));
   return ranges > 1 ? (int64_t)ranges * M * (hc_coeff_count(n) + 1) : 0;
 }
 
