@@ -74,11 +74,13 @@ void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, 
                       cudaStream_t s);
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
                       float* part, int M, int n, int C, bool per_token, cudaStream_t s);
-void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const float* y, float* out, int M,
-                    int n, int C, bool per_token, cudaStream_t s);
-void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const float* y, const float* dout,
-                    float* dx, float* dy, float* dh_res, float* dh_post, float* ws, float* part, int M, int n,
-                    int C, bool per_token, cudaStream_t s);
+template <class TY>
+void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                    float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s);
+template <class TY>
+void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                    const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
+                    float* dh_pre, float* ws, float* part, int M, int n, int C, bool per_token, cudaStream_t s);
 int colsum_chunks(int, int);
 template <class TG, class TD>
 void bias_grad(const TG*, float*, TD*, int, int, cudaStream_t);
@@ -1305,16 +1307,20 @@ Tensor stream_merge_autograd(const Tensor& x, const Tensor& h) {
   return autograd_or_below<StreamMergeFn>(KERNELS_OP("stream_merge", stream_merge_cuda), x, h);
 }
 
-// x (..., n, C), h_res (n, n) and h_post (n,) or both per token, y (..., C); returns whether per token.
-static bool check_stream_mix(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
-  const char* op = "stream_mix";
+// x (..., n, C), h_res (n, n) and h_post (n,) or both per token, y (..., C) float32 or bfloat16 (the sublayer's
+// output), and for stream_mix_merge h_pre like h_post; returns whether the coefficients are per token.
+static bool check_stream_mix(const char* op, const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                             const Tensor& y, const Tensor* h_pre = nullptr) {
   std::vector<int64_t> y_shape = check_streams(op, x);
   const int64_t n = x.size(-2);
   const bool res_per_token = check_coefs(op, x, h_res, "h_res", {n, n}, "(n, n)");
   const bool post_per_token = check_coefs(op, x, h_post, "h_post", {n}, "(n,)");
   REQUIRE(res_per_token == post_per_token, op, ": h_res and h_post must be both static ((n, n) and (n,)) or ",
           "both per token, got h_res ", h_res.sizes(), " and h_post ", h_post.sizes(), " for x ", x.sizes());
-  check_float_cuda(op, y, "y");
+  if (h_pre)
+    REQUIRE(check_coefs(op, x, *h_pre, "h_pre", {n}, "(n,)") == post_per_token, op, ": h_pre must be ",
+            post_per_token ? "per token" : "static", " like h_post ", h_post.sizes(), ", got ", h_pre->sizes());
+  check_fp_cuda(op, y, "y", y, "y");
   check_same_device(op, x, "x", y, "y");
   to_int(op, count_tokens(y_shape), "number of tokens");
   to_int(op, x.size(-1), "C");
@@ -1324,53 +1330,81 @@ static bool check_stream_mix(const Tensor& x, const Tensor& h_res, const Tensor&
   return res_per_token;
 }
 
-Tensor stream_mix_cuda(const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in, const Tensor& y_in) {
+// The mix, and with h_pre defined the merge of its output (stream_mix_merge's second output; else undefined).
+static std::tuple<Tensor, Tensor> mix_forward(const char* op, const Tensor& x_in, const Tensor& h_res_in,
+                                              const Tensor& h_post_in, const Tensor& y_in, const Tensor& h_pre_in) {
   raise_pending_index_error();
-  const bool per_token = check_stream_mix(x_in, h_res_in, h_post_in, y_in);
+  const bool per_token = check_stream_mix(op, x_in, h_res_in, h_post_in, y_in, h_pre_in.defined() ? &h_pre_in : nullptr);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
-               y = y_in.contiguous();
+               y = y_in.contiguous(), h_pre = h_pre_in.defined() ? h_pre_in.contiguous() : Tensor();
   const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
   Tensor out = at::empty(x.sizes(), x.options());
-  stream_mix_fwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
-                 out.data_ptr<float>(), M, n, C, per_token, stream());
-  return out;
+  Tensor merged = h_pre.defined() ? at::empty(y.sizes(), x.options()) : Tensor();
+  with_type(y.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    stream_mix_fwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
+                      fptr(h_pre), out.data_ptr<float>(), ws_ptr(merged), M, n, C, per_token, stream());
+  });
+  return {out, merged};
 }
 
-Tensor stream_mix_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
-  check_stream_mix(x, h_res, h_post, y);
-  return empty_like_contiguous(x);
-}
-
-// Returns dx, dh_res, dh_post, dy.
-std::tuple<Tensor, Tensor, Tensor, Tensor> stream_mix_backward_cuda(const Tensor& x_in, const Tensor& h_res_in,
-                                                                    const Tensor& h_post_in, const Tensor& y_in,
-                                                                    const Tensor& dout_in) {
+// dx, dh_res, dh_post, dy, and with h_pre defined dh_pre (the merge's dout is dmerged).
+static std::vector<Tensor> mix_backward(const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in,
+                                        const Tensor& y_in, const Tensor& h_pre_in, const Tensor& dout_in,
+                                        const Tensor& dmerged_in) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
                y = y_in.contiguous(), dout = dout_in.contiguous();
+  const bool merge = h_pre_in.defined();
+  const Tensor h_pre = merge ? h_pre_in.contiguous() : Tensor(), dmerged = merge ? dmerged_in.contiguous() : Tensor();
   const bool per_token = h_post.dim() > 1;
-  const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
-  Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res, dh_post, ws, part;
+  const int64_t n = x.size(-2);
+  const int C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
+  Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res, dh_post, dh_pre, ws, part, dcoef;
   if (per_token) {
     dh_res = at::empty_like(h_res);
     dh_post = at::empty_like(h_post);
-  } else {  // per-token sums, then their sum over the tokens, h_res's and h_post's in one row
-    const int64_t K = (int64_t)n * n + n;
-    const Tensor dcoef = at::empty({K}, x.options());
-    // copies, not views of one buffer: a dispatcher op's outputs may not alias each other
+    if (merge) dh_pre = at::empty_like(h_pre);
+  } else {  // per-token sums, then their sum over the tokens, every coefficient's in one row
+    const int64_t K = n * n + (merge ? 2 : 1) * n;
+    dcoef = at::empty({K}, x.options());
     ws = at::empty({M * K}, x.options());
     part = at::empty({colsum_chunks(M, (int)K) * K}, x.options());
-    stream_mix_bwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
-                   dout.data_ptr<float>(), dx.data_ptr<float>(), dy.data_ptr<float>(), dcoef.data_ptr<float>(),
-                   dcoef.data_ptr<float>() + (int64_t)n * n, ws_ptr(ws), ws_ptr(part), M, n, C, false, stream());
-    return {dx, dcoef.narrow(0, 0, (int64_t)n * n).view({n, n}).clone(), dcoef.narrow(0, (int64_t)n * n, n).clone(),
-            dy};
   }
-  stream_mix_bwd(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), y.data_ptr<float>(),
-                 dout.data_ptr<float>(), dx.data_ptr<float>(), dy.data_ptr<float>(), dh_res.data_ptr<float>(),
-                 dh_post.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, true, stream());
-  return {dx, dh_res, dh_post, dy};
+  float* coef = ws_ptr(dcoef);
+  with_type(y.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    stream_mix_bwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
+                      fptr(h_pre), dout.data_ptr<float>(), fptr(dmerged), dx.data_ptr<float>(), ptr<T>(dy),
+                      per_token ? dh_res.data_ptr<float>() : coef, per_token ? dh_post.data_ptr<float>() : coef + n * n,
+                      per_token ? ws_ptr(dh_pre) : (merge ? coef + n * n + n : nullptr), ws_ptr(ws), ws_ptr(part), M,
+                      (int)n, C, per_token, stream());
+  });
+  if (!per_token) {  // copies, not views of one buffer: a dispatcher op's outputs may not alias each other
+    dh_res = dcoef.narrow(0, 0, n * n).view({n, n}).clone();
+    dh_post = dcoef.narrow(0, n * n, n).clone();
+    if (merge) dh_pre = dcoef.narrow(0, n * n + n, n).clone();
+  }
+  std::vector<Tensor> grads{dx, dh_res, dh_post, dy};
+  if (merge) grads.push_back(dh_pre);
+  return grads;
+}
+
+Tensor stream_mix_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  return std::get<0>(mix_forward("stream_mix", x, h_res, h_post, y, Tensor()));
+}
+
+Tensor stream_mix_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post, const Tensor& y) {
+  check_stream_mix("stream_mix", x, h_res, h_post, y);
+  return empty_like_contiguous(x);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> stream_mix_backward_cuda(const Tensor& x, const Tensor& h_res,
+                                                                    const Tensor& h_post, const Tensor& y,
+                                                                    const Tensor& dout) {
+  const auto g = mix_backward(x, h_res, h_post, y, Tensor(), dout, Tensor());
+  return {g[0], g[1], g[2], g[3]};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> stream_mix_backward_meta(const Tensor& x, const Tensor& h_res,
@@ -1400,8 +1434,60 @@ Tensor stream_mix_autograd(const Tensor& x, const Tensor& h_res, const Tensor& h
   return autograd_or_below<StreamMixFn>(KERNELS_OP("stream_mix", stream_mix_cuda), x, h_res, h_post, y);
 }
 
+// stream_mix_merge: the mix, and the next sublayer's merged input from the same pass (the static variants'
+// residual step: each stream tensor then has one consumer, and no gradients of it are added by autograd).
+std::tuple<Tensor, Tensor> stream_mix_merge_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                                 const Tensor& y, const Tensor& h_pre) {
+  REQUIRE(h_pre.defined(), "stream_mix_merge: h_pre must be a tensor, got None");
+  return mix_forward("stream_mix_merge", x, h_res, h_post, y, h_pre);
+}
+
+std::tuple<Tensor, Tensor> stream_mix_merge_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                                 const Tensor& y, const Tensor& h_pre) {
+  check_stream_mix("stream_mix_merge", x, h_res, h_post, y, &h_pre);
+  return {empty_like_contiguous(x), at::empty(y.sizes(), x.options())};
+}
+
+std::vector<Tensor> stream_mix_merge_backward_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                                   const Tensor& y, const Tensor& h_pre, const Tensor& dout,
+                                                   const Tensor& dmerged) {
+  return mix_backward(x, h_res, h_post, y, h_pre, dout, dmerged);
+}
+
+std::vector<Tensor> stream_mix_merge_backward_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                                   const Tensor& y, const Tensor& h_pre, const Tensor&,
+                                                   const Tensor&) {
+  return {empty_like_contiguous(x), empty_like_contiguous(h_res), empty_like_contiguous(h_post),
+          empty_like_contiguous(y), empty_like_contiguous(h_pre)};
+}
+
+struct StreamMixMergeFn : torch::autograd::Function<StreamMixMergeFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                               const Tensor& y, const Tensor& h_pre) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({x, h_res, h_post, y, h_pre});
+    const auto [out, merged] = KERNELS_OP("stream_mix_merge", stream_mix_merge_cuda).call(x, h_res, h_post, y, h_pre);
+    return {out, merged};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {  // an unused output's: zeros
+    const auto s = ctx->get_saved_variables();
+    return KERNELS_OP("stream_mix_merge_backward", stream_mix_merge_backward_cuda)
+        .call(s[0], s[1], s[2], s[3], s[4], grads[0], grads[1]);
+  }
+};
+
+std::tuple<Tensor, Tensor> stream_mix_merge_autograd(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                                     const Tensor& y, const Tensor& h_pre) {
+  if (!wants_grad(x, h_res, h_post, y, h_pre))
+    return call_below_autograd(KERNELS_OP("stream_mix_merge", stream_mix_merge_cuda), x, h_res, h_post, y, h_pre);
+  const auto r = StreamMixMergeFn::apply(x, h_res, h_post, y, h_pre);
+  return {r[0], r[1]};
+}
+
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // Streams x (..., n, C) merged by h (n,) or per token (..., n); mixed by h_res and added to h_post * y.
+  // Streams x (..., n, C) merged by h (n,) or per token (..., n); mixed by h_res and added to h_post * y,
+  // y float32 or bfloat16; and mixed, then merged by the next sublayer's h_pre.
   def_op(m, "stream_merge(Tensor x, Tensor h) -> Tensor");
   cuda_meta(m, "stream_merge", stream_merge_cuda, stream_merge_meta, CPU_ERRORS);
   autograd(m, "stream_merge", stream_merge_autograd);
@@ -1413,6 +1499,12 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   def_half(m, "stream_mix_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor dout) "
            "-> (Tensor, Tensor, Tensor, Tensor)");
   cuda_meta(m, "stream_mix_backward", stream_mix_backward_cuda, stream_mix_backward_meta);
+  def_op(m, "stream_mix_merge(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor h_pre) -> (Tensor, Tensor)");
+  cuda_meta(m, "stream_mix_merge", stream_mix_merge_cuda, stream_mix_merge_meta, CPU_ERRORS);
+  autograd(m, "stream_mix_merge", stream_mix_merge_autograd);
+  def_half(m, "stream_mix_merge_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor h_pre, "
+           "Tensor dout, Tensor dmerged) -> Tensor[]");
+  cuda_meta(m, "stream_mix_merge_backward", stream_mix_merge_backward_cuda, stream_mix_merge_backward_meta);
 }
 
 // ---- mhc-dynamic's pre-sublayer step -------------------------------------------------------------

@@ -4136,41 +4136,67 @@ constexpr int STREAM_MAX_N = 8;
 constexpr int STREAM_TOKENS = 4;  // tokens (warps) per block
 
 // What a stream kernel reads and writes (unused pointers stay nullptr). Strides: floats per token.
+// y and dy are the sublayer output's dtype (TY: fp32, or bf16 under --dtype=bf16), the streams fp32.
 struct StreamArgs {
   const float* x;       // (M, n, C)
   const float* h;       // merge: h; mix: h_res
   const float* h_post;  // mix
-  const float* y;       // mix: (M, C)
+  const float* h_pre;   // mix_merge: the next sublayer's merge coefficients
+  const void* y;        // mix: (M, C)
   const float* dout;    // backward: merge (M, C), mix (M, n, C)
+  const float* dmerged; // mix_merge backward: (M, C)
   float* out;           // forward
+  float* merged;        // mix_merge forward: (M, C)
   float* dx;            // backward, like x
-  float* dy;            // mix backward, like y
+  void* dy;             // mix backward, like y
   float* dh;            // backward: merge's dh or mix's dh_res, token m's at m * dh_stride
   float* dh_post;       // mix backward, token m's at m * dpost_stride
+  float* dh_pre;        // mix_merge backward, token m's at m * dpost_stride
   int64_t h_stride, post_stride, dh_stride, dpost_stride;
   int M, C;
 };
 
-template <int VEC>
-__device__ __forceinline__ void stream_load(const float* row, int u, float (&v)[VEC]) {
-  if constexpr (VEC == 4) {
-    const float4 t = load_stream4(row + 4 * u);
-    v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
-  } else {
-    v[0] = __ldg(row + u);
-  }
+// VEC values of a row of fp32 or bf16 at unit u, as floats, and back (16-byte fp32 or 8-byte bf16 units).
+template <int VEC, class T>
+__device__ __forceinline__ void stream_load(const T* row, int u, float (&v)[VEC]) {
+  if constexpr (VEC == 4 && std::is_same_v<T, float>) unpack16(load_stream4(row + 4 * u), v);
+  else if constexpr (VEC == 4) load4(row + 4 * u, v);
+  else v[0] = to_float(row[u]);
 }
 
-template <int VEC>
-__device__ __forceinline__ void stream_store(float* row, int u, const float (&v)[VEC]) {
-  if constexpr (VEC == 4) reinterpret_cast<float4*>(row)[u] = make_float4(v[0], v[1], v[2], v[3]);
-  else row[u] = v[0];
+template <int VEC, class T>
+__device__ __forceinline__ void stream_store(T* row, int u, const float (&v)[VEC]) {
+  if constexpr (VEC == 4) store4(row + 4 * u, v);
+  else row[u] = from_float<T>(v[0]);
 }
 
 template <int K>
 __device__ __forceinline__ void stream_coefs(const float* p, float (&c)[K]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) c[k] = __ldg(p + k);
+}
+
+// out = sum_i h[i] v[i], in the order stream_merge sums (so a fused merge gives the same bits).
+template <int N, int VEC>
+__device__ __forceinline__ void stream_combine(const float (&h)[N], const float (&v)[N][VEC], float (&out)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    out[k] = h[0] * v[0][k];
+#pragma unroll
+    for (int i = 1; i < N; ++i) out[k] = fmaf(h[i], v[i][k], out[k]);
+  }
+}
+
+// Stream i of the mix, out[i] = sum_j r[i, j] x[j] + p[i] y, for one unit.
+template <int N, int VEC>
+__device__ __forceinline__ void stream_mixed(int i, const float (&r)[N * N], const float (&p)[N],
+                                             const float (&xv)[N][VEC], const float (&yv)[VEC], float (&o)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    o[k] = p[i] * yv[k];
+#pragma unroll
+    for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
+  }
 }
 
 template <int N, int VEC>
@@ -4186,42 +4212,39 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_fwd_kernel(St
     float xv[N][VEC], o[VEC];
 #pragma unroll
     for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      o[k] = h[0] * xv[0][k];
-#pragma unroll
-      for (int i = 1; i < N; ++i) o[k] = fmaf(h[i], xv[i][k], o[k]);
-    }
+    stream_combine<N, VEC>(h, xv, o);
     stream_store<VEC>(out, u, o);
   }
 }
 
-template <int N, int VEC>
+// The mix; with MERGE (stream_mix_merge) also the next sublayer's merged input, sum_i h_pre[i] out[i],
+// from the registers that hold out: the merge's read of the streams is saved.
+template <int N, int VEC, class TY, bool MERGE>
 __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_fwd_kernel(StreamArgs a) {
   const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
   if (m >= a.M) return;
   const int units = a.C / VEC;
   const float* x = a.x + (int64_t)m * N * a.C;
-  const float* y = a.y + (int64_t)m * a.C;
+  const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
   float* out = a.out + (int64_t)m * N * a.C;
-  float r[N * N], p[N];  // h_res row-major, h_post
+  float r[N * N], p[N], q[N];  // h_res row-major, h_post, h_pre
   stream_coefs<N * N>(a.h + m * a.h_stride, r);
   stream_coefs<N>(a.h_post + m * a.post_stride, p);
+  if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
   for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
-    float xv[N][VEC], yv[VEC];
+    float xv[N][VEC], yv[VEC], o[N][VEC];
 #pragma unroll
     for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
     stream_load<VEC>(y, u, yv);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      float o[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        o[k] = p[i] * yv[k];
-#pragma unroll
-        for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
-      }
-      stream_store<VEC>(out + (int64_t)i * a.C, u, o);
+      stream_mixed<N, VEC>(i, r, p, xv, yv, o[i]);
+      stream_store<VEC>(out + (int64_t)i * a.C, u, o[i]);
+    }
+    if constexpr (MERGE) {
+      float mv[VEC];
+      stream_combine<N, VEC>(q, o, mv);
+      stream_store<VEC>(a.merged + (int64_t)m * a.C, u, mv);
     }
   }
 }
@@ -4263,19 +4286,22 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(St
 
 // dx[j] = sum_i h_res[i, j] dout[i]; dy = sum_i h_post[i] dout[i]; for the warp's token
 // dh_res[i, j] = sum_c dout[i, c] x[j, c] and dh_post[i] = sum_c dout[i, c] y[c].
-template <int N, int VEC>
+// With MERGE the gradient reaching out[i] is dout[i] + h_pre[i] dmerged (the add autograd would make,
+// rounded as it would round it), and dh_pre[i] = sum_c dmerged[c] out[i, c] with out recomputed from x and y.
+template <int N, int VEC, class TY, bool MERGE>
 __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(StreamArgs a) {
   const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y, lane = threadIdx.x;
   if (m >= a.M) return;  // the whole warp, as in stream_merge_bwd_kernel
   const int units = a.C / VEC;
   const float* x = a.x + (int64_t)m * N * a.C;
-  const float* y = a.y + (int64_t)m * a.C;
+  const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
   const float* g = a.dout + (int64_t)m * N * a.C;
   float* dx = a.dx + (int64_t)m * N * a.C;
-  float* dy = a.dy + (int64_t)m * a.C;
-  float r[N * N], p[N], acc_r[N * N] = {}, acc_p[N] = {};
+  TY* dy = static_cast<TY*>(a.dy) + (int64_t)m * a.C;
+  float r[N * N], p[N], q[N], acc_r[N * N] = {}, acc_p[N] = {}, acc_q[N] = {};
   stream_coefs<N * N>(a.h + m * a.h_stride, r);
   stream_coefs<N>(a.h_post + m * a.post_stride, p);
+  if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
   for (int u = lane; u < units; u += 32) {
     float gv[N][VEC], xv[N][VEC], yv[VEC];
 #pragma unroll
@@ -4283,6 +4309,20 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(Stre
 #pragma unroll
     for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
     stream_load<VEC>(y, u, yv);
+    if constexpr (MERGE) {
+      float dm[VEC];
+      stream_load<VEC>(a.dmerged + (int64_t)m * a.C, u, dm);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float o[VEC];
+        stream_mixed<N, VEC>(i, r, p, xv, yv, o);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          acc_q[i] = fmaf(dm[k], o[k], acc_q[i]);
+          gv[i][k] = __fadd_rn(gv[i][k], __fmul_rn(q[i], dm[k]));
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       float d[VEC];
@@ -4295,12 +4335,7 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(Stre
       stream_store<VEC>(dx + (int64_t)j * a.C, u, d);
     }
     float d[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      d[k] = p[0] * gv[0][k];
-#pragma unroll
-      for (int i = 1; i < N; ++i) d[k] = fmaf(p[i], gv[i][k], d[k]);
-    }
+    stream_combine<N, VEC>(p, gv, d);
     stream_store<VEC>(dy, u, d);
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -4315,28 +4350,41 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(Stre
   for (int k = 0; k < N * N; ++k) acc_r[k] = warp_sum(acc_r[k]);
 #pragma unroll
   for (int i = 0; i < N; ++i) acc_p[i] = warp_sum(acc_p[i]);
+  if constexpr (MERGE)
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc_q[i] = warp_sum(acc_q[i]);
   if (lane == 0) {
 #pragma unroll
     for (int k = 0; k < N * N; ++k) a.dh[m * a.dh_stride + k] = acc_r[k];
 #pragma unroll
     for (int i = 0; i < N; ++i) a.dh_post[m * a.dpost_stride + i] = acc_p[i];
+    if constexpr (MERGE)
+#pragma unroll
+      for (int i = 0; i < N; ++i) a.dh_pre[m * a.dpost_stride + i] = acc_q[i];
   }
 }
 
-#define STREAM_LAUNCH_VEC(KERNEL, N, vec4, grid, s, args)                                        \
-  if (vec4) KERNEL<N, 4><<<grid, dim3(32, STREAM_TOKENS), 0, s>>>(args);                        \
-  else KERNEL<N, 1><<<grid, dim3(32, STREAM_TOKENS), 0, s>>>(args);
-#define STREAM_LAUNCH(KERNEL, n, vec4, grid, s, args)                                            \
-  switch (n) {                                                                                 \
-    case 1: STREAM_LAUNCH_VEC(KERNEL, 1, vec4, grid, s, args) break;                            \
-    case 2: STREAM_LAUNCH_VEC(KERNEL, 2, vec4, grid, s, args) break;                            \
-    case 3: STREAM_LAUNCH_VEC(KERNEL, 3, vec4, grid, s, args) break;                            \
-    case 4: STREAM_LAUNCH_VEC(KERNEL, 4, vec4, grid, s, args) break;                            \
-    case 5: STREAM_LAUNCH_VEC(KERNEL, 5, vec4, grid, s, args) break;                            \
-    case 6: STREAM_LAUNCH_VEC(KERNEL, 6, vec4, grid, s, args) break;                            \
-    case 7: STREAM_LAUNCH_VEC(KERNEL, 7, vec4, grid, s, args) break;                            \
-    default: STREAM_LAUNCH_VEC(KERNEL, 8, vec4, grid, s, args)                                  \
+// Calls launch(N, VEC) with n (1..STREAM_MAX_N) and VEC (4 when vec4, else 1) as compile-time constants
+// (std::integral_constant), so each stream kernel is instantiated for every stream count and unit width.
+template <class Launch>
+static void stream_dispatch(int n, bool vec4, Launch launch) {
+  auto widths = [&](auto N) {
+    if (vec4) launch(N, std::integral_constant<int, 4>{});
+    else launch(N, std::integral_constant<int, 1>{});
+  };
+  switch (n) {
+    case 1: widths(std::integral_constant<int, 1>{}); break;
+    case 2: widths(std::integral_constant<int, 2>{}); break;
+    case 3: widths(std::integral_constant<int, 3>{}); break;
+    case 4: widths(std::integral_constant<int, 4>{}); break;
+    case 5: widths(std::integral_constant<int, 5>{}); break;
+    case 6: widths(std::integral_constant<int, 6>{}); break;
+    case 7: widths(std::integral_constant<int, 7>{}); break;
+    default: widths(std::integral_constant<int, 8>{});
   }
+}
+
+static const dim3 STREAM_BLOCK(32, STREAM_TOKENS);
 
 static void stream_check_n(const char* what, int n) {
   if (n < 1 || n > STREAM_MAX_N)
@@ -4344,10 +4392,10 @@ static void stream_check_n(const char* what, int n) {
                              ", got n = " + std::to_string(n));
 }
 
-// 16-byte units: C % 4 == 0 and every pointer aligned (nullptr passes).
+// Whole units of 4: C % 4 == 0 and every pointer aligned to 4 of its elements (nullptr passes).
 template <class... P>
 static bool stream_vec4(int C, P... ptrs) {
-  return C % 4 == 0 && (aligned16(ptrs) && ...);
+  return C % 4 == 0 && ((reinterpret_cast<uintptr_t>(ptrs) % (4 * sizeof(*ptrs)) == 0) && ...);
 }
 
 // Forward grid: STREAM_TOKENS tokens per block in x, a token's units over y (32 per block).
@@ -4364,7 +4412,9 @@ void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, 
   a.x = x; a.h = h; a.out = out; a.h_stride = per_token ? n : 0; a.M = M; a.C = C;
   const bool vec4 = stream_vec4(C, x, out);
   const dim3 grid = stream_fwd_grid(M, C, vec4);
-  STREAM_LAUNCH(stream_merge_fwd_kernel, n, vec4, grid, s, a);
+  stream_dispatch(n, vec4, [&](auto N, auto V) {
+    stream_merge_fwd_kernel<decltype(N)::value, decltype(V)::value><<<grid, STREAM_BLOCK, 0, s>>>(a);
+  });
   check_launch("stream_merge_fwd");
 }
 
@@ -4379,53 +4429,80 @@ void stream_merge_bwd(const float* x, const float* h, const float* dout, float* 
     a.x = x; a.h = h; a.dout = dout; a.dx = dx; a.dh = per_token ? dh : ws;
     a.h_stride = per_token ? n : 0; a.dh_stride = n; a.M = M; a.C = C;
     const bool vec4 = stream_vec4(C, x, dout, dx);
-    const dim3 grid(ceil_div(M, STREAM_TOKENS));
-    STREAM_LAUNCH(stream_merge_bwd_kernel, n, vec4, grid, s, a);
+    stream_dispatch(n, vec4, [&](auto N, auto V) {
+      stream_merge_bwd_kernel<decltype(N)::value, decltype(V)::value>
+          <<<ceil_div(M, STREAM_TOKENS), STREAM_BLOCK, 0, s>>>(a);
+    });
     check_launch("stream_merge_bwd");
   }
   if (!per_token) bias_grad(ws, part, dh, M, n, s);
 }
 
-// x (M, n, C), y (M, C) -> out (M, n, C); h_res n * n floats (row-major) and h_post n, or that
-// many per token when per_token. All contiguous.
-void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const float* y, float* out, int M,
-                    int n, int C, bool per_token, cudaStream_t s) {
+// x (M, n, C), y (M, C) -> out (M, n, C); h_res n * n floats (row-major) and h_post n, or that many per
+// token when per_token. With h_pre (n floats, or n per token, like h_post) also merged (M, C), the merge of
+// out by h_pre (stream_mix_merge); h_pre = nullptr: the mix alone. All contiguous.
+template <class TY>
+void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                    float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s) {
   stream_check_n("stream_mix_fwd", n);
   if (M == 0 || C == 0) return;
   StreamArgs a{};
-  a.x = x; a.h = h_res; a.h_post = h_post; a.y = y; a.out = out;
+  a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.out = out; a.merged = merged;
   a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0; a.M = M; a.C = C;
-  const bool vec4 = stream_vec4(C, x, y, out);
+  const bool vec4 = stream_vec4(C, x, y, out, merged);
   const dim3 grid = stream_fwd_grid(M, C, vec4);
-  STREAM_LAUNCH(stream_mix_fwd_kernel, n, vec4, grid, s, a);
+  stream_dispatch(n, vec4, [&](auto N, auto V) {
+    constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
+    if (h_pre) stream_mix_fwd_kernel<n_, vec, TY, true><<<grid, STREAM_BLOCK, 0, s>>>(a);
+    else stream_mix_fwd_kernel<n_, vec, TY, false><<<grid, STREAM_BLOCK, 0, s>>>(a);
+  });
   check_launch("stream_mix_fwd");
 }
 
-// dout (M, n, C) -> dx (M, n, C), dy (M, C), and the coefficient gradients: per token dh_res
-// (M, n, n) and dh_post (M, n); static, the token sums of both through the workspaces ws
-// (M * (n * n + n) floats) and part (colsum_chunks(M, n * n + n) * (n * n + n) floats), written as
-// one row of n * n + n floats, so dh_post must be dh_res + n * n. Zeros where C or M is 0.
-void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const float* y, const float* dout,
-                    float* dx, float* dy, float* dh_res, float* dh_post, float* ws, float* part, int M, int n,
-                    int C, bool per_token, cudaStream_t s) {
+// dout (M, n, C) -> dx (M, n, C), dy (M, C), and the coefficient gradients: per token dh_res (M, n, n) and
+// dh_post (M, n); static, the token sums of both through the workspaces ws (M * K floats) and part
+// (colsum_chunks(M, K) * K floats), written as one row of K = n * n + n floats, so dh_post must be
+// dh_res + n * n. With h_pre (stream_mix_merge) dmerged (M, C) comes in too and dh_pre (M, n) or (n,) goes
+// out, after dh_post (K = n * n + 2n, dh_pre = dh_post + n when static). Zeros where C or M is 0.
+template <class TY>
+void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                    const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
+                    float* dh_pre, float* ws, float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
   stream_check_n("stream_mix_bwd", n);
-  const int K = n * n + n;
-  if (!per_token && dh_post != dh_res + n * n)
-    throw std::runtime_error("stream_mix_bwd: static coefficients need dh_post == dh_res + n * n");
+  const int K = n * n + (h_pre ? 2 * n : n);
+  if (!per_token && (dh_post != dh_res + n * n || (h_pre && dh_pre != dh_post + n)))
+    throw std::runtime_error("stream_mix_bwd: static coefficients need dh_post == dh_res + n * n "
+                             "(and dh_pre == dh_post + n)");
   if (M > 0) {
     StreamArgs a{};
-    a.x = x; a.h = h_res; a.h_post = h_post; a.y = y; a.dout = dout; a.dx = dx; a.dy = dy;
+    a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.dout = dout; a.dmerged = dmerged;
+    a.dx = dx; a.dy = dy;
     a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
     a.dh = per_token ? dh_res : ws; a.dh_stride = per_token ? n * n : K;
-    a.dh_post = per_token ? dh_post : ws + n * n; a.dpost_stride = per_token ? n : K;
+    a.dh_post = per_token ? dh_post : ws + n * n; a.dh_pre = per_token ? dh_pre : ws + n * n + n;
+    a.dpost_stride = per_token ? n : K;
     a.M = M; a.C = C;
-    const bool vec4 = stream_vec4(C, x, y, dout, dx, dy);
-    const dim3 grid(ceil_div(M, STREAM_TOKENS));
-    STREAM_LAUNCH(stream_mix_bwd_kernel, n, vec4, grid, s, a);
+    const bool vec4 = stream_vec4(C, x, y, dout, dmerged, dx, dy);
+    stream_dispatch(n, vec4, [&](auto N, auto V) {
+      constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
+      const int blocks = ceil_div(M, STREAM_TOKENS);
+      if (h_pre) stream_mix_bwd_kernel<n_, vec, TY, true><<<blocks, STREAM_BLOCK, 0, s>>>(a);
+      else stream_mix_bwd_kernel<n_, vec, TY, false><<<blocks, STREAM_BLOCK, 0, s>>>(a);
+    });
     check_launch("stream_mix_bwd");
   }
   if (!per_token) bias_grad(ws, part, dh_res, M, K, s);
 }
+
+#define STREAM_MIX_INSTANTIATE(TY)                                                                            \
+  template void stream_mix_fwd<TY>(const float*, const float*, const float*, const TY*, const float*, float*,  \
+                                   float*, int, int, int, bool, cudaStream_t);                                \
+  template void stream_mix_bwd<TY>(const float*, const float*, const float*, const TY*, const float*,          \
+                                   const float*, const float*, float*, TY*, float*, float*, float*, float*,    \
+                                   float*, int, int, int, bool, cudaStream_t);
+STREAM_MIX_INSTANTIATE(float)
+STREAM_MIX_INSTANTIATE(__nv_bfloat16)
+#undef STREAM_MIX_INSTANTIATE
 
 // ------------------------------------------------------------------------------------------------
 // attention. q (BH, Sq, D), k and v (BH / group, Sk, D), contiguous. Causal aligns queries to the end

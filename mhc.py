@@ -51,6 +51,17 @@ def hc_coeffs_torch(h, alpha, bias, iters=20):
     return torch.sigmoid(u[..., :n]), 2 * torch.sigmoid(u[..., n:2 * n]), res
 
 
+def fp32_streams(twin):
+    """A stream twin run with autocast off: under --dtype=bf16 the streams stay fp32 and so does their math, as
+    in the cuda op set's stream kernels (autocast would run h_res @ x and the projection in bf16)."""
+    @functools.wraps(twin)
+    def run(x, *args, **kwargs):
+        with torch.autocast(x.device.type, enabled=False):
+            return twin(x, *args, **kwargs)
+    return run
+
+
+@fp32_streams
 def hc_project_torch(x, weight, phi, eps=1e-5):
     """The PyTorch twin of kernels.hc_project: mhc-dynamic's projections of each token's flattened streams,
     RMSNorm(x, weight) phi^T, x (..., D), weight (D,), phi (2n + n^2, D) -> (..., 2n + n^2)."""
@@ -72,11 +83,20 @@ def stream_merge_torch(x, h):
     return (h.unsqueeze(-1) * x).sum(-2)
 
 
+@fp32_streams
 def stream_mix_torch(x, h_res, h_post, y):
     """The PyTorch twin of kernels.stream_mix: the streams x (..., n, C) mixed by h_res, plus y (..., C)
     spread over them by h_post: out[..., i, c] = sum_j h_res[i, j] x[..., j, c] + h_post[i] y[..., c].
-    h_res (n, n) and h_post (n,) for every token, or (..., n, n) and (..., n) per token."""
+    h_res (n, n) and h_post (n,) for every token, or (..., n, n) and (..., n) per token. y may be bf16 (the
+    sublayer's output under --dtype=bf16): the result is x's dtype."""
     return h_res @ x + h_post.unsqueeze(-1) * y.unsqueeze(-2)
+
+
+def stream_mix_merge_torch(x, h_res, h_post, y, h_pre):
+    """The PyTorch twin of kernels.stream_mix_merge: the mix and the merge of its result by h_pre (the next
+    sublayer's), (stream_mix(x, h_res, h_post, y) (..., n, C), its stream_merge by h_pre (..., C))."""
+    out = stream_mix_torch(x, h_res, h_post, y)
+    return out, stream_merge_torch(out, h_pre)
 
 
 # -----------------------------------------------------------------------------
@@ -93,6 +113,17 @@ class PendingSum(NamedTuple):
     which saves a pass over the stream each way (forward and backward) on the cuda op set."""
     x: torch.Tensor
     y: torch.Tensor
+
+
+class PendingMix(NamedTuple):
+    """The streams H_res x + H_post^T y with the mix not yet done, as hc / mhc hand them on: the next sublayer
+    mixes and merges in one pass (ops.stream_mix_merge), which saves the merge's read of the streams and, in
+    the backward, autograd's add of the two gradients of the mixed streams (the merge's and the mix's)."""
+    x: torch.Tensor
+    h_res: torch.Tensor
+    h_post: torch.Tensor
+    y: torch.Tensor
+
 
 VARIANTS = ("baseline", "hc", "mhc", "mhc-dynamic")
 
@@ -150,10 +181,14 @@ class StaticHyperConnection(nn.Module):
         super().__init__()
         self.matrices, self.index = matrices, index
 
-    def forward(self, x, norm, f, ops):  # x (B, T, n, C)
+    def forward(self, x, norm, f, ops):  # x (B, T, n, C), or the previous sublayer's PendingMix
         h_pre, h_post, h_res = self.matrices[self.index]  # (n,), (n,), (n, n)
-        y = f(norm(ops.stream_merge(x, h_pre))[1])  # F of H_pre x: (B, T, C)
-        return ops.stream_mix(x, h_res, h_post, y)  # H_res x + H_post^T y: (B, T, n, C)
+        if isinstance(x, PendingMix):
+            x, merged = ops.stream_mix_merge(*x, h_pre)
+        else:
+            merged = ops.stream_merge(x, h_pre)
+        y = f(norm(merged)[1])  # F of H_pre x: (B, T, C)
+        return PendingMix(x, h_res, h_post, y)  # H_res x + H_post^T y: (B, T, n, C), mixed by the next sublayer
 
 
 class DynamicHyperConnection(nn.Module):
@@ -215,9 +250,11 @@ class Streams(nn.Module):
             self.mixing.compute(ops)
         return x if self.variant == "baseline" else x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
 
-    def collapse(self, x):  # (B, T, n, C) -> (B, T, C); the baseline's (a PendingSum) as it is
+    def collapse(self, x, ops):  # (B, T, n, C) or a PendingMix -> (B, T, C); the baseline's (a PendingSum) as it is
         if self.mixing is not None:
             self.mixing.matrices.clear()
+        if isinstance(x, PendingMix):
+            x = ops.stream_mix(*x)
         return x if self.variant == "baseline" else x.mean(-2)
 
 
@@ -293,8 +330,6 @@ PRESETS = {
 
 def check_config(cfg, fail):
     """The residual and sweep keys, checked before anything trains."""
-    if cfg.dtype == "bf16" and (cfg.residual != "baseline" or cfg.sweep):
-        fail("--dtype=bf16 trains the baseline residual; the mHC streams (--residual, --sweep) run in fp32")
     if cfg.residual not in VARIANTS:
         fail(f"--residual must be one of {', '.join(VARIANTS)}, got {cfg.residual!r}")
     if cfg.n_streams < 1:

@@ -959,7 +959,7 @@ def train_llama_cpu():
 
 def train_bf16_cpu():
     # --dtype=bf16 trains the torch op set under autocast (on the CPU too), from fp32 master weights that
-    # the checkpoint keeps in fp32; bad values and the mHC streams are refused in one line
+    # the checkpoint keeps in fp32, with the mHC streams too (kept in fp32); a bad value is refused in one line
     with tempfile.TemporaryDirectory() as tmp:
         out = _train_main_ok(*_train_tiny_args(tmp, "--dtype=bf16", "--max_iters=3"))
         assert "results on cpu, bf16" in out, out[-1500:]
@@ -967,9 +967,14 @@ def train_bf16_cpu():
         assert ckpt["config"]["dtype"] == "bf16", ckpt["config"]
         assert all(t.dtype == torch.float32 for t in ckpt["model"].values() if t.is_floating_point()), "weights"
         _train_fails("--dtype=fp16", ("--dtype", "fp32", "bf16", "fp16"), *_train_tiny_args(tmp, "--dtype=fp16"))
-        _train_fails("bf16 mhc", ("--dtype=bf16", "--residual"),
-                     *_train_tiny_args(tmp, "--dtype=bf16", "--residual=mhc"))
-    return "3 bf16 steps under autocast, fp32 master weights saved; --dtype=fp16 and bf16 with mHC refused"
+    losses = []
+    for res in ("mhc", "mhc-dynamic"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = _train_main_ok(*_train_tiny_args(tmp, "--dtype=bf16", f"--residual={res}", "--max_iters=3"))
+            assert "results on cpu, bf16" in out, out[-1500:]
+            losses.append(re.search(r"^torch\s+\w+\s+3\s+([\d.]+)", out, re.M).group(1))
+    return (f"3 bf16 steps under autocast, fp32 master weights saved; mhc and mhc-dynamic train (loss "
+            f"{', '.join(losses)}); --dtype=fp16 refused")
 
 
 def train_rejects_bad_paths():
@@ -1716,6 +1721,20 @@ def mhc_composite_gains_known():
     return "identity 0, [[1,2],[3,7]] -> proxy log10 7, fwd 1, bwd log10 9; per-token max"
 
 
+def mhc_twins_fp32_under_autocast():
+    # under --dtype=bf16 the stream twins keep fp32 math (autocast would round h_res @ x and the projection to
+    # bf16): under autocast, with a bf16 y, they give the fp32 result bit for bit, as the stream kernels do
+    x, h_res, h_post, h_pre = torch.randn(3, 5, 4, 16), torch.randn(4, 4), torch.randn(4), torch.randn(4)
+    y = torch.randn(3, 5, 16).to(torch.bfloat16)
+    w, phi = torch.randn(64), torch.randn(24, 64)
+    want = (mhc.stream_mix_merge_torch(x, h_res, h_post, y.float(), h_pre), mhc.hc_project_torch(x.flatten(-2), w, phi))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = (mhc.stream_mix_merge_torch(x, h_res, h_post, y, h_pre), mhc.hc_project_torch(x.flatten(-2), w, phi))
+    for name, a, b in zip(("mixed", "merged", "projection"), (*got[0], got[1]), (*want[0], want[1])):
+        assert a.dtype == torch.float32 and torch.equal(a, b), f"{name}: {a.dtype}, max diff {(a.float() - b).abs().max()}"
+    return "stream_mix_merge and hc_project twins: fp32 and bit-equal under autocast(bf16)"
+
+
 def _tiny_gpt(variant, layers=2):
     return train.GPT(data.INCREMENT_VOCAB, 16, 32, 2, layers, 0, train.TORCH_OPS, residual=variant, n_streams=4)
 
@@ -1856,7 +1875,7 @@ def train_residual_option():
     return "--residual=mhc-dynamic --n_streams=3 trains and is checkpointed; bad residual and sweep keys rejected"
 
 
-for _fn in (data_increment_batch, mhc_composite_gains_known, mhc_doubly_stochastic_after_step,
+for _fn in (data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast, mhc_doubly_stochastic_after_step,
             train_variants_few_steps, train_mhc_sweep_cpu, train_mhc_sweep_diverging_cell, train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
@@ -3012,6 +3031,34 @@ def t_stream_mix(lead, n, C, per_token, layout="contiguous"):
             x=stream_x(lead, n, C, layout), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=rand(*lead, C))
 
 
+def t_stream_mix_merge(lead, n, C, per_token, layout="contiguous"):
+    # the mix and the next sublayer's merge of it (both outputs, both gradients going back through one kernel)
+    coef = lead if per_token else ()
+    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
+    compare(lambda ops, x, h_res, h_post, y, h_pre: ops.stream_mix_merge(x, h_res, h_post, y, h_pre), STREAM_TOL,
+            dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+            x=stream_x(lead, n, C, layout), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=rand(*lead, C),
+            h_pre=rand(*coef, n))
+
+
+def t_stream_mix_bf16(lead, n, C, per_token, merge, y_misaligned=False):
+    """Mixed precision (--dtype=bf16): fp32 streams and coefficients, the sublayer's output y in bf16; fp32 math,
+    dy back in bf16. Against the twin with y's bf16 values (mhc.stream_mix_torch, autocast off) and float64."""
+    coef = lead if per_token else ()
+    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
+    y = rand(*lead, C).to(BF16)
+    if y_misaligned:  # 2 bytes into its allocation: not 8-byte aligned, the scalar path
+        y = torch.empty(1 + y.numel(), dtype=BF16, device=DEV)[1:].view(y.shape).copy_(y)
+    inputs = dict(x=rand(*lead, n, C), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=y)
+    grad_tol = dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol)
+    if merge:
+        ours, twin = on_both(lambda ops, x, h_res, h_post, y, h_pre: ops.stream_mix_merge(x, h_res, h_post, y, h_pre))
+        compare_dtypes(ours, twin, STREAM_TOL, grad_tol, (torch.float32, torch.float32), h_pre=rand(*coef, n), **inputs)
+    else:
+        ours, twin = on_both(lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y))
+        compare_dtypes(ours, twin, STREAM_TOL, grad_tol, torch.float32, **inputs)
+
+
 # (leading dims, n, C, per-token coefficients): n = 1, 2, 4, 8 (and 3, 5, 6, 7 once), C = 1, 7, 256,
 # 1000, tokens = 1, 37, 4096, each static and per token somewhere
 STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True), ((37,), 2, 7, False),
@@ -3019,7 +3066,7 @@ STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True
                 ((32, 128), 4, 256, False), ((32, 128), 4, 256, True), ((4096,), 2, 1000, True),
                 ((4096,), 8, 7, False), ((32, 128), 1, 1, True), ((37,), 3, 20, True), ((37,), 5, 12, False),
                 ((37,), 6, 1000, True), ((37,), 7, 256, False)]
-for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix)):
+for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix), ("stream_mix_merge", t_stream_mix_merge)):
     for _lead, _n, _C, _tok in STREAM_CASES:
         add(f"{_op}/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"), _t, _lead, _n, _C,
             _tok)
@@ -3028,6 +3075,13 @@ for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix)):
             add(f"{_op}/37x4x256_{'per_token' if _tok else 'static'}_{_layout}", _t, (37,), 4, 256, _tok, _layout)
         add(f"empty/{_op}_0x4x256_{'per_token' if _tok else 'static'}", _t, (0,), 4, 256, _tok)
     add(f"empty/{_op}_5x4x0_static", _t, (5,), 4, 0, False)  # C = 0: zero coefficient gradients
+for _merge in (False, True):
+    _op = "stream_mix_merge" if _merge else "stream_mix"
+    for _lead, _n, _C, _tok in (((37,), 4, 256, False), ((37,), 4, 256, True), ((2, 65), 8, 768, True),
+                                ((4096,), 4, 256, False), ((37,), 3, 7, True), ((1,), 1, 1, False)):
+        add(f"{_op}_bf16/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"),
+            t_stream_mix_bf16, _lead, _n, _C, _tok, _merge)
+    add(f"{_op}_bf16/37x4x256_per_token_y_misaligned", t_stream_mix_bf16, (37,), 4, 256, True, _merge, True)
 
 ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
               "fused-tf32": dict(mode="fused", precision="tf32"),
@@ -3535,6 +3589,13 @@ def opcheck_cases(dt):
                    {}),
                   ("stream_mix", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), ys), {}),
                   ("stream_mix_per_token", k.stream_mix, (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), ys), {}),
+                  ("stream_mix_bf16_y", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), _leaf(2, 3, 37, dtype=BF16)), {}),
+                  ("stream_mix_merge", k.stream_mix_merge, (xs, _leaf(4, 4), _leaf(4), ys, _leaf(4)), {}),
+                  ("stream_mix_merge_per_token", k.stream_mix_merge,
+                   (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), _leaf(2, 3, 37, dtype=BF16), _leaf(2, 3, 4)), {}),
+                  ("stream_mix_merge_backward", k.stream_mix_merge_backward,
+                   (plain(2, 3, 4, 37), plain(4, 4), plain(4), plain(2, 3, 37), plain(4), plain(2, 3, 4, 37),
+                    plain(2, 3, 37)), {}),
                   ("attention_tiled", k.attention, (_leaf(2, 4, 9, 40), _leaf(2, 2, 11, 40), _leaf(2, 2, 11, 40)),
                    {"causal": True, "mode": "tiled"}),
                   ("attention_tiled_forward", k.attention_tiled, (*tiled_qkv, True, 0.125), {}),
@@ -3944,7 +4005,7 @@ def train_gpu_cuda_model_fullgraph(arch, residual, dtype):
     return f"{explain.graph_count} graph(s), 0 breaks; gradients within {worst:.1e} (relative)"
 
 
-def train_gpu_bf16_op_sets_close(arch="gpt"):
+def train_gpu_bf16_op_sets_close(arch="gpt", residual="baseline"):
     # --dtype=bf16: the torch op set under autocast and ours on the bf16 kernels, 100 steps each from the
     # same weights and batches. bf16 rounds differently in each (cuBLAS's and our accumulation orders), so
     # the curves drift apart; how far is what this reports, and it must stay at bf16's scale
@@ -3953,14 +4014,15 @@ def train_gpu_bf16_op_sets_close(arch="gpt"):
     steps = under_tool(100, 10)
     head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dtype="bf16")[0]
+        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dtype="bf16",
+                                    residual=residual)[0]
                 for ops in (train.torch_op_set("bf16", DEV), train.cuda_op_set(kernels, head, "bf16"))}
     t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
     diff = (c - t).abs()
     check("loss", c, t, (0.0, 0.02))  # within 2% of the torch op set's loss at every step
     vt, vc = runs["torch"]["final_val_loss"], runs["cuda"]["final_val_loss"]
     check("val_loss", torch.tensor(vc), torch.tensor(vt), (0.0, 0.01))
-    return (f"{arch} bf16: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps}; loss "
+    return (f"{arch} {residual} bf16: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps}; loss "
             f"{t[0]:.4f} -> {t[-1]:.4f}; val torch {vt:.4f}, cuda {vc:.4f}")
 
 
@@ -3998,12 +4060,15 @@ add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
 add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
+add("train/gpu_bf16_op_sets_close_mhc", train_gpu_bf16_op_sets_close, "gpt", "mhc")
+add("train/gpu_bf16_op_sets_close_mhc-dynamic", train_gpu_bf16_op_sets_close, "gpt", "mhc-dynamic")
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
 add("inference/gpu_patched_compiled_gpt", inference_gpu_patched_compiled_gpt)
 add("readme/patched_example", readme_patched_example)
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
-                         ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16")):
+                         ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16"),
+                         ("gpt", "mhc", "bf16"), ("gpt", "mhc-dynamic", "bf16")):
     add(f"train/gpu_cuda_model_fullgraph_{_arch}_{_res}_{_dt}", train_gpu_cuda_model_fullgraph, _arch, _res, _dt)
 for _arch, _res in (("gpt", "baseline"), ("llama", "baseline"), ("gpt", "mhc-dynamic")):
     add(f"train/gpu_first_step_grads_{_arch}_{_res}", train_gpu_first_step_grads, _arch, _res)
@@ -4634,14 +4699,15 @@ def bench_ops(rows):
                  [rand(M, D), rand(D), rand(24, D)], 12 * M * D, "GB/s")
     # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
     # must move: merge fwd reads x, writes out; its bwd reads dout and x, writes dx. mix fwd reads x
-    # and y, writes out; its bwd reads dout, x and y, writes dx and dy. Plus the coefficients: read by
-    # each pass, their gradient written.
+    # and y, writes out; its bwd reads dout, x and y, writes dx and dy. mix_merge writes merged too, and its
+    # bwd reads dmerged. Plus the coefficients: read by each pass, their gradient written.
     B, T, n, C = 32, 128, 4, 256
     M = B * T
     for per_token in (False, True):
         lead, kind = ((B, T), "per-token") if per_token else ((), "static")
         x, y, h, h_res, h_post = rand(B, T, n, C), rand(B, T, C), rand(*lead, n), rand(*lead, n, n), rand(*lead, n)
         k_merge, k_mix = n * (M if per_token else 1), (n * n + n) * (M if per_token else 1)
+        k_mm = k_mix + k_merge
         shape = f"{B}x{T}x{n}x{C} {kind}"
         for pas, nbytes in (("fwd", M * (n * C + C) + k_merge), ("fwd+bwd", M * (3 * n * C + 2 * C) + 3 * k_merge)):
             bench_op(rows, "stream_merge", shape, pas, lambda ops, x, h: ops.stream_merge(x, h), [x, h], 4 * nbytes,
@@ -4649,6 +4715,9 @@ def bench_ops(rows):
         for pas, nbytes in (("fwd", M * (2 * n * C + C) + k_mix), ("fwd+bwd", M * (5 * n * C + 3 * C) + 3 * k_mix)):
             bench_op(rows, "stream_mix", shape, pas, lambda ops, *ins: ops.stream_mix(*ins), [x, h_res, h_post, y],
                      4 * nbytes, "GB/s")
+        for pas, nbytes in (("fwd", M * (2 * n * C + 2 * C) + k_mm), ("fwd+bwd", M * (5 * n * C + 5 * C) + 3 * k_mm)):
+            bench_op(rows, "stream_mix_merge", shape, pas, lambda ops, *ins: ops.stream_mix_merge(*ins),
+                     [x, h_res, h_post, y, h], 4 * nbytes, "GB/s")
 
 
 def attention_fns(causal):

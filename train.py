@@ -288,7 +288,7 @@ TORCH_OPS = SimpleNamespace(
     sinkhorn=mhc.sinkhorn_torch,
     hc_project=mhc.hc_project_torch, hc_coeffs=mhc.hc_coeffs_torch, hc_pre=mhc.hc_pre_torch,  # mhc-dynamic's
     stream_merge=mhc.stream_merge_torch,
-    stream_mix=mhc.stream_mix_torch,
+    stream_mix=mhc.stream_mix_torch, stream_mix_merge=mhc.stream_mix_merge_torch,
     check_errors=lambda: None,  # kernels.check_errors raises our bad indices; PyTorch reports its own
 )
 # the ops kernels.cu implements; split is no kernel (the cuda op set's is joined_split)
@@ -529,7 +529,7 @@ class GPT(nn.Module):
         x = self.streams.expand(x, ops)  # (B, T, n, C) with n residual streams, else unchanged
         for layer, block in enumerate(self.blocks):
             x = block(x, ops, cache, layer, rope)
-        x = self.streams.collapse(x)  # (B, T, C), or the baseline's PendingSum: ln_f does the last add
+        x = self.streams.collapse(x, ops)  # (B, T, C), or the baseline's PendingSum: ln_f does the last add
         if cache is not None:
             cache.pos += T
         if targets is None:
