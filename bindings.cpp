@@ -68,8 +68,8 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
 void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
                     int D, float eps, cudaStream_t s);
 void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
-                    const float* dh, const float* pre, const float* dmerged, float* dx, float* dw, float* dphi,
-                    float* ws, int M, int n, int D, cudaStream_t s);
+                    const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
+                    float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
 void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
                       cudaStream_t s);
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
@@ -1161,7 +1161,7 @@ std::tuple<Tensor, Tensor, Tensor> hc_project_backward_cuda(const Tensor& x_in, 
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
   Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
   hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
-                 rstd.data_ptr<float>(), dh.data_ptr<float>(), nullptr, nullptr, dx.data_ptr<float>(),
+                 rstd.data_ptr<float>(), dh.data_ptr<float>(), nullptr, nullptr, nullptr, dx.data_ptr<float>(),
                  dweight.data_ptr<float>(), dphi.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)D, stream());
   return {dx, dweight, dphi};
 }
@@ -1334,7 +1334,8 @@ static bool check_stream_mix(const char* op, const Tensor& x, const Tensor& h_re
 static std::tuple<Tensor, Tensor> mix_forward(const char* op, const Tensor& x_in, const Tensor& h_res_in,
                                               const Tensor& h_post_in, const Tensor& y_in, const Tensor& h_pre_in) {
   raise_pending_index_error();
-  const bool per_token = check_stream_mix(op, x_in, h_res_in, h_post_in, y_in, h_pre_in.defined() ? &h_pre_in : nullptr);
+  const Tensor* h_pre_arg = h_pre_in.defined() ? &h_pre_in : nullptr;
+  const bool per_token = check_stream_mix(op, x_in, h_res_in, h_post_in, y_in, h_pre_arg);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
                y = y_in.contiguous(), h_pre = h_pre_in.defined() ? h_pre_in.contiguous() : Tensor();
@@ -1514,8 +1515,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // share of dx in its pass), where the three ops would leave autograd two dx to add.
 
 // Checks the arguments; returns n.
-static int64_t check_hc_pre(const Tensor& x, const Tensor& weight, const Tensor& phi) {
-  const char* op = "hc_pre";
+static int64_t check_hc_pre(const Tensor& x, const Tensor& weight, const Tensor& phi, const char* op = "hc_pre") {
   check_streams(op, x);
   const int64_t n = x.size(-2);
   REQUIRE(phi.dim() == 2 && phi.size(0) == 2 * n + n * n, op, ": phi must have 2n + n^2 = ", 2 * n + n * n,
@@ -1547,12 +1547,13 @@ std::vector<Tensor> hc_pre_forward_meta(const Tensor& x, const Tensor& weight, c
   return {at::empty(with_dims(x.select(-2, 0), {x.size(-1)}), x.options()), post, res, h, rstd, pre};
 }
 
-// (dx, dweight, dphi, dalpha, dbias); an undefined gradient (an output nobody used) counts as zeros.
-std::vector<Tensor> hc_pre_backward_cuda(const Tensor& x_in, const Tensor& weight_in, const Tensor& phi_in,
-                                         const Tensor& alpha, const Tensor& bias, const Tensor& h, const Tensor& rstd,
-                                         const Tensor& pre, const std::optional<Tensor>& dmerged_in,
-                                         const std::optional<Tensor>& dpost, const std::optional<Tensor>& dres,
-                                         int64_t iters) {
+// (dx, dweight, dphi, dalpha, dbias); an undefined gradient (an output nobody used) counts as zeros. dadd, where
+// defined, is a gradient of x from elsewhere that dx takes in the same pass (hc_mix_pre's: the streams' own).
+static std::vector<Tensor> hc_pre_grads(const Tensor& x_in, const Tensor& weight_in, const Tensor& phi_in,
+                                        const Tensor& alpha, const Tensor& bias, const Tensor& h, const Tensor& rstd,
+                                        const Tensor& pre, const std::optional<Tensor>& dmerged_in,
+                                        const std::optional<Tensor>& dpost, const std::optional<Tensor>& dres,
+                                        int64_t iters, const Tensor& dadd_in) {
   const int64_t n = check_hc_pre(x_in, weight_in, phi_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), phi = phi_in.contiguous();
@@ -1566,13 +1567,21 @@ std::vector<Tensor> hc_pre_backward_cuda(const Tensor& x_in, const Tensor& weigh
     stream_merge_bwd(x.data_ptr<float>(), pre.data_ptr<float>(), dmerged.data_ptr<float>(), nullptr,
                      dpre.data_ptr<float>(), nullptr, nullptr, M, (int)n, (int)C, true, stream());
   const auto [dh, dalpha, dbias] = hc_coeffs_backward_cuda(h, alpha, bias, dpre, dpost, dres, iters);
+  const Tensor dadd = dadd_in.defined() ? dadd_in.contiguous() : Tensor();
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
   Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
   hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
                  rstd.data_ptr<float>(), dh.data_ptr<float>(), merged_used ? pre.data_ptr<float>() : nullptr,
-                 fptr(dmerged), dx.data_ptr<float>(), dweight.data_ptr<float>(), dphi.data_ptr<float>(), ws_ptr(ws), M,
-                 (int)n, (int)D, stream());
+                 fptr(dmerged), fptr(dadd), dx.data_ptr<float>(), dweight.data_ptr<float>(), dphi.data_ptr<float>(),
+                 ws_ptr(ws), M, (int)n, (int)D, stream());
   return {dx, dweight, dphi, dalpha, dbias};
+}
+
+std::vector<Tensor> hc_pre_backward_cuda(const Tensor& x, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
+                                         const Tensor& bias, const Tensor& h, const Tensor& rstd, const Tensor& pre,
+                                         const std::optional<Tensor>& dmerged, const std::optional<Tensor>& dpost,
+                                         const std::optional<Tensor>& dres, int64_t iters) {
+  return hc_pre_grads(x, weight, phi, alpha, bias, h, rstd, pre, dmerged, dpost, dres, iters, Tensor());
 }
 
 std::vector<Tensor> hc_pre_backward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
@@ -1633,6 +1642,122 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   def_half(m, "hc_pre_backward(Tensor x, Tensor weight, Tensor phi, Tensor alpha, Tensor bias, Tensor h, "
            "Tensor rstd, Tensor pre, Tensor? dmerged, Tensor? dpost, Tensor? dres, int iters) -> Tensor[]");
   cuda_meta(m, "hc_pre_backward", hc_pre_backward_cuda, hc_pre_backward_meta);
+}
+
+// ---- mhc-dynamic's step between two sublayers --------------------------------------------------
+// hc_mix_pre(x, h_res, h_post, y, weight, phi, alpha, bias) = (s, hc_pre(s, weight, phi, alpha, bias)) with
+// s = stream_mix(x, h_res, h_post, y): the previous sublayer's mix, then this one's hc_pre. One op, so the mixed
+// streams s have one consumer: their gradient from the next sublayer is added by hc_project_bwd in its pass over
+// s, where two ops would leave autograd two gradients of s to add.
+
+// (s, merged, post, res, and for the backward h, rstd, pre)
+std::vector<Tensor> hc_mix_pre_forward_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                            const Tensor& y, const Tensor& weight, const Tensor& phi,
+                                            const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
+  check_hc_pre(x, weight, phi, "hc_mix_pre");
+  const Tensor s = std::get<0>(mix_forward("hc_mix_pre", x, h_res, h_post, y, Tensor()));
+  std::vector<Tensor> r = hc_pre_forward_cuda(s, weight, phi, alpha, bias, iters, eps);
+  r.insert(r.begin(), s);
+  return r;
+}
+
+std::vector<Tensor> hc_mix_pre_forward_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                            const Tensor& y, const Tensor& weight, const Tensor& phi,
+                                            const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
+  check_hc_pre(x, weight, phi, "hc_mix_pre");
+  check_stream_mix("hc_mix_pre", x, h_res, h_post, y);
+  const Tensor s = empty_like_contiguous(x);
+  std::vector<Tensor> r = hc_pre_forward_meta(s, weight, phi, alpha, bias, iters, eps);
+  r.insert(r.begin(), s);
+  return r;
+}
+
+// (dx, dh_res, dh_post, dy, dweight, dphi, dalpha, dbias); an undefined gradient counts as zeros.
+std::vector<Tensor> hc_mix_pre_backward_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                             const Tensor& y, const Tensor& s, const Tensor& weight,
+                                             const Tensor& phi, const Tensor& alpha, const Tensor& bias,
+                                             const Tensor& h, const Tensor& rstd, const Tensor& pre,
+                                             const std::optional<Tensor>& ds, const std::optional<Tensor>& dmerged,
+                                             const std::optional<Tensor>& dpost, const std::optional<Tensor>& dres,
+                                             int64_t iters) {
+  const auto pre_grads = hc_pre_grads(s, weight, phi, alpha, bias, h, rstd, pre, dmerged, dpost, dres, iters,
+                                      ds.has_value() ? *ds : Tensor());
+  std::vector<Tensor> g = mix_backward(x, h_res, h_post, y, Tensor(), pre_grads[0], Tensor());
+  g.insert(g.end(), pre_grads.begin() + 1, pre_grads.end());
+  return g;
+}
+
+std::vector<Tensor> hc_mix_pre_backward_meta(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                             const Tensor& y, const Tensor&, const Tensor& weight, const Tensor& phi,
+                                             const Tensor& alpha, const Tensor& bias, const Tensor&, const Tensor&,
+                                             const Tensor&, const std::optional<Tensor>&,
+                                             const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                             const std::optional<Tensor>&, int64_t) {
+  return {empty_like_contiguous(x), empty_like_contiguous(h_res), empty_like_contiguous(h_post),
+          empty_like_contiguous(y), empty_like_contiguous(weight), empty_like_contiguous(phi),
+          empty_like_contiguous(alpha), empty_like_contiguous(bias)};
+}
+
+struct HcMixPreFn : torch::autograd::Function<HcMixPreFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                               const Tensor& y, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
+                               const Tensor& bias, int64_t iters, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined: read as zeros
+    const auto r = KERNELS_OP("hc_mix_pre_forward", hc_mix_pre_forward_cuda)
+        .call(x, h_res, h_post, y, weight, phi, alpha, bias, iters, eps);
+    ctx->save_for_backward({x, h_res, h_post, y, r[0], weight, phi, alpha, bias, r[4], r[5], r[6]});
+    ctx->saved_data["iters"] = iters;
+    return {r[0], r[1], r[2], r[3]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto given = [](const Tensor& g) { return g.defined() ? std::optional<Tensor>(g) : std::nullopt; };
+    auto r = KERNELS_OP("hc_mix_pre_backward", hc_mix_pre_backward_cuda)
+        .call(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], given(grads[0]),
+              given(grads[1]), given(grads[2]), given(grads[3]), ctx->saved_data["iters"].toInt());
+    r.insert(r.end(), {Tensor(), Tensor()});  // iters, eps
+    return r;
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> hc_mix_pre_impl(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
+                                                           const Tensor& y, const Tensor& weight, const Tensor& phi,
+                                                           const Tensor& alpha, const Tensor& bias, int64_t iters,
+                                                           double eps) {
+  const auto r = KERNELS_OP("hc_mix_pre_forward", hc_mix_pre_forward_cuda)
+      .call(x, h_res, h_post, y, weight, phi, alpha, bias, iters, eps);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> hc_mix_pre_autograd(const Tensor& x, const Tensor& h_res,
+                                                               const Tensor& h_post, const Tensor& y,
+                                                               const Tensor& weight, const Tensor& phi,
+                                                               const Tensor& alpha, const Tensor& bias, int64_t iters,
+                                                               double eps) {
+  if (!wants_grad(x, h_res, h_post, y, weight, phi, alpha, bias)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return hc_mix_pre_impl(x, h_res, h_post, y, weight, phi, alpha, bias, iters, eps);
+  }
+  const auto r = HcMixPreFn::apply(x, h_res, h_post, y, weight, phi, alpha, bias, iters, eps);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // mhc-dynamic between two sublayers (float32 streams, y float32 or bfloat16, n <= 8): the mixed streams, then
+  // hc_pre's outputs for them.
+  def_op(m, "hc_mix_pre(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor weight, Tensor phi, Tensor alpha, "
+         "Tensor bias, int iters=20, float eps=1e-05) -> (Tensor, Tensor, Tensor, Tensor)");
+  composite(m, "hc_mix_pre", hc_mix_pre_impl);
+  autograd(m, "hc_mix_pre", hc_mix_pre_autograd);
+  def_half(m, "hc_mix_pre_forward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor weight, Tensor phi, "
+           "Tensor alpha, Tensor bias, int iters, float eps) -> Tensor[]");
+  cuda_meta(m, "hc_mix_pre_forward", hc_mix_pre_forward_cuda, hc_mix_pre_forward_meta, CPU_ERRORS);
+  def_half(m, "hc_mix_pre_backward(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor s, Tensor weight, "
+           "Tensor phi, Tensor alpha, Tensor bias, Tensor h, Tensor rstd, Tensor pre, Tensor? ds, Tensor? dmerged, "
+           "Tensor? dpost, Tensor? dres, int iters) -> Tensor[]");
+  cuda_meta(m, "hc_mix_pre_backward", hc_mix_pre_backward_cuda, hc_mix_pre_backward_meta);
 }
 
 // ---- softmax ----------------------------------------------------------------------------------

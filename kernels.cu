@@ -3743,26 +3743,15 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
 // Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
 //   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
 //   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
-// A block owns a run of HPB_TOKENS tokens and HPB_COLS threads of one or two columns each (their K values of
-// phi in registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
+// A block owns a run of HPB_TOKENS tokens and HPB_COLS threads of a column each (its K values of phi in
+// registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
 // (before the w) and dw, K + 1 rows; a second kernel adds the runs in order (deterministic).
 
 constexpr int HP_TOKENS = 32, HP_SPLIT = 2;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
 constexpr int HP_STAGE_FLOATS = 25000;       // forward: floats of w * phi a block stages at most (~98 KB)
 constexpr int HP_UNROLL = 8;                 // forward: steps of 16 columns whose loads are issued together
-constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (1 or 2 columns each) and tokens
+constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (a column each) and tokens
 constexpr int HPB_UNROLL = 8;                    // backward: tokens whose loads are issued together
-
-// The backward's CV (1 or 2) adjacent floats of a row, from column u * CV.
-template <int CV>
-__device__ __forceinline__ void hp_load(const float* row, int u, float (&v)[CV]) {
-  if constexpr (CV == 2) {
-    const float2 t = __ldg(reinterpret_cast<const float2*>(row) + u);
-    v[0] = t.x; v[1] = t.y;
-  } else {
-    v[0] = __ldg(row + u);
-  }
-}
 
 // On the tensor cores: a block takes HP_TOKENS tokens and a range of DR columns, whose w * phi it stages in shared
 // memory once (K rows padded to 8: the n-tiles of mma m16n8k8, 3xTF32 as the fp32 matmul), then streams x with
@@ -3923,18 +3912,19 @@ __global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int 
   for (int kk = 0; kk < K; ++kk) h[m * K + kk] = sum_of(kk) * r;
 }
 
-// part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes CV
-// adjacent columns (2 where the K sums of both fit in registers and x allows 8-byte loads).
-// Given pre (M, n) and dmerged (M, C), C = D / n: dx also gets the merge's pre[m, i] dmerged[m, c] (d = iC + c).
-template <int N, int CV>
+// part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes one
+// column (two a thread, 8-byte loads and twice the K sums in registers, ran 10% slower: fewer warps to hide latency).
+// Given pre (M, n) and dmerged (M, C), C = D / n: dx also gets the merge's pre[m, i] dmerged[m, c] (d = iC + c);
+// given dadd (M, D), a gradient of x from elsewhere, dx gets that too.
+template <int N>
 __global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x, const float* w, const float* phi,
-    const float* h, const float* rstd, const float* dh, const float* pre, const float* dmerged, float* dx, float* part,
-    int M, int D) {
+    const float* h, const float* rstd, const float* dh, const float* pre, const float* dmerged, const float* dadd,
+    float* dx, float* part, int M, int D) {
   constexpr int K = hc_coeff_count(N), K4 = (K + 3) / 4 * 4;  // g's rows padded for 16-byte loads
   __shared__ __align__(16) float g_s[HPB_TOKENS][K4];
   __shared__ float r_s[HPB_TOKENS], q_s[HPB_TOKENS];  // rstd and rstd^2 c / D
   __shared__ float pre_s[HPB_TOKENS][N];
-  const int d0 = (blockIdx.x * HPB_COLS + threadIdx.x) * CV, m0 = blockIdx.y * HPB_TOKENS;
+  const int d = blockIdx.y * HPB_COLS + threadIdx.x, m0 = blockIdx.x * HPB_TOKENS;  // runs on x: up to 2^31 - 1
   const int count = min(HPB_TOKENS, M - m0), C = pre ? D / N : 1;  // C: the merge's stream width
   if (pre)
     for (int i = threadIdx.x; i < count * N; i += HPB_COLS) pre_s[i / N][i % N] = pre[(int64_t)m0 * N + i];
@@ -3952,33 +3942,28 @@ __global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x
     q_s[t] = r * r * c / D;
   }
   __syncthreads();
-  if (d0 >= D) return;
-  float p[CV][K], e[CV][K] = {}, ew[CV] = {}, wd[CV];
+  if (d >= D) return;
+  float p[K], e[K] = {}, ew = 0.f;
+  const float wd = __ldg(w + d);
 #pragma unroll
-  for (int c = 0; c < CV; ++c) {
-    wd[c] = __ldg(w + d0 + c);
-#pragma unroll
-    for (int k = 0; k < K; ++k) p[c][k] = __ldg(phi + (int64_t)k * D + d0 + c);
-  }
-  int stream[CV], col[CV];  // the merge's (i, c) of each column
-#pragma unroll
-  for (int c = 0; c < CV; ++c) stream[c] = (d0 + c) / C, col[c] = (d0 + c) % C;
+  for (int k = 0; k < K; ++k) p[k] = __ldg(phi + (int64_t)k * D + d);
+  const int stream = d / C, col = d % C;  // the merge's (i, c) of the column
   for (int t0 = 0; t0 < count; t0 += HPB_UNROLL) {
-    float xv[HPB_UNROLL][CV], mv[HPB_UNROLL][CV] = {};  // HPB_UNROLL tokens' loads in flight before any math
+    float xv[HPB_UNROLL], mv[HPB_UNROLL] = {}, av[HPB_UNROLL] = {};  // HPB_UNROLL tokens' loads in flight
 #pragma unroll
     for (int i = 0; i < HPB_UNROLL; ++i)
       if (t0 + i < count) {
-        hp_load<CV>(x + (int64_t)(m0 + t0 + i) * D + d0, 0, xv[i]);
-        if (pre)
-#pragma unroll
-          for (int c = 0; c < CV; ++c) mv[i][c] = __ldg(dmerged + (int64_t)(m0 + t0 + i) * C + col[c]);
+        const int64_t m = m0 + t0 + i;
+        xv[i] = __ldg(x + m * D + d);
+        if (dadd) av[i] = __ldg(dadd + m * D + d);
+        if (pre) mv[i] = __ldg(dmerged + m * C + col);
       }
 #pragma unroll
     for (int i = 0; i < HPB_UNROLL; ++i) {
       const int t = t0 + i;
       if (t >= count) break;
-      const float r = r_s[t];
-      float s4[CV][4] = {};  // s in four partial sums: chains of K / 4 dependent FMAs, not K
+      const float r = r_s[t], xr = xv[i] * r;
+      float s4[4] = {};  // s in four partial sums: chains of K / 4 dependent FMAs, not K
 #pragma unroll
       for (int k4 = 0; k4 < K4; k4 += 4) {
         const float4 g4 = *reinterpret_cast<const float4*>(&g_s[t][k4]);
@@ -3986,33 +3971,22 @@ __global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           if (k4 + j < K) {
-#pragma unroll
-            for (int c = 0; c < CV; ++c) {
-              s4[c][j] = fmaf(g[j], p[c][k4 + j], s4[c][j]);
-              e[c][k4 + j] = fmaf(g[j], xv[i][c] * r, e[c][k4 + j]);
-            }
+            s4[j] = fmaf(g[j], p[k4 + j], s4[j]);
+            e[k4 + j] = fmaf(g[j], xr, e[k4 + j]);
           }
       }
-      float out[CV], s[CV];
-#pragma unroll
-      for (int c = 0; c < CV; ++c) {
-        s[c] = (s4[c][0] + s4[c][1]) + (s4[c][2] + s4[c][3]);
-        out[c] = r * wd[c] * s[c] - xv[i][c] * q_s[t];
-        if (pre) out[c] = fmaf(pre_s[t][stream[c]], mv[i][c], out[c]);
-        ew[c] = fmaf(xv[i][c] * r, s[c], ew[c]);
-      }
-      float* dst = dx + (int64_t)(m0 + t) * D + d0;
-      if constexpr (CV == 2) *reinterpret_cast<float2*>(dst) = make_float2(out[0], out[1]);
-      else dst[0] = out[0];
+      const float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+      float out = r * wd * s - xv[i] * q_s[t];
+      if (pre) out = fmaf(pre_s[t][stream], mv[i], out);
+      if (dadd) out += av[i];
+      ew = fmaf(xr, s, ew);
+      dx[(int64_t)(m0 + t) * D + d] = out;
     }
   }
-  float* out = part + (int64_t)blockIdx.y * (K + 1) * D + d0;
+  float* out = part + (int64_t)blockIdx.x * (K + 1) * D + d;
 #pragma unroll
-  for (int c = 0; c < CV; ++c) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) out[(int64_t)k * D + c] = e[c][k];
-    out[(int64_t)K * D + c] = ew[c];
-  }
+  for (int k = 0; k < K; ++k) out[(int64_t)k * D] = e[k];
+  out[(int64_t)K * D] = ew;
 }
 
 // The runs' partials summed in run order: row k < K of blockIdx.y gives dphi[k] (times w), row K dw.
@@ -4050,14 +4024,9 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
       hc_project_fwd_finish_kernel<<<ceil_div(M, 128), 128, 0, s>>>(ws, (int)grid.y, M, hc_coeff_count(N), D, \
                                                                     eps, h, rstd);                          \
   }
-#define HP_BWD_LAUNCH(N)                                                                                \
-  {                                                                                                     \
-    constexpr int CV = hc_coeff_count(N) <= 24 ? 2 : 1; /* n > 4: one column, room for the K sums */   \
-    if (pairs) hc_project_bwd_kernel<N, CV><<<dim3(ceil_div(D, CV * HPB_COLS), runs), HPB_COLS, 0, s>>>( \
-        x, w, phi, h, rstd, dh, pre, dmerged, dx, ws, M, D);                                            \
-    else hc_project_bwd_kernel<N, 1><<<dim3(ceil_div(D, HPB_COLS), runs), HPB_COLS, 0, s>>>(           \
-        x, w, phi, h, rstd, dh, pre, dmerged, dx, ws, M, D);                                            \
-  }
+#define HP_BWD_LAUNCH(N)                                                                                 \
+  hc_project_bwd_kernel<N><<<dim3(runs, ceil_div(D, HPB_COLS)), HPB_COLS, 0, s>>>(x, w, phi, h, rstd, dh, pre,   \
+                                                                                 dmerged, dadd, dx, ws, M, D);
 #define HP_DISPATCH(LAUNCH) \
   switch (n) {              \
     case 1: LAUNCH(1) break;  \
@@ -4091,14 +4060,14 @@ void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, 
 
 // dh (M, K) -> dx (M, D), dw (D), dphi (K, D), from the forward's h and rstd; ws:
 // hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros. Given pre (M, n) and dmerged (M, D / n),
-// dx also gets the gradient of stream_merge(x, pre) (hc_pre's backward: x read once, no add of two dx).
+// dx also gets the gradient of stream_merge(x, pre) (hc_pre's backward: x read once, no add of two dx); given
+// dadd (M, D), that too (hc_mix_pre's: the gradient of the streams from their next consumer).
 void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
-                    const float* dh, const float* pre, const float* dmerged, float* dx, float* dw, float* dphi,
-                    float* ws, int M, int n, int D, cudaStream_t s) {
+                    const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
+                    float* dphi, float* ws, int M, int n, int D, cudaStream_t s) {
   sinkhorn_check_args("hc_project_bwd", n, 1);
   const int K = hc_coeff_count(n), runs = hc_project_runs(M);
-  if (runs > 65535) throw std::runtime_error("hc_project_bwd: more than 65535 * 64 tokens");
-  const bool pairs = D % 2 == 0 && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(dx)) & 7) == 0;
+  if (ceil_div(D, HPB_COLS) > 65535) throw std::runtime_error("hc_project_bwd: D > 65535 * 128");
   if (M > 0) HP_DISPATCH(HP_BWD_LAUNCH)
   hc_project_finish_kernel<<<dim3(ceil_div(D, HPB_COLS), K + 1), HPB_COLS, 0, s>>>(ws, w, runs, K, D, dphi, dw);
   check_launch("hc_project_bwd");

@@ -76,6 +76,13 @@ def hc_pre_torch(x, weight, phi, alpha, bias, iters=20, eps=1e-5):
     return stream_merge_torch(x, h_pre), h_post, h_res
 
 
+def hc_mix_pre_torch(x, h_res, h_post, y, weight, phi, alpha, bias, iters=20, eps=1e-5):
+    """The PyTorch twin of kernels.hc_mix_pre: mhc-dynamic between two sublayers, the previous one's mix of the
+    streams s = stream_mix(x, h_res, h_post, y), then this one's hc_pre of them: (s, merged, H_post, H_res)."""
+    s = stream_mix_torch(x, h_res, h_post, y)
+    return (s, *hc_pre_torch(s, weight, phi, alpha, bias, iters, eps))
+
+
 def stream_merge_torch(x, h):
     """The PyTorch twin of kernels.stream_merge: x (..., n, C) merged into one stream (..., C),
     out[..., c] = sum_i h[i] x[..., i, c]. h is (n,), the same for every token, or (..., n), one set
@@ -116,9 +123,10 @@ class PendingSum(NamedTuple):
 
 
 class PendingMix(NamedTuple):
-    """The streams H_res x + H_post^T y with the mix not yet done, as hc / mhc hand them on: the next sublayer
-    mixes and merges in one pass (ops.stream_mix_merge), which saves the merge's read of the streams and, in
-    the backward, autograd's add of the two gradients of the mixed streams (the merge's and the mix's)."""
+    """The streams H_res x + H_post^T y with the mix not yet done, as the hyper-connections hand them on: the next
+    sublayer mixes in the op that reads the mixed streams (hc / mhc: ops.stream_mix_merge, the mix and the merge
+    in one pass; mhc-dynamic: ops.hc_mix_pre), so the mixed streams have one consumer and autograd has no two
+    gradients of them to add; stream_mix_merge also saves the merge's read of the streams."""
     x: torch.Tensor
     h_res: torch.Tensor
     h_post: torch.Tensor
@@ -210,13 +218,18 @@ class DynamicHyperConnection(nn.Module):
         self.bias = nn.Parameter(torch.cat([b_pre, b_post, (2 * torch.eye(n) - 1).flatten()]))
         self.last_res = None
 
-    def forward(self, x, norm, f, ops):  # x (B, T, n, C)
+    def forward(self, x, norm, f, ops):  # x (B, T, n, C), or the previous sublayer's PendingMix
         # H_pre x (B, T, C), H_post (B, T, n), H_res (B, T, n, n): the RMSNorm and phi of hc_project, the
-        # coefficients of hc_coeffs and the merge in one op (hc_pre), whose backward reads x once for both uses
-        merged, h_post, h_res = ops.hc_pre(x, self.norm_w, self.phi_w, self.alpha, self.bias, self.iters)
+        # coefficients of hc_coeffs and the merge in one op (hc_pre), whose backward reads x once for both uses;
+        # after a sublayer, with its mix first (hc_mix_pre), so the mixed streams have one consumer
+        weights = self.norm_w, self.phi_w, self.alpha, self.bias, self.iters
+        if isinstance(x, PendingMix):
+            x, merged, h_post, h_res = ops.hc_mix_pre(*x, *weights)
+        else:
+            merged, h_post, h_res = ops.hc_pre(x, *weights)
         self.last_res = h_res.detach()
         y = f(norm(merged)[1])  # (B, T, C)
-        return ops.stream_mix(x, h_res, h_post, y)  # (B, T, n, C)
+        return PendingMix(x, h_res, h_post, y)  # H_res x + H_post^T y: (B, T, n, C), mixed by the next sublayer
 
 
 class Streams(nn.Module):

@@ -2992,6 +2992,37 @@ for _lead, _n, _C in (((1,), 1, 3), ((5,), 2, 3), ((24,), 4, 256), ((4096,), 4, 
 add("hc_pre/24_n4_C64_merged_unused", t_hc_pre, (24,), 4, 64, used=(False, True, True))
 add("hc_pre/24_n4_C64_only_merged", t_hc_pre, (24,), 4, 64, used=(True, False, False))
 
+
+def t_hc_mix_pre(lead, n, C, per_token=True, used=(True,) * 4, y_dtype=torch.float32):
+    # hc_mix_pre = the previous sublayer's stream_mix, then hc_pre of the mixed streams s, against the twins in a
+    # row: (s, merged, H_post, H_res) and the gradients of all eight inputs, the one of s (from the next sublayer)
+    # added to hc_pre's inside the op. used: which outputs the loss takes. y_dtype bf16: mixed precision's y
+    K, D, M = 2 * n + n * n, n * C, math.prod(lead)
+    tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
+    chosen = [i for i, u in enumerate(used) if u]
+    coef = lead if per_token else ()
+    inputs = dict(x=rand(*lead, n, C), h_res=rand(*coef, n, n, scale=0.5), h_post=rand(*coef, n), y=rand(*lead, C),
+                  w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
+
+    def f(ops, x, h_res, h_post, y, w, phi, alpha, bias):  # one call: a bf16 y's gradient is not summed in bf16
+        out = ops.hc_mix_pre(x, h_res, h_post, y, w, phi, alpha, bias)
+        return tuple(out[i] for i in chosen)
+    if y_dtype == torch.float32:
+        compare(f, tol, tol, **inputs)
+    else:
+        inputs["y"] = inputs["y"].to(y_dtype)
+        compare_dtypes(*on_both(f), tol, tol, (torch.float32,) * len(chosen), **inputs)
+
+
+for _lead, _n, _C in (((1,), 1, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
+                      ((12,), 4, 768), ((0,), 4, 8)):
+    add(f"hc_mix_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_mix_pre, _lead, _n, _C)
+add("hc_mix_pre/24_n4_C64_static", t_hc_mix_pre, (24,), 4, 64, per_token=False)
+add("hc_mix_pre/24_n4_C64_streams_unused", t_hc_mix_pre, (24,), 4, 64, used=(False, True, True, True))
+add("hc_mix_pre/24_n4_C64_post_res_unused", t_hc_mix_pre, (24,), 4, 64, used=(True, True, False, False))
+add("hc_mix_pre_bf16/37_n4_C256", t_hc_mix_pre, (37,), 4, 256, y_dtype=BF16)
+add("hc_mix_pre_bf16/5_n3_C7", t_hc_mix_pre, (5,), 3, 7, y_dtype=BF16)
+
 add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
 add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
 
@@ -3576,6 +3607,15 @@ def opcheck_cases(dt):
                   ("hc_pre", k.hc_pre, (_leaf(2, 3, 4, 5), _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
                   ("hc_pre_forward", k.hc_pre_forward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
                                                         1e-5), {}),
+                  ("hc_mix_pre", k.hc_mix_pre, (_leaf(2, 3, 4, 5), _leaf(2, 3, 4, 4), _leaf(2, 3, 4), _leaf(2, 3, 5),
+                                                _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
+                  ("hc_mix_pre_forward", k.hc_mix_pre_forward,
+                   (plain(5, 2, 3), plain(5, 2, 2), plain(5, 2), plain(5, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
+                    1e-5), {}),
+                  ("hc_mix_pre_backward", k.hc_mix_pre_backward,
+                   (plain(5, 2, 3), plain(5, 2, 2), plain(5, 2), plain(5, 3), plain(5, 2, 3), plain(6), plain(8, 6),
+                    plain(3), plain(8), plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 2, 3), plain(5, 3),
+                    plain(5, 2), plain(5, 2, 2), 3), {}),
                   ("hc_pre_backward", k.hc_pre_backward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8),
                                                           plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 3),
                                                           plain(5, 2), plain(5, 2, 2), 3), {}),
@@ -4151,6 +4191,12 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("hc_project_cpu", RuntimeError, lambda: kernels.hc_project(torch.randn(4, 12), rand(12), rand(8, 12)),
      ("hc_project", "x")),
     ("hc_project_D0", RuntimeError, lambda: kernels.hc_project(rand(4, 0), rand(0), rand(8, 0)), ("hc_project", "x")),
+    ("hc_mix_pre_phi_rows", RuntimeError,
+     lambda: kernels.hc_mix_pre(rand(4, 2, 3), rand(4, 2, 2), rand(4, 2), rand(4, 3), rand(6), rand(15, 6), rand(3),
+                                rand(15)), ("hc_mix_pre", "phi", "8")),
+    ("hc_mix_pre_y_float64", RuntimeError,
+     lambda: kernels.hc_mix_pre(rand(4, 2, 3), rand(4, 2, 2), rand(4, 2), rand(4, 3).double(), rand(6), rand(8, 6),
+                                rand(3), rand(8)), ("hc_mix_pre", "y", "float32 or bfloat16")),
     ("hc_pre_phi_rows", RuntimeError, lambda: kernels.hc_pre(rand(4, 2, 3), rand(6), rand(15, 6), rand(3), rand(15)),
      ("hc_pre", "phi")),
     ("hc_pre_x_dims", RuntimeError, lambda: kernels.hc_pre(rand(6), rand(6), rand(8, 6), rand(3), rand(8)),

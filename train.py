@@ -287,6 +287,7 @@ TORCH_OPS = SimpleNamespace(
     topk=lambda x, k: torch.topk(x, k),
     sinkhorn=mhc.sinkhorn_torch,
     hc_project=mhc.hc_project_torch, hc_coeffs=mhc.hc_coeffs_torch, hc_pre=mhc.hc_pre_torch,  # mhc-dynamic's
+    hc_mix_pre=mhc.hc_mix_pre_torch,
     stream_merge=mhc.stream_merge_torch,
     stream_mix=mhc.stream_mix_torch, stream_mix_merge=mhc.stream_mix_merge_torch,
     check_errors=lambda: None,  # kernels.check_errors raises our bad indices; PyTorch reports its own
