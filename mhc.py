@@ -319,8 +319,8 @@ def composite_gains(mats):
 
 SWEEP_METRICS = ("loss", "grad_norm", "nonfinite") + tuple(f"gain_{g}" for g in GAINS)
 # What a rerun must share with the results.json it adds cells to (depths and variants may differ).
-SWEEP_SETTINGS = ("sweep", "arch", "n_kv_head", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay", "beta1", "beta2",
-                  "max_iters", "seed", "data_path")
+SWEEP_SETTINGS = ("sweep", "arch", "n_kv_head", "n_embd", "n_head", "block_size", "n_streams", "lr", "weight_decay",
+                  "beta1", "beta2", "max_iters", "seed", "data_path", "dtype")
 
 # train.py's options and presets for the residual and the sweep
 OPTIONS = dict(
@@ -459,7 +459,7 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
     per_step["nonfinite"] = [int(r[2]) for r in rows]
     record = {
         "variant": variant, "depth": depth, "batch_size": batch_size, "steps": len(rows),
-        "op_set": ops.name, "mode": "graph" if graphed else "eager", "device": device_name(device),
+        "op_set": ops.name, "dtype": cfg.dtype, "mode": "graph" if graphed else "eager", "device": device_name(device),
         "diverged_at": diverged_at,
         "nonfinite_steps": sum(1 for r in rows if r[2] > 0),
         "final": {k: per_step[k][-1] if k in per_step else None for k in SWEEP_METRICS},
@@ -499,7 +499,8 @@ def run_sweep(cfg, ops, trainer):
     task = sweep_task(cfg, device, trainer)
     todo = [(v, d, b) for d, b in sweep_depths(cfg, trainer.fail) for v in sweep_variants(cfg, trainer.fail)]
     print(f"mHC sweep on the {'incrementing-token task' if cfg.sweep == 'increment' else 'book'}: "
-          f"{len(todo)} cells | {ops.name} op set ({'graph' if graphed else 'eager'}) on {device_name(device)} | "
+          f"{len(todo)} cells | {ops.name} op set ({'graph' if graphed else 'eager'}, {cfg.dtype}) on "
+          f"{device_name(device)} | "
           f"{cfg.max_iters} steps, {cfg.n_embd} wide, {cfg.n_head} heads, context {cfg.block_size}, "
           f"{cfg.n_streams} streams, lr {cfg.lr:g} | {path}")
 

@@ -1829,7 +1829,10 @@ def train_mhc_sweep_cpu():
         assert [line for line in out.splitlines() if line.startswith("| ")] == rows, "rerun table differs"
         with open(os.path.join(tmp, "results.json")) as f:
             assert json.load(f)["cells"] == cells, "the rerun changed results.json"
-    return f"{len(cells)} cells, rerun skipped them all"
+        # fp32 cells are no bf16 results: a bf16 sweep into the same folder is refused, not skipped
+        _train_fails("bf16 sweep over fp32 results", ("other settings", "dtype"), *_SWEEP_TINY, f"--out_dir={tmp}",
+                     "--dtype=bf16")
+    return f"{len(cells)} cells, rerun skipped them all; a bf16 rerun refused"
 
 
 def train_mhc_sweep_diverging_cell():
