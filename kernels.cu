@@ -4081,25 +4081,29 @@ void hc_project_bwd(const float* x, const float* w, const float* phi, const floa
 // tokens, n <= 8; the PyTorch twins are mhc.stream_merge_torch and mhc.stream_mix_torch:
 //   stream_merge: out[m, c]    = sum_i h[i] x[m, i, c]                               (M, C)
 //   stream_mix:   out[m, i, c] = sum_j h_res[i, j] x[m, j, c] + h_post[i] y[m, c]    (M, n, C)
-// The coefficients are static (one set for all tokens) or per token; a kernel reads token m's at
-// m * stride, so a stride of 0 makes them static and one kernel serves both.
+// and stream_mix_merge, the mix and then the merge of its out by the next sublayer's h_pre, from the
+// registers that hold out. The coefficients are static (one set for all tokens) or per token; a kernel
+// reads token m's at m * stride, so a stride of 0 makes them static and one kernel serves both. The
+// streams are fp32; y (the sublayer's output) is fp32 or bf16 (mixed precision), widened on load.
 //
 // A few FMAs per byte: the floor is reading every input once and writing every output once, which
 // unfused PyTorch misses by far (permute copies, tiny batched matmuls, separate elementwise kernels,
-// each a pass over memory). A thread owns a "unit" of one token: VEC columns (4, as 16-byte loads,
-// when C % 4 == 0 and every pointer is 16-byte aligned, else 1) in all n streams, so the n x n
-// mixing of the unit happens in registers and each element is loaded once. Blocks are
-// 32 x STREAM_TOKENS, a warp per token, lanes on consecutive units (coalesced); the token's
-// coefficients sit in registers, loaded once per thread from warp-uniform addresses (one L1
-// broadcast each). -Xptxas -v: no stack, no spills (n = 8 backward: 247 registers, 128 threads).
+// each a pass over memory). A thread owns a "unit" of one token: VEC columns (4, as 16-byte loads of
+// fp32 and 8-byte loads of bf16, when C % 4 == 0 and every pointer is so aligned, else 1) in all n
+// streams, so the n x n mixing of the unit happens in registers and each element is loaded once.
+// Blocks are 32 x STREAM_TOKENS, a warp per token, lanes on consecutive units (coalesced); the
+// token's coefficients sit in registers, loaded once per thread from warp-uniform addresses (one L1
+// broadcast each). -Xptxas -v: no stack, no spills (n = 8 backward with the merge: 255 registers,
+// 128 threads).
 //
 // Forward: a token's units are also spread over grid.y, so each thread has one unit when C allows.
 // Backward: dx (and dy) are per unit like the forward, but the coefficient gradients are sums over
 // C (dh[i] = sum_c dout[c] x[i, c], ...), so a token stays in one warp: each lane sums its units,
 // a shuffle butterfly sums the lanes (a fixed order, no shared memory, no barrier) and lane 0
-// writes the token's n (merge) or n * n + n (mix) values. For per-token coefficients those are the
-// gradient; for static ones they go to a workspace (M, K) and the column-sum kernels (bias_grad) add
-// the tokens up in a fixed order: no atomics, the same bits every run.
+// writes the token's n (merge), n * n + n (mix) or n * n + 2n (mix_merge) values. For per-token
+// coefficients those are the gradient; for static ones they go to a workspace (M, K) and the
+// column-sum kernels (bias_grad) add the tokens up in a fixed order: no atomics, the same bits
+// every run.
 
 constexpr int STREAM_MAX_N = 8;
 constexpr int STREAM_TOKENS = 4;  // tokens (warps) per block
