@@ -2985,8 +2985,10 @@ def t_hc_pre(lead, n, C, used=(True, True, True)):
     K, D, M = 2 * n + n * n, n * C, math.prod(lead)
     tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
     chosen = [i for i, u in enumerate(used) if u]
-    compare(lambda ops, x, w, phi, alpha, bias: tuple(ops.hc_pre(x, w, phi, alpha, bias)[i] for i in chosen), tol, tol,
-            x=rand(*lead, n, C), w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
+    def f(ops, x, w, phi, alpha, bias):  # one call, its unused outputs' gradients undefined
+        out = ops.hc_pre(x, w, phi, alpha, bias)
+        return tuple(out[i] for i in chosen)
+    compare(f, tol, tol, x=rand(*lead, n, C), w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
 
 
 for _lead, _n, _C in (((1,), 1, 3), ((5,), 2, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
@@ -3057,22 +3059,26 @@ def t_stream_merge(lead, n, C, per_token, layout="contiguous"):
             x=stream_x(lead, n, C, layout), h=rand(*coef, n))
 
 
-def t_stream_mix(lead, n, C, per_token, layout="contiguous"):
-    coef = lead if per_token else ()
-    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
-    compare(lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y), STREAM_TOL,
-            dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol),
-            x=stream_x(lead, n, C, layout), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=rand(*lead, C))
+def mix_op(merge):
+    """f(ops, **inputs): stream_mix, or with merge stream_mix_merge (the mix and the next sublayer's merge of it,
+    both outputs and both gradients going through one kernel each way), which takes h_pre too."""
+    if merge:
+        return lambda ops, x, h_res, h_post, y, h_pre: ops.stream_mix_merge(x, h_res, h_post, y, h_pre)
+    return lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y)
 
 
-def t_stream_mix_merge(lead, n, C, per_token, layout="contiguous"):
-    # the mix and the next sublayer's merge of it (both outputs, both gradients going back through one kernel)
+def mix_inputs(n, coef, x, y, merge):
+    inputs = dict(x=x, h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=y)
+    if merge:
+        inputs["h_pre"] = rand(*coef, n)
+    return inputs
+
+
+def t_stream_mix(lead, n, C, per_token, layout="contiguous", merge=False):
     coef = lead if per_token else ()
     ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
-    compare(lambda ops, x, h_res, h_post, y, h_pre: ops.stream_mix_merge(x, h_res, h_post, y, h_pre), STREAM_TOL,
-            dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
-            x=stream_x(lead, n, C, layout), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=rand(*lead, C),
-            h_pre=rand(*coef, n))
+    compare(mix_op(merge), STREAM_TOL, dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+            **mix_inputs(n, coef, stream_x(lead, n, C, layout), rand(*lead, C), merge))
 
 
 def t_stream_mix_bf16(lead, n, C, per_token, merge, y_misaligned=False):
@@ -3083,14 +3089,9 @@ def t_stream_mix_bf16(lead, n, C, per_token, merge, y_misaligned=False):
     y = rand(*lead, C).to(BF16)
     if y_misaligned:  # 2 bytes into its allocation: not 8-byte aligned, the scalar path
         y = torch.empty(1 + y.numel(), dtype=BF16, device=DEV)[1:].view(y.shape).copy_(y)
-    inputs = dict(x=rand(*lead, n, C), h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=y)
-    grad_tol = dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol)
-    if merge:
-        ours, twin = on_both(lambda ops, x, h_res, h_post, y, h_pre: ops.stream_mix_merge(x, h_res, h_post, y, h_pre))
-        compare_dtypes(ours, twin, STREAM_TOL, grad_tol, (torch.float32, torch.float32), h_pre=rand(*coef, n), **inputs)
-    else:
-        ours, twin = on_both(lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y))
-        compare_dtypes(ours, twin, STREAM_TOL, grad_tol, torch.float32, **inputs)
+    compare_dtypes(*on_both(mix_op(merge)), STREAM_TOL,
+                   dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+                   (torch.float32,) * (2 if merge else 1), **mix_inputs(n, coef, rand(*lead, n, C), y, merge))
 
 
 # (leading dims, n, C, per-token coefficients): n = 1, 2, 4, 8 (and 3, 5, 6, 7 once), C = 1, 7, 256,
@@ -3100,7 +3101,8 @@ STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True
                 ((32, 128), 4, 256, False), ((32, 128), 4, 256, True), ((4096,), 2, 1000, True),
                 ((4096,), 8, 7, False), ((32, 128), 1, 1, True), ((37,), 3, 20, True), ((37,), 5, 12, False),
                 ((37,), 6, 1000, True), ((37,), 7, 256, False)]
-for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix), ("stream_mix_merge", t_stream_mix_merge)):
+for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix),
+                ("stream_mix_merge", functools.partial(t_stream_mix, merge=True))):
     for _lead, _n, _C, _tok in STREAM_CASES:
         add(f"{_op}/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"), _t, _lead, _n, _C,
             _tok)
