@@ -72,15 +72,16 @@ void hc_project_bwd(const float* x, const float* w, const float* phi, const floa
                     float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
 void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
                       cudaStream_t s);
-void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
-                      float* part, int M, int n, int C, bool per_token, cudaStream_t s);
+void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
+                      int n, int C, bool per_token, cudaStream_t s);
 template <class TY>
 void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
                     float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s);
 template <class TY>
 void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
                     const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
-                    float* dh_pre, float* ws, float* part, int M, int n, int C, bool per_token, cudaStream_t s);
+                    float* dh_pre, float* part, int M, int n, int C, bool per_token, cudaStream_t s);
+int stream_coef_rows(int M);
 int colsum_chunks(int, int);
 template <class TG, class TD>
 void bias_grad(const TG*, float*, TD*, int, int, cudaStream_t);
@@ -1275,13 +1276,10 @@ std::tuple<Tensor, Tensor> stream_merge_backward_cuda(const Tensor& x_in, const 
   const Tensor x = x_in.contiguous(), h = h_in.contiguous(), dout = dout_in.contiguous();
   const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
   const bool per_token = h.dim() > 1;
-  Tensor dx = at::empty_like(x), dh = at::empty_like(h), ws, part;
-  if (!per_token) {  // per-token sums, then their sum over the tokens
-    ws = at::empty({(int64_t)M * n}, x.options());
-    part = at::empty({(int64_t)colsum_chunks(M, n) * n}, x.options());
-  }
+  Tensor dx = at::empty_like(x), dh = at::empty_like(h);
+  Tensor part = per_token ? Tensor() : at::empty({(int64_t)stream_coef_rows(M) * n}, x.options());  // blocks' sums
   stream_merge_bwd(x.data_ptr<float>(), h.data_ptr<float>(), dout.data_ptr<float>(), dx.data_ptr<float>(),
-                   dh.data_ptr<float>(), ws_ptr(ws), ws_ptr(part), M, n, C, per_token, stream());
+                   dh.data_ptr<float>(), ws_ptr(part), M, n, C, per_token, stream());
   return {dx, dh};
 }
 
@@ -1362,31 +1360,17 @@ static std::vector<Tensor> mix_backward(const Tensor& x_in, const Tensor& h_res_
   const bool per_token = h_post.dim() > 1;
   const int64_t n = x.size(-2);
   const int C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
-  Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res, dh_post, dh_pre, ws, part, dcoef;
-  if (per_token) {
-    dh_res = at::empty_like(h_res);
-    dh_post = at::empty_like(h_post);
-    if (merge) dh_pre = at::empty_like(h_pre);
-  } else {  // per-token sums, then their sum over the tokens, every coefficient's in one row
-    const int64_t K = n * n + (merge ? 2 : 1) * n;
-    dcoef = at::empty({K}, x.options());
-    ws = at::empty({M * K}, x.options());
-    part = at::empty({colsum_chunks(M, (int)K) * K}, x.options());
-  }
-  float* coef = ws_ptr(dcoef);
+  Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res = at::empty_like(h_res),
+         dh_post = at::empty_like(h_post), dh_pre = merge ? at::empty_like(h_pre) : Tensor();
+  const int64_t K = n * n + (merge ? 2 : 1) * n;  // static: the blocks' sums of every coefficient's gradient
+  Tensor part = per_token ? Tensor() : at::empty({stream_coef_rows(M) * K}, x.options());
   with_type(y.scalar_type(), [&](auto t) {
     using T = decltype(t);
     stream_mix_bwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
                       fptr(h_pre), dout.data_ptr<float>(), fptr(dmerged), dx.data_ptr<float>(), ptr<T>(dy),
-                      per_token ? dh_res.data_ptr<float>() : coef, per_token ? dh_post.data_ptr<float>() : coef + n * n,
-                      per_token ? ws_ptr(dh_pre) : (merge ? coef + n * n + n : nullptr), ws_ptr(ws), ws_ptr(part), M,
-                      (int)n, C, per_token, stream());
+                      dh_res.data_ptr<float>(), dh_post.data_ptr<float>(), ws_ptr(dh_pre), ws_ptr(part), M, (int)n, C,
+                      per_token, stream());
   });
-  if (!per_token) {  // copies, not views of one buffer: a dispatcher op's outputs may not alias each other
-    dh_res = dcoef.narrow(0, 0, n * n).view({n, n}).clone();
-    dh_post = dcoef.narrow(0, n * n, n).clone();
-    if (merge) dh_pre = dcoef.narrow(0, n * n + n, n).clone();
-  }
   std::vector<Tensor> grads{dx, dh_res, dh_post, dy};
   if (merge) grads.push_back(dh_pre);
   return grads;
@@ -1565,7 +1549,7 @@ static std::vector<Tensor> hc_pre_grads(const Tensor& x_in, const Tensor& weight
   Tensor dpre = merged_used && M > 0 ? at::empty_like(pre) : at::zeros_like(pre);
   if (merged_used && M > 0)
     stream_merge_bwd(x.data_ptr<float>(), pre.data_ptr<float>(), dmerged.data_ptr<float>(), nullptr,
-                     dpre.data_ptr<float>(), nullptr, nullptr, M, (int)n, (int)C, true, stream());
+                     dpre.data_ptr<float>(), nullptr, M, (int)n, (int)C, true, stream());
   const auto [dh, dalpha, dbias] = hc_coeffs_backward_cuda(h, alpha, bias, dpre, dpost, dres, iters);
   const Tensor dadd = dadd_in.defined() ? dadd_in.contiguous() : Tensor();
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);

@@ -25,7 +25,7 @@
 //   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats
 //   mhc-dynamic's projection        hc_project_fwd, hc_project_bwd, hc_project_fwd_workspace_floats,
 //                                   hc_project_bwd_workspace_floats
-//   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd
+//   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd, stream_coef_rows
 //   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
 //                                   attention_fwd_workspace_floats, set_attention_wgmma
 //
@@ -3391,7 +3391,10 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // the division gives 0/0 = NaN. Here each lse subtracts its max first (max + log(sum exp(a - max)),
 // the sum in [1, n]), so any finite logits give finite results. The new state is formed as
 // (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
-// |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps.
+// |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps. The state is kept in base 2
+// (A log2(e), P = 2^A): exp2f and log2f are a few instructions each where expf and logf are a dozen
+// or more, at the same accuracy (1-2 ulps), and a matrix's chain of 2 * iters half-steps is what
+// limits both kernels.
 //
 // One row per lane: a matrix is a group of G lanes of one warp (G = n rounded up to a power of 2), lane
 // r holding row r of the state in registers (n is a template parameter, dispatched 1..8, and every loop
@@ -3440,18 +3443,21 @@ struct SinkhornGroup {
   }
 };
 
-// The forward's iterations on row a of group grp; ws != nullptr stores each half-step's lse at
-// ws[(step, k, m)] (row k's by lane k, column k's by lane k).
+// The forward's iterations on row a of group grp: a comes in as logits and leaves as the last state in base 2
+// (P = exp2f(a)); ws != nullptr stores each half-step's lse (base 2) at ws[(step, k, m)] (row k's by lane k,
+// column k's by lane k).
 template <int N>
 __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
                                                  float* ws, int M) {
   using Grp = SinkhornGroup<N>;
   const bool store = ws && grp.active;
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] *= 1.4426950408889634f;  // log2(e)
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {  // column j over the group's rows
       const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
-      const float log_sum = logf(Grp::sum(grp.active ? expf(a[j] - mx) : 0.f));
+      const float log_sum = log2f(Grp::sum(grp.active ? exp2f(a[j] - mx) : 0.f));
       a[j] = (a[j] - mx) - log_sum;
       if (store && grp.r == j) ws[((int64_t)(2 * it) * N + j) * M + grp.m] = mx + log_sum;
     }
@@ -3460,8 +3466,8 @@ __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, fl
     for (int j = 1; j < N; ++j) mx = fmaxf(mx, a[j]);
     float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) sum += expf(a[j] - mx);
-    const float log_sum = logf(sum);
+    for (int j = 0; j < N; ++j) sum += exp2f(a[j] - mx);
+    const float log_sum = log2f(sum);
 #pragma unroll
     for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
     if (store) ws[((int64_t)(2 * it + 1) * N + grp.r) * M + grp.m] = mx + log_sum;
@@ -3485,16 +3491,17 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const fl
   if (!grp.active) return;
   float* dst = out + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = expf(a[j]);
+  for (int j = 0; j < N; ++j) dst[j] = exp2f(a[j]);
 }
 
-// The reverse pass: a holds the forward's last state, g = dL/dP of the lane's row; leaves g = dL/dlogits.
+// The reverse pass: a holds the forward's last state (base 2), g = dL/dP of the lane's row; leaves g = dL/dlogits.
+// The state's base does not enter g: each half-step's Jacobian is that of a log-softmax, exp(A') = exp2f(a').
 template <int N>
 __device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, float (&a)[N], float (&g)[N],
                                                  const float* ws, int M, int iters) {
   using Grp = SinkhornGroup<N>;
 #pragma unroll
-  for (int j = 0; j < N; ++j) g[j] *= expf(a[j]);  // dA = dP * P
+  for (int j = 0; j < N; ++j) g[j] *= exp2f(a[j]);  // dA = dP * P
   // The lse of iteration it - 1 are loaded while iteration it is undone: each load waits on L2 (the
   // forward's stores went there), which would otherwise add its latency to every half-step.
   const int64_t m = grp.active ? grp.m : 0;  // lanes outside a matrix read matrix 0's lse, unused
@@ -3516,13 +3523,13 @@ __device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, fl
     for (int j = 0; j < N; ++j) sum += g[j];
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      g[j] -= expf(a[j]) * sum;
+      g[j] -= exp2f(a[j]) * sum;
       a[j] += row_lse;
     }
 #pragma unroll
     for (int j = 0; j < N; ++j) {  // undo the column step: column j over the group's rows
       const float col_sum = Grp::sum(grp.active ? g[j] : 0.f);
-      g[j] -= expf(a[j]) * col_sum;
+      g[j] -= exp2f(a[j]) * col_sum;
       a[j] += col_lse[j];
     }
   }
@@ -3622,7 +3629,7 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_fwd_kernel(const f
   pre[row] = sigmoidf(alpha[0] * hm[grp.r] + bias[grp.r]);
   post[row] = 2.f * sigmoidf(alpha[1] * hm[N + grp.r] + bias[N + grp.r]);
 #pragma unroll
-  for (int j = 0; j < N; ++j) res[row * N + j] = expf(a[j]);
+  for (int j = 0; j < N; ++j) res[row * N + j] = exp2f(a[j]);
 }
 
 // part: one row of 2K floats a block, the block's sums of dL/du (the bias's gradient) and of dL/du * h
@@ -4093,16 +4100,17 @@ void hc_project_bwd(const float* x, const float* w, const float* phi, const floa
 // streams, so the n x n mixing of the unit happens in registers and each element is loaded once.
 // Blocks are 32 x STREAM_TOKENS, a warp per token, lanes on consecutive units (coalesced); the
 // token's coefficients sit in registers, loaded once per thread from warp-uniform addresses (one L1
-// broadcast each). -Xptxas -v: no stack, no spills (n = 8 backward with the merge: 255 registers,
-// 128 threads).
+// broadcast each). -Xptxas -v: the n = 8 backward with the merge takes 255 registers at 128 threads,
+// without spills.
 //
 // Forward: a token's units are also spread over grid.y, so each thread has one unit when C allows.
 // Backward: dx (and dy) are per unit like the forward, but the coefficient gradients are sums over
-// C (dh[i] = sum_c dout[c] x[i, c], ...), so a token stays in one warp: each lane sums its units,
-// a shuffle butterfly sums the lanes (a fixed order, no shared memory, no barrier) and lane 0
-// writes the token's n (merge), n * n + n (mix) or n * n + 2n (mix_merge) values. For per-token
-// coefficients those are the gradient; for static ones they go to a workspace (M, K) and the
-// column-sum kernels (bias_grad) add the tokens up in a fixed order: no atomics, the same bits
+// C (dh[i] = sum_c dout[c] x[i, c], ...), so a token stays in one warp and each lane sums its units.
+// Per-token coefficients: the lanes' K sums (n for the merge, n * n + n for the mix, n * n + 2n with
+// the merge) are added up by one butterfly that leaves value k's total in lane k (warp_sums: about 31
+// shuffles instead of 5 per value), and lane k stores it. Static coefficients: a warp walks several
+// tokens and keeps adding into the same K sums, the block adds its warps' totals into one row of
+// partials, and stream_coef_finish adds the rows. Every order is fixed: no atomics, the same bits
 // every run.
 
 constexpr int STREAM_MAX_N = 8;
@@ -4125,6 +4133,7 @@ struct StreamArgs {
   float* dh;            // backward: merge's dh or mix's dh_res, token m's at m * dh_stride
   float* dh_post;       // mix backward, token m's at m * dpost_stride
   float* dh_pre;        // mix_merge backward, token m's at m * dpost_stride
+  float* part;          // backward with static coefficients: a row of the block's K sums per block
   int64_t h_stride, post_stride, dh_stride, dpost_stride;
   int M, C;
 };
@@ -4169,6 +4178,63 @@ __device__ __forceinline__ void stream_mixed(int i, const float (&r)[N * N], con
     o[k] = p[i] * yv[k];
 #pragma unroll
     for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
+  }
+}
+
+// The steps below P of warp_sum_each, offset O first (recursion, so every index into w is a constant).
+template <int O, int P>
+__device__ __forceinline__ void warp_sum_halves(float (&w)[P]) {
+  if constexpr (O > 0) {
+    const bool upper = threadIdx.x & O;
+#pragma unroll
+    for (int k = 0; k < O; ++k) {
+      const float send = upper ? w[k] : w[k + O];
+      w[k] = (upper ? w[k + O] : w[k]) + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    warp_sum_halves<O / 2>(w);
+  }
+}
+
+// Each of V <= 32 values summed over the warp's lanes: afterwards lane l holds the total of value l % P, P being
+// V rounded up to a power of 2. The butterfly's steps at offsets 16 .. P add all P values; each step below P
+// halves them, a lane keeping the half its offset bit picks and adding its partner's copy of that half. That is
+// P log2(32 / P) + P - 1 shuffles (31 for 32 values) where a warp_sum of each takes 5 per value, and each
+// total is the same pairwise sum in the same order as warp_sum's: the same bits.
+template <int V>
+__device__ __forceinline__ float warp_sum_each(const float* v) {
+  constexpr int P = V <= 1 ? 1 : V <= 2 ? 2 : V <= 4 ? 4 : V <= 8 ? 8 : V <= 16 ? 16 : 32;
+  float w[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) w[k] = k < V ? v[k] : 0.f;
+  for (int o = 16; o >= P; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < P; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k], o);
+  warp_sum_halves<P / 2>(w);
+  return w[0];
+}
+
+// The K per-lane sums acc added over the warp, 32 values at a time: use(k, total) runs on lane k % 32.
+template <int LO = 0, int K, class Use>
+__device__ __forceinline__ void warp_sums(const float (&acc)[K], Use use) {
+  constexpr int V = K - LO < 32 ? K - LO : 32;
+  const float total = warp_sum_each<V>(acc + LO);
+  const int lane = threadIdx.x & 31;
+  if (lane < V) use(LO + lane, total);
+  if constexpr (LO + 32 < K) warp_sums<LO + 32>(acc, use);
+}
+
+// Static coefficients: each warp's K sums (over all its tokens) added over its lanes, then the block's warps
+// added in order into row blockIdx.x of part. Every thread of the block must call it.
+template <int K>
+__device__ __forceinline__ void stream_block_sums(const float (&acc)[K], float* part) {
+  __shared__ float sums[STREAM_TOKENS][K];
+  warp_sums(acc, [&](int k, float total) { sums[threadIdx.y][k] = total; });
+  __syncthreads();
+  for (int k = threadIdx.y * 32 + threadIdx.x; k < K; k += 32 * STREAM_TOKENS) {
+    float t = sums[0][k];
+#pragma unroll
+    for (int w = 1; w < STREAM_TOKENS; ++w) t += sums[w][k];
+    part[(int64_t)blockIdx.x * K + k] = t;
   }
 }
 
@@ -4222,60 +4288,62 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_fwd_kernel(Stre
   }
 }
 
-// dx[i] = h[i] dout; dh[i] = sum_c dout[c] x[i, c] for the warp's token.
+// dx[i] = h[i] dout; dh[i] = sum_c dout[c] x[i, c] for each of the warp's tokens (static: summed over them).
 template <int N, int VEC>
 __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(StreamArgs a) {
-  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y, lane = threadIdx.x;
-  if (m >= a.M) return;  // the whole warp (m is the same for its lanes), so the shuffles below stay full
+  const bool per_token = a.h_stride != 0;
   const int units = a.C / VEC;
-  const float* x = a.x + (int64_t)m * N * a.C;
-  const float* g = a.dout + (int64_t)m * a.C;
-  float* dx = a.dx ? a.dx + (int64_t)m * N * a.C : nullptr;  // none: hc_pre adds h[i] dout in its own pass
-  float h[N], acc[N] = {};
-  stream_coefs<N>(a.h + m * a.h_stride, h);
-  for (int u = lane; u < units; u += 32) {
-    float gv[VEC], xv[N][VEC];
-    stream_load<VEC>(g, u, gv);
+  float acc[N] = {};
+  // m is the same for the whole warp, so the shuffles in warp_sums always have every lane
+  for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
+    const float* x = a.x + (int64_t)m * N * a.C;
+    const float* g = a.dout + (int64_t)m * a.C;
+    float* dx = a.dx ? a.dx + (int64_t)m * N * a.C : nullptr;  // none: hc_pre adds h[i] dout in its own pass
+    float h[N];
+    stream_coefs<N>(a.h + m * a.h_stride, h);
+    for (int u = threadIdx.x; u < units; u += 32) {
+      float gv[VEC], xv[N][VEC];
+      stream_load<VEC>(g, u, gv);
 #pragma unroll
-    for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
+      for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float d[VEC];
+      for (int i = 0; i < N; ++i) {
+        float d[VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        d[k] = h[i] * gv[k];
-        acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
+        for (int k = 0; k < VEC; ++k) {
+          d[k] = h[i] * gv[k];
+          acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
+        }
+        if (dx) stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
       }
-      if (dx) stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
+    }
+    if (per_token) {
+      warp_sums(acc, [&](int k, float total) { a.dh[m * a.dh_stride + k] = total; });
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = 0.f;
     }
   }
-#pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] = warp_sum(acc[i]);
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) a.dh[m * a.dh_stride + i] = acc[i];
-  }
+  if (!per_token) stream_block_sums<N>(acc, a.part);
 }
 
-// dx[j] = sum_i h_res[i, j] dout[i]; dy = sum_i h_post[i] dout[i]; for the warp's token
-// dh_res[i, j] = sum_c dout[i, c] x[j, c] and dh_post[i] = sum_c dout[i, c] y[c].
+// dx[j] = sum_i h_res[i, j] dout[i]; dy = sum_i h_post[i] dout[i]; for token m, added into acc (K = n * n + n
+// values, n * n + 2n with MERGE): dh_res[i, j] = sum_c dout[i, c] x[j, c] and dh_post[i] = sum_c dout[i, c] y[c].
 // With MERGE the gradient reaching out[i] is dout[i] + h_pre[i] dmerged (the add autograd would make,
 // rounded as it would round it), and dh_pre[i] = sum_c dmerged[c] out[i, c] with out recomputed from x and y.
-template <int N, int VEC, class TY, bool MERGE>
-__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(StreamArgs a) {
-  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y, lane = threadIdx.x;
-  if (m >= a.M) return;  // the whole warp, as in stream_merge_bwd_kernel
+template <int N, int VEC, class TY, bool MERGE, int K>
+__device__ __forceinline__ void stream_mix_bwd_token(const StreamArgs& a, int m, float (&acc)[K]) {
+  constexpr int RES = 0, POST = N * N, PRE = N * N + N;  // where each coefficient's sums start in acc
   const int units = a.C / VEC;
   const float* x = a.x + (int64_t)m * N * a.C;
   const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
   const float* g = a.dout + (int64_t)m * N * a.C;
   float* dx = a.dx + (int64_t)m * N * a.C;
   TY* dy = static_cast<TY*>(a.dy) + (int64_t)m * a.C;
-  float r[N * N], p[N], q[N], acc_r[N * N] = {}, acc_p[N] = {}, acc_q[N] = {};
+  float r[N * N], p[N], q[N];
   stream_coefs<N * N>(a.h + m * a.h_stride, r);
   stream_coefs<N>(a.h_post + m * a.post_stride, p);
   if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
-  for (int u = lane; u < units; u += 32) {
+  for (int u = threadIdx.x; u < units; u += 32) {
     float gv[N][VEC], xv[N][VEC], yv[VEC];
 #pragma unroll
     for (int i = 0; i < N; ++i) stream_load<VEC>(g + (int64_t)i * a.C, u, gv[i]);
@@ -4291,7 +4359,7 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(Stre
         stream_mixed<N, VEC>(i, r, p, xv, yv, o);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          acc_q[i] = fmaf(dm[k], o[k], acc_q[i]);
+          acc[PRE + i] = fmaf(dm[k], o[k], acc[PRE + i]);
           gv[i][k] = __fadd_rn(gv[i][k], __fmul_rn(q[i], dm[k]));
         }
       }
@@ -4314,26 +4382,50 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(Stre
     for (int i = 0; i < N; ++i)
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        acc_p[i] = fmaf(gv[i][k], yv[k], acc_p[i]);
+        acc[POST + i] = fmaf(gv[i][k], yv[k], acc[POST + i]);
 #pragma unroll
-        for (int j = 0; j < N; ++j) acc_r[i * N + j] = fmaf(gv[i][k], xv[j][k], acc_r[i * N + j]);
+        for (int j = 0; j < N; ++j) acc[RES + i * N + j] = fmaf(gv[i][k], xv[j][k], acc[RES + i * N + j]);
       }
   }
+}
+
+// The mix's backward for each of the warp's tokens (stream_mix_bwd_token); the coefficient gradients stored per
+// token (h_res's, then h_post's, then h_pre's) or, static, summed over the tokens (stream_block_sums).
+template <int N, int VEC, class TY, bool MERGE>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(StreamArgs a) {
+  constexpr int K = N * N + (MERGE ? 2 : 1) * N;
+  const bool per_token = a.h_stride != 0;
+  float acc[K] = {};
+  // m is the same for the whole warp, so the shuffles in warp_sums always have every lane
+  for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
+    stream_mix_bwd_token<N, VEC, TY, MERGE>(a, m, acc);
+    if (per_token) {
+      warp_sums(acc, [&](int k, float total) {
+        if (k < N * N) a.dh[m * a.dh_stride + k] = total;
+        else if (k < N * N + N) a.dh_post[m * a.dpost_stride + k - N * N] = total;
+        else a.dh_pre[m * a.dpost_stride + k - N * N - N] = total;
+      });
 #pragma unroll
-  for (int k = 0; k < N * N; ++k) acc_r[k] = warp_sum(acc_r[k]);
-#pragma unroll
-  for (int i = 0; i < N; ++i) acc_p[i] = warp_sum(acc_p[i]);
-  if constexpr (MERGE)
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc_q[i] = warp_sum(acc_q[i]);
+      for (int k = 0; k < K; ++k) acc[k] = 0.f;
+    }
+  }
+  if (!per_token) stream_block_sums<K>(acc, a.part);
+}
+
+// The static coefficients' gradients: the column sums of the blocks' rows of part (rows x K), a warp a column, its
+// lanes strided over the rows and then a shuffle tree (a fixed order: the same bits every run); columns
+// [0, k0) go to out0, [k0, k0 + k1) to out1 and the rest to out2.
+__global__ void stream_coef_finish_kernel(const float* part, int rows, int K, float* out0, int k0, float* out1,
+                                          int k1, float* out2) {
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= K) return;
+  float sum = 0.f;
+  for (int b = lane; b < rows; b += 32) sum += part[(int64_t)b * K + t];
+  sum = warp_sum(sum);
   if (lane == 0) {
-#pragma unroll
-    for (int k = 0; k < N * N; ++k) a.dh[m * a.dh_stride + k] = acc_r[k];
-#pragma unroll
-    for (int i = 0; i < N; ++i) a.dh_post[m * a.dpost_stride + i] = acc_p[i];
-    if constexpr (MERGE)
-#pragma unroll
-      for (int i = 0; i < N; ++i) a.dh_pre[m * a.dpost_stride + i] = acc_q[i];
+    if (t < k0) out0[t] = sum;
+    else if (t < k0 + k1) out1[t - k0] = sum;
+    else out2[t - k0 - k1] = sum;
   }
 }
 
@@ -4391,24 +4483,40 @@ void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, 
   check_launch("stream_merge_fwd");
 }
 
-// dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the
-// workspaces ws (M * n floats) and part (colsum_chunks(M, n) * n floats). Zeros where C or M is 0.
+// Rows of partial sums the static coefficients' backward writes (K floats each): one per block, and about a
+// full wave of blocks, each warp walking M / (32 * STREAM_TOKENS * SMs) tokens or so.
+int stream_coef_rows(int M) { return std::max(1, std::min(ceil_div(M, STREAM_TOKENS), 4 * num_sms())); }
+
+// The backward's blocks: a warp per token for per-token coefficients, stream_coef_rows for static ones (then the
+// K = k0 + k1 + k2 column sums of their rows into out0, out1 and out2 by stream_coef_finish_kernel).
+template <class Launch>
+static void stream_bwd_launch(const char* what, int M, bool per_token, Launch launch, const float* part, int k0,
+                              float* out0, int k1, float* out1, int k2, float* out2, cudaStream_t s) {
+  const int blocks = per_token ? ceil_div(M, STREAM_TOKENS) : stream_coef_rows(M);
+  if (blocks > 0) launch(blocks);
+  check_launch(what);
+  if (per_token) return;
+  const int K = k0 + k1 + k2;
+  stream_coef_finish_kernel<<<ceil_div(K, 8), 256, 0, s>>>(part, blocks, K, out0, k0, out1, k1, out2);
+  check_launch("stream_coef_finish");
+}
+
+// dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the workspace part
+// (stream_coef_rows(M) * n floats). Zeros where C or M is 0.
 // dx = nullptr (per token only) leaves dx to the caller: hc_pre adds it in hc_project_bwd's pass.
-void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* ws,
-                      float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
+void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
+                      int n, int C, bool per_token, cudaStream_t s) {
   stream_check_n("stream_merge_bwd", n);
-  if (M > 0) {
-    StreamArgs a{};
-    a.x = x; a.h = h; a.dout = dout; a.dx = dx; a.dh = per_token ? dh : ws;
-    a.h_stride = per_token ? n : 0; a.dh_stride = n; a.M = M; a.C = C;
-    const bool vec4 = stream_vec4(C, x, dout, dx);
+  StreamArgs a{};
+  a.x = x; a.h = h; a.dout = dout; a.dx = dx; a.dh = dh; a.part = part;
+  a.h_stride = per_token ? n : 0; a.dh_stride = n; a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, dout, dx);
+  auto launch = [&](int blocks) {
     stream_dispatch(n, vec4, [&](auto N, auto V) {
-      stream_merge_bwd_kernel<decltype(N)::value, decltype(V)::value>
-          <<<ceil_div(M, STREAM_TOKENS), STREAM_BLOCK, 0, s>>>(a);
+      stream_merge_bwd_kernel<decltype(N)::value, decltype(V)::value><<<blocks, STREAM_BLOCK, 0, s>>>(a);
     });
-    check_launch("stream_merge_bwd");
-  }
-  if (!per_token) bias_grad(ws, part, dh, M, n, s);
+  };
+  stream_bwd_launch("stream_merge_bwd", M, per_token, launch, part, n, dh, 0, nullptr, 0, nullptr, s);
 }
 
 // x (M, n, C), y (M, C) -> out (M, n, C); h_res n * n floats (row-major) and h_post n, or that many per
@@ -4433,38 +4541,30 @@ void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, con
 }
 
 // dout (M, n, C) -> dx (M, n, C), dy (M, C), and the coefficient gradients: per token dh_res (M, n, n) and
-// dh_post (M, n); static, the token sums of both through the workspaces ws (M * K floats) and part
-// (colsum_chunks(M, K) * K floats), written as one row of K = n * n + n floats, so dh_post must be
-// dh_res + n * n. With h_pre (stream_mix_merge) dmerged (M, C) comes in too and dh_pre (M, n) or (n,) goes
-// out, after dh_post (K = n * n + 2n, dh_pre = dh_post + n when static). Zeros where C or M is 0.
+// dh_post (M, n); static, their token sums (n, n) and (n,) through the workspace part (stream_coef_rows(M) * K
+// floats, K = n * n + n). With h_pre (stream_mix_merge) dmerged (M, C) comes in too and dh_pre (M, n) or (n,)
+// goes out (K = n * n + 2n). Zeros where C or M is 0.
 template <class TY>
 void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
                     const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
-                    float* dh_pre, float* ws, float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
+                    float* dh_pre, float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
   stream_check_n("stream_mix_bwd", n);
-  const int K = n * n + (h_pre ? 2 * n : n);
-  if (!per_token && (dh_post != dh_res + n * n || (h_pre && dh_pre != dh_post + n)))
-    throw std::runtime_error("stream_mix_bwd: static coefficients need dh_post == dh_res + n * n "
-                             "(and dh_pre == dh_post + n)");
-  if (M > 0) {
-    StreamArgs a{};
-    a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.dout = dout; a.dmerged = dmerged;
-    a.dx = dx; a.dy = dy;
-    a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
-    a.dh = per_token ? dh_res : ws; a.dh_stride = per_token ? n * n : K;
-    a.dh_post = per_token ? dh_post : ws + n * n; a.dh_pre = per_token ? dh_pre : ws + n * n + n;
-    a.dpost_stride = per_token ? n : K;
-    a.M = M; a.C = C;
-    const bool vec4 = stream_vec4(C, x, y, dout, dmerged, dx, dy);
+  StreamArgs a{};
+  a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.dout = dout; a.dmerged = dmerged;
+  a.dx = dx; a.dy = dy; a.dh = dh_res; a.dh_post = dh_post; a.dh_pre = dh_pre; a.part = part;
+  a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
+  a.dh_stride = n * n; a.dpost_stride = n;
+  a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, y, dout, dmerged, dx, dy);
+  auto launch = [&](int blocks) {
     stream_dispatch(n, vec4, [&](auto N, auto V) {
       constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
-      const int blocks = ceil_div(M, STREAM_TOKENS);
       if (h_pre) stream_mix_bwd_kernel<n_, vec, TY, true><<<blocks, STREAM_BLOCK, 0, s>>>(a);
       else stream_mix_bwd_kernel<n_, vec, TY, false><<<blocks, STREAM_BLOCK, 0, s>>>(a);
     });
-    check_launch("stream_mix_bwd");
-  }
-  if (!per_token) bias_grad(ws, part, dh_res, M, K, s);
+  };
+  stream_bwd_launch("stream_mix_bwd", M, per_token, launch, part, n * n, dh_res, n, dh_post, h_pre ? n : 0, dh_pre,
+                    s);
 }
 
 #define STREAM_MIX_INSTANTIATE(TY)                                                                            \
@@ -4472,7 +4572,7 @@ void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, con
                                    float*, int, int, int, bool, cudaStream_t);                                \
   template void stream_mix_bwd<TY>(const float*, const float*, const float*, const TY*, const float*,          \
                                    const float*, const float*, float*, TY*, float*, float*, float*, float*,    \
-                                   float*, int, int, int, bool, cudaStream_t);
+                                   int, int, int, bool, cudaStream_t);
 STREAM_MIX_INSTANTIATE(float)
 STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 #undef STREAM_MIX_INSTANTIATE

@@ -261,7 +261,11 @@ class Streams(nn.Module):
     def expand(self, x, ops):  # (B, T, C) -> (B, T, n, C)
         if self.mixing is not None:
             self.mixing.compute(ops)
-        return x if self.variant == "baseline" else x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+        if self.variant == "baseline":
+            return x
+        # copied once here: the first sublayer reads the streams twice (its merge, then the next one's mix), and
+        # each of our ops would copy a broadcast view to contiguous memory on its own
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1]).contiguous()
 
     def collapse(self, x, ops):  # (B, T, n, C) or a PendingMix -> (B, T, C); the baseline's (a PendingSum) as it is
         if self.mixing is not None:

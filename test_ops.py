@@ -169,9 +169,15 @@ def compare(f, tol, grad_tol=None, dy=None, **inputs):
     torch.autograd.backward([out for _, out in outs], dys)
     torch.autograd.backward([ref for _, ref in refs], [d.double() for d in dys])
     for n, t in ours_in.items():
-        if t is not None and t.is_floating_point():
-            assert t.grad is not None, f"no gradient reached {n}"
-            check("d" + n, t.grad, ref_in[n].grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
+        if t is None or not t.is_floating_point():
+            continue
+        ref_grad = ref_in[n].grad
+        if ref_grad is None:  # the loss does not depend on n (an unused output's input): zeros, or none at all
+            if t.grad is None:
+                continue
+            ref_grad = torch.zeros_like(ref_in[n])
+        assert t.grad is not None, f"no gradient reached {n}"
+        check("d" + n, t.grad, ref_grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
 
 
 def run_case(name, fn, gpu):
@@ -3027,6 +3033,7 @@ add("hc_mix_pre/24_n4_C64_streams_unused", t_hc_mix_pre, (24,), 4, 64, used=(Fal
 add("hc_mix_pre/24_n4_C64_post_res_unused", t_hc_mix_pre, (24,), 4, 64, used=(True, True, False, False))
 add("hc_mix_pre_bf16/37_n4_C256", t_hc_mix_pre, (37,), 4, 256, y_dtype=BF16)
 add("hc_mix_pre_bf16/5_n3_C7", t_hc_mix_pre, (5,), 3, 7, y_dtype=BF16)
+add("hc_mix_pre_bf16/24_n4_C64_static", t_hc_mix_pre, (24,), 4, 64, per_token=False, y_dtype=BF16)
 
 add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
 add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
@@ -3059,11 +3066,14 @@ def t_stream_merge(lead, n, C, per_token, layout="contiguous"):
             x=stream_x(lead, n, C, layout), h=rand(*coef, n))
 
 
-def mix_op(merge):
+def mix_op(merge, used=(True, True)):
     """f(ops, **inputs): stream_mix, or with merge stream_mix_merge (the mix and the next sublayer's merge of it,
-    both outputs and both gradients going through one kernel each way), which takes h_pre too."""
+    both outputs and both gradients going through one kernel each way), which takes h_pre too. used: which of
+    stream_mix_merge's outputs the loss takes (an unused one's gradient comes back undefined: zeros)."""
     if merge:
-        return lambda ops, x, h_res, h_post, y, h_pre: ops.stream_mix_merge(x, h_res, h_post, y, h_pre)
+        def f(ops, x, h_res, h_post, y, h_pre):  # one call
+            return tuple(o for o, u in zip(ops.stream_mix_merge(x, h_res, h_post, y, h_pre), used, strict=True) if u)
+        return f
     return lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y)
 
 
@@ -3074,10 +3084,10 @@ def mix_inputs(n, coef, x, y, merge):
     return inputs
 
 
-def t_stream_mix(lead, n, C, per_token, layout="contiguous", merge=False):
+def t_stream_mix(lead, n, C, per_token, layout="contiguous", merge=False, used=(True, True)):
     coef = lead if per_token else ()
     ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
-    compare(mix_op(merge), STREAM_TOL, dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+    compare(mix_op(merge, used), STREAM_TOL, dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
             **mix_inputs(n, coef, stream_x(lead, n, C, layout), rand(*lead, C), merge))
 
 
@@ -3095,12 +3105,13 @@ def t_stream_mix_bf16(lead, n, C, per_token, merge, y_misaligned=False):
 
 
 # (leading dims, n, C, per-token coefficients): n = 1, 2, 4, 8 (and 3, 5, 6, 7 once), C = 1, 7, 256,
-# 1000, tokens = 1, 37, 4096, each static and per token somewhere
+# 1000, tokens = 1, 37, 4096, each static and per token somewhere; and 65536 static tokens, so that each warp
+# of the backward walks dozens of them (stream_coef_rows)
 STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True), ((37,), 2, 7, False),
                 ((37,), 4, 1000, False), ((37,), 8, 7, True), ((1, 37), 4, 256, True), ((1, 37), 8, 256, False),
                 ((32, 128), 4, 256, False), ((32, 128), 4, 256, True), ((4096,), 2, 1000, True),
                 ((4096,), 8, 7, False), ((32, 128), 1, 1, True), ((37,), 3, 20, True), ((37,), 5, 12, False),
-                ((37,), 6, 1000, True), ((37,), 7, 256, False)]
+                ((37,), 6, 1000, True), ((37,), 7, 256, False), ((64, 1024), 2, 4, False)]
 for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix),
                 ("stream_mix_merge", functools.partial(t_stream_mix, merge=True))):
     for _lead, _n, _C, _tok in STREAM_CASES:
@@ -3111,6 +3122,9 @@ for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix),
             add(f"{_op}/37x4x256_{'per_token' if _tok else 'static'}_{_layout}", _t, (37,), 4, 256, _tok, _layout)
         add(f"empty/{_op}_0x4x256_{'per_token' if _tok else 'static'}", _t, (0,), 4, 256, _tok)
     add(f"empty/{_op}_5x4x0_static", _t, (5,), 4, 0, False)  # C = 0: zero coefficient gradients
+for _tok, _used in ((False, (False, True)), (True, (True, False))):
+    add(f"stream_mix_merge/37x4x256_{'per_token' if _tok else 'static'}_{'merged' if _used[0] else 'streams'}_unused",
+        functools.partial(t_stream_mix, merge=True, used=_used), (37,), 4, 256, _tok)
 for _merge in (False, True):
     _op = "stream_mix_merge" if _merge else "stream_mix"
     for _lead, _n, _C, _tok in (((37,), 4, 256, False), ((37,), 4, 256, True), ((2, 65), 8, 768, True),
