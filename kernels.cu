@@ -3392,7 +3392,7 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // the sum in [1, n]), so any finite logits give finite results. The new state is formed as
 // (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
 // |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps. The state is kept in base 2
-// (A log2(e), P = 2^A): exp2f and log2f are a few instructions each where expf and logf are a dozen
+// (A log2(e), P = 2^A; the scaling rounds each logit once, as storing it in fp32 did): exp2f and log2f are a few instructions each where expf and logf are a dozen
 // or more, at the same accuracy (1-2 ulps), and a matrix's chain of 2 * iters half-steps is what
 // limits both kernels.
 //
@@ -4199,7 +4199,8 @@ __device__ __forceinline__ void warp_sum_halves(float (&w)[P]) {
 // V rounded up to a power of 2. The butterfly's steps at offsets 16 .. P add all P values; each step below P
 // halves them, a lane keeping the half its offset bit picks and adding its partner's copy of that half. That is
 // P log2(32 / P) + P - 1 shuffles (31 for 32 values) where a warp_sum of each takes 5 per value, and each
-// total is the same pairwise sum in the same order as warp_sum's: the same bits.
+// total is the same pairwise sum in the same order as warp_sum's: the same bits. threadIdx.x's low 5 bits must be
+// the lane (blocks a multiple of 32 wide, as every stream kernel's).
 template <int V>
 __device__ __forceinline__ float warp_sum_each(const float* v) {
   constexpr int P = V <= 1 ? 1 : V <= 2 ? 2 : V <= 4 ? 4 : V <= 8 ? 8 : V <= 16 ? 16 : 32;
@@ -4483,8 +4484,8 @@ void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, 
   check_launch("stream_merge_fwd");
 }
 
-// Rows of partial sums the static coefficients' backward writes (K floats each): one per block, and about a
-// full wave of blocks, each warp walking M / (32 * STREAM_TOKENS * SMs) tokens or so.
+// Rows of partial sums the static coefficients' backward writes (K floats each): one per block, 4 blocks an SM
+// (STREAM_TOKENS warps each), so each warp walks about M / (4 * STREAM_TOKENS * SMs) tokens.
 int stream_coef_rows(int M) { return std::max(1, std::min(ceil_div(M, STREAM_TOKENS), 4 * num_sms())); }
 
 // The backward's blocks: a warp per token for per-token coefficients, stream_coef_rows for static ones (then the

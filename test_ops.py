@@ -146,10 +146,11 @@ def outputs(out):
     return (("out", out),) if torch.is_tensor(out) else tuple((f"out{i}", t) for i, t in enumerate(out))
 
 
-def compare(f, tol, grad_tol=None, dy=None, **inputs):
+def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
     """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies; f may return a tuple, each
     output checked. Given grad_tol (one for all, or by input name), one dy per output (random unless
-    given) goes back through both autograds and every float input's gradient is checked too. Float32
+    given) goes back through both autograds and every float input's gradient is checked too; unreached names
+    the inputs the loss does not depend on (an unused output's): their gradient must be zeros or none. Float32
     inputs and dy reach our op as they are (same memory, same strides and offset); the reference gets
     float64 copies."""
     def leaves(dtype):
@@ -172,11 +173,13 @@ def compare(f, tol, grad_tol=None, dy=None, **inputs):
         if t is None or not t.is_floating_point():
             continue
         ref_grad = ref_in[n].grad
-        if ref_grad is None:  # the loss does not depend on n (an unused output's input): zeros, or none at all
+        if n in unreached:
+            assert ref_grad is None, f"the reference's loss depends on {n}, named unreached"
             if t.grad is None:
                 continue
             ref_grad = torch.zeros_like(ref_in[n])
         assert t.grad is not None, f"no gradient reached {n}"
+        assert ref_grad is not None, f"no gradient reached {n} in the reference"
         check("d" + n, t.grad, ref_grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
 
 
@@ -3088,6 +3091,7 @@ def t_stream_mix(lead, n, C, per_token, layout="contiguous", merge=False, used=(
     coef = lead if per_token else ()
     ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
     compare(mix_op(merge, used), STREAM_TOL, dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+            unreached=() if used[1] else ("h_pre",),  # merged unused: h_pre reaches nothing
             **mix_inputs(n, coef, stream_x(lead, n, C, layout), rand(*lead, C), merge))
 
 
