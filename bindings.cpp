@@ -1525,7 +1525,7 @@ std::vector<Tensor> hc_pre_forward_cuda(const Tensor& x_in, const Tensor& weight
 
 std::vector<Tensor> hc_pre_forward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
                                         const Tensor& bias, int64_t iters, double eps) {
-  const int64_t n = check_hc_pre(x, weight, phi);
+  check_hc_pre(x, weight, phi);
   const auto [h, rstd] = hc_project_forward_meta(x.flatten(-2), weight, phi, eps);
   const auto [pre, post, res] = hc_coeffs_meta(h, alpha, bias, iters);
   return {at::empty(with_dims(x.select(-2, 0), {x.size(-1)}), x.options()), post, res, h, rstd, pre};

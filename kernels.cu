@@ -3392,9 +3392,9 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // the sum in [1, n]), so any finite logits give finite results. The new state is formed as
 // (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
 // |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps. The state is kept in base 2
-// (A log2(e), P = 2^A; the scaling rounds each logit once, as storing it in fp32 did): exp2f and log2f are a few instructions each where expf and logf are a dozen
-// or more, at the same accuracy (1-2 ulps), and a matrix's chain of 2 * iters half-steps is what
-// limits both kernels.
+// (A log2(e), P = 2^A; the scaling rounds each logit once more): exp2f and log2f are a few
+// instructions each where expf and logf are a dozen or more, at the same accuracy (1-2 ulps), and a
+// matrix's chain of 2 * iters half-steps is what limits both kernels.
 //
 // One row per lane: a matrix is a group of G lanes of one warp (G = n rounded up to a power of 2), lane
 // r holding row r of the state in registers (n is a template parameter, dispatched 1..8, and every loop
@@ -3803,7 +3803,8 @@ __global__ void __launch_bounds__(HP_TOKENS / 16 * HP_SPLIT * 32) hc_project_fwd
       for (int kk = 0; kk < KP; ++kk) {
         float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
         if (in && kk < K) p = __ldg(reinterpret_cast<const float4*>(phi + (int64_t)kk * D + r0 + c));
-        *reinterpret_cast<float4*>(hp_smem + kk * stride + c) = make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
+        *reinterpret_cast<float4*>(hp_smem + kk * stride + c) =
+            make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
       }
     }
   } else {
