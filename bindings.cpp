@@ -67,6 +67,11 @@ int64_t hc_project_fwd_workspace_floats(int M, int n, int D);
 int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
 void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
                     int D, float eps, cudaStream_t s);
+int64_t hc_mix_project_fwd_workspace_floats(int M, int n, int C);
+template <class TY>
+void hc_mix_project_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, float* out,
+                        const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n, int C,
+                        bool per_token, float eps, cudaStream_t s);
 void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
                     const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
                     float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
@@ -1507,20 +1512,26 @@ static int64_t check_hc_pre(const Tensor& x, const Tensor& weight, const Tensor&
   return n;
 }
 
+// The rest of hc_pre's forward once x (contiguous) is projected: the coefficients and the merge.
 // (merged, post, res, and for the backward h, rstd, pre)
-std::vector<Tensor> hc_pre_forward_cuda(const Tensor& x_in, const Tensor& weight, const Tensor& phi,
-                                        const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
-  const int64_t n = check_hc_pre(x_in, weight, phi);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const Tensor x = x_in.contiguous();
-  const int64_t C = x.size(-1);
-  const auto [h, rstd] = hc_project_forward_cuda(x.flatten(-2), weight, phi, eps);
+static std::vector<Tensor> hc_pre_from_projection(const char* op, const Tensor& x, const Tensor& h, const Tensor& rstd,
+                                                  const Tensor& alpha, const Tensor& bias, int64_t iters) {
+  const int64_t n = x.size(-2), C = x.size(-1);
   const auto [pre, post, res] = hc_coeffs_cuda(h, alpha, bias, iters);
   Tensor merged = at::empty(with_dims(x.select(-2, 0), {C}), x.options());
   stream_merge_fwd(x.data_ptr<float>(), pre.data_ptr<float>(), merged.data_ptr<float>(),
-                   to_int("hc_pre", x.numel() / std::max<int64_t>(n * C, 1), "number of tokens"), (int)n,
-                   to_int("hc_pre", C, "C"), true, stream());
+                   to_int(op, x.numel() / std::max<int64_t>(n * C, 1), "number of tokens"), (int)n, to_int(op, C, "C"),
+                   true, stream());
   return {merged, post, res, h, rstd, pre};
+}
+
+std::vector<Tensor> hc_pre_forward_cuda(const Tensor& x_in, const Tensor& weight, const Tensor& phi,
+                                        const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
+  check_hc_pre(x_in, weight, phi);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous();
+  const auto [h, rstd] = hc_project_forward_cuda(x.flatten(-2), weight, phi, eps);
+  return hc_pre_from_projection("hc_pre", x, h, rstd, alpha, bias, iters);
 }
 
 std::vector<Tensor> hc_pre_forward_meta(const Tensor& x, const Tensor& weight, const Tensor& phi, const Tensor& alpha,
@@ -1632,15 +1643,35 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // hc_mix_pre(x, h_res, h_post, y, weight, phi, alpha, bias) = (s, hc_pre(s, weight, phi, alpha, bias)) with
 // s = stream_mix(x, h_res, h_post, y): the previous sublayer's mix, then this one's hc_pre. One op, so the mixed
 // streams s have one consumer: their gradient from the next sublayer is added by hc_project_bwd in its pass over
-// s, where two ops would leave autograd two gradients of s to add.
+// s, where two ops would leave autograd two gradients of s to add. Forward, one kernel mixes and projects
+// (hc_mix_project_fwd): s is written once and not read back for the projection.
 
 // (s, merged, post, res, and for the backward h, rstd, pre)
-std::vector<Tensor> hc_mix_pre_forward_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
-                                            const Tensor& y, const Tensor& weight, const Tensor& phi,
+std::vector<Tensor> hc_mix_pre_forward_cuda(const Tensor& x_in, const Tensor& h_res_in, const Tensor& h_post_in,
+                                            const Tensor& y_in, const Tensor& weight_in, const Tensor& phi_in,
                                             const Tensor& alpha, const Tensor& bias, int64_t iters, double eps) {
-  check_hc_pre(x, weight, phi, "hc_mix_pre");
-  const Tensor s = std::get<0>(mix_forward("hc_mix_pre", x, h_res, h_post, y, Tensor()));
-  std::vector<Tensor> r = hc_pre_forward_cuda(s, weight, phi, alpha, bias, iters, eps);
+  raise_pending_index_error();
+  const int64_t n = check_hc_pre(x_in, weight_in, phi_in, "hc_mix_pre");
+  const bool per_token = check_stream_mix("hc_mix_pre", x_in, h_res_in, h_post_in, y_in);
+  check_hc_project(x_in.flatten(-2), weight_in, phi_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous(), h_res = h_res_in.contiguous(), h_post = h_post_in.contiguous(),
+               y = y_in.contiguous(), weight = weight_in.contiguous(), phi = phi_in.contiguous();
+  const int64_t C = x.size(-1);
+  const int M = to_int("hc_mix_pre", x.numel() / std::max<int64_t>(n * C, 1), "number of tokens");
+  Tensor s = at::empty(x.sizes(), x.options());
+  Tensor h = at::empty(with_dims(x.select(-2, 0), {phi.size(0)}), x.options());
+  Tensor rstd = at::empty(with_dims(x.select(-2, 0), {}), x.options());
+  const int64_t ws_floats = hc_mix_project_fwd_workspace_floats(M, (int)n, (int)C);
+  const Tensor ws = ws_floats ? at::empty({ws_floats}, x.options()) : Tensor();
+  with_type(y.scalar_type(), [&](auto t) {  // the mix and the projection of its result in one pass
+    using T = decltype(t);
+    hc_mix_project_fwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
+                          s.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+                          rstd.data_ptr<float>(), ws_ptr(ws), M, (int)n, to_int("hc_mix_pre", C, "C"), per_token,
+                          (float)eps, stream());
+  });
+  std::vector<Tensor> r = hc_pre_from_projection("hc_mix_pre", s, h, rstd, alpha, bias, iters);
   r.insert(r.begin(), s);
   return r;
 }

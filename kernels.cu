@@ -23,7 +23,8 @@
 //   top-k                           topk, topk_workspace_bytes
 //   Sinkhorn                        sinkhorn_fwd, sinkhorn_bwd, sinkhorn_workspace_floats
 //   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats
-//   mhc-dynamic's projection        hc_project_fwd, hc_project_bwd, hc_project_fwd_workspace_floats,
+//   mhc-dynamic's projection        hc_project_fwd, hc_mix_project_fwd, hc_project_bwd,
+//                                   hc_project_fwd_workspace_floats, hc_mix_project_fwd_workspace_floats,
 //                                   hc_project_bwd_workspace_floats
 //   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd, stream_coef_rows
 //   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
@@ -3746,7 +3747,7 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
 // reads x, writes the normalized copy and reads it again (three kernels forward, four backward).
 //
 // Forward: x times w * phi on the tensor cores (below, at hc_project_fwd_kernel); rstd is kept for the
-// backward. The backward has no product wide enough for a tensor-core tile: fp32 FMAs on the CUDA cores.
+// backward. hc_mix_pre's forward is the same kernel with the previous sublayer's stream mix in front. The backward has no product wide enough for a tensor-core tile: fp32 FMAs on the CUDA cores.
 // Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
 //   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
 //   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
@@ -3754,113 +3755,208 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
 // registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
 // (before the w) and dw, K + 1 rows; a second kernel adds the runs in order (deterministic).
 
-constexpr int HP_TOKENS = 32, HP_SPLIT = 2;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
+constexpr int HP_TOKENS = 32, HP_SPLIT = 4;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
+constexpr int HP_THREADS = HP_TOKENS / 16 * HP_SPLIT * 32;
 constexpr int HP_STAGE_FLOATS = 25000;       // forward: floats of w * phi a block stages at most (~98 KB)
-constexpr int HP_UNROLL = 8;                 // forward: steps of 16 columns whose loads are issued together
+constexpr int HP_LOADS = 20;                 // forward: loads a lane has in flight, about (whole steps of them)
 constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (a column each) and tokens
 constexpr int HPB_UNROLL = 8;                    // backward: tokens whose loads are issued together
 
-// On the tensor cores: a block takes HP_TOKENS tokens and a range of DR columns, whose w * phi it stages in shared
+// On the tensor cores: a block takes HP_TOKENS tokens and a range of columns, whose w * phi it stages in shared
 // memory once (K rows padded to 8: the n-tiles of mma m16n8k8, 3xTF32 as the fp32 matmul), then streams x with
-// no further barrier. A warp owns 16 tokens and every HP_SPLIT-th step of 16 columns of the range; lane
-// (g, t) loads 4 adjacent columns of rows g and g + 8, and its two products take them as the k indices (t,
-// t + 4) of one step and of the next, phi's columns read in the same order (the sum over k does not care
-// which columns go together). Where D needs more than one range (wide models, large n), each range's sums
-// and sums of squares go to a workspace and hc_project_finish_kernel adds them up.
+// no further barrier. The block sees a token's row as S streams of C columns: S = 1 and C = D for hc_project;
+// for hc_mix_pre (MIX) S = n, and the row it projects is the mix s = stream_mix(x, h_res, h_post, y), computed
+// from x and y in registers and written out on the way, so the mixed streams are written once and not read back.
+// A range is columns [c0, c0 + CR) of every stream. A warp owns 16 tokens and every HP_SPLIT-th step of 16
+// columns of the range; lane (g, t) takes 4 adjacent columns of rows g and g + 8, in each stream, and its two
+// products take them as the k indices (t, t + 4) of one step and of the next, phi's columns read in the same
+// order (the sum over k does not care which columns go together). Where C needs more than one range (wide
+// models, large n), each range's sums and sums of squares go to a workspace and hc_project_fwd_finish_kernel
+// adds them up.
 __host__ __device__ constexpr int hp_padded_rows(int n) { return (hc_coeff_count(n) + 7) / 8 * 8; }  // n-tiles of 8
 
-__host__ __device__ constexpr int hp_range_cols(int KP, int D) {  // columns a block takes: all of D if they fit
-  const int most = ((HP_STAGE_FLOATS / KP - 16) / 32) * 32, need = (D + 31) / 32 * 32;
+__host__ __device__ constexpr int hp_range_cols(int S, int KP, int C) {  // columns of each stream a block takes
+  const int most = (HP_STAGE_FLOATS / KP - 16) / S / 32 * 32, need = (C + 31) / 32 * 32;
   return most < need ? most : need;
 }
 
-// Shared memory: the staged rows (stride 16 mod 32: conflict-free fragment reads), later the warps' sums.
-__host__ __device__ constexpr int hp_smem_bytes(int KP, int D) {
-  const int staged = KP * (hp_range_cols(KP, D) + 16), sums = HP_TOKENS * HP_SPLIT * (KP + 1);
-  return 4 * (staged > sums ? staged : sums);
+// Shared memory: the staged rows (stride 16 mod 32: conflict-free fragment reads), later the warps' sums; then
+// the tokens' mix coefficients (coefs floats).
+__host__ __device__ constexpr int hp_smem_bytes(int S, int KP, int C, int coefs) {
+  const int staged = KP * (S * hp_range_cols(S, KP, C) + 16), sums = HP_TOKENS * HP_SPLIT * (KP + 1);
+  return 4 * ((staged > sums ? staged : sums) + coefs);
 }
 
-template <int N>
+template <int N, bool MIX>
 struct HpFwd {
   static constexpr int K = hc_coeff_count(N), KP = hp_padded_rows(N), NT = KP / 8;  // padded rows, n-tiles
-  static constexpr int SMEM = hp_smem_bytes(KP, 1 << 30);                          // bytes at most
+  static constexpr int S = MIX ? N : 1;                    // streams in the block's view of a row
+  static constexpr int R = MIX ? N * N + N : 0;            // a token's mix coefficients: h_res, then h_post
+  static constexpr int STEP_LOADS = 2 * (S + (MIX ? 1 : 0));  // a lane's loads a step: x's streams and y, 2 rows
+  static constexpr int U = HP_LOADS / STEP_LOADS < 1 ? 1 : HP_LOADS / STEP_LOADS > 8 ? 8 : HP_LOADS / STEP_LOADS;
+  static constexpr int SMEM = hp_smem_bytes(S, KP, 1 << 30, HP_TOKENS * R);  // bytes at most
 };
 
-// out: h (M, K) and rstd (M) when the block's range is all of D, else its partial sums (ranges, M, K + 1).
-template <int N, bool VEC>
-__global__ void __launch_bounds__(HP_TOKENS / 16 * HP_SPLIT * 32) hc_project_fwd_kernel(const float* x,
-    const float* w, const float* phi, float* h, float* rstd, float* part, int M, int D, float eps) {
-  using P = HpFwd<N>;
-  constexpr int K = P::K, KP = P::KP, NT = P::NT, THREADS = HP_TOKENS / 16 * HP_SPLIT * 32;
-  extern __shared__ __align__(16) float hp_smem[];
-  const int DR = hp_range_cols(KP, D), stride = DR + 16;  // row stride 16 mod 32: conflict-free fragment reads
-  const int r0 = blockIdx.y * DR, cols = min(DR, D - r0);
-  if (VEC) {  // w * phi of the range, zeros past K and D: a thread's quads of columns, every row
-    for (int c = 4 * threadIdx.x; c < DR; c += 4 * THREADS) {
-      const bool in = c < cols;  // D % 4 == 0: the whole quad is in or out
-      const float4 wq = in ? __ldg(reinterpret_cast<const float4*>(w + r0 + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+template <class TY>
+struct HpFwdArgs {
+  const float* x;                // (M, S, C)
+  const float* w, *phi;          // (S C), (K, S C)
+  const float* h_res, *h_post;   // MIX: token m's (n, n) at m * res_stride, (n) at m * post_stride (0: shared)
+  const TY* y;                   // MIX: (M, C)
+  float* s;                      // MIX: the mixed streams (M, n, C)
+  float* h, *rstd;               // (M, K), (M) when one range takes all of C
+  float* part;                   // else (ranges, M, K + 1): the ranges' sums and sums of squares
+  int64_t res_stride, post_stride;
+  int M, C;
+  float eps;
+};
+
+// w * phi of the block's range, zeros past K and past the stream's end: row k at smem[k * stride + i * CR + c].
+template <int N, bool MIX, bool VEC, class TY>
+__device__ __forceinline__ void hp_stage(const HpFwdArgs<TY>& a, float* smem, int CR, int c0, int cols) {
+  using P = HpFwd<N, MIX>;
+  const int stride = P::S * CR + 16;
+  const int64_t D = (int64_t)P::S * a.C;
+  if (VEC) {  // a thread's quads of columns, every row; C % 4 == 0: a quad is all in or all out
+    for (int q = 4 * threadIdx.x; q < P::S * CR; q += 4 * HP_THREADS) {
+      const int c = q % CR;
+      const bool in = c < cols;
+      const int64_t col = (int64_t)(q / CR) * a.C + c0 + c;
+      const float4 wq = in ? __ldg(reinterpret_cast<const float4*>(a.w + col)) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-      for (int kk = 0; kk < KP; ++kk) {
+      for (int kk = 0; kk < P::KP; ++kk) {
         float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (in && kk < K) p = __ldg(reinterpret_cast<const float4*>(phi + (int64_t)kk * D + r0 + c));
-        *reinterpret_cast<float4*>(hp_smem + kk * stride + c) =
-            make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
+        if (in && kk < P::K) p = __ldg(reinterpret_cast<const float4*>(a.phi + kk * D + col));
+        *reinterpret_cast<float4*>(smem + kk * stride + q) = make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
       }
     }
   } else {
-    for (int i = threadIdx.x; i < KP * DR; i += THREADS) {
-      const int kk = i / DR, c = i % DR, col = r0 + c;
-      hp_smem[kk * stride + c] = kk < K && c < cols ? __ldg(w + col) * __ldg(phi + (int64_t)kk * D + col) : 0.f;
+    for (int e = threadIdx.x; e < P::KP * P::S * CR; e += HP_THREADS) {
+      const int kk = e / (P::S * CR), q = e % (P::S * CR), c = q % CR;
+      const int64_t col = (int64_t)(q / CR) * a.C + c0 + c;
+      smem[kk * stride + q] = kk < P::K && c < cols ? __ldg(a.w + col) * __ldg(a.phi + kk * D + col) : 0.f;
     }
   }
+}
+
+// Stream i of the mix for 4 columns, out = h_post[i] y + sum_j h_res[i, j] x[j], in stream_mix's order (the
+// same bits); cf: the token's coefficients, h_res row-major then h_post.
+template <int N>
+__device__ __forceinline__ void hp_mixed(const float* cf, int i, const float (&x)[N][4], const float (&y)[4],
+                                         float (&out)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    out[e] = cf[N * N + i] * y[e];
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[e] = fmaf(cf[i * N + j], x[j][e], out[e]);
+  }
+}
+
+// Columns c..c+3 of a range of one row (fp32 or bf16), zeros past its end or for a token past M.
+template <bool VEC, class T>
+__device__ __forceinline__ void hp_load(const T* row, bool live, int c, int cols, float (&v)[4]) {
+  if (VEC && live && c < cols) {
+    if constexpr (std::is_same_v<T, float>) unpack16(__ldg(reinterpret_cast<const float4*>(row + c)), v);
+    else load4(row + c, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = live && c + e < cols ? to_float(row[c + e]) : 0.f;
+  }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void hp_store(float* row, bool live, int c, int cols, const float (&v)[4]) {
+  if (VEC && live && c < cols) {
+    store4(row + c, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (live && c + e < cols) row[c + e] = v[e];
+  }
+}
+
+// out: h (M, K) and rstd (M) when the block's range is all of C, else its partial sums (ranges, M, K + 1).
+template <int N, bool MIX, bool VEC, class TY>
+__global__ void __launch_bounds__(HP_THREADS) hc_project_fwd_kernel(HpFwdArgs<TY> a) {
+  using P = HpFwd<N, MIX>;
+  constexpr int K = P::K, KP = P::KP, NT = P::NT, S = P::S, R = P::R, U = P::U;
+  extern __shared__ __align__(16) float hp_smem[];
+  const int CR = hp_range_cols(S, KP, a.C), stride = S * CR + 16;
+  const int c0 = blockIdx.y * CR, cols = min(CR, a.C - c0);
+  const int64_t D = (int64_t)S * a.C, mb = (int64_t)blockIdx.x * HP_TOKENS;
+  hp_stage<N, MIX, VEC>(a, hp_smem, CR, c0, cols);
+  float* coef = hp_smem + max(KP * stride, HP_TOKENS * HP_SPLIT * (KP + 1));  // past the staged rows and the sums
+  if constexpr (MIX)
+    for (int e = threadIdx.x; e < HP_TOKENS * R; e += HP_THREADS) {
+      const int k = e % R;
+      const int64_t m = mb + e / R;
+      coef[e] = m >= a.M ? 0.f : k < N * N ? __ldg(a.h_res + m * a.res_stride + k)
+                                           : __ldg(a.h_post + m * a.post_stride + k - N * N);
+    }
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = warp / HP_SPLIT, split = warp % HP_SPLIT;
-  const int64_t m0 = (int64_t)blockIdx.x * HP_TOKENS + group * 16;
-  const bool live_a = m0 + g < M, live_b = m0 + g + 8 < M;
-  const float* xa = x + (live_a ? m0 + g : 0) * D + r0;
-  const float* xb = x + (live_b ? m0 + g + 8 : 0) * D + r0;
-  auto load4 = [&](const float* row, bool live, int c, float (&v)[4]) {  // columns c..c+3 of the range, zeros past it
-    if (VEC && live && c + 3 < cols) {
-      const float4 q = __ldg(reinterpret_cast<const float4*>(row + c));
-      v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = live && c + e < cols ? __ldg(row + c + e) : 0.f;
-    }
-  };
+  const int64_t m0 = mb + group * 16;
+  const bool live_a = m0 + g < a.M, live_b = m0 + g + 8 < a.M;
+  const int64_t ra = live_a ? m0 + g : 0, rb = live_b ? m0 + g + 8 : 0;
+  const float* xa = a.x + ra * D + c0;  // stream i at + i * C
+  const float* xb = a.x + rb * D + c0;
+  const float* cfa = coef + (group * 16 + g) * R;
+  const float* cfb = cfa + 8 * R;
   float acc[NT][4] = {}, ss_a = 0.f, ss_b = 0.f;
   const int steps = (cols + 15) / 16;
-  for (int s0 = split; s0 < steps; s0 += HP_UNROLL * HP_SPLIT) {
-    float va[HP_UNROLL][4], vb[HP_UNROLL][4];  // HP_UNROLL steps' loads in flight before any math
+  for (int s0 = split; s0 < steps; s0 += U * HP_SPLIT) {
+    float va[U][S][4], vb[U][S][4], ya[U][4], yb[U][4];  // U steps' loads in flight before any math
 #pragma unroll
-    for (int u = 0; u < HP_UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
-      load4(xa, live_a, c, va[u]);
-      load4(xb, live_b, c, vb[u]);
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        hp_load<VEC>(xa + (int64_t)i * a.C, live_a, c, cols, va[u][i]);
+        hp_load<VEC>(xb + (int64_t)i * a.C, live_b, c, cols, vb[u][i]);
+      }
+      if constexpr (MIX) {
+        hp_load<VEC>(a.y + ra * a.C + c0, live_a, c, cols, ya[u]);
+        hp_load<VEC>(a.y + rb * a.C + c0, live_b, c, cols, yb[u]);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < HP_UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (s0 + u * HP_SPLIT >= steps) break;
       const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ss_a = fmaf(va[u][e], va[u][e], ss_a);
-        ss_b = fmaf(vb[u][e], vb[u][e], ss_b);
-      }
-      Frag<4, true> a[2];  // columns 4t + 2 half and 4t + 2 half + 1 as k = t and t + 4 of product `half`
+      for (int i = 0; i < S; ++i) {
+        float sa[4], sb[4];  // the row's values: x itself, or the mix, which is also written out
+        if constexpr (MIX) {
+          hp_mixed<N>(cfa, i, va[u], ya[u], sa);
+          hp_mixed<N>(cfb, i, vb[u], yb[u], sb);
+          hp_store<VEC>(a.s + ra * D + (int64_t)i * a.C + c0, live_a, c, cols, sa);
+          hp_store<VEC>(a.s + rb * D + (int64_t)i * a.C + c0, live_b, c, cols, sb);
+        } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        a[half].set({va[u][2 * half], vb[u][2 * half], va[u][2 * half + 1], vb[u][2 * half + 1]});
+          for (int e = 0; e < 4; ++e) {
+            sa[e] = va[u][i][e];
+            sb[e] = vb[u][i][e];
+          }
+        }
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float4 p = *reinterpret_cast<const float4*>(hp_smem + (j * 8 + g) * stride + c);
-        Frag<2, true> b0, b1;
-        b0.set({p.x, p.y});
-        b1.set({p.z, p.w});
-        mma<true>(acc[j], a[0], b0);
-        mma<true>(acc[j], a[1], b1);
+        for (int e = 0; e < 4; ++e) {
+          ss_a = fmaf(sa[e], sa[e], ss_a);
+          ss_b = fmaf(sb[e], sb[e], ss_b);
+        }
+        Frag<4, true> fa[2];  // columns 4t + 2 half and 4t + 2 half + 1 as k = t and t + 4 of product `half`
+#pragma unroll
+        for (int half = 0; half < 2; ++half) fa[half].set({sa[2 * half], sb[2 * half], sa[2 * half + 1], sb[2 * half + 1]});
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const float4 p = *reinterpret_cast<const float4*>(hp_smem + (j * 8 + g) * stride + i * CR + c);
+          Frag<2, true> b0, b1;
+          b0.set({p.x, p.y});
+          b1.set({p.z, p.w});
+          mma<true>(acc[j], fa[0], b0);
+          mma<true>(acc[j], fa[1], b1);
+        }
       }
     }
   }
@@ -3888,7 +3984,7 @@ __global__ void __launch_bounds__(HP_TOKENS / 16 * HP_SPLIT * 32) hc_project_fwd
   for (int i = lane; i < 16 * (K + 1); i += 32) {  // (row, k), k = K: the sum of squares
     const int row = i / (K + 1), kk = i % (K + 1);
     const int64_t m = m0 + row;
-    if (m >= M) continue;
+    if (m >= a.M) continue;
     float sum = 0.f, ss = 0.f;  // the splits in order
 #pragma unroll
     for (int sp = 0; sp < HP_SPLIT; ++sp) {
@@ -3896,18 +3992,18 @@ __global__ void __launch_bounds__(HP_TOKENS / 16 * HP_SPLIT * 32) hc_project_fwd
       ss += mine[(sp * 16 + row) * (KP + 1) + KP];
     }
     if (gridDim.y > 1) {
-      part[((int64_t)blockIdx.y * M + m) * (K + 1) + kk] = sum;
+      a.part[((int64_t)blockIdx.y * a.M + m) * (K + 1) + kk] = sum;
     } else {
-      const float r = rsqrtf(ss / D + eps);
-      if (kk < K) h[m * K + kk] = sum * r;
-      else rstd[m] = r;
+      const float r = rsqrtf(ss / D + a.eps);
+      if (kk < K) a.h[m * K + kk] = sum * r;
+      else a.rstd[m] = r;
     }
   }
 }
 
 // The ranges' partial sums added in range order: h = sum * rstd, rstd from the sum of squares.
-__global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int M, int K, int D, float eps, float* h,
-                                             float* rstd) {
+__global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int M, int K, int64_t D, float eps,
+                                             float* h, float* rstd) {
   const int64_t m = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (m >= M) return;
   auto sum_of = [&](int kk) {
@@ -4016,22 +4112,6 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
   return (int64_t)hc_project_runs(M) * (hc_coeff_count(n) + 1) * D;
 }
 
-#define HP_FWD_LAUNCH(N)                                                                                    \
-  {                                                                                                         \
-    const int KP = HpFwd<N>::KP, smem = hp_smem_bytes(KP, D);                                               \
-    const dim3 grid(ceil_div(M, HP_TOKENS), ceil_div(D, hp_range_cols(KP, D)));                             \
-    float* part = grid.y > 1 ? ws : nullptr;                                                                \
-    if (vec4) {                                                                                             \
-      raise_smem_limit<hc_project_fwd_kernel<N, true>>(HpFwd<N>::SMEM);                                     \
-      hc_project_fwd_kernel<N, true><<<grid, block, smem, s>>>(x, w, phi, h, rstd, part, M, D, eps);        \
-    } else {                                                                                                \
-      raise_smem_limit<hc_project_fwd_kernel<N, false>>(HpFwd<N>::SMEM);                                    \
-      hc_project_fwd_kernel<N, false><<<grid, block, smem, s>>>(x, w, phi, h, rstd, part, M, D, eps);       \
-    }                                                                                                       \
-    if (grid.y > 1)                                                                                         \
-      hc_project_fwd_finish_kernel<<<ceil_div(M, 128), 128, 0, s>>>(ws, (int)grid.y, M, hc_coeff_count(N), D, \
-                                                                    eps, h, rstd);                          \
-  }
 #define HP_BWD_LAUNCH(N)                                                                                 \
   hc_project_bwd_kernel<N><<<dim3(runs, ceil_div(D, HPB_COLS)), HPB_COLS, 0, s>>>(x, w, phi, h, rstd, dh, pre,   \
                                                                                  dmerged, dadd, dx, ws, M, D);
@@ -4047,11 +4127,38 @@ int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
     default: LAUNCH(8)        \
   }
 
-// Floats of workspace hc_project_fwd needs: the column ranges' partial sums, where D takes more than one.
-int64_t hc_project_fwd_workspace_floats(int M, int n, int D) {
-  const int KP = hp_padded_rows(n), ranges = ceil_div(D, hp_range_cols(KP, D));
+template <int N, bool MIX, class TY>
+static void hp_fwd_launch(HpFwdArgs<TY> a, float* ws, bool vec4, cudaStream_t s) {
+  using P = HpFwd<N, MIX>;
+  const dim3 grid(ceil_div(a.M, HP_TOKENS), ceil_div(a.C, hp_range_cols(P::S, P::KP, a.C)));
+  const int smem = hp_smem_bytes(P::S, P::KP, a.C, HP_TOKENS * P::R);
+  if (grid.y > 65535) throw std::runtime_error("hc_project_fwd: more than 65535 column ranges");
+  a.part = grid.y > 1 ? ws : nullptr;
+  if (vec4) {
+    raise_smem_limit<hc_project_fwd_kernel<N, MIX, true, TY>>(P::SMEM);
+    hc_project_fwd_kernel<N, MIX, true, TY><<<grid, HP_THREADS, smem, s>>>(a);
+  } else {
+    raise_smem_limit<hc_project_fwd_kernel<N, MIX, false, TY>>(P::SMEM);
+    hc_project_fwd_kernel<N, MIX, false, TY><<<grid, HP_THREADS, smem, s>>>(a);
+  }
+  if (grid.y > 1)
+    hc_project_fwd_finish_kernel<<<ceil_div(a.M, 128), 128, 0, s>>>(ws, (int)grid.y, a.M, P::K, (int64_t)P::S * a.C,
+                                                                     a.eps, a.h, a.rstd);
+}
+
+#define HP_FWD_LAUNCH(N) hp_fwd_launch<N, MIX>(a, ws, vec4, s);
+template <bool MIX, class TY>
+static void hp_fwd(const HpFwdArgs<TY>& a, int n, float* ws, bool vec4, cudaStream_t s) {
+  HP_DISPATCH(HP_FWD_LAUNCH)
+}
+
+// Floats of workspace the forward needs: the column ranges' partial sums, where a stream takes more than one.
+static int64_t hp_fwd_workspace_floats(int M, int n, int S, int C) {
+  const int ranges = ceil_div(C, hp_range_cols(S, hp_padded_rows(n), C));
   return ranges > 1 ? (int64_t)ranges * M * (hc_coeff_count(n) + 1) : 0;
 }
+int64_t hc_project_fwd_workspace_floats(int M, int n, int D) { return hp_fwd_workspace_floats(M, n, 1, D); }
+int64_t hc_mix_project_fwd_workspace_floats(int M, int n, int C) { return hp_fwd_workspace_floats(M, n, n, C); }
 
 // x (M, D), w (D), phi (K, D) with K = 2n + n^2 -> h (M, K), rstd (M); all contiguous; ws:
 // hc_project_fwd_workspace_floats.
@@ -4060,11 +4167,36 @@ void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, 
   sinkhorn_check_args("hc_project_fwd", n, 1);
   require_tensor_cores("hc_project_fwd");
   if (M == 0) return;
-  const bool vec4 = D % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(phi);
-  const dim3 block(HP_TOKENS / 16 * HP_SPLIT * 32);
-  HP_DISPATCH(HP_FWD_LAUNCH)
+  HpFwdArgs<float> a{};
+  a.x = x; a.w = w; a.phi = phi; a.h = h; a.rstd = rstd; a.M = M; a.C = D; a.eps = eps;
+  hp_fwd<false>(a, n, ws, D % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(phi), s);
   check_launch("hc_project_fwd");
 }
+
+// hc_mix_pre's forward: the mix out = stream_mix(x, h_res, h_post, y) (M, n, C), written out, and its
+// projection h (M, K) and rstd (M) as hc_project_fwd gives them for out flattened, in one pass. h_res (n, n) and
+// h_post (n) per token (per_token) or for all. All contiguous; ws: hc_mix_project_fwd_workspace_floats.
+template <class TY>
+void hc_mix_project_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, float* out,
+                        const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n, int C,
+                        bool per_token, float eps, cudaStream_t s) {
+  sinkhorn_check_args("hc_mix_project_fwd", n, 1);
+  require_tensor_cores("hc_mix_project_fwd");
+  if (M == 0 || C == 0) return;
+  HpFwdArgs<TY> a{};
+  a.x = x; a.h_res = h_res; a.h_post = h_post; a.y = y; a.s = out; a.w = w; a.phi = phi; a.h = h; a.rstd = rstd;
+  a.res_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
+  a.M = M; a.C = C; a.eps = eps;
+  const bool vec4 = C % 4 == 0 && aligned16(x) && aligned16(out) && aligned16(w) && aligned16(phi) &&
+                    reinterpret_cast<uintptr_t>(y) % (4 * sizeof(TY)) == 0;
+  hp_fwd<true>(a, n, ws, vec4, s);
+  check_launch("hc_mix_project_fwd");
+}
+template void hc_mix_project_fwd<float>(const float*, const float*, const float*, const float*, float*, const float*,
+                                        const float*, float*, float*, float*, int, int, int, bool, float, cudaStream_t);
+template void hc_mix_project_fwd<__nv_bfloat16>(const float*, const float*, const float*, const __nv_bfloat16*,
+                                                float*, const float*, const float*, float*, float*, float*, int, int,
+                                                int, bool, float, cudaStream_t);
 
 // dh (M, K) -> dx (M, D), dw (D), dphi (K, D), from the forward's h and rstd; ws:
 // hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros. Given pre (M, n) and dmerged (M, D / n),
