@@ -480,6 +480,51 @@ class StepTimer:
         return dt, self.steps
 
 
+class CallTimer:
+    """Time of chosen calls only, where other work runs between them (the mHC sweep times its training step, not
+    the metrics it reads after each): on a GPU the device time between CUDA events recorded around each call, so
+    the host never waits; on a CPU wall time. Calls before `skip` are left out of the totals."""
+
+    def __init__(self, device, skip):
+        self.cuda, self.skip = device.type == "cuda", skip
+        self.seen = 0
+        self.timed_s, self.timed_steps = 0.0, 0
+        self.events = []  # on a GPU, the window's (start, end, counted), read at its end
+        self.window_s, self.window_calls = 0.0, 0
+
+    def time(self, fn, *args):
+        """fn(*args), timed."""
+        counted = self.seen >= self.skip
+        self.seen += 1
+        self.window_calls += 1
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.add(time.perf_counter() - t0, counted)
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*args)
+        end.record()
+        self.events.append((start, end, counted))
+        return out
+
+    def add(self, dt, counted):
+        self.window_s += dt
+        if counted:
+            self.timed_s += dt
+            self.timed_steps += 1
+
+    def stop(self):
+        """End the window; return its (seconds, calls). On a GPU this waits for the window's last call."""
+        for start, end, counted in self.events:
+            end.synchronize()
+            self.add(start.elapsed_time(end) / 1e3, counted)
+        window = self.window_s, self.window_calls
+        self.events, self.window_s, self.window_calls = [], 0.0, 0
+        return window
+
+
 class StopRequest:
     """Ctrl-C while training sets a flag that the loop reads after each step: the step in flight completes,
     so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside opt.step()

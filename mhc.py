@@ -391,12 +391,11 @@ def residual_modules(model):
     return [r for block in model.blocks for r in (block.res_attn, block.res_mlp)]
 
 
-def sweep_step(train_step, model, opt, x, y):
-    """train_step, then the metrics of that step as one (len(SWEEP_METRICS),) float64 device tensor: loss,
-    gradient norm, count of NaN/Inf values in loss and gradients, and the log10 gains of the composite
-    residual map of this step's forward (NaN for the baseline, which has none). Device ops only, so a
-    graphed step captures the metrics with it and no step waits for the host."""
-    loss = train_step(model, opt, x, y)  # the update leaves the gradients in .grad
+def sweep_metrics(model, loss):
+    """The metrics of the training step just taken, as one (len(SWEEP_METRICS),) float64 device tensor: loss,
+    gradient norm, count of NaN/Inf values in loss and gradients, and the log10 gains of the composite residual
+    map of the step's forward (NaN for the baseline, which has none). The update leaves the gradients in .grad.
+    Device ops only, so no step waits for the host; they run after the step, outside its timing."""
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])  # all of them, flat
     nonfinite = (~torch.isfinite(loss)).sum() + (~torch.isfinite(grads)).sum()
     gains = composite_gain_tensor(residual_maps(model))  # (3,)
@@ -429,18 +428,16 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
     graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
     model = trainer.model(cfg, task.vocab_size, ops, n_layer=depth, residual=variant).to(device)
     opt = trainer.optimizer(model, cfg, on_cuda, graphed)
-    step_fn = functools.partial(sweep_step, trainer.train_step)
-    step = trainer.graphed(model, opt, step_fn) if graphed else functools.partial(step_fn, model, opt)
+    step = trainer.graphed(model, opt) if graphed else functools.partial(trainer.train_step, model, opt)
     batch_gen = torch.Generator().manual_seed(cfg.seed)  # every cell sees the same batches
     hist = torch.zeros(cfg.max_iters, len(SWEEP_METRICS), dtype=torch.float64, device=device)  # (steps, metrics)
     rows, diverged_at = [], None  # rows: hist read back, at log points only
     timer = trainer.timer(device, cfg)
     t0 = time.perf_counter()
     for it in range(cfg.max_iters):
-        timer.before_step()
         x, y = task.batch(batch_size, batch_gen)  # (B, T) each
-        hist[it].copy_(step(x, y))
-        timer.after_step()
+        loss = timer.time(step, x, y)  # timed alone: the metrics are the sweep's, not a cost of the residual
+        hist[it].copy_(sweep_metrics(model, loss))
         done = it + 1
         if done % cfg.log_interval and done < cfg.max_iters:
             continue
@@ -456,7 +453,6 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
         if diverged_at is not None:
             print(f"  {variant:<11} L{depth:<3} | NaN/Inf from step {diverged_at}: cell stopped at step {done}")
             break
-        timer.start()
 
     names = SWEEP_METRICS[:3] if variant == "baseline" else SWEEP_METRICS
     per_step = {k: [finite_or_none(r[i]) for r in rows] for i, k in enumerate(names)}
@@ -573,8 +569,8 @@ def sweep_table(cells):
                         f"{ms / base:.2f}x" if ms and base else "n/a"]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("gains: log10 of the composite residual map's max |P_ij| (proxy), max row sum (fwd) and max column "
-                 "sum (bwd), max over tokens, at the last step; max gain fwd: over all steps; ms/step: the timed "
-                 "steps of each cell (after warm-up)")
+                 "sum (bwd), max over tokens, at the last step; max gain fwd: over all steps; ms/step: the training "
+                 "steps of each cell after warm-up, device time (the metrics read after each step not counted)")
     return lines
 
 

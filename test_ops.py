@@ -1694,6 +1694,20 @@ add("inference/gpu_bf16_paths", inference_gpu_bf16_paths)
 # mHC on the CPU: the incrementing-token task, the composite gains, the residual variants, the depth sweep
 
 
+def data_call_timer(device="cpu"):
+    """CallTimer times each call alone (the time between calls is not counted) and totals the calls past skip."""
+    dev = torch.device(device)
+    timer, x = data.CallTimer(dev, skip=2), torch.ones(1 << 16, device=dev)
+    for _ in range(5):
+        timer.time(torch.mul, x, 2.0)
+        time.sleep(0.05)  # between calls: not counted
+    dt, n = timer.stop()
+    assert n == 5 and timer.timed_steps == 3, f"{n} calls in the window, {timer.timed_steps} counted"
+    assert 0 < timer.timed_s <= dt < 0.1, f"counted {timer.timed_s} s of a window of {dt} s: were the sleeps timed?"
+    assert timer.stop() == (0.0, 0), "a second window without calls is not empty"
+    return f"5 calls, 3 counted: {1e6 * timer.timed_s:.0f} us of {1e6 * dt:.0f} us; 250 ms of sleeps between them not counted"
+
+
 def data_increment_batch():
     B, T, V = 64, 200, data.INCREMENT_VOCAB
     x, y = data.increment_batch(B, T, torch.Generator().manual_seed(0))
@@ -1887,7 +1901,8 @@ def train_residual_option():
     return "--residual=mhc-dynamic --n_streams=3 trains and is checkpointed; bad residual and sweep keys rejected"
 
 
-for _fn in (data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast, mhc_doubly_stochastic_after_step,
+add("data/call_timer_cuda", data_call_timer, "cuda")
+for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast, mhc_doubly_stochastic_after_step,
             train_variants_few_steps, train_mhc_sweep_cpu, train_mhc_sweep_diverging_cell, train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 

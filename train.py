@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mhc
-from data import (BACKENDS, ONE_PROCESS, StepTimer, StopRequest, all_finite, check_at_least,
+from data import (BACKENDS, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
                   check_backend_and_device, cuda_kernels_for, device_name, fmt_seconds, get_batch, import_kernels,
                   load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock, parse_options, plot_losses,
                   print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, start_ranks,
@@ -895,7 +895,7 @@ def report(runs, cfg):
 # through these, and so never imports train.py.
 SWEEP_TRAINER = SimpleNamespace(
     model=model_from_config, optimizer=make_optimizer, train_step=train_step, graphed=GraphedStep,
-    timer=lambda device, cfg: StepTimer(device, skip=timing_skip(cfg)), estimate_loss=estimate_loss,
+    timer=lambda device, cfg: CallTimer(device, skip=timing_skip(cfg)), estimate_loss=estimate_loss,
     fail=fail)
 
 
