@@ -3747,7 +3747,8 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
 // reads x, writes the normalized copy and reads it again (three kernels forward, four backward).
 //
 // Forward: x times w * phi on the tensor cores (below, at hc_project_fwd_kernel); rstd is kept for the
-// backward. hc_mix_pre's forward is the same kernel with the previous sublayer's stream mix in front. The backward has no product wide enough for a tensor-core tile: fp32 FMAs on the CUDA cores.
+// backward; hc_mix_pre's forward is the same kernel with the previous sublayer's stream mix in front. The
+// backward has no product wide enough for a tensor-core tile: fp32 FMAs on the CUDA cores.
 // Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
 //   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
 //   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
@@ -3827,7 +3828,8 @@ __device__ __forceinline__ void hp_stage(const HpFwdArgs<TY>& a, float* smem, in
       for (int kk = 0; kk < P::KP; ++kk) {
         float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
         if (in && kk < P::K) p = __ldg(reinterpret_cast<const float4*>(a.phi + kk * D + col));
-        *reinterpret_cast<float4*>(smem + kk * stride + q) = make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
+        *reinterpret_cast<float4*>(smem + kk * stride + q) =
+            make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
       }
     }
   } else {
@@ -3947,7 +3949,8 @@ __global__ void __launch_bounds__(HP_THREADS) hc_project_fwd_kernel(HpFwdArgs<TY
         }
         Frag<4, true> fa[2];  // columns 4t + 2 half and 4t + 2 half + 1 as k = t and t + 4 of product `half`
 #pragma unroll
-        for (int half = 0; half < 2; ++half) fa[half].set({sa[2 * half], sb[2 * half], sa[2 * half + 1], sb[2 * half + 1]});
+        for (int half = 0; half < 2; ++half)
+          fa[half].set({sa[2 * half], sb[2 * half], sa[2 * half + 1], sb[2 * half + 1]});
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const float4 p = *reinterpret_cast<const float4*>(hp_smem + (j * 8 + g) * stride + i * CR + c);

@@ -1705,7 +1705,7 @@ def data_call_timer(device="cpu"):
     assert n == 5 and timer.timed_steps == 3, f"{n} calls in the window, {timer.timed_steps} counted"
     assert 0 < timer.timed_s <= dt < 0.1, f"counted {timer.timed_s} s of a window of {dt} s: were the sleeps timed?"
     assert timer.stop() == (0.0, 0), "a second window without calls is not empty"
-    return f"5 calls, 3 counted: {1e6 * timer.timed_s:.0f} us of {1e6 * dt:.0f} us; 250 ms of sleeps between them not counted"
+    return f"5 calls, 3 counted: {1e6 * timer.timed_s:.0f} us of {1e6 * dt:.0f} us; the 250 ms of sleeps not counted"
 
 
 def data_increment_batch():
@@ -1902,8 +1902,9 @@ def train_residual_option():
 
 
 add("data/call_timer_cuda", data_call_timer, "cuda")
-for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast, mhc_doubly_stochastic_after_step,
-            train_variants_few_steps, train_mhc_sweep_cpu, train_mhc_sweep_diverging_cell, train_residual_option):
+for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast,
+            mhc_doubly_stochastic_after_step, train_variants_few_steps, train_mhc_sweep_cpu,
+            train_mhc_sweep_diverging_cell, train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------

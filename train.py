@@ -578,8 +578,8 @@ class GraphedStep:
     The first `warmup` calls are real eager steps on a side stream (library handles, optimizer state and
     autograd's buffers get created there, as capture requires). The next call captures the step into static
     input, target and loss tensors; every call from then on copies its batch in and replays. `step` is
-    train_step or another function of (model, opt, x, y) returning device tensors (the mHC sweep's adds
-    its metrics), captured and replayed as a whole."""
+    train_step or another function of (model, opt, x, y) returning device tensors, captured and replayed as a
+    whole."""
 
     def __init__(self, model, opt, step=train_step, warmup=GRAPH_WARMUP):
         self.model, self.opt, self.step, self.warmup = model, opt, step, warmup
