@@ -3841,8 +3841,8 @@ __device__ __forceinline__ void hp_stage(const HpFwdArgs<TY>& a, float* smem, in
   }
 }
 
-// Stream i of the mix for 4 columns, out = h_post[i] y + sum_j h_res[i, j] x[j], in stream_mix's order (the
-// same bits); cf: the token's coefficients, h_res row-major then h_post.
+// Stream i of the mix for 4 columns, out = h_post[i] y + sum_j h_res[i, j] x[j], in stream_mixed's order (keep
+// the two in step); cf: the token's coefficients in shared memory, h_res row-major then h_post.
 template <int N>
 __device__ __forceinline__ void hp_mixed(const float* cf, int i, const float (&x)[N][4], const float (&y)[4],
                                          float (&out)[4]) {
