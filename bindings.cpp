@@ -20,6 +20,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -128,6 +129,17 @@ void set_attention_wgmma(bool on);
 template <class T>
 void kv_write(T*, T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
               cudaStream_t);
+template <class T>
+void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
+                       T* k_cache, T* v_cache, const int64_t* tok, int64_t* pos, T* logits, float* ws,
+                       uint64_t* trace, int n_layer, int C, int n_head, int n_kv_head, int V, int capacity, float eps,
+                       cudaStream_t s);
+int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs);
+const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes);
+int decode_megakernel_max_layers();
+int decode_megakernel_grid();
+int decode_megakernel_trace_stamps(int n_layer);
+constexpr int MK_WEIGHTS = 12;  // tensors a layer; decode_megakernel refuses another count
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
           cudaStream_t s);
@@ -2836,6 +2848,165 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   cuda_meta(m, "attention_tiled_backward", attention_tiled_backward_cuda, attention_tiled_backward_meta);
 }
 
+// ---- decode megakernel (inference only, no autograd) ------------------------------------------
+
+// weights: wte (V, C), wpe (>= capacity, C), ln_f_w, ln_f_b (C), then per layer, as a gpt Block names them,
+// ln_1_w, ln_1_b, attn_w (C + 2 kv, C), attn_b, attn_proj_w (C, C), attn_proj_b, ln_2_w, ln_2_b,
+// mlp.fc_w (4C, C), mlp.fc_b, mlp.proj_w (C, 4C), mlp.proj_b; every one contiguous, in one dtype.
+static const char* const kMkLayerNames[] = {"ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b",
+                                            "ln_2_w", "ln_2_b", "fc_w",   "fc_b",   "proj_w",      "proj_b"};
+
+static std::vector<int64_t> mk_layer_shape(int i, int64_t C, int64_t kv) {
+  switch (i) {
+    case 2: return {C + 2 * kv, C};
+    case 3: return {C + 2 * kv};
+    case 4: return {C, C};
+    case 8: return {4 * C, C};
+    case 9: return {4 * C};
+    case 10: return {C, 4 * C};
+    default: return {C};
+  }
+}
+
+static void check_decode_megakernel(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
+                                    const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
+                                    const Tensor& workspace, int64_t n_head, const std::optional<Tensor>& trace) {
+  const char* op = "decode_megakernel";
+  REQUIRE(weights.size() >= 4 + MK_WEIGHTS && (weights.size() - 4) % MK_WEIGHTS == 0, op,
+          ": weights must be wte, wpe, ln_f_w, ln_f_b, then 12 a layer (ln_1_w, ln_1_b, attn_w, attn_b, attn_proj_w, "
+          "attn_proj_b, ln_2_w, ln_2_b, mlp.fc_w, mlp.fc_b, mlp.proj_w, mlp.proj_b), got ", (int64_t)weights.size(),
+          " tensors");
+  const Tensor& wte = weights[0];
+  check_fp_cuda(op, wte, "wte", wte, "wte");
+  check_dim(op, wte, "wte", 2, "(V, C)");
+  const int64_t L = (weights.size() - 4) / MK_WEIGHTS, V = wte.size(0), C = wte.size(1);
+  REQUIRE(n_head >= 1 && C % n_head == 0, op, ": n_head must divide n_embd (", C, "), got ", n_head);
+  check_fp_cuda(op, k_cache, "k_cache", wte, "wte");
+  check_dim(op, k_cache, "k_cache", 5, "(n_layer, 1, n_kv_head, capacity, head_size)");
+  const int64_t hs = C / n_head, n_kv = k_cache.size(2), capacity = k_cache.size(3);
+  REQUIRE(k_cache.size(0) == L && k_cache.size(1) == 1 && k_cache.size(4) == hs && n_kv >= 1 && n_head % n_kv == 0,
+          op, ": k_cache must have shape (", L, ", 1, n_kv_head, capacity, ", hs,
+          ") with n_kv_head dividing n_head (one sequence, the weights' layers and head size), got ", k_cache.sizes());
+  check_fp_cuda(op, v_cache, "v_cache", wte, "wte");
+  REQUIRE(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
+          v_cache.sizes());
+  REQUIRE(L <= decode_megakernel_max_layers(), op, ": at most ", decode_megakernel_max_layers(), " layers, got ", L);
+  auto check_weight = [&](const Tensor& w, const std::string& name, std::vector<int64_t> shape) {
+    check_fp_cuda(op, w, name.c_str(), wte, "wte");
+    check_same_device(op, wte, "wte", w, name.c_str());
+    REQUIRE(w.sizes() == at::IntArrayRef(shape), op, ": ", name, " must have shape ", at::IntArrayRef(shape),
+            ", got ", w.sizes());
+    REQUIRE(w.is_contiguous(), op, ": ", name, " must be contiguous");
+  };
+  check_weight(wte, "wte", {V, C});
+  REQUIRE(weights[1].dim() == 2 && weights[1].size(0) >= capacity, op, ": wpe must hold at least the cache's ",
+          capacity, " positions, got shape ", weights[1].sizes());
+  check_weight(weights[1], "wpe", {weights[1].size(0), C});
+  check_weight(weights[2], "ln_f_w", {C});
+  check_weight(weights[3], "ln_f_b", {C});
+  for (int64_t l = 0; l < L; ++l)
+    for (int i = 0; i < MK_WEIGHTS; ++i)
+      check_weight(weights[4 + l * MK_WEIGHTS + i], "layer " + std::to_string(l) + "'s " + kMkLayerNames[i],
+                   mk_layer_shape(i, C, n_kv * hs));
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&tok, "tok"}, {&pos, "pos"}}) {
+    check_index_cuda(op, *t, name);
+    check_same_device(op, wte, "wte", *t, name);
+    REQUIRE(t->numel() == 1, op, ": ", name, " must hold one value, got shape ", t->sizes());
+  }
+  check_fp_cuda(op, logits, "logits", wte, "wte");
+  REQUIRE(logits.dim() == 1 && logits.size(0) == V && logits.is_contiguous(), op,
+          ": logits must be a contiguous (", V, ",) tensor, got shape ", logits.sizes());
+  check_float_cuda(op, workspace, "workspace");
+  REQUIRE(k_cache.is_contiguous() && v_cache.is_contiguous() && workspace.is_contiguous(), op,
+          ": k_cache, v_cache and workspace must be contiguous");
+  REQUIRE(!at::GradMode::is_enabled() || !std::any_of(weights.begin(), weights.end(), [](const Tensor& w) {
+            return w.requires_grad();
+          }), op, ": decodes and has no gradient; call it under torch.no_grad()");
+  if (trace.has_value() && trace->defined()) {
+    check_index_cuda(op, *trace, "trace");
+    check_same_device(op, wte, "wte", *trace, "trace");
+    REQUIRE(trace->dim() == 2 && trace->is_contiguous(), op,
+            ": trace must be a contiguous (blocks, stamps) int64 tensor, got shape ", trace->sizes());
+  }
+}
+
+void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
+                            const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
+                            const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace) {
+  raise_pending_index_error();
+  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace);
+  const char* op = "decode_megakernel";
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const int64_t C = weights[0].size(1), L = k_cache.size(0), hs = C / n_head, n_kv = k_cache.size(2);
+  const char* why = decode_megakernel_unsupported((int)C, (int)n_head, (int)n_kv, (int)hs,
+                                                  (int)weights[0].element_size());
+  REQUIRE_VALUE(why == nullptr, op, ": this model cannot run here: ", why ? why : "");
+  const int64_t need = decode_megakernel_workspace_floats((int)C, (int)n_head, (int)hs);
+  REQUIRE(workspace.numel() >= need, op, ": workspace must hold ", need,
+          " floats (decode_megakernel_workspace_floats), got ", workspace.numel());
+  for (size_t i = 0; i < weights.size(); ++i)  // the kernel copies weight rows with 16-byte bulk copies
+    REQUIRE(reinterpret_cast<uintptr_t>(weights[i].data_ptr()) % 16 == 0, op, ": weights[", (int64_t)i,
+            "] must start at a 16-byte aligned address (a view at an offset is not)");
+  const bool tracing = trace.has_value() && trace->defined();
+  const int64_t blocks = decode_megakernel_grid(), stamps = decode_megakernel_trace_stamps((int)L);
+  REQUIRE(!tracing || (trace->size(0) == blocks && trace->size(1) == stamps), op, ": trace must have shape (",
+          blocks, ", ", stamps, "): the GPU's SMs, 2 + 10 n_layer stamps; got ", trace->sizes());
+  with_type(weights[0].scalar_type(), [&](auto t) {
+    using E = decltype(t);
+    std::vector<const E*> layers(L * MK_WEIGHTS);
+    for (int64_t i = 0; i < L * MK_WEIGHTS; ++i) layers[i] = ptr<E>(weights[4 + i]);
+    decode_megakernel(layers.data(), MK_WEIGHTS, ptr<E>(weights[0]), ptr<E>(weights[1]), ptr<E>(weights[2]),
+                      ptr<E>(weights[3]), ptr<E>(k_cache), ptr<E>(v_cache), ptr<int64_t>(tok), ptr<int64_t>(pos),
+                      ptr<E>(logits), ptr<float>(workspace),
+                      tracing ? reinterpret_cast<uint64_t*>(trace->data_ptr()) : nullptr, (int)L, to_int(op, C, "n_embd"), (int)n_head, (int)n_kv,
+                      to_int(op, weights[0].size(0), "V"), to_int(op, k_cache.size(3), "capacity"), (float)eps,
+                      stream());
+  });
+  for (const Tensor* t : {&pos, &k_cache, &v_cache, &logits, &workspace}) torch::autograd::impl::bump_version(*t);
+  if (tracing) torch::autograd::impl::bump_version(*trace);
+}
+
+void decode_megakernel_meta(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
+                            const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
+                            const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace) {
+  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace);
+}
+
+void decode_megakernel_autograd(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
+                                const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
+                                const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace) {
+  call_below_autograd(KERNELS_OP("decode_megakernel", decode_megakernel_cuda), weights, tok, pos, k_cache, v_cache,
+                      logits, workspace, n_head, eps, trace);
+}
+
+// The workspace decode_megakernel needs at width n_embd with n_head heads (floats, on the current GPU).
+static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head) {
+  REQUIRE_VALUE(n_head >= 1 && n_embd % n_head == 0, "decode_megakernel_workspace_floats: n_head must divide n_embd");
+  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head));
+}
+
+// None if the current GPU's megakernel decodes a model of this shape and dtype, else why not.
+static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int64_t n_head, int64_t n_kv_head,
+                                                            int64_t n_layer, int64_t element_size) {
+  if (n_layer > decode_megakernel_max_layers())
+    return "more than " + std::to_string(decode_megakernel_max_layers()) + " layers";
+  if (n_head < 1 || n_kv_head < 1 || n_embd % n_head != 0) return std::string("n_head not dividing n_embd");
+  const char* why = decode_megakernel_unsupported((int)n_embd, (int)n_head, (int)n_kv_head, (int)(n_embd / n_head),
+                                                  (int)element_size);
+  return why ? std::optional<std::string>(why) : std::nullopt;
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // A whole decode step of a gpt model: the logits of tok at position pos, its key and value written into
+  // the caches, pos advanced by one; with trace, each block's clock (ns) at its start, at each barrier
+  // (arrived, left) and at its end.
+  def_op(m, "decode_megakernel(Tensor[] weights, Tensor tok, Tensor(a!) pos, Tensor(b!) k_cache, "
+            "Tensor(c!) v_cache, Tensor(d!) logits, Tensor(e!) workspace, int n_head, float eps=1e-05, "
+            "Tensor(f!)? trace=None) -> ()");
+  cuda_meta(m, "decode_megakernel", decode_megakernel_cuda, decode_megakernel_meta, CPU_ERRORS);
+  autograd(m, "decode_megakernel", decode_megakernel_autograd);
+}
+
 // ---- autocast ---------------------------------------------------------------------------------
 // torch.autocast("cuda", dtype=torch.bfloat16) around our ops makes the choices autocast makes for
 // PyTorch's: products (linear, matmul, attention) in bf16, linear's fp32 master weight and bias rounded by
@@ -2946,6 +3117,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GPU running the sm_90a build); off: with mma.sync, as on other GPUs and head sizes, to compare the two. "
         "Process-wide, for launches from then on",
         py::arg("on"));
+  m.def("decode_megakernel_workspace_floats", &decode_megakernel_workspace,
+        "floats of float32 workspace decode_megakernel needs for a model n_embd wide with n_head heads, on the "
+        "current GPU; zero it once and pass the same tensor to every step",
+        py::arg("n_embd"), py::arg("n_head"));
+  m.def("decode_megakernel_trace_shape", [](int64_t n_layer) {
+          return py::make_tuple(decode_megakernel_grid(), decode_megakernel_trace_stamps((int)n_layer));
+        },
+        "the shape of decode_megakernel's trace on the current GPU, (blocks, stamps): one block an SM; a block's "
+        "clock at its start, on arriving at and leaving each of the 5 barriers of a layer, and at its end",
+        py::arg("n_layer"));
+  m.def("decode_megakernel_why_not", &decode_megakernel_why_not,
+        "None if decode_megakernel runs a gpt model of this shape on the current GPU, with weights of element_size "
+        "bytes (4: float32, 2: bfloat16), else the reason",
+        py::arg("n_embd"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("n_layer"), py::arg("element_size"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
   m.attr("MAX_STREAMS") = MAX_STREAMS;
 }

@@ -5,7 +5,8 @@ per step is decoded against a cache preallocated at the context length. The same
 PyTorch op set and on our kernels (GEMV for every projection, the cache write, fused attention of one
 query against the cache, layernorm, GELU, embedding, softmax and top-k for the router and the sampler;
 on Hopper launched early, each while the one before runs: kernels.set_pdl), eagerly and with
-the decode step captured in a CUDA graph; the generated tokens are compared one by one.
+the decode step captured in a CUDA graph, and (gpt, dense) with the whole step in one persistent kernel,
+kernels.decode_megakernel; the generated tokens are compared one by one.
 
     python inference.py                              # dense and MoE, random weights, seeds 0-4
     python inference.py --ckpt=out/ckpt_torch.pt     # a train.py checkpoint: its config, vocabulary, text
@@ -59,6 +60,8 @@ OPTIONS = dict(
     device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu; cpu runs the PyTorch path only"),
     backend=("both", "which op sets decode: both, torch or cuda"),
     cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
+    megakernel=(True, "with --cuda_graph, also decode on kernels.decode_megakernel: the whole step in one launch "
+                      "(gpt, dense; graphed with the token's pick)"),
     pdl=(True, "cuda op set: launch our kernels (prefill and decode) with programmatic dependent launch (Hopper: "
                "each may start while the one before runs); false: ordinary launches, to measure the difference"),
     dtype=("fp32", "fp32, bf16 or fp32,bf16: the model's weights, activations and KV cache (bf16: half the bytes per "
@@ -226,16 +229,59 @@ def weight_bytes_per_token(model):
 # -----------------------------------------------------------------------------
 # decoding
 
+def megakernel_why_not(model):
+    """None where kernels.decode_megakernel decodes this model on the current GPU, else why not."""
+    block = model.blocks[0]
+    if model.wpe is None:
+        return "it decodes the gpt arch (LayerNorm, learned positions, GELU), not llama"
+    if isinstance(block.mlp, MoE):
+        return "it decodes dense models, not mixtures of experts"
+    if model.streams.n > 1:
+        return "it decodes the baseline residual stream, not hyper-connections"
+    import kernels
+    return kernels.decode_megakernel_why_not(model.wte.shape[1], block.n_head, block.n_kv_head, len(model.blocks),
+                                             model.wte.element_size())
+
+
+class Megakernel:
+    """One decode step of a gpt dense model as one launch of kernels.decode_megakernel: the logits of the
+    token at the cache's position, its key and value written into the cache, the position advanced. The
+    weights are handed over in the op's order; the workspace (its grid barrier's counter, the activations
+    passed between blocks) is zeroed once and kept for every step."""
+
+    LAYER = ("ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w", "ln_2_b",
+             "mlp.fc_w", "mlp.fc_b", "mlp.proj_w", "mlp.proj_b")
+
+    def __init__(self, model, cache):
+        why = megakernel_why_not(model)
+        if why:
+            raise ValueError(f"decode_megakernel cannot decode this model: {why}")
+        import kernels
+        dev, C, block = model.wte.device, model.wte.shape[1], model.blocks[0]
+        params = [dict(b.named_parameters()) for b in model.blocks]
+        self.weights = [model.wte, model.wpe, model.ln_f_w, model.ln_f_b] + [p[n] for p in params for n in self.LAYER]
+        self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head), device=dev)
+        self.logits = torch.empty(model.wte.shape[0], device=dev, dtype=model.wte.dtype)
+        self.cache, self.n_head = cache, block.n_head
+
+    def __call__(self, tok, trace=None):  # tok (1, 1) int64 -> logits (V,); trace: see the op's schema
+        torch.ops.kernels.decode_megakernel(self.weights, tok, self.cache.pos, self.cache.k, self.cache.v,
+                                            self.logits, self.workspace, self.n_head, train.LN_EPS, trace)
+        return self.logits
+
+
 class Decoder:
     """Prefill and one-token decode steps of one model on one op set, with every buffer preallocated: the
     KV cache, the current token, the generated tokens, the margin between the two largest logits at each
     step and, for sampling, the uniform draws. A step reads and writes only these, so it can be captured
-    in a CUDA graph once and replayed for every position."""
+    in a CUDA graph once and replayed for every position. mode: eager, graph (the step captured), or
+    megakernel (the step as one Megakernel launch and the pick, captured)."""
 
-    def __init__(self, model, n_new, temperature, sample_top_k, uniforms, graphed):
+    def __init__(self, model, n_new, temperature, sample_top_k, uniforms, mode):
         dev = model.wte.device
-        self.model, self.graphed = model, graphed
+        self.model, self.graphed = model, mode != "eager"
         self.cache = kv_cache(model, dev)
+        self.megakernel = Megakernel(model, self.cache) if mode == "megakernel" else None
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # the last token, input of the next step
         self.tokens = torch.zeros(n_new, dtype=torch.long, device=dev)  # generated tokens
         self.margins = torch.zeros(n_new, device=dev)  # top-1 minus top-2 logit at each step
@@ -268,6 +314,8 @@ class Decoder:
         self.pick(logits[0, 0])
 
     def _decode(self):
+        if self.megakernel:
+            return self.pick(self.megakernel(self.tok))
         logits, _ = self.model(self.tok, cache=self.cache)  # (1, 1, V)
         self.pick(logits[0, 0])
 
@@ -334,10 +382,11 @@ def copy_bandwidth(device, nbytes=256 * 2**20, reps=20):
     return 2 * nbytes / statistics.median(times)
 
 
-def run_path(model, ops, graphed, prompt_ids, cfg, uniforms):
-    """One path: a short warm-up generation (and the graph capture), then the timed one."""
+def run_path(model, ops, mode, prompt_ids, cfg, uniforms):
+    """One path (mode: eager, graph or megakernel): a short warm-up generation (and the graph capture), then
+    the timed one."""
     model.ops = ops
-    dec = Decoder(model, cfg.max_new_tokens, cfg.temperature, cfg.sample_top_k, uniforms, graphed)
+    dec = Decoder(model, cfg.max_new_tokens, cfg.temperature, cfg.sample_top_k, uniforms, mode)
     with torch.no_grad():
         generate(dec, prompt_ids, min(cfg.max_new_tokens, 8))
         t_prefill, t_decode = generate(dec, prompt_ids, cfg.max_new_tokens)
@@ -356,9 +405,9 @@ def first_difference(a, b):
 # -----------------------------------------------------------------------------
 
 def choose_paths(cfg):
-    """[(op set name, ops, graphed)], and notes to print."""
+    """[(op set name, ops, mode)], mode eager, graph or megakernel (the cuda op set's), and notes to print."""
     dev = torch.device(cfg.device)
-    modes = [False, True] if dev.type == "cuda" and cfg.cuda_graph else [False]
+    modes = ["eager", "graph"] if dev.type == "cuda" and cfg.cuda_graph else ["eager"]
     names = ["torch", "cuda"] if cfg.backend == "both" else [cfg.backend]
     notes, kernels = [], None
     if "cuda" in names:
@@ -382,7 +431,9 @@ def choose_paths(cfg):
                 fail(f"head size {head} (n_embd / n_head): the cuda path decodes with the fused attention, which "
                      f"supports head sizes {kernels.FUSED_HEAD_SIZES}")
             ops = train.cuda_op_set(kernels, head)
-        paths += [(name, ops, g) for g in modes]
+        paths += [(name, ops, m) for m in modes]
+        if name == "cuda" and cfg.megakernel and "graph" in modes:
+            paths.append((name, ops, "megakernel"))
     return paths, notes
 
 
@@ -580,11 +631,15 @@ def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
                 model = with_dtype(model.to(dev), dtype).eval()
                 nbytes = weight_bytes_per_token(model)
                 cache_bytes = kv_cache(model, "meta").nbytes
-                for name, ops, graphed in paths:
-                    r = run_path(model, ops, graphed, prompt_ids, cfg, uniforms)
-                    r.update(op_set=name, mode="graph" if graphed else "eager", seed=seed)
+                for name, ops, mode in paths:
+                    if mode == "megakernel" and megakernel_why_not(model):
+                        if seed == cfg.seeds[0]:
+                            print(f"note: {label}: no megakernel row: {megakernel_why_not(model)}")
+                        continue
+                    r = run_path(model, ops, mode, prompt_ids, cfg, uniforms)
+                    r.update(op_set=name, mode=mode, seed=seed)
                     runs.append(r)
-                    print(f"{label} | seed {seed} | {name:<5} {r['mode']:<5} | prefill {r['prefill_tok_s']:>9,.0f} "
+                    print(f"{label} | seed {seed} | {name:<5} {r['mode']:<10} | prefill {r['prefill_tok_s']:>9,.0f} "
                           f"tok/s | decode {r['decode_tok_s'] or 0:>8,.0f} tok/s", flush=True)
                 del model
                 if dev.type == "cuda":
@@ -611,7 +666,7 @@ def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
         rows.setdefault((r["op_set"], r["mode"]), []).append(r)
     print(f"\n{kind}: {nbytes / 1e6:,.0f} MB of weights read per decoded token; KV cache {cache_bytes / 1e6:,.1f} MB "
           f"({cfg.n_kv_head} of {cfg.n_head} heads, {cfg.block_size} positions); medians over {len(cfg.seeds)} seed(s)")
-    print(f"{'op set':<7} {'mode':<6} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>8} {'of copy bw':>11}")
+    print(f"{'op set':<7} {'mode':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>8} {'of copy bw':>11}")
     speed = {}
     for (name, mode), rs in rows.items():
         pre = statistics.median(r["prefill_tok_s"] for r in rs)
@@ -619,16 +674,17 @@ def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
         gbs = dec * nbytes / 1e9 if dec else None
         frac = f"{dec * nbytes / bw:.0%}" if dec and bw else "n/a"
         speed[f"{name} {mode}"] = {"prefill_tok_s": pre, "decode_tok_s": dec, "GB_s": gbs}
-        print(f"{name:<7} {mode:<6} {pre:>14,.0f} {dec or 0:>13,.0f} {gbs or 0:>8,.0f} {frac:>11}")
+        print(f"{name:<7} {mode:<10} {pre:>14,.0f} {dec or 0:>13,.0f} {gbs or 0:>8,.0f} {frac:>11}")
     summary = {"weight_bytes_per_token": nbytes, "kv_cache_bytes": cache_bytes, "speed": speed, "match": {}}
     d = {k: v["decode_tok_s"] for k, v in speed.items()}
-    for ours, theirs in (("cuda eager", "torch eager"), ("cuda graph", "torch graph"), ("cuda graph", "torch eager")):
+    for ours, theirs in (("cuda eager", "torch eager"), ("cuda graph", "torch graph"), ("cuda graph", "torch eager"),
+                         ("cuda megakernel", "torch graph"), ("cuda megakernel", "cuda graph")):
         if d.get(ours) and d.get(theirs):
             summary[f"{ours} / {theirs}"] = d[ours] / d[theirs]
             print(f"decode speedup {ours} / {theirs}: {d[ours] / d[theirs]:.2f}x")
-    # exact match: our path against the PyTorch path in the same mode, seed by seed
-    for mode in ("eager", "graph"):
-        ts, cs = rows.get(("torch", mode)), rows.get(("cuda", mode))
+    # exact match: our path against the PyTorch path in the same mode (the megakernel: graphed), seed by seed
+    for mode in ("eager", "graph", "megakernel"):
+        ts, cs = rows.get(("torch", "graph" if mode == "megakernel" else mode)), rows.get(("cuda", mode))
         if not ts or not cs:
             continue
         same, total, notes = 0, 0, []

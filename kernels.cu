@@ -29,6 +29,9 @@
 //   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd, stream_coef_rows
 //   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
 //                                   attention_fwd_workspace_floats, set_attention_wgmma
+//   decode megakernel               decode_megakernel, decode_megakernel_workspace_floats,
+//                                   decode_megakernel_unsupported, decode_megakernel_max_layers,
+//                                   decode_megakernel_grid, decode_megakernel_trace_stamps
 //
 // Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
 // throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
@@ -5885,3 +5888,575 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
                          int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s) {
   attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, s);
 }
+
+// ------------------------------------------------------------------------------------------------
+// decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases;
+// multi-head or grouped-query attention; fp32 or bf16) in one launch, where the op set launches about
+// ten kernels a layer. Decoding one token reads every weight once, so its limit is bandwidth; with a
+// kernel per op each of the ~130 links costs a launch and a ramp-up, about what a layer's weights take
+// to stream in, and the step reaches a fraction of the copy rate (inference.py prints how much).
+//
+// Instruction set. A layer is five steps, each ended by a grid-wide barrier: (A) LayerNorm + QKV
+// projection, the new key and value written into the cache; (B) attention of the one query, a block
+// per (head, split of the keys), the last split of a head to finish adding the splits up; (C) output
+// projection + residual; (D) LayerNorm + fc + GELU; (E) mlp projection + residual. After the last
+// layer, (F) LayerNorm + the tied output head writes the logits (the caller picks the token). Every
+// block computes a norm over the whole row (n_embd values) itself rather than wait for one to share it.
+// Each op rounds to the weights' dtype where the op set's kernels write their outputs, so the math is
+// the op set's; the sums' order is not (one warp a row here), so fp32 logits agree to rounding.
+//
+// Scheduler. The grid is one block per SM, all resident (a cooperative launch). The rows of each
+// product are cut evenly over the blocks, so the schedule is arithmetic on the block index, the same
+// every step: a block's weight rows of the whole step form one list of chunks, each at most a page of
+// shared memory. Thread 0 copies chunk j into page j % MK_PAGES (cp.async.bulk, completion on the
+// page's mbarrier) as soon as chunk j - MK_PAGES has been read, so the next steps' weights stream in
+// while the block waits at a barrier or computes: the weights never wait on the activations.
+//
+// Synchronisation. A grid barrier is one 64-bit counter in the workspace: each block adds one
+// (release) and spins (acquire) until the counter reaches the next multiple of the grid size, so it
+// never needs resetting between steps or graph replays (MkBarrier). Values other blocks wrote are read
+// through L2 (ld.global.cg), never a stale L1 line. Attention's splits meet on a per-head counter
+// instead (the last one in adds them up and resets it). With a trace, thread 0 of each block records
+// the clock at every barrier, which shows where a step's time goes (test_ops.py --bench --only megakernel).
+
+constexpr int MK_THREADS = 256, MK_WARPS = MK_THREADS / 32;
+constexpr int MK_PAGES = 4, MK_PAGE_BYTES = 40 * 1024;  // weight pages in flight or being read, per block
+constexpr int MK_MAX_LAYERS = 64;   // layers the kernel's argument holds
+constexpr int MK_MAX_HEAD = 128;    // head size: at most 4 values a lane
+constexpr int MK_MAX_SPLITS = 32;   // splits of a head's keys (blocks per head in step B)
+constexpr int MK_LAYER_WEIGHTS = 12;
+constexpr int MK_MAX_OWN = 64;      // rows of the residual stream a block keeps: n_embd <= 64 x its SMs
+
+// Floats of attention's scratch: the warps' parts of an item, later the splits' parts of a head.
+__host__ __device__ constexpr int mk_scratch_floats(int hs, int splits) {
+  return (splits > MK_WARPS ? splits : MK_WARPS) * (hs + 2);
+}
+
+template <class T>
+struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `layers`
+  const T *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+};
+
+template <class T>
+struct MkArgs {
+  MkLayer<T> layer[MK_MAX_LAYERS];
+  const T *wte, *wpe, *lnf_w, *lnf_b;
+  T *k_cache, *v_cache;    // (n_layer, n_kv_head, capacity, hs)
+  const int64_t* tok;      // the token to decode
+  int64_t* pos;            // its position; advanced by one
+  T* logits;               // (V)
+  float* ws;               // mk_workspace
+  uint64_t* trace;         // nullptr, or (G, mk_trace_stamps) ns: when each block arrived at and left each barrier
+  IndexErrorBox* box;
+  int n_layer, C, n_head, n_kv_head, hs, V, capacity, splits;
+  float eps, scale;
+};
+
+// The workspace: the barrier's counter, the heads' counters, then the activations handed between blocks.
+struct MkWorkspace {
+  unsigned long long* barrier;
+  unsigned* heads;      // (n_head)
+  float *x, *q, *o, *h;  // residual (C), query (C), attention output (C), GELU output (4C)
+  float* part;          // (n_head, splits, hs + 2): each split's max score, sum of exps and unnormalised output
+  __host__ __device__ MkWorkspace(float* ws, int C, int n_head) {
+    barrier = reinterpret_cast<unsigned long long*>(ws);
+    heads = reinterpret_cast<unsigned*>(ws + 2);
+    x = ws + (2 + n_head + 3) / 4 * 4;
+    q = x + C;
+    o = q + C;
+    h = o + C;
+    part = h + 4 * C;
+  }
+};
+
+// Stamps of a block's trace: its start, two at each of the 5 barriers of a layer, its end.
+__host__ __device__ constexpr int mk_trace_stamps(int n_layer) { return 2 + 10 * n_layer; }
+
+// Floats of MkWorkspace.
+__host__ __device__ inline int64_t mk_workspace_floats(int C, int n_head, int hs, int splits) {
+  return (2 + n_head + 3) / 4 * 4 + 7LL * C + (int64_t)n_head * splits * (hs + 2);
+}
+
+template <class T>
+__device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+
+// Step s's product in a layer (0 QKV, 1 attention output, 2 fc, 3 mlp projection) or the head (4).
+enum MkProduct { MK_QKV, MK_OUT, MK_FC, MK_FC2, MK_HEAD, MK_PRODUCTS };
+
+struct MkRows {  // a block's rows of one product and their chunks
+  int r0, rows, per_chunk, chunks, first;  // first: its first chunk's index within a layer's chunks
+};
+
+template <class T>
+struct MkPlan {
+  MkRows p[MK_PRODUCTS];
+  int K[MK_PRODUCTS];
+  int per_layer, total;  // chunks a layer, chunks of the whole step
+
+  __device__ MkPlan(const MkArgs<T>& a) {
+    const int G = gridDim.x, b = blockIdx.x, kv = a.n_kv_head * a.hs;
+    const int N[MK_PRODUCTS] = {a.C + 2 * kv, a.C, 4 * a.C, a.C, a.V};
+    const int Ks[MK_PRODUCTS] = {a.C, a.C, a.C, 4 * a.C, a.C};
+    int first = 0;
+    for (int s = 0; s < MK_PRODUCTS; ++s) {
+      const int r0 = (int)((int64_t)N[s] * b / G), r1 = (int)((int64_t)N[s] * (b + 1) / G);
+      const int per = MK_PAGE_BYTES / (Ks[s] * (int)sizeof(T));
+      K[s] = Ks[s];
+      p[s] = {r0, r1 - r0, per, (r1 - r0 + per - 1) / per, s == MK_HEAD ? 0 : first};
+      if (s != MK_HEAD) first += p[s].chunks;
+    }
+    per_layer = first;
+    total = a.n_layer * per_layer + p[MK_HEAD].chunks;
+  }
+
+  // The chunk's index in the step's list: chunk c of product s in layer l.
+  __device__ int index(int l, int s, int c) const {
+    return (s == MK_HEAD ? total - p[MK_HEAD].chunks : l * per_layer + p[s].first) + c;
+  }
+};
+
+template <class T>
+__device__ __forceinline__ const T* mk_matrix(const MkArgs<T>& a, int l, int s) {
+  const MkLayer<T>& w = a.layer[l];
+  return s == MK_QKV ? w.attn_w : s == MK_OUT ? w.proj_w : s == MK_FC ? w.fc_w : s == MK_FC2 ? w.fc2_w : a.wte;
+}
+
+// Thread 0: start copying chunk j of the step's list into its page.
+template <class T>
+__device__ void mk_fetch(const MkArgs<T>& a, const MkPlan<T>& plan, int j, char* pages, uint32_t full) {
+  if (j >= plan.total) return;
+  int l = 0, s = MK_HEAD, c = j - (plan.total - plan.p[MK_HEAD].chunks);
+  if (c < 0) {
+    l = j / plan.per_layer;
+    c = j % plan.per_layer;
+    for (s = 0; c >= plan.p[s].first + plan.p[s].chunks; ++s) {}
+    c -= plan.p[s].first;
+  }
+  const MkRows& r = plan.p[s];
+  const int row = r.r0 + c * r.per_chunk, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
+  const uint32_t bytes = (uint32_t)rows * plan.K[s] * sizeof(T), bar = full + 8 * (j % MK_PAGES);
+  mbar_expect_bytes(bar, bytes);
+  bulk_copy(smem_addr(pages + (j % MK_PAGES) * MK_PAGE_BYTES), mk_matrix(a, l, s) + (int64_t)row * plan.K[s],
+            bytes, bar);
+}
+
+// A warp's dot product of a row of the page with vec (fp32, shared memory), lanes over 16-byte units.
+template <class T>
+__device__ __forceinline__ float mk_dot(const T* row, const float* vec, int K) {
+  constexpr int E = per16<T>();
+  float acc = 0.f;
+  for (int u = threadIdx.x % 32; u < K / E; u += 32) {
+    float w[E];
+    unpack16(*reinterpret_cast<const float4*>(row + u * E), w);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc = fmaf(w[e], vec[u * E + e], acc);
+  }
+  return warp_sum(acc);
+}
+
+// The block's rows of product s (layer l) times vec, plus bias (or none): out(row, value) for each, by lane 0
+// of a warp, whose bias load is in flight during the dot product. Each page is refilled with the chunk
+// MK_PAGES further on as soon as it has been read.
+template <class T, class Out>
+__device__ void mk_product(const MkArgs<T>& a, const MkPlan<T>& plan, int l, int s, const float* vec,
+                           const T* bias, char* pages, uint32_t full, Out out) {
+  const MkRows& r = plan.p[s];
+  const int warp = threadIdx.x / 32, K = plan.K[s];
+  for (int c = 0; c < r.chunks; ++c) {
+    const int j = plan.index(l, s, c), rows = min(r.per_chunk, r.rows - c * r.per_chunk);
+    mbar_wait(full + 8 * (j % MK_PAGES), (j / MK_PAGES) & 1);
+    const T* page = reinterpret_cast<const T*>(pages + (j % MK_PAGES) * MK_PAGE_BYTES);
+    for (int i = warp; i < rows; i += MK_WARPS) {
+      const int row = r.r0 + c * r.per_chunk + i;
+      const float b = bias && threadIdx.x % 32 == 0 ? to_float(bias[row]) : 0.f;
+      const float sum = mk_dot(page + (int64_t)i * K, vec, K);
+      if (threadIdx.x % 32 == 0) out(row, sum + b);
+    }
+    __syncthreads();  // the page has been read
+    if (threadIdx.x == 0) mk_fetch(a, plan, j + MK_PAGES, pages, full);
+  }
+}
+
+// Sum over the block, the same order in every thread; red: MK_WARPS floats of shared memory.
+__device__ __forceinline__ float mk_block_sum(float v, float* red) {
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < MK_WARPS; ++w) sum += red[w];
+  __syncthreads();  // red may be written again
+  return sum;
+}
+
+// vec (C, shared memory) = layernorm(vec) * w + b, two-pass as norm_fwd_row, rounded to T; w and b in shared
+// memory, copied there while the block waited (mk_fetch_norm).
+template <class T>
+__device__ void mk_layernorm(float* vec, const T* w, const T* b, int C, float eps, float* red) {
+  cp_async_wait<0>();  // this thread's part of w and b has landed; the block sum's barrier makes it all
+  float s = 0.f;
+  for (int i = threadIdx.x; i < C; i += MK_THREADS) s += vec[i];
+  const float mean = mk_block_sum(s, red) / C;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < C; i += MK_THREADS) ss += (vec[i] - mean) * (vec[i] - mean);
+  const float rstd = rsqrtf(mk_block_sum(ss, red) / C + eps);
+  for (int i = threadIdx.x; i < C; i += MK_THREADS)
+    vec[i] = round_to<T>((vec[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]));
+  __syncthreads();
+}
+
+// Thread-parallel copy of a norm's weight and bias (C values each) into shared memory, for a later
+// mk_layernorm; the block's last reads of the previous ones are behind a barrier.
+template <class T>
+__device__ __forceinline__ void mk_fetch_norm(T* dst, const T* w, const T* b, int C) {
+  constexpr int E = per16<T>();
+  const int units = C / E;  // 16-byte units of each
+  for (int u = threadIdx.x; u < 2 * units; u += MK_THREADS)
+    cp_async<16>(dst + u * E, u < units ? w + u * E : b + (u - units) * E, true);
+  cp_async_commit();
+}
+
+// vec = n floats (n % 4 == 0) that other blocks wrote, read through L2, four 16-byte loads a thread in flight.
+__device__ __forceinline__ void mk_load(float* vec, const float* src, int n) {
+  for (int i = 4 * threadIdx.x; i < n; i += 16 * MK_THREADS) {
+    float4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (i + 4 * k * MK_THREADS < n) v[k] = __ldcg(reinterpret_cast<const float4*>(src + i + 4 * k * MK_THREADS));
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (i + 4 * k * MK_THREADS < n) *reinterpret_cast<float4*>(vec + i + 4 * k * MK_THREADS) = v[k];
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ uint64_t mk_clock() {  // ns, the same clock on every SM
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The grid barrier. Every block adds one to the counter per barrier, which only grows: at a launch's start
+// it is a multiple of G (all earlier barriers complete), so each block's first read of it, before its
+// first arrival, tells the barrier count so far (fewer than G arrivals can have come in since), and the
+// k-th barrier of the launch waits for (that + k) * G. The add needs no answer (red), the wait one load.
+// trace (thread 0's stamps, or nullptr): when the block arrived and when it left.
+struct MkBarrier {
+  unsigned long long* counter;
+  unsigned long long target;
+  uint64_t* trace;
+  int stamp;
+
+  __device__ MkBarrier(unsigned long long* c, uint64_t* tr) : counter(c), trace(tr), stamp(0) {
+    if (threadIdx.x == 0) {
+      unsigned long long now;
+      asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(counter) : "memory");
+      target = (now / gridDim.x + 1) * gridDim.x;
+      record();
+    }
+  }
+
+  __device__ void record() {  // thread 0's
+    if (trace) trace[stamp] = mk_clock();
+    ++stamp;
+  }
+
+  __device__ void sync() {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      record();
+      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+      unsigned long long now;
+      do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(counter) : "memory");
+      } while (now < target);
+      target += gridDim.x;
+      record();
+    }
+    __syncthreads();
+  }
+};
+
+// Adds up n parts of one head's attention (max score, sum of exps, hs unnormalised values each, at
+// parts[i * (hs + 2)]): with keep = 1 into one such part (out[0] the max, out[1] the sum), with keep = 0
+// into the normalised output (hs values, rounded to T).
+template <class T>
+__device__ void mk_merge(const float* parts, int n, int hs, float* out, int keep) {
+  const int stride = hs + 2;
+  float mx = -INFINITY;
+  for (int i = 0; i < n; ++i) mx = fmaxf(mx, parts[i * stride]);
+  for (int d = threadIdx.x; d < hs + 2 * keep; d += MK_THREADS) {
+    float acc = 0.f, den = 0.f;
+    for (int i = 0; i < n; ++i) {
+      const float* pi = parts + i * stride;
+      if (pi[0] == -INFINITY) continue;  // no keys
+      const float f = expf(pi[0] - mx);
+      den += f * pi[1];
+      acc += f * pi[keep ? d : 2 + d];
+    }
+    out[d] = keep ? (d == 0 ? mx : acc) : round_to<T>(acc / den);
+  }
+}
+
+// Step B for one (head, split) item: its keys' softmax-weighted values, unnormalised, with their max score
+// and sum of exps; the split that completes the head adds the splits up into o. A warp takes every
+// MK_WARPS-th key, MK_KEYS at a time with all their loads issued first (the cache is read from memory: a
+// key at a time would wait a round trip for each). scratch: max(MK_WARPS, splits) * (hs + 2) floats.
+constexpr int MK_KEYS = 2;
+
+template <class T>
+__device__ void mk_attention(const MkArgs<T>& a, const MkWorkspace& w, int l, int item, int pos, float* scratch,
+                             int* last) {
+  const int hs = a.hs, head = item / a.splits, split = item % a.splits, stride = hs + 2;
+  const int kvh = head / (a.n_head / a.n_kv_head), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int kv_len = pos + 1, per = (kv_len + a.splits - 1) / a.splits;
+  const int j0 = split * per, j1 = min(kv_len, j0 + per);
+  const int64_t base = ((int64_t)l * a.n_kv_head + kvh) * a.capacity * hs;
+  float q[4], o[4] = {0.f, 0.f, 0.f, 0.f}, m = -INFINITY, sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q[i] = lane + 32 * i < hs ? __ldcg(w.q + head * hs + lane + 32 * i) : 0.f;
+  for (int jb = j0 + warp; jb < j1; jb += MK_KEYS * MK_WARPS) {  // online softmax over the warp's keys
+    float k[MK_KEYS][4], v[MK_KEYS][4];
+#pragma unroll
+    for (int t = 0; t < MK_KEYS; ++t) {
+      const int64_t at = base + (int64_t)(jb + t * MK_WARPS) * hs;
+      const bool in = jb + t * MK_WARPS < j1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool live = in && lane + 32 * i < hs;
+        k[t][i] = live ? to_float(__ldcg(a.k_cache + at + lane + 32 * i)) : 0.f;
+        v[t][i] = live ? to_float(__ldcg(a.v_cache + at + lane + 32 * i)) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < MK_KEYS; ++t) {
+      if (jb + t * MK_WARPS >= j1) break;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s = fmaf(q[i], k[t][i], s);
+      s = warp_sum(s) * a.scale;
+      const float m_new = fmaxf(m, s), corr = expf(m - m_new), p = expf(s - m_new);
+      sum = sum * corr + p;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = o[i] * corr + p * v[t][i];
+      m = m_new;
+    }
+  }
+  float* mine = scratch + warp * stride;  // the warps' parts, then added up in a fixed order
+  if (lane == 0) { mine[0] = m; mine[1] = sum; }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (lane + 32 * i < hs) mine[2 + lane + 32 * i] = o[i];
+  __syncthreads();
+  mk_merge<T>(scratch, MK_WARPS, hs, w.part + ((int64_t)head * a.splits + split) * stride, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // the part reaches L2 before the count says so
+    *last = atomicAdd(w.heads + head, 1u) == (unsigned)a.splits - 1;
+  }
+  __syncthreads();
+  if (!*last) return;
+  __threadfence();
+  const float* parts = w.part + (int64_t)head * a.splits * stride;
+  for (int i = threadIdx.x; i < a.splits * stride; i += MK_THREADS) scratch[i] = __ldcg(parts + i);
+  __syncthreads();
+  mk_merge<T>(scratch, a.splits, hs, w.o + head * hs, 0);
+  if (threadIdx.x == 0) w.heads[head] = 0;  // for the next layer, past a grid barrier
+}
+
+template <class T>
+__global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const __grid_constant__ MkArgs<T> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the bulk copies are Hopper's; the launcher refuses older GPUs
+#else
+  extern __shared__ __align__(128) char smem[];
+  char* pages = smem;
+  T* norm = reinterpret_cast<T*>(smem + MK_PAGES * MK_PAGE_BYTES);  // 2C: the next norm's weight and bias
+  float* vec = reinterpret_cast<float*>(norm + 2 * a.C);            // 4C: a product's input
+  float* scratch = vec + 4 * a.C;                                   // mk_scratch_floats: attention's parts
+  float* red = scratch + mk_scratch_floats(a.hs, a.splits);         // MK_WARPS: block sums
+  __shared__ uint64_t full_bars[MK_PAGES];  // page p's copy has landed
+  __shared__ float own[MK_MAX_OWN];          // the block's rows of the residual stream
+  __shared__ int last;                       // step B: this block adds its head's splits up
+  const uint32_t full = smem_addr(full_bars);
+  const MkWorkspace w(a.ws, a.C, a.n_head);
+  const int C = a.C, G = gridDim.x;
+  const int64_t tok = *a.tok, pos = *a.pos;
+  if (tok < 0 || tok >= a.V || pos < 0 || pos >= a.capacity) {  // every block sees the same values
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (tok < 0 || tok >= a.V) report_bad_index(a.box, kBadEmbeddingIdx, tok, a.V);
+      else report_bad_index(a.box, kBadCachePosition, pos, a.capacity);
+    }
+    for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < a.V; i += G * MK_THREADS)
+      a.logits[i] = from_float<T>(NAN);
+    return;
+  }
+  const MkPlan<T> plan(a);
+  MkBarrier barrier(w.barrier, a.trace ? a.trace + (int64_t)blockIdx.x * mk_trace_stamps(a.n_layer) : nullptr);
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < MK_PAGES; ++p) mbar_init(full + 8 * p, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int j = 0; j < MK_PAGES; ++j) mk_fetch(a, plan, j, pages, full);
+  }
+  mk_fetch_norm(norm, a.layer[0].ln1_w, a.layer[0].ln1_b, C);
+  // The embedding: every block adds the two rows (as the op set's add, rounded to T). The residual
+  // stream's rows [r0, r0 + rows) of the output projections are this block's (the same cut for both):
+  // it keeps them in shared memory and publishes them for the norms.
+  for (int i = threadIdx.x; i < C; i += MK_THREADS)
+    vec[i] = round_to<T>(to_float(a.wte[tok * C + i]) + to_float(a.wpe[pos * C + i]));
+  __syncthreads();
+  const int r0 = plan.p[MK_OUT].r0;
+  for (int i = threadIdx.x; i < plan.p[MK_OUT].rows; i += MK_THREADS) w.x[r0 + i] = own[i] = vec[r0 + i];
+  auto residual = [&](int r, float y) {  // the stream's row r plus y, both rounded to T as the op set's add
+    const float x = round_to<T>(own[r - r0] + round_to<T>(y));
+    own[r - r0] = x;
+    w.x[r] = x;
+  };
+  const int kv = a.n_kv_head * a.hs;
+  for (int l = 0; l < a.n_layer; ++l) {
+    const MkLayer<T>& L = a.layer[l];
+    // (A) LayerNorm + QKV; the key and value go into the cache at pos
+    if (l > 0) mk_load(vec, w.x, C);
+    mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
+    mk_fetch_norm(norm, L.ln2_w, L.ln2_b, C);
+    const int64_t cache_row = ((int64_t)l * a.n_kv_head * a.capacity + pos) * a.hs;
+    mk_product(a, plan, l, MK_QKV, vec, L.attn_b, pages, full, [&](int r, float sum) {
+      const float y = round_to<T>(sum);
+      if (r < C) {
+        w.q[r] = y;
+      } else {
+        const int c = (r - C) % kv, head = c / a.hs, d = c % a.hs;
+        T* cache = r < C + kv ? a.k_cache : a.v_cache;
+        cache[cache_row + (int64_t)head * a.capacity * a.hs + d] = from_float<T>(y);
+      }
+    });
+    barrier.sync();
+    if (l == 0 && blockIdx.x == 0 && threadIdx.x == 0) *a.pos = pos + 1;  // every block has read it by now
+    // (B) attention
+    if (blockIdx.x < a.n_head * a.splits) mk_attention<T>(a, w, l, blockIdx.x, (int)pos, scratch, &last);
+    barrier.sync();
+    // (C) output projection + residual
+    mk_load(vec, w.o, C);
+    mk_product(a, plan, l, MK_OUT, vec, L.proj_b, pages, full, residual);
+    barrier.sync();
+    // (D) LayerNorm + fc + GELU
+    mk_load(vec, w.x, C);
+    mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
+    if (l + 1 < a.n_layer) mk_fetch_norm(norm, a.layer[l + 1].ln1_w, a.layer[l + 1].ln1_b, C);
+    else mk_fetch_norm(norm, a.lnf_w, a.lnf_b, C);
+    mk_product(a, plan, l, MK_FC, vec, L.fc_b, pages, full,
+               [&](int r, float sum) { w.h[r] = round_to<T>(GeluErf().fwd(round_to<T>(sum))); });
+    barrier.sync();
+    // (E) mlp projection + residual
+    mk_load(vec, w.h, 4 * C);
+    mk_product(a, plan, l, MK_FC2, vec, L.fc2_b, pages, full, residual);
+    barrier.sync();
+  }
+  // (F) LayerNorm + head
+  mk_load(vec, w.x, C);
+  mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
+  mk_product(a, plan, 0, MK_HEAD, vec, static_cast<const T*>(nullptr), pages, full,
+             [&](int r, float sum) { a.logits[r] = from_float<T>(sum); });
+  if (threadIdx.x == 0) barrier.record();
+#endif
+}
+
+// Bytes of dynamic shared memory the kernel takes at width C and head size hs.
+static int mk_smem_bytes(int C, int hs, int elem_bytes, int splits) {
+  return MK_PAGES * MK_PAGE_BYTES + 2 * C * elem_bytes + 4 * (4 * C + mk_scratch_floats(hs, splits) + MK_WARPS);
+}
+
+static int mk_grid() {  // one block an SM
+  return once_per_device([](int dev) {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return sms;
+  });
+}
+
+static int mk_splits(int n_head) { return std::max(1, std::min(MK_MAX_SPLITS, mk_grid() / n_head)); }
+
+static int mk_smem_optin() {  // the most shared memory a block may have (static + dynamic)
+  return once_per_device([](int dev) {
+    int bytes = 0;
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return bytes;
+  });
+}
+
+int decode_megakernel_max_layers() { return MK_MAX_LAYERS; }
+int decode_megakernel_grid() { return mk_grid(); }
+int decode_megakernel_trace_stamps(int n_layer) { return mk_trace_stamps(n_layer); }
+
+// Floats of workspace decode_megakernel needs; zero it once, then keep it for every step.
+int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs) {
+  return mk_workspace_floats(C, n_head, hs, mk_splits(n_head));
+}
+
+// Why decode_megakernel cannot run this shape, or nullptr.
+const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes) {
+  const int major = once_per_device([](int dev) {
+    int v = 0;
+    cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev);
+    return v;
+  });
+  if (major < 9) return "a GPU of compute capability 9.0 or later (its bulk copies are Hopper's)";
+  if (hs > MK_MAX_HEAD) return "head size (n_embd / n_head) over 128";
+  if (n_head % n_kv_head != 0) return "n_head not a multiple of n_kv_head";
+  if (n_head > mk_grid()) return "more heads than the GPU has SMs";
+  if ((C * elem_bytes) % 16 != 0) return "a row of n_embd values not a multiple of 16 bytes";
+  if (4 * C * elem_bytes > MK_PAGE_BYTES) return "a row of the mlp projection (4 n_embd values) over a 40 KB page";
+  if ((C + mk_grid() - 1) / mk_grid() > MK_MAX_OWN) return "n_embd over 64 rows for each SM of the GPU";
+  if (mk_smem_bytes(C, hs, elem_bytes, mk_splits(n_head)) + 1024 > mk_smem_optin())  // + 1 KB: the kernel's static shared memory, about
+    return "more shared memory a block than the GPU has (n_embd too wide)";
+  return nullptr;
+}
+
+// layers: n_layer * per_layer (12) device pointers, host array, in MkLayer's order; the caches (n_layer, n_kv_head,
+// capacity, hs); ws: decode_megakernel_workspace_floats, zeroed before the first step; trace: nullptr or
+// decode_megakernel_trace_stamps(n_layer) ns for each of decode_megakernel_grid() blocks.
+template <class T>
+void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
+                       T* k_cache, T* v_cache, const int64_t* tok, int64_t* pos, T* logits, float* ws,
+                       uint64_t* trace, int n_layer, int C, int n_head, int n_kv_head, int V, int capacity, float eps,
+                       cudaStream_t s) {
+  const int hs = C / n_head;
+  const char* why = decode_megakernel_unsupported(C, n_head, n_kv_head, hs, sizeof(T));
+  if (per_layer != MK_LAYER_WEIGHTS) why = "12 weights a layer expected";
+  if (!why && (n_layer < 1 || n_layer > MK_MAX_LAYERS)) why = "n_layer outside [1, 64]";
+  if (why) throw std::runtime_error(std::string("decode_megakernel: ") + why);
+  MkArgs<T> a = {};
+  for (int l = 0; l < n_layer; ++l) {
+    const T* const* p = layers + MK_LAYER_WEIGHTS * l;
+    a.layer[l] = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11]};
+  }
+  a.wte = wte; a.wpe = wpe; a.lnf_w = lnf_w; a.lnf_b = lnf_b;
+  a.k_cache = k_cache; a.v_cache = v_cache; a.tok = tok; a.pos = pos; a.logits = logits; a.ws = ws;
+  a.trace = trace;
+  a.box = index_error_box();
+  a.n_layer = n_layer; a.C = C; a.n_head = n_head; a.n_kv_head = n_kv_head; a.hs = hs; a.V = V;
+  a.capacity = capacity; a.splits = mk_splits(n_head); a.eps = eps; a.scale = 1.f / sqrtf((float)hs);
+  const int smem = mk_smem_bytes(C, hs, sizeof(T), a.splits);
+  cudaFuncSetAttribute(decode_megakernel_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeCooperative;  // every block resident at once, or the launch fails
+  attr.val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(mk_grid());
+  cfg.blockDim = dim3(MK_THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, decode_megakernel_kernel<T>, a);
+  check_launch("decode_megakernel");
+}
+
+template void decode_megakernel<float>(const float* const*, int, const float*, const float*, const float*, const float*,
+                                       float*, float*, const int64_t*, int64_t*, float*, float*, uint64_t*, int, int,
+                                       int, int, int, int, float, cudaStream_t);
+template void decode_megakernel<__nv_bfloat16>(const __nv_bfloat16* const*, int, const __nv_bfloat16*,
+                                               const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                               __nv_bfloat16*, __nv_bfloat16*, const int64_t*, int64_t*,
+                                               __nv_bfloat16*, float*, uint64_t*, int, int, int, int, int, int, float,
+                                               cudaStream_t);

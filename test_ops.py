@@ -1314,6 +1314,10 @@ def _decoder_gpt(n_expert=0, device="cpu", n_embd=32, arch="gpt"):
     return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, mlp=mlp, arch=arch).to(device).eval()
 
 
+def _decode_mode(graphed):  # inference.Decoder's mode
+    return "graph" if graphed else "eager"
+
+
 def _greedy_without_cache(model, prompt, n_new):
     ids = list(prompt)
     with torch.no_grad():
@@ -1331,7 +1335,7 @@ def inference_cache_matches_full_forward():
         for n_expert in (0, 4):
             model = _decoder_gpt(n_expert, arch=arch)
             prompt, n_new = [5, 17, 42], 15  # 3 + 15 < 24: no slide
-            dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
+            dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), mode="eager")
             with torch.no_grad():
                 inference.generate(dec, torch.tensor(prompt), n_new)
             ref = _greedy_without_cache(model, prompt, n_new)
@@ -1347,7 +1351,7 @@ def inference_slides_when_full():
     for arch in train.ARCHS:
         model, n_new = _decoder_gpt(arch=arch), 30
         prompt = [1, 2, 3]
-        dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed=False)
+        dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), mode="eager")
         with torch.no_grad():
             inference.generate(dec, torch.tensor(prompt), n_new)
         toks = dec.tokens.tolist()
@@ -1363,7 +1367,7 @@ def inference_sampling_is_seeded():
     runs = []
     for _ in range(2):
         dec = inference.Decoder(model, n_new, 0.8, 5, torch.rand(n_new, generator=torch.Generator().manual_seed(3)),
-                                graphed=False)
+                                mode="eager")
         with torch.no_grad():
             inference.generate(dec, torch.tensor([4, 5]), n_new)
         runs.append(dec.tokens.tolist())
@@ -1634,7 +1638,7 @@ def inference_gpu_paths_agree():
                                ("cuda_ordinary_launch", kernels_ops, False)):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, n_new, temperature, k, uniforms, graphed)
+                dec = inference.Decoder(model, n_new, temperature, k, uniforms, _decode_mode(graphed))
                 kernels.set_pdl(pdl)
                 try:
                     with torch.no_grad():
@@ -1669,7 +1673,7 @@ def inference_gpu_bf16_paths():
         for name, ops in (("torch", train.TORCH_OPS), ("cuda", train.cuda_op_set(kernels, 32))):
             for graphed in (False, True):
                 model.ops = ops
-                dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), graphed)
+                dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), _decode_mode(graphed))
                 with torch.no_grad():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                     logits = model(torch.tensor([[3, 1, 4]], device=DEV))[0].float()
@@ -1689,6 +1693,172 @@ def inference_gpu_bf16_paths():
 
 
 add("inference/gpu_bf16_paths", inference_gpu_bf16_paths)
+
+
+# decode_megakernel's shapes: (n_embd, n_head, n_kv_head, context); head sizes 96, 64 (grouped-query) and 40
+# (no multiple of a warp), widths that are no multiple of a tile.
+_MK_SHAPES = ((768, 8, 8, 64), (256, 4, 2, 48), (200, 5, 5, 40))
+
+
+def _mk_model(n_embd, n_head, n_kv, block, n_layer=3, dtype="fp32"):
+    model = train.GPT(95, block, n_embd, n_head, n_layer, 0, train.TORCH_OPS, n_kv_head=n_kv).to(DEV).eval()
+    for p in model.parameters():  # biases and norms away from their zero / one init, so a mixed-up one shows
+        if p.dim() == 1:
+            with torch.no_grad():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(DEV))
+    model = inference.with_dtype(model, dtype)
+    if why := inference.megakernel_why_not(model):
+        raise Skip(f"decode_megakernel: {why}")
+    return model
+
+
+def _mk_prefilled(model, prompt):
+    """A cache holding the prompt (torch op set), and a copy of it."""
+    cache = inference.kv_cache(model, DEV)
+    model.ops = train.TORCH_OPS
+    with torch.no_grad():
+        model(torch.tensor([prompt], device=DEV), cache=cache)
+    twin = inference.kv_cache(model, DEV)
+    for a, b in ((twin.k, cache.k), (twin.v, cache.v), (twin.pos, cache.pos)):
+        a.copy_(b)
+    return cache, twin
+
+
+def inference_gpu_megakernel_step():
+    # one step of decode_megakernel against the model's step on the torch op set, from the same cache:
+    # the logits, the key and value written at the position, the position advanced; fp32 and bf16
+    notes = []
+    for dtype, tol in (("fp32", (2e-5, 1e-4)), ("bf16", (3e-2, 3e-2))):
+        for n_embd, n_head, n_kv, block in _MK_SHAPES:
+            model = _mk_model(n_embd, n_head, n_kv, block, dtype=dtype)
+            cache, twin = _mk_prefilled(model, [3, 1, 4, 1, 5])
+            tok = torch.tensor([[9]], device=DEV)
+            with torch.no_grad():
+                ref = model(tok, cache=twin)[0][0, 0]
+                ours = inference.Megakernel(model, cache)(tok)
+            label = f"{dtype}_{n_embd}_{n_head}h_{n_kv}kv"
+            check(f"logits_{label}", ours.float(), ref.float(), tol)
+            check(f"k_{label}", cache.k[:, :, :, 5].float(), twin.k[:, :, :, 5].float(), tol)
+            check(f"v_{label}", cache.v[:, :, :, 5].float(), twin.v[:, :, :, 5].float(), tol)
+            assert cache.pos.item() == twin.pos.item() == 6, f"{label}: pos {cache.pos.item()}, twin {twin.pos.item()}"
+        notes.append(f"{dtype}: {len(_MK_SHAPES)} shapes")
+    return "; ".join(notes)
+
+
+def inference_gpu_megakernel_tokens():
+    # greedy fp32 decoding on the megakernel (graphed with the pick) picks the graphed op sets' tokens over
+    # 200 steps through several context slides, with their margins; bf16 against the cuda op set's graph,
+    # where a first difference must be a near tie (under 5% of the logits' spread), as between op sets
+    n_new, notes = under_tool(200, 4), []
+    for dtype in ("fp32", "bf16"):
+        for n_embd, n_head, n_kv, block in _MK_SHAPES:
+            model = _mk_model(n_embd, n_head, n_kv, block, dtype=dtype)
+            hs, toks, margins = n_embd // n_head, {}, {}
+            # the cuda op set decodes with the fused attention: where it lacks the head size, the
+            # megakernel's prefill and pick run on the torch op set
+            cuda = train.cuda_op_set(kernels, hs) if hs in kernels.FUSED_HEAD_SIZES else None
+            paths = [("torch", train.TORCH_OPS, "graph"), ("cuda", cuda, "graph"),
+                     ("megakernel", cuda or train.TORCH_OPS, "megakernel")]
+            for name, ops, mode in paths:
+                if ops is None or (dtype == "bf16" and name == "torch"):
+                    continue
+                model.ops = ops
+                dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), mode)
+                with torch.no_grad():
+                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
+                toks[name], margins[name] = dec.tokens.tolist(), dec.margins
+            label = f"{dtype} {n_embd}/{n_head}h/{n_kv}kv"
+            if dtype == "fp32":
+                assert all(t == toks["torch"] for t in toks.values()), f"{label}: {toks}"
+                check(f"margins_{label}", margins["megakernel"], margins["torch"], 1e-4)
+                notes.append(f"{label}: {n_new}/{n_new} equal ({len(toks)} paths)")
+                continue
+            if "cuda" not in toks:
+                continue
+            i = inference.first_difference(toks["cuda"], toks["megakernel"])
+            with torch.no_grad():
+                logits = model(torch.tensor([[3, 1, 4]], device=DEV))[0].float()
+            spread = (logits.max() - logits.min()).item()
+            if i is not None:
+                m = margins["cuda"][i].item()
+                assert m < 0.05 * spread, f"{label}: differ at {i} with margin {m:.3g}, not a near tie"
+            notes.append(f"{label}: equal to token {n_new if i is None else i}")
+    return "; ".join(notes)
+
+
+def inference_gpu_megakernel_bad_inputs():
+    # a token or position out of range gives NaN logits and the op's error at the next check, nothing
+    # written out of bounds; a model the kernel cannot run, or wrong arguments, a clear error
+    model = _mk_model(256, 4, 2, 48)
+    cache, _ = _mk_prefilled(model, [3, 1, 4])
+    mk = inference.Megakernel(model, cache)
+    for tok, pos, want in ((95, 3, "embedding: idx out of range in an earlier call: got 95"),
+                           (2, 48, "kv_write: positions out of range in an earlier call: got 48")):
+        cache.pos.fill_(pos)
+        with torch.no_grad():
+            logits = mk(torch.tensor([[tok]], device=DEV))
+        assert logits.isnan().all(), f"tok {tok}, pos {pos}: logits not NaN"
+        assert cache.pos.item() == pos, f"tok {tok}, pos {pos}: the position moved to {cache.pos.item()}"
+        expect_error(ValueError, kernels.check_errors, want)
+    cache.pos.fill_(3)
+    args = lambda **kw: {**dict(weights=mk.weights, tok=torch.tensor([[1]], device=DEV), pos=cache.pos, k_cache=cache.k,
+                                v_cache=cache.v, logits=mk.logits, workspace=mk.workspace, n_head=4), **kw}
+    with torch.no_grad():
+        for kw, want in ((dict(weights=mk.weights[:-1]), "weights must be wte, wpe, ln_f_w, ln_f_b, then 12 a layer"),
+                         (dict(workspace=mk.workspace[:10]), "workspace must hold"),
+                         (dict(workspace=mk.workspace.double()), "workspace must be float32"),
+                         (dict(logits=mk.logits[:-1]), "logits must be a contiguous"),
+                         (dict(n_head=3), "n_head must divide n_embd"),
+                         (dict(tok=torch.tensor([[1]])), "tok must be a CUDA tensor"),
+                         (dict(trace=torch.zeros(3, 5, dtype=torch.long, device=DEV)), "trace must have shape"),
+                         (dict(weights=[w.t() if w.dim() == 2 and w.shape[0] == w.shape[1] else w
+                                        for w in mk.weights]), "must be contiguous")):
+            expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**args(**kw)), want)
+    wide = train.GPT(95, 16, 1024, 4, 1, 0, train.TORCH_OPS).to(DEV).eval()  # head size 256
+    expect_error(ValueError, lambda: inference.Megakernel(wide, inference.kv_cache(wide, DEV)),
+                 "decode_megakernel cannot decode this model: head size")
+    return "NaN logits and the op's error for a bad token and position; 8 bad arguments named; head size 256 refused"
+
+
+def inference_gpu_megakernel_trace():
+    # the traced step's logits are the untraced step's, bit for bit, and its clocks show the grid barrier
+    # holding: no block leaves a barrier before the last one arrives, and each block's stamps only grow
+    model = _mk_model(256, 4, 2, 48, n_layer=4)
+    cache, twin = _mk_prefilled(model, [3, 1, 4])
+    tok, trace = torch.tensor([[9]], device=DEV), torch.zeros(kernels.decode_megakernel_trace_shape(4),
+                                                              dtype=torch.long, device=DEV)
+    with torch.no_grad():
+        plain = inference.Megakernel(model, twin)(tok).clone()
+        traced = inference.Megakernel(model, cache)(tok, trace)
+    assert torch.equal(plain, traced), "tracing changed the logits"
+    t = trace.cpu()
+    assert (t[:, 1:] >= t[:, :-1]).all(), "a block's clock went back"
+    arrive, leave = t[:, 1:-1:2], t[:, 2:-1:2]
+    assert (leave.min(0).values >= arrive.max(0).values).all(), "a block left a barrier before the last arrived"
+    steps, head, total = megakernel_timeline(t)
+    return f"{t.shape[0]} blocks x {arrive.shape[1]} barriers hold; traced step {total:.1f} us"
+
+
+for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, inference_gpu_megakernel_bad_inputs,
+            inference_gpu_megakernel_trace):
+    add(_fn.__name__.replace("_", "/", 1), _fn)
+
+
+def inference_megakernel_refuses():
+    # the models decode_megakernel does not decode say why, before any GPU is asked (CPU, in CI)
+    for kw, want in ((dict(arch="llama"), "gpt arch"), (dict(mlp=lambda: inference.MoE(32, 4, 2)), "dense models"),
+                     (dict(residual="mhc"), "baseline residual stream")):
+        model = train.GPT(95, 24, 32, 2, 2, 0, train.TORCH_OPS, **kw)
+        assert want in (inference.megakernel_why_not(model) or ""), f"{kw}: {inference.megakernel_why_not(model)}"
+        try:
+            inference.Megakernel(model, None)
+            raise AssertionError(f"{kw}: Megakernel took the model")
+        except ValueError as e:
+            assert want in str(e), f"{kw}: {e}"
+    return "llama, MoE and mHC models refused with their reason"
+
+
+add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
 
 # -----------------------------------------------------------------------------
 # mHC on the CPU: the incrementing-token task, the composite gains, the residual variants, the depth sweep
@@ -3570,6 +3740,16 @@ def _leaf(*shape, dtype=torch.float32, grad=True):
     return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
 
 
+def _megakernel_args(plain):
+    """decode_megakernel's arguments for a 1-layer gpt 64 wide, 2 heads, 11 tokens, a cache of 64 positions."""
+    C = 64
+    shapes = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
+              (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
+    workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2), device=DEV)
+    return ([plain(*s) for s in shapes], torch.tensor([[3]], device=DEV), torch.tensor([5], device=DEV),
+            plain(1, 1, 2, 64, 32), plain(1, 1, 2, 64, 32), plain(11), workspace, 2)
+
+
 def opcheck_cases(dt):
     """(name, op, args, kwargs) for every dispatcher op at awkward shapes in dtype dt; the forward ops'
     float inputs require grad (autograd is checked), the backward ops' do not."""
@@ -3623,7 +3803,8 @@ def opcheck_cases(dt):
                                               torch.tensor([3, 0, 3], device=DEV)), {}),
               ("kv_write", k.kv_write, (plain(2, 2, 16, 64), plain(2, 2, 16, 64), torch.tensor([4, 9], device=DEV),
                                         plain(2, 2, 2, 64), plain(2, 2, 2, 64)), {}),
-              ("topk", k.topk, (plain(5, 100), 7), {})]
+              ("topk", k.topk, (plain(5, 100), 7), {}),
+              ("decode_megakernel", k.decode_megakernel, _megakernel_args(plain), {})]
     qkv = _leaf(2, 17, (4 + 2 + 2) * 64, dtype=dt)  # the model's q, k, v: views of one projection
     pq2, pk2, pv2 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], -1))
     cases += [("attention_packed_qkv", k.attention, (pq2, pk2, pv2), {"causal": True}),
@@ -5083,6 +5264,68 @@ def bench_ddp_rows(rows, dtype, res):
                          scaling_same_batch=per_gpu, loss_diff_one_gpu=diff["one2"], loss_diff_two_gpus=diff["two"]))
 
 
+MK_STEPS = "ABCDE"  # a layer's steps in decode_megakernel: norm + QKV, attention, out-proj, norm + fc, mlp proj
+
+
+def megakernel_timeline(stamps):
+    """Where a decode_megakernel step's time goes, from its trace (blocks, 2 + 10 n_layer ns stamps): for each
+    step of a layer (medians over the layers) the median and the slowest block's work (arrival at the
+    barrier minus its departure from the one before), the arrivals' spread (last minus median) and the
+    barrier's own latency (first departure minus last arrival); then the head and the whole launch, in µs."""
+    t = (stamps - stamps[:, 0].min()).double() / 1e3
+    arrive, leave = t[:, 1:-1:2], t[:, 2:-1:2]  # (blocks, barriers)
+    work = arrive - torch.cat([t[:, :1], leave[:, :-1]], 1)
+    per_barrier = dict(median=work.median(0).values, slowest=work.max(0).values,
+                       spread=arrive.max(0).values - arrive.median(0).values,
+                       barrier=leave.min(0).values - arrive.max(0).values)
+    steps = {name: {k: v[i::len(MK_STEPS)].median().item() for k, v in per_barrier.items()}
+             for i, name in enumerate(MK_STEPS)}
+    head = (t[:, -1] - leave[:, -1]).max().item()
+    return steps, head, (t[:, -1].max() - t[:, 0].min()).item()
+
+
+def bench_megakernel(rows, steps=100):
+    """decode_megakernel at inference.py's default shape (gpt, 768 x 12, 8 heads, context 256), fp32 and bf16:
+    its step alone (CUDA events over 100 launches from position 100, greedy pick not included), the weight
+    bytes it reads over that time against the copy rate measured here, and the timeline of one step."""
+    bw = inference.copy_bandwidth(DEV)
+    print(f"\ndecode_megakernel, gpt 768 x 12, 8 heads, positions 100-199; copy rate {bw / 1e9:,.0f} GB/s")
+    print(f"{'dtype':<6} {'us/step':>8} {'tok/s':>8} {'of copy bw':>11}   timeline of one step, us: steps of a layer "
+          f"(median over layers): median block / slowest block / arrival spread / barrier")
+    for dtype in ("fp32", "bf16"):
+        model = inference.with_dtype(train.GPT(95, 256, 768, 8, 12, 0, train.TORCH_OPS).to(DEV).eval(), dtype)
+        if why := inference.megakernel_why_not(model):
+            print(f"{dtype}: {why}")
+            return
+        cache = inference.kv_cache(model, DEV)
+        with torch.no_grad():
+            model(torch.randint(0, 95, (1, 100), device=DEV), cache=cache)
+            mk, tok, start = inference.Megakernel(model, cache), torch.tensor([[7]], device=DEV), cache.pos.clone()
+            for _ in range(5):
+                mk(tok)
+            cache.pos.copy_(start)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(steps):
+                mk(tok)
+            t1.record()
+            t1.synchronize()
+            cache.pos.copy_(start)
+            trace = torch.zeros(kernels.decode_megakernel_trace_shape(len(model.blocks)), dtype=torch.long,
+                                device=DEV)
+            mk(tok, trace)
+        kernels.check_errors()
+        us = t0.elapsed_time(t1) * 1e3 / steps
+        frac = inference.weight_bytes_per_token(model) / (us * 1e-6) / bw
+        by_step, head, total = megakernel_timeline(trace.cpu())
+        layer = " | ".join(f"{k} {v['median']:.1f}/{v['slowest']:.1f}/{v['spread']:.1f}/{v['barrier']:.1f}"
+                           for k, v in by_step.items())
+        print(f"{dtype:<6} {us:>8.1f} {1e6 / us:>8,.0f} {frac:>11.0%}   {layer} | head {head:.1f} | traced step "
+              f"{total:.1f}")
+        rows.append(dict(op="decode_megakernel", shape="768x12", dtype=dtype, us=us, copy_fraction=frac,
+                         timeline=by_step, head_us=head))
+
+
 def bench_main(json_path):
     if not HAS_CUDA:  # building the extension cannot help here
         print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
@@ -5105,6 +5348,8 @@ def bench_main(json_path):
         bench_attention_bf16(rows)
     if ONLY in "attention gqa":
         bench_gqa(rows)
+    if ONLY in "megakernel":
+        bench_megakernel(rows)
     if ONLY == "ddp":  # training runs of --preset=large on one and two GPUs, minutes each: only when asked
         bench_ddp_scaling(rows)
     if json_path:
