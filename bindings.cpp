@@ -2881,6 +2881,7 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
   check_dim(op, wte, "wte", 2, "(V, C)");
   const int64_t L = (weights.size() - 4) / MK_WEIGHTS, V = wte.size(0), C = wte.size(1);
   REQUIRE(n_head >= 1 && C % n_head == 0, op, ": n_head must divide n_embd (", C, "), got ", n_head);
+  REQUIRE(C >= 1, op, ": wte must have at least one column (n_embd), got shape ", wte.sizes());
   check_fp_cuda(op, k_cache, "k_cache", wte, "wte");
   check_dim(op, k_cache, "k_cache", 5, "(n_layer, 1, n_kv_head, capacity, head_size)");
   const int64_t hs = C / n_head, n_kv = k_cache.size(2), capacity = k_cache.size(3);
@@ -2919,6 +2920,9 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
   check_float_cuda(op, workspace, "workspace");
   REQUIRE(k_cache.is_contiguous() && v_cache.is_contiguous() && workspace.is_contiguous(), op,
           ": k_cache, v_cache and workspace must be contiguous");
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+                                {&logits, "logits"}, {&workspace, "workspace"}})
+    check_same_device(op, wte, "wte", *t, name);
   REQUIRE(!at::GradMode::is_enabled() || !std::any_of(weights.begin(), weights.end(), [](const Tensor& w) {
             return w.requires_grad();
           }), op, ": decodes and has no gradient; call it under torch.no_grad()");
@@ -2947,6 +2951,8 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
   for (size_t i = 0; i < weights.size(); ++i)  // the kernel copies weight rows with 16-byte bulk copies
     REQUIRE(reinterpret_cast<uintptr_t>(weights[i].data_ptr()) % 16 == 0, op, ": weights[", (int64_t)i,
             "] must start at a 16-byte aligned address (a view at an offset is not)");
+  REQUIRE(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0, op,
+          ": workspace must start at a 16-byte aligned address (a view at an offset is not)");
   const bool tracing = trace.has_value() && trace->defined();
   const int64_t blocks = decode_megakernel_grid(), stamps = decode_megakernel_trace_stamps((int)L);
   REQUIRE(!tracing || (trace->size(0) == blocks && trace->size(1) == stamps), op, ": trace must have shape (",
@@ -2999,7 +3005,8 @@ static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int6
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   // A whole decode step of a gpt model: the logits of tok at position pos, its key and value written into
   // the caches, pos advanced by one; with trace, each block's clock (ns) at its start, at each barrier
-  // (arrived, left) and at its end.
+  // (arrived, left) and at its end. The workspace holds the grid barrier's counter: zero it before the
+  // first step, then keep it for one model's steps on one stream and one GPU.
   def_op(m, "decode_megakernel(Tensor[] weights, Tensor tok, Tensor(a!) pos, Tensor(b!) k_cache, "
             "Tensor(c!) v_cache, Tensor(d!) logits, Tensor(e!) workspace, int n_head, float eps=1e-05, "
             "Tensor(f!)? trace=None) -> ()");
@@ -3099,7 +3106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (const std::string& name : exported_ops()) m.attr(name.c_str()) = ops.attr(name.c_str());
   m.def("check_errors", &check_errors,
         "wait for the current CUDA stream, then raise ValueError if an earlier embedding, cross_entropy, "
-        "expert_gemv or kv_write call met an index out of range (naming the op, the argument, the first bad "
+        "expert_gemv, kv_write or decode_megakernel call met an index out of range (naming the op, the argument, the first bad "
         "value and the valid range) and clear it. Every op does the same check at entry without waiting, so a bad "
         "index "
         "surfaces at the next call anyway; this is for when that must be now (a log point, the end of a run, "

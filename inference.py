@@ -236,18 +236,19 @@ def megakernel_why_not(model):
         return "it decodes the gpt arch (LayerNorm, learned positions, GELU), not llama"
     if isinstance(block.mlp, MoE):
         return "it decodes dense models, not mixtures of experts"
-    if model.streams.n > 1:
+    if model.streams.variant != "baseline":
         return "it decodes the baseline residual stream, not hyper-connections"
     import kernels
-    return kernels.decode_megakernel_why_not(model.wte.shape[1], block.n_head, block.n_kv_head, len(model.blocks),
-                                             model.wte.element_size())
+    with torch.cuda.device(model.wte.device):
+        return kernels.decode_megakernel_why_not(model.wte.shape[1], block.n_head, block.n_kv_head,
+                                                 len(model.blocks), model.wte.element_size())
 
 
 class Megakernel:
     """One decode step of a gpt dense model as one launch of kernels.decode_megakernel: the logits of the
     token at the cache's position, its key and value written into the cache, the position advanced. The
     weights are handed over in the op's order; the workspace (its grid barrier's counter, the activations
-    passed between blocks) is zeroed once and kept for every step."""
+    passed between blocks) is zeroed once and kept for every step of this model, cache and GPU."""
 
     LAYER = ("ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w", "ln_2_b",
              "mlp.fc_w", "mlp.fc_b", "mlp.proj_w", "mlp.proj_b")
@@ -260,7 +261,8 @@ class Megakernel:
         dev, C, block = model.wte.device, model.wte.shape[1], model.blocks[0]
         params = [dict(b.named_parameters()) for b in model.blocks]
         self.weights = [model.wte, model.wpe, model.ln_f_w, model.ln_f_b] + [p[n] for p in params for n in self.LAYER]
-        self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head), device=dev)
+        with torch.cuda.device(dev):  # sized for this GPU's SMs
+            self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head), device=dev)
         self.logits = torch.empty(model.wte.shape[0], device=dev, dtype=model.wte.dtype)
         self.cache, self.n_head = cache, block.n_head
 

@@ -320,8 +320,8 @@ static void with_row_shape(const RowLaunch& L, F&& f) {
   })
 
 // ------------------------------------------------------------------------------------------------
-// bad indices: the error mailbox. embedding (idx), cross_entropy (targets), expert_gemv (experts) and
-// kv_write (positions) take indices that live on the device. Checking them on the host would copy them
+// bad indices: the error mailbox. embedding (idx), cross_entropy (targets), expert_gemv (experts),
+// kv_write (positions) and decode_megakernel (tok, pos) take indices that live on the device. Checking them on the host would copy them
 // back and stall the stream on every call (it made a 1024-token embedding 5x slower than PyTorch's),
 // and cannot run at all inside a CUDA graph. So the kernels check them where they read them: a bad
 // index gives NaN where its row would go (kv_write, whose index says where a row goes, writes nothing),
@@ -336,9 +336,12 @@ static void with_row_shape(const RowLaunch& L, F&& f) {
 // host (a stream-ordered reset would end up inside a graph being captured). An error that comes while
 // the host is taking the previous one may be dropped; its NaN stays.
 
-enum IndexErrorWhat { kBadEmbeddingIdx = 1, kBadCrossEntropyTarget = 2, kBadExpert = 3, kBadCachePosition = 4 };
-constexpr const char* kIndexErrorOp[] = {"", "embedding", "cross_entropy", "expert_gemv", "kv_write"};
-constexpr const char* kIndexErrorArg[] = {"", "idx", "targets", "experts", "positions"};
+enum IndexErrorWhat {
+  kBadEmbeddingIdx = 1, kBadCrossEntropyTarget, kBadExpert, kBadCachePosition, kBadDecodeToken, kBadDecodePosition
+};
+constexpr const char* kIndexErrorOp[] = {"",         "embedding",         "cross_entropy",
+                                         "expert_gemv", "kv_write",       "decode_megakernel", "decode_megakernel"};
+constexpr const char* kIndexErrorArg[] = {"", "idx", "targets", "experts", "positions", "tok", "pos"};
 
 struct IndexErrorBox {  // one per device, in pinned host memory mapped into the device's address space
   int full;             // set by the device after the fields below, cleared by the host
@@ -6140,6 +6143,8 @@ __device__ __forceinline__ uint64_t mk_clock() {  // ns, the same clock on every
 // it is a multiple of G (all earlier barriers complete), so each block's first read of it, before its
 // first arrival, tells the barrier count so far (fewer than G arrivals can have come in since), and the
 // k-th barrier of the launch waits for (that + k) * G. The add needs no answer (red), the wait one load.
+// Hence the workspace's contract: zeroed before its first step, then used by one stream at a time, on one
+// GPU (G its SM count).
 // trace (thread 0's stamps, or nullptr): when the block arrived and when it left.
 struct MkBarrier {
   unsigned long long* counter;
@@ -6253,10 +6258,10 @@ __device__ void mk_attention(const MkArgs<T>& a, const MkWorkspace& w, int l, in
   if (threadIdx.x == 0) {
     __threadfence();  // the part reaches L2 before the count says so
     *last = atomicAdd(w.heads + head, 1u) == (unsigned)a.splits - 1;
+    if (*last) __threadfence();  // and the other splits' parts are seen after it
   }
   __syncthreads();
   if (!*last) return;
-  __threadfence();
   const float* parts = w.part + (int64_t)head * a.splits * stride;
   for (int i = threadIdx.x; i < a.splits * stride; i += MK_THREADS) scratch[i] = __ldcg(parts + i);
   __syncthreads();
@@ -6284,8 +6289,8 @@ __global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const 
   const int64_t tok = *a.tok, pos = *a.pos;
   if (tok < 0 || tok >= a.V || pos < 0 || pos >= a.capacity) {  // every block sees the same values
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      if (tok < 0 || tok >= a.V) report_bad_index(a.box, kBadEmbeddingIdx, tok, a.V);
-      else report_bad_index(a.box, kBadCachePosition, pos, a.capacity);
+      if (tok < 0 || tok >= a.V) report_bad_index(a.box, kBadDecodeToken, tok, a.V);
+      else report_bad_index(a.box, kBadDecodePosition, pos, a.capacity);
     }
     for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < a.V; i += G * MK_THREADS)
       a.logits[i] = from_float<T>(NAN);
