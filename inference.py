@@ -633,10 +633,11 @@ def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
                 model = with_dtype(model.to(dev), dtype).eval()
                 nbytes = weight_bytes_per_token(model)
                 cache_bytes = kv_cache(model, "meta").nbytes
+                why_not = megakernel_why_not(model) if any(p[2] == "megakernel" for p in paths) else None
                 for name, ops, mode in paths:
-                    if mode == "megakernel" and megakernel_why_not(model):
+                    if mode == "megakernel" and why_not:
                         if seed == cfg.seeds[0]:
-                            print(f"note: {label}: no megakernel row: {megakernel_why_not(model)}")
+                            print(f"note: {label}: no megakernel row: {why_not}")
                         continue
                     r = run_path(model, ops, mode, prompt_ids, cfg, uniforms)
                     r.update(op_set=name, mode=mode, seed=seed)

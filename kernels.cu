@@ -157,11 +157,16 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);  // a failure is left for check_launch
 }
 
+static int compute_major() {  // the current GPU's compute capability, major part
+  return once_per_device([](int dev) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    return major;
+  });
+}
+
 static void require_tensor_cores(const char* what) {
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (major < 8)
+  if (compute_major() < 8)
     throw std::runtime_error(std::string(what) + ": needs a GPU of compute capability 8.0 or newer (tensor-core TF32)");
 }
 
@@ -6371,15 +6376,7 @@ static int mk_smem_bytes(int C, int hs, int elem_bytes, int splits) {
   return MK_PAGES * MK_PAGE_BYTES + 2 * C * elem_bytes + 4 * (4 * C + mk_scratch_floats(hs, splits) + MK_WARPS);
 }
 
-static int mk_grid() {  // one block an SM
-  return once_per_device([](int dev) {
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return sms;
-  });
-}
-
-static int mk_splits(int n_head) { return std::max(1, std::min(MK_MAX_SPLITS, mk_grid() / n_head)); }
+static int mk_splits(int n_head) { return std::max(1, std::min(MK_MAX_SPLITS, num_sms() / n_head)); }
 
 static int mk_smem_optin() {  // the most shared memory a block may have (static + dynamic)
   return once_per_device([](int dev) {
@@ -6390,7 +6387,7 @@ static int mk_smem_optin() {  // the most shared memory a block may have (static
 }
 
 int decode_megakernel_max_layers() { return MK_MAX_LAYERS; }
-int decode_megakernel_grid() { return mk_grid(); }
+int decode_megakernel_grid() { return num_sms(); }
 int decode_megakernel_trace_stamps(int n_layer) { return mk_trace_stamps(n_layer); }
 
 // Floats of workspace decode_megakernel needs; zero it once, then keep it for every step.
@@ -6400,18 +6397,13 @@ int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs) {
 
 // Why decode_megakernel cannot run this shape, or nullptr.
 const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes) {
-  const int major = once_per_device([](int dev) {
-    int v = 0;
-    cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev);
-    return v;
-  });
-  if (major < 9) return "a GPU of compute capability 9.0 or later (its bulk copies are Hopper's)";
+  if (compute_major() < 9) return "a GPU of compute capability 9.0 or later (its bulk copies are Hopper's)";
   if (hs > MK_MAX_HEAD) return "head size (n_embd / n_head) over 128";
   if (n_head % n_kv_head != 0) return "n_head not a multiple of n_kv_head";
-  if (n_head > mk_grid()) return "more heads than the GPU has SMs";
+  if (n_head > num_sms()) return "more heads than the GPU has SMs";
   if ((C * elem_bytes) % 16 != 0) return "a row of n_embd values not a multiple of 16 bytes";
   if (4 * C * elem_bytes > MK_PAGE_BYTES) return "a row of the mlp projection (4 n_embd values) over a 40 KB page";
-  if ((C + mk_grid() - 1) / mk_grid() > MK_MAX_OWN) return "n_embd over 64 rows for each SM of the GPU";
+  if ((C + num_sms() - 1) / num_sms() > MK_MAX_OWN) return "n_embd over 64 rows for each SM of the GPU";
   if (mk_smem_bytes(C, hs, elem_bytes, mk_splits(n_head)) + 1024 > mk_smem_optin())  // + 1 KB: the kernel's static shared memory, about
     return "more shared memory a block than the GPU has (n_embd too wide)";
   return nullptr;
@@ -6447,7 +6439,7 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
   attr.id = cudaLaunchAttributeCooperative;  // every block resident at once, or the launch fails
   attr.val.cooperative = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(mk_grid());
+  cfg.gridDim = dim3(num_sms());
   cfg.blockDim = dim3(MK_THREADS);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
