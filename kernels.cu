@@ -5918,7 +5918,10 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // every step: a block's weight rows of the whole step form one list of chunks, each at most a page of
 // shared memory. Thread 0 copies chunk j into page j % MK_PAGES (cp.async.bulk, completion on the
 // page's mbarrier) as soon as chunk j - MK_PAGES has been read, so the next steps' weights stream in
-// while the block waits at a barrier or computes: the weights never wait on the activations.
+// while the block waits at a barrier or computes: the weights never wait on the activations. A step's
+// last refill is issued once the block has arrived at the barrier, not before: the arrival is a release,
+// which waits for the block's earlier memory operations, a bulk copy in flight included, and would hold
+// every block at the barrier for the copy's time.
 //
 // Synchronisation. A grid barrier is one 64-bit counter in the workspace: each block adds one
 // (release) and spins (acquire) until the counter reaches the next multiple of the grid size, so it
@@ -6032,7 +6035,7 @@ __device__ __forceinline__ const T* mk_matrix(const MkArgs<T>& a, int l, int s) 
 // Thread 0: start copying chunk j of the step's list into its page.
 template <class T>
 __device__ void mk_fetch(const MkArgs<T>& a, const MkPlan<T>& plan, int j, char* pages, uint32_t full) {
-  if (j >= plan.total) return;
+  if (j < 0 || j >= plan.total) return;
   int l = 0, s = MK_HEAD, c = j - (plan.total - plan.p[MK_HEAD].chunks);
   if (c < 0) {
     l = j / plan.per_layer;
@@ -6048,39 +6051,61 @@ __device__ void mk_fetch(const MkArgs<T>& a, const MkPlan<T>& plan, int j, char*
             bytes, bar);
 }
 
-// A warp's dot product of a row of the page with vec (fp32, shared memory), lanes over 16-byte units.
-template <class T>
-__device__ __forceinline__ float mk_dot(const T* row, const float* vec, int K) {
+// A warp's dot products of n <= R rows of the page (row r at row + r * stride values) with vec (fp32, shared
+// memory) into sum[0, n), lanes over 16-byte units. The rows go together: each unit of vec is read once for
+// all of them and their loads are in flight at once, where a row at a time would wait on each load in turn.
+// Each row's sum is in the same order whatever R.
+constexpr int MK_ROWS = 2;
+
+template <class T, int R>
+__device__ __forceinline__ void mk_dots(const T* row, int64_t stride, int n, const float* vec, int K, float* sum) {
   constexpr int E = per16<T>();
-  float acc = 0.f;
+  float acc[R] = {};
   for (int u = threadIdx.x % 32; u < K / E; u += 32) {
-    float w[E];
-    unpack16(*reinterpret_cast<const float4*>(row + u * E), w);
+    float x[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc = fmaf(w[e], vec[u * E + e], acc);
+    for (int k = 0; k < E; k += 4) *reinterpret_cast<float4*>(x + k) = *reinterpret_cast<const float4*>(vec + u * E + k);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= n) break;
+      float w[E];
+      unpack16(*reinterpret_cast<const float4*>(row + r * stride + u * E), w);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[r] = fmaf(w[e], x[e], acc[r]);
+    }
   }
-  return warp_sum(acc);
+#pragma unroll
+  for (int r = 0; r < R; ++r) sum[r] = warp_sum(acc[r]);
 }
 
 // The block's rows of product s (layer l) times vec, plus bias (or none): out(row, value) for each, by lane 0
-// of a warp, whose bias load is in flight during the dot product. Each page is refilled with the chunk
-// MK_PAGES further on as soon as it has been read.
+// of a warp, whose bias loads are in flight during the dot products. Each page but the last is refilled with
+// the chunk MK_PAGES further on as soon as it has been read; the last's refill is returned (-1 for no rows),
+// for thread 0 to issue once the block has arrived at the barrier.
 template <class T, class Out>
-__device__ void mk_product(const MkArgs<T>& a, const MkPlan<T>& plan, int l, int s, const float* vec,
-                           const T* bias, char* pages, uint32_t full, Out out) {
+__device__ int mk_product(const MkArgs<T>& a, const MkPlan<T>& plan, int l, int s, const float* vec,
+                          const T* bias, char* pages, uint32_t full, Out out) {
   const MkRows& r = plan.p[s];
   const int warp = threadIdx.x / 32, K = plan.K[s];
-  for (int c = 0; c < r.chunks; ++c) {
+  if (r.chunks == 0) return -1;
+  for (int c = 0;; ++c) {
     const int j = plan.index(l, s, c), rows = min(r.per_chunk, r.rows - c * r.per_chunk);
     mbar_wait(full + 8 * (j % MK_PAGES), (j / MK_PAGES) & 1);
     const T* page = reinterpret_cast<const T*>(pages + (j % MK_PAGES) * MK_PAGE_BYTES);
-    for (int i = warp; i < rows; i += MK_WARPS) {
-      const int row = r.r0 + c * r.per_chunk + i;
-      const float b = bias && threadIdx.x % 32 == 0 ? to_float(bias[row]) : 0.f;
-      const float sum = mk_dot(page + (int64_t)i * K, vec, K);
-      if (threadIdx.x % 32 == 0) out(row, sum + b);
+    for (int i = warp; i < rows; i += MK_ROWS * MK_WARPS) {  // rows i, i + MK_WARPS, ...
+      const int n = min(MK_ROWS, (rows - i + MK_WARPS - 1) / MK_WARPS);
+      float sum[MK_ROWS], b[MK_ROWS] = {};
+      if (bias && threadIdx.x % 32 == 0)
+        for (int k = 0; k < n; ++k) b[k] = to_float(bias[r.r0 + c * r.per_chunk + i + k * MK_WARPS]);
+      if (sizeof(T) == 4 && n == 1)  // measured: the one-row loop is faster for fp32, slower for bf16
+        mk_dots<T, 1>(page + (int64_t)i * K, 0, 1, vec, K, sum);
+      else
+        mk_dots<T, MK_ROWS>(page + (int64_t)i * K, (int64_t)MK_WARPS * K, n, vec, K, sum);
+      if (threadIdx.x % 32 == 0)
+        for (int k = 0; k < n; ++k) out(r.r0 + c * r.per_chunk + i + k * MK_WARPS, sum[k] + b[k]);
     }
     __syncthreads();  // the page has been read
+    if (c + 1 == r.chunks) return j + MK_PAGES;
     if (threadIdx.x == 0) mk_fetch(a, plan, j + MK_PAGES, pages, full);
   }
 }
@@ -6150,7 +6175,8 @@ __device__ __forceinline__ uint64_t mk_clock() {  // ns, the same clock on every
 // k-th barrier of the launch waits for (that + k) * G. The add needs no answer (red), the wait one load.
 // Hence the workspace's contract: zeroed before its first step, then used by one stream at a time, on one
 // GPU (G its SM count).
-// trace (thread 0's stamps, or nullptr): when the block arrived and when it left.
+// trace (thread 0's stamps, or nullptr): when the block arrived and when it left. Thread 0 calls
+// arrived() between its arrival and its wait.
 struct MkBarrier {
   unsigned long long* counter;
   unsigned long long target;
@@ -6171,11 +6197,13 @@ struct MkBarrier {
     ++stamp;
   }
 
-  __device__ void sync() {
+  template <class Arrived>
+  __device__ void sync(Arrived arrived) {
     __syncthreads();
     if (threadIdx.x == 0) {
       record();
       asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+      arrived();
       unsigned long long now;
       do {
         asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(counter) : "memory");
@@ -6323,6 +6351,8 @@ __global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const 
     w.x[r] = x;
   };
   const int kv = a.n_kv_head * a.hs;
+  int refill = -1;  // thread 0: the chunk to copy once the block has arrived at the barrier
+  auto arrived = [&] { mk_fetch(a, plan, refill, pages, full); };
   for (int l = 0; l < a.n_layer; ++l) {
     const MkLayer<T>& L = a.layer[l];
     // (A) LayerNorm + QKV; the key and value go into the cache at pos
@@ -6330,7 +6360,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const 
     mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
     mk_fetch_norm(norm, L.ln2_w, L.ln2_b, C);
     const int64_t cache_row = ((int64_t)l * a.n_kv_head * a.capacity + pos) * a.hs;
-    mk_product(a, plan, l, MK_QKV, vec, L.attn_b, pages, full, [&](int r, float sum) {
+    refill = mk_product(a, plan, l, MK_QKV, vec, L.attn_b, pages, full, [&](int r, float sum) {
       const float y = round_to<T>(sum);
       if (r < C) {
         w.q[r] = y;
@@ -6340,27 +6370,27 @@ __global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const 
         cache[cache_row + (int64_t)head * a.capacity * a.hs + d] = from_float<T>(y);
       }
     });
-    barrier.sync();
+    barrier.sync(arrived);
     if (l == 0 && blockIdx.x == 0 && threadIdx.x == 0) *a.pos = pos + 1;  // every block has read it by now
     // (B) attention
     if (blockIdx.x < a.n_head * a.splits) mk_attention<T>(a, w, l, blockIdx.x, (int)pos, scratch, &last);
-    barrier.sync();
+    barrier.sync([] {});
     // (C) output projection + residual
     mk_load(vec, w.o, C);
-    mk_product(a, plan, l, MK_OUT, vec, L.proj_b, pages, full, residual);
-    barrier.sync();
+    refill = mk_product(a, plan, l, MK_OUT, vec, L.proj_b, pages, full, residual);
+    barrier.sync(arrived);
     // (D) LayerNorm + fc + GELU
     mk_load(vec, w.x, C);
     mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
     if (l + 1 < a.n_layer) mk_fetch_norm(norm, a.layer[l + 1].ln1_w, a.layer[l + 1].ln1_b, C);
     else mk_fetch_norm(norm, a.lnf_w, a.lnf_b, C);
-    mk_product(a, plan, l, MK_FC, vec, L.fc_b, pages, full,
-               [&](int r, float sum) { w.h[r] = round_to<T>(GeluErf().fwd(round_to<T>(sum))); });
-    barrier.sync();
+    refill = mk_product(a, plan, l, MK_FC, vec, L.fc_b, pages, full,
+                        [&](int r, float sum) { w.h[r] = round_to<T>(GeluErf().fwd(round_to<T>(sum))); });
+    barrier.sync(arrived);
     // (E) mlp projection + residual
     mk_load(vec, w.h, 4 * C);
-    mk_product(a, plan, l, MK_FC2, vec, L.fc2_b, pages, full, residual);
-    barrier.sync();
+    refill = mk_product(a, plan, l, MK_FC2, vec, L.fc2_b, pages, full, residual);
+    barrier.sync(arrived);
   }
   // (F) LayerNorm + head
   mk_load(vec, w.x, C);
@@ -6386,6 +6416,13 @@ static int mk_smem_optin() {  // the most shared memory a block may have (static
   });
 }
 
+static int mk_static_smem(int elem_bytes) {  // bytes of the kernel's __shared__ variables
+  cudaFuncAttributes attr = {};
+  if (elem_bytes == 4) cudaFuncGetAttributes(&attr, decode_megakernel_kernel<float>);
+  else cudaFuncGetAttributes(&attr, decode_megakernel_kernel<__nv_bfloat16>);
+  return (int)attr.sharedSizeBytes;
+}
+
 int decode_megakernel_max_layers() { return MK_MAX_LAYERS; }
 int decode_megakernel_grid() { return num_sms(); }
 int decode_megakernel_trace_stamps(int n_layer) { return mk_trace_stamps(n_layer); }
@@ -6404,7 +6441,7 @@ const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int 
   if ((C * elem_bytes) % 16 != 0) return "a row of n_embd values not a multiple of 16 bytes";
   if (4 * C * elem_bytes > MK_PAGE_BYTES) return "a row of the mlp projection (4 n_embd values) over a 40 KB page";
   if ((C + num_sms() - 1) / num_sms() > MK_MAX_OWN) return "n_embd over 64 rows for each SM of the GPU";
-  if (mk_smem_bytes(C, hs, elem_bytes, mk_splits(n_head)) + 1024 > mk_smem_optin())  // + 1 KB: the kernel's static shared memory, about
+  if (mk_smem_bytes(C, hs, elem_bytes, mk_splits(n_head)) + mk_static_smem(elem_bytes) > mk_smem_optin())
     return "more shared memory a block than the GPU has (n_embd too wide)";
   return nullptr;
 }

@@ -1842,8 +1842,29 @@ def inference_gpu_megakernel_trace():
     return f"{t.shape[0]} blocks x {arrive.shape[1]} barriers hold; traced step {total:.1f} us"
 
 
+def inference_gpu_megakernel_sampling():
+    # seeded sampling (temperature 0.8, top-5) on the megakernel draws the torch op set's graphed tokens
+    # from the same uniforms: all 200 in fp32; bf16's first difference, if any, is reported
+    n_new, notes = under_tool(200, 4), []
+    for dtype in ("fp32", "bf16"):
+        for n_embd, n_head, n_kv, block in _MK_SHAPES[:2]:
+            model = _mk_model(n_embd, n_head, n_kv, block, dtype=dtype)
+            uniforms, toks = torch.rand(n_new, generator=torch.Generator().manual_seed(5)), {}
+            for mode in ("graph", "megakernel"):
+                model.ops = train.TORCH_OPS
+                dec = inference.Decoder(model, n_new, 0.8, 5, uniforms, mode)
+                with torch.no_grad():
+                    inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
+                toks[mode] = dec.tokens.tolist()
+            i = inference.first_difference(toks["graph"], toks["megakernel"])
+            label = f"{dtype} {n_embd}/{n_head}h/{n_kv}kv"
+            assert dtype != "fp32" or i is None, f"{label}: sampled tokens differ at {i}: {toks}"
+            notes.append(f"{label}: equal to token {n_new if i is None else i}")
+    return "; ".join(notes)
+
+
 for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, inference_gpu_megakernel_bad_inputs,
-            inference_gpu_megakernel_trace):
+            inference_gpu_megakernel_trace, inference_gpu_megakernel_sampling):
     add(_fn.__name__.replace("_", "/", 1), _fn)
 
 
@@ -3720,10 +3741,11 @@ add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention
 def op_sets_same_names():
     # the kernels module's ops are train.OP_NAMES, and both op sets expose them under the same names
     # (plus split, which is no kernel)
-    # (set_pdl and set_attention_wgmma are launch settings, no ops)
+    # (set_pdl and set_attention_wgmma are launch settings, no ops; decode_megakernel and its helpers decode
+    # a whole model, whose step on either op set is its twin: inference/gpu_megakernel_step)
     settings = ("set_pdl", "set_attention_wgmma")
-    ours = sorted(n for n in dir(kernels)
-                  if not n.startswith("_") and callable(getattr(kernels, n)) and n not in settings)
+    ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n))
+                  and n not in settings and not n.startswith("decode_megakernel"))
     assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
     cuda = train.cuda_op_set(kernels, 64)
     assert sorted(vars(cuda)) == sorted(vars(train.TORCH_OPS)), "cuda and torch op sets differ in names"
