@@ -2209,10 +2209,11 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // caller's tensor into shared memory in the 128-byte-swizzled layout wgmma reads, filling zeros
 // past the matrix edges. So the producer issues per stage one copy per 64-wide slab of each
 // operand, from tensor maps built on the host; the rest is the TF32 kernel's pipeline: an mbarrier
-// ring, one producer warpgroup, two consumer warpgroups. Block tile 128 x BN x 64, 4 stages; each
-// consumer warpgroup owns 64 x BN of C, BN / 2 fp32 accumulators per thread, and issues m64nBNk16
-// wgmma, accumulating in fp32 like cuBLAS. BN is 256, or 192 where that pads N less (384, 1152:
-// the large preset's widths, which 256 would pad by a third and a ninth).
+// ring, one producer warpgroup, two consumer warpgroups. Block tile 128 x BN x 64, as many stages as
+// fit (bf_stages); each consumer warpgroup owns 64 x BN of C, BN / 2 fp32 accumulators per thread, and
+// issues m64nBNk16 wgmma, accumulating in fp32 like cuBLAS. BN is 256 or 192, whichever takes fewer
+// rounds of tiles over the SMs (192 where 256 would pad N, at the large preset's 384 and 1152, or
+// leave SMs idle); 128 or 64 for products too small to fill half the SMs with wider tiles (bf16_plan).
 //
 // Epilogue: a consumer warpgroup writes its 64 x BN of C in 64 x 64 pieces into shared memory
 // (swizzled like the operands, so the stores are free of bank conflicts) and one thread hands each
@@ -2238,14 +2239,20 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 //   M/N-major slab: 64 K-rows of 64 M (or N) values, 8 K-rows per 1024 bytes; a k16 step moves it
 //                 two groups (2048 bytes); slabs for the next 64 of N sit 8192 bytes apart.
 
-constexpr int BF_BM = 128, BF_BK = 64, BF_STAGES = 4;
+constexpr int BF_BM = 128, BF_BK = 64;
 constexpr int BF_SLAB = 64 * BF_BK * 2;     // one 64 x 64 bf16 slab (8 KB); also one epilogue piece
 constexpr int BF_A_BYTES = BF_BM * BF_BK * 2;  // 16 KB
 constexpr int BF_OUT_BYTES = 2 * 2 * BF_SLAB;  // epilogue: two pieces per consumer warpgroup
 constexpr int BF_BIAS_BYTES = 2 * 256 * 2;     // the tile's bias (bf16), per consumer warpgroup
 __host__ __device__ constexpr int bf_stage_bytes(int bn) { return BF_A_BYTES + bn * BF_BK * 2; }  // 48 KB at 256
-__host__ __device__ constexpr int bf_smem(int bn) {  // 226 KB at 256, of the 227 KB a block may have
-  return BF_STAGES * bf_stage_bytes(bn) + BF_OUT_BYTES + BF_BIAS_BYTES + 1024 + 2 * BF_STAGES * 8;
+// As many stages as fit, up to 8, in the 227 KB a block may have beside the epilogue's pieces, the
+// bias, the 1024-byte alignment and the barriers: 4 at BN 256 and 192, 6 at 128, 8 at 64.
+__host__ __device__ constexpr int bf_stages(int bn) {
+  constexpr int room = 227 * 1024 - BF_OUT_BYTES - BF_BIAS_BYTES - 1024 - 2 * 8 * 8;
+  return room / bf_stage_bytes(bn) < 8 ? room / bf_stage_bytes(bn) : 8;
+}
+__host__ __device__ constexpr int bf_smem(int bn) {
+  return bf_stages(bn) * bf_stage_bytes(bn) + BF_OUT_BYTES + BF_BIAS_BYTES + 1024 + 2 * bf_stages(bn) * 8;
 }
 
 struct Bf16MatmulArgs {
@@ -2270,7 +2277,7 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// d (64 x BN over the warpgroup) += a (64 x 16) * b (16 x BN), bf16 in, fp32 accumulate; BN 256 or 192.
+// d (64 x BN over the warpgroup) += a (64 x 16) * b (16 x BN), bf16 in, fp32 accumulate; BN 256, 192, 128 or 64.
 // TA / TB: the operand is M- / N-major in shared memory (the transpose bits).
 #define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -2278,19 +2285,35 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
 #define WG_R16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
   "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m \
   ", %" #n ", %" #o ", %" #p
-// The first 96 accumulator operands, which both shapes list.
-#define WG_R96                                                                                              \
-  WG_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", "                                        \
-  WG_R16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) ", "                              \
-  WG_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", "                              \
-  WG_R16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63) ", "                              \
-  WG_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", "                              \
+// The first 32, 64 and 96 accumulator operands, which the shapes list.
+#define WG_R32 \
+  WG_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", " \
+  WG_R16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31)
+#define WG_R64 \
+  WG_R32 ", " \
+  WG_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", " \
+  WG_R16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
+#define WG_R96 \
+  WG_R64 ", " \
+  WG_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", " \
   WG_R16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95)
 template <int TA, int TB, int BN>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[BN / 2], uint64_t a, uint64_t b, int accumulate) {
 #ifdef WG_ENABLED
-  static_assert(BN == 256 || BN == 192, "wgmma_bf16: BN is 256 or 192");
-  if constexpr (BN == 256) {
+  static_assert(BN == 256 || BN == 192 || BN == 128 || BN == 64, "wgmma_bf16: BN is 256, 192, 128 or 64");
+  if constexpr (BN == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : WG_D32(0)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  } else if constexpr (BN == 128) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_R64 "}, %64, %65, p, 1, 1, %66, %67;\n}\n"
+        : WG_D32(0), WG_D32(32)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  } else if constexpr (BN == 256) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_R96 ", "
@@ -2310,6 +2333,8 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[BN / 2], uint64_t a, uint6
 #endif
 }
 #undef WG_R96
+#undef WG_R64
+#undef WG_R32
 #undef WG_R16
 #undef WG_D32
 #undef WG_D8
@@ -2377,7 +2402,7 @@ __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
 // A stage's 16 values are added apart, then to the running sum: 64 terms a chain, not K / 4, at 16K
 // tokens. Every block reads and releases every stage, but only units on the first column of tiles
 // add (the other columns would write the same sums again: that filter is for speed).
-template <int STAGE_BYTES>
+template <int STAGE_BYTES, int STAGES>
 __device__ __forceinline__ void bf16_a_rowsums(const Bf16MatmulArgs& p, uint32_t base, uint32_t full, uint32_t empty,
                                                int tiles_m, int tiles_n, int units) {
   const int h = threadIdx.x / 32 - 1, lane = threadIdx.x % 32, c = lane % 8, q = lane / 8;
@@ -2387,8 +2412,8 @@ __device__ __forceinline__ void bf16_a_rowsums(const Bf16MatmulArgs& p, uint32_t
     const bool add = w.tile_n == 0;
     float sum[8] = {};
     for (int kt = w.kt0; kt < w.kt1; ++kt, ++it) {
-      const int s = it % BF_STAGES;
-      mbar_wait(full + 8 * s, (it / BF_STAGES) & 1);
+      const int s = it % STAGES;
+      mbar_wait(full + 8 * s, (it / STAGES) & 1);
       if (add) {
         const uint32_t slab = base + s * STAGE_BYTES + h * BF_SLAB;
         float stage[8] = {};
@@ -2432,21 +2457,21 @@ __global__ void __launch_bounds__(384, 1)
     matmul_bf16_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const __grid_constant__ CUtensorMap map_c, Bf16MatmulArgs p) {
 #ifdef WG_ENABLED
-  constexpr int STAGE_BYTES = bf_stage_bytes(BN);
+  constexpr int STAGE_BYTES = bf_stage_bytes(BN), STAGES = bf_stages(BN);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t base = smem_addr(smem), out_base = base + BF_STAGES * STAGE_BYTES;
-  const uint32_t full = out_base + BF_OUT_BYTES + BF_BIAS_BYTES, empty = full + 8 * BF_STAGES;
+  const uint32_t base = smem_addr(smem), out_base = base + STAGES * STAGE_BYTES;
+  const uint32_t full = out_base + BF_OUT_BYTES + BF_BIAS_BYTES, empty = full + 8 * STAGES;
   const int tiles_m = (p.M + BF_BM - 1) / BF_BM, tiles_n = (p.N + BN - 1) / BN;
   const int units = tiles_m * tiles_n * p.batch * p.splits;
 
   const bool rowsum = TA && p.a_rowsum;
-  init_stage_barriers<BF_STAGES>(full, empty, rowsum ? 10 : 8);
+  init_stage_barriers<STAGES>(full, empty, rowsum ? 10 : 8);
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
     if (rowsum && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
-      bf16_a_rowsums<STAGE_BYTES>(p, base, full, empty, tiles_m, tiles_n, units);
+      bf16_a_rowsums<STAGE_BYTES, STAGES>(p, base, full, empty, tiles_m, tiles_n, units);
     } else if (threadIdx.x == 0) {
       int it = 0;  // stages filled so far, over all of this block's units
       for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -2454,8 +2479,8 @@ __global__ void __launch_bounds__(384, 1)
         const int za = p.a_bcast ? 0 : w.bz, zb = p.b_bcast ? 0 : w.bz;
         const int m0 = w.tile_m * BF_BM, n0 = w.tile_n * BN;
         for (int kt = w.kt0; kt < w.kt1; ++kt, ++it) {
-          const int s = it % BF_STAGES, k0 = kt * BF_BK;
-          mbar_wait(empty + 8 * s, ((it / BF_STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
+          const int s = it % STAGES, k0 = kt * BF_BK;
+          mbar_wait(empty + 8 * s, ((it / STAGES) & 1) ^ 1);  // a fresh barrier passes parity 1
           const uint32_t bar = full + 8 * s, a = base + s * STAGE_BYTES, b = a + BF_A_BYTES;
           mbar_expect_bytes(bar, STAGE_BYTES);  // out-of-range parts of a box still count
           if (TA) {
@@ -2480,8 +2505,8 @@ __global__ void __launch_bounds__(384, 1)
     float acc[BN / 2];
     int it = 0;  // stages consumed so far, as the producer counts them
     auto issue_stage = [&](int i) {
-      const int s = (it + i) % BF_STAGES;
-      mbar_wait(full + 8 * s, ((it + i) / BF_STAGES) & 1);
+      const int s = (it + i) % STAGES;
+      mbar_wait(full + 8 * s, ((it + i) / STAGES) & 1);
       const uint32_t a = base + s * STAGE_BYTES + half * BF_SLAB, b = base + s * STAGE_BYTES + BF_A_BYTES;
       wgmma_fence();
 #pragma unroll
@@ -2493,7 +2518,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
     };
     auto release_stage = [&](int i) {
-      if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * ((it + i) % BF_STAGES));
+      if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * ((it + i) % STAGES));
     };
     // Accumulator layout as in matmul_wgmma_kernel, BN / 8 column groups of 8: thread (warp, g, t)
     // holds rows 16 * warp + g + 8h of the warpgroup's 64 and columns 8j + 2t, +1, in acc[4j + 2h + e].
@@ -2503,7 +2528,7 @@ __global__ void __launch_bounds__(384, 1)
     // This warpgroup's copy of the tile's bias: read from global memory before the main loop (thread i:
     // columns i and 128 + i), so the load's latency hides behind the products; read in the epilogue,
     // it stalled every piece on a global load.
-    __nv_bfloat16* bias_s = reinterpret_cast<__nv_bfloat16*>(smem + BF_STAGES * STAGE_BYTES + BF_OUT_BYTES) + 256 * half;
+    __nv_bfloat16* bias_s = reinterpret_cast<__nv_bfloat16*>(smem + STAGES * STAGE_BYTES + BF_OUT_BYTES) + 256 * half;
     const int tid = threadIdx.x % 128;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const Bf16Unit w = bf16_unit(p, u, tiles_m, tiles_n);
@@ -2806,17 +2831,26 @@ struct Bf16Plan {
 };
 
 static Bf16Plan bf16_plan(int batch, int M, int N, int K, bool has_workspace) {
-  const int ktiles = ceil_div(K, BF_BK);
-  const auto padding = [N](int bn) { return ceil_div(N, bn) * bn - N; };
-  Bf16Plan plan{padding(192) < padding(256) ? 192 : 256, 1, std::max(ktiles, 1)};
-  const int64_t tiles = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, plan.bn) * batch;
-  const int sms = num_sms();
+  const int ktiles = ceil_div(K, BF_BK), sms = num_sms();
+  const bool can_split = has_workspace && ktiles >= 32;
+  const auto tiles_for = [&](int bn) { return (int64_t)ceil_div(M, BF_BM) * ceil_div(N, bn) * batch; };
+  // The N tile that takes the fewest rounds of tiles over the SMs, a round costing the tile's width plus
+  // 32 (its pipeline fill and epilogue), the wider tile on a tie: 192 where 256 pads N (384, 1152) or
+  // leaves SMs idle (a 3072 x 768 weight gradient: 96 tiles against 72). Where even that fills under
+  // half the SMs and K is too short to split, narrower tiles spread the work (1024^3: 128 tiles of
+  // 128 x 64 against 32 of 128 x 256).
+  const auto cost = [&](int bn) { return (tiles_for(bn) + sms - 1) / sms * (bn + 32); };
+  Bf16Plan plan{cost(192) < cost(256) ? 192 : 256, 1, std::max(ktiles, 1)};
+  if (tiles_for(plan.bn) * 2 <= sms && !can_split)
+    for (int bn : {128, 64})
+      if (cost(bn) < cost(plan.bn)) plan.bn = bn;
+  const int64_t tiles = tiles_for(plan.bn);
   // Split K when the tiles fill under half the SMs and K is long (32 K tiles, 2048, or more), each
   // split keeping at least 8 K tiles (512): shorter ones pay more in partial sums written and read
   // and a second launch than they gain in busy SMs (measured on an H100: 1024^3, 32 tiles of 16 K
   // tiles, ran 0.021 ms whole and 0.026 ms in two splits; 384 x 384 over K = 16384 went from 0.162
   // ms whole to 0.034 ms in 22 splits).
-  if (has_workspace && tiles * 2 <= sms && ktiles >= 32) {
+  if (can_split && tiles * 2 <= sms) {
     const int want = (int)std::min<int64_t>(sms / tiles, ktiles / 8);
     plan.kt_per_split = ceil_div(ktiles, want);
     plan.splits = ceil_div(ktiles, plan.kt_per_split);  // no empty split
@@ -2892,8 +2926,12 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
   const int64_t units = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, plan.bn) * batch * plan.splits;
   if (units > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
   const int grid = (int)std::min<int64_t>(units, num_sms());  // persistent: one block per SM
-  if (plan.bn == 192) bf16_launch_kernel<192>(ta, tb, grid, ma, mb, mc, p, s);
-  else bf16_launch_kernel<256>(ta, tb, grid, ma, mb, mc, p, s);
+  switch (plan.bn) {
+    case 64: bf16_launch_kernel<64>(ta, tb, grid, ma, mb, mc, p, s); break;
+    case 128: bf16_launch_kernel<128>(ta, tb, grid, ma, mb, mc, p, s); break;
+    case 192: bf16_launch_kernel<192>(ta, tb, grid, ma, mb, mc, p, s); break;
+    default: bf16_launch_kernel<256>(ta, tb, grid, ma, mb, mc, p, s);
+  }
   check_launch("matmul (bf16)");
   if (plan.splits > 1) {
     const int blocks = (int)std::min<int64_t>(ceil_div(p.split_stride, 256), (int64_t)num_sms() * 8);

@@ -2441,15 +2441,18 @@ def t_linear_bf16(lead, K, N, bias=True):
         compare_bf16(lambda ops, x, w: ops.linear(x, w), max(math.prod(lead), K, N), x=x, w=w)
 
 
-# Tiles are 128 x 256 x 64, or 128 x 192 x 64 where that pads N less (N = 1, 65, 72, 264, 300, 1031,
-# 2600 among the cases here): sizes of 1, odd sizes (rows that are not 16-byte multiples get padded copies), exact
-# tiles, many K tiles, every operand orientation, a batch. Outputs whose rows are 16-byte multiples
-# (N = 200, 256, 264, 2600, 3072, ...) are stored through the copy engine, the others from registers.
+# Tiles are 128 x BN x 64, BN 256 or 192 by the rounds of tiles over the SMs, 128 or 64 where even those
+# fill under half the SMs and K is too short to split (most of the small cases here: 64, with 8 stages;
+# 1000x200x1536: 128, with 6): sizes of 1, odd sizes (rows that are not 16-byte multiples get padded
+# copies), exact tiles, many K tiles, every operand orientation, a batch. Outputs whose rows are 16-byte
+# multiples (N = 200, 256, 264, 2600, 3072, ...) are stored through the copy engine, the others from
+# registers.
 for _dims in ((1, 1, 1), (17, 33, 65), (128, 64, 256), (257, 515, 1031), (300, 2048, 200)):
     add("matmul_bf16/" + "x".join(map(str, _dims)), t_matmul_bf16, *_dims)
 add("matmul_bf16/3x129x72x264_aT", t_matmul_bf16, 129, 72, 264, batch=3, a_t=True)
 add("matmul_bf16/2x200x136x300_bT", t_matmul_bf16, 200, 136, 300, batch=2, b_t=True)
 add("matmul_bf16/130x520x260_aT_bT", t_matmul_bf16, 130, 520, 260, a_t=True, b_t=True)
+add("matmul_bf16/1000x200x1536_aT", t_matmul_bf16, 1000, 200, 1536, a_t=True)
 # more tiles than SMs: each persistent block walks several tiles (and batch entries), its stage ring
 # (4 stages, 5 K steps a tile) wrapping in the middle of a tile
 add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
