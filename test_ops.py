@@ -4914,15 +4914,20 @@ def bench_ops(rows):
         n = 4096
         bench_op(rows, "matmul bf16", f"{n}x{n}x{n} a@b.T", "fwd", lambda ops, a, b: ops.matmul(a, b.t()),
                  [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
-        # 768 -> 3072: an MLP up-projection of width 768; then the char GPT's large preset (width 384,
-        # 16384 tokens a step): qkv, attention out, MLP up and down. bwd: dx (N-major B) and dW (M-major
-        # A, K = the tokens: few output tiles, split along K).
-        for M, K, N in ((16384, 768, 3072), (16384, 384, 1152), (16384, 384, 384), (16384, 384, 1536),
-                        (16384, 1536, 384)):
-            bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "fwd", lambda ops, x, w, b: ops.linear(x, w, b),
-                     [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 2 * M * K * N, "TFLOP/s", tol=2e-2)
-            bench_op(rows, "linear bf16", f"{M}x{K}->{N}", "bwd", lambda ops, x, w, b: ops.linear(x, w, b),
-                     [rand(M, K).to(bf), rand(N, K).to(bf), rand(N).to(bf)], 4 * M * K * N, "TFLOP/s", tol=2e-2)
+        # 768 -> 3072: an MLP up-projection of width 768; the char GPT's large preset (width 384, 16384
+        # tokens a step): qkv, attention out, MLP up and down; its --arch=llama (no biases): qkv with 3 of
+        # 6 heads for keys and values, SwiGLU's fc and up, its proj; the default preset (width 128, 1024
+        # tokens). bwd: dx (N-major B) and dW (M-major A, K = the tokens: few output tiles, split along K).
+        shapes = [(16384, 768, 3072, True), (16384, 384, 1152, True), (16384, 384, 384, True),
+                  (16384, 384, 1536, True), (16384, 1536, 384, True), (16384, 384, 768, False),
+                  (16384, 384, 1024, False), (16384, 1024, 384, False), (1024, 128, 384, True),
+                  (1024, 128, 128, True), (1024, 128, 512, True), (1024, 512, 128, True)]
+        for M, K, N, bias in shapes:
+            ins = [rand(M, K).to(bf), rand(N, K).to(bf)] + ([rand(N).to(bf)] if bias else [])
+            name = f"{M}x{K}->{N}" + ("" if bias else " no bias")
+            for pas, flop in (("fwd", 2 * M * K * N), ("bwd", 4 * M * K * N)):
+                bench_op(rows, "linear bf16", name, pas, lambda ops, *xwb: ops.linear(*xwb), ins, flop, "TFLOP/s",
+                         tol=2e-2)
     bench_bf16_row_ops(rows)
     for R, C in ((8192, 768), (16384, 4096)):
         x, w, b = rand(R, C), rand(C), rand(C)
