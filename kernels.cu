@@ -2571,22 +2571,29 @@ __global__ void __launch_bounds__(384, 1)
       };
       if (p.c_tma) {
         // Piece q: columns 64q .. 64q + 63 of the warpgroup's 64 x BN, 128-byte rows whose 16-byte
-        // chunks sit at (chunk ^ row % 8), the layout map_c's swizzle reads. A warp's store covers
-        // 8 rows (g) x one chunk, the chunks all different: no bank conflicts.
+        // chunks sit at (chunk ^ row % 8), the layout map_c's swizzle reads. stmatrix stores four 8 x 8
+        // matrices a warp from the C fragments as they are (lane (g, t) holds row g, columns 2t, 2t + 1
+        // of each), lane l naming row l % 8 of matrix l / 8: a quarter of the store instructions of one
+        // st.shared a pair, which the tensor cores wait on at short K.
 #pragma unroll
         for (int q = 0; q < BN / 64; ++q, ++pieces) {
           const uint32_t buf = out_base + (2 * half + pieces % 2) * BF_SLAB;
           if (leader) bulk_wait_read<1>();  // the store two pieces back has read this buffer
           named_sync(1 + half, 128);
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj)
+          for (int jj = 0; jj < 8; jj += 2) {
+            uint32_t r[4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float2 o = result(8 * q + jj, h);
+            for (int m = 0; m < 4; ++m) {
+              const float2 o = result(8 * q + jj + m / 2, m % 2);
               const __nv_bfloat162 v = __floats2bfloat162_rn(o.x, o.y);
-              const uint32_t dst = buf + (16 * warp + g + 8 * h) * 128 + ((jj ^ g) << 4) + 4 * t;
-              asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst), "r"(*reinterpret_cast<const uint32_t*>(&v)));
+              r[m] = *reinterpret_cast<const uint32_t*>(&v);
             }
+            const int m = lane / 8, row = 16 * warp + lane % 8 + 8 * (m % 2), chunk = jj + m / 2;
+            const uint32_t dst = buf + row * 128 + ((chunk ^ (row % 8)) << 4);
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(r[0]),
+                         "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+          }
           fence_proxy_async();
           named_sync(1 + half, 128);
           if (leader) tma_store(&map_c, buf, n_tile + 64 * q, m_tile, w.bz);
