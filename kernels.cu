@@ -2277,6 +2277,16 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// The same for one box of a 4-D tensor map (attention's (d, s, head, batch)).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int x, int y, int z, int w,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
+      : "memory");
+}
+
 // d (64 x BN over the warpgroup) += a (64 x 16) * b (16 x BN), bf16 in, fp32 accumulate; BN 256, 192, 128 or 64.
 // TA / TB: the operand is M- / N-major in shared memory (the transpose bits).
 #define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
@@ -2332,6 +2342,29 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[BN / 2], uint64_t a, uint6
   }
 #endif
 }
+// The same with a (64 x 16) from registers, this thread's share in mma.sync's m16n8k16 A layout for its
+// warp's 16 rows (a score tile's C fragments, packed to bf16); N 128 or 64.
+template <int TB, int N>
+__device__ __forceinline__ void wgmma_bf16_ra(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  static_assert(N == 128 || N == 64, "wgmma_bf16_ra: N is 128 or 64");
+  if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, "
+        "%38;\n}\n"
+        : WG_D32(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TB));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, "
+        "%70;\n}\n"
+        : WG_D32(0), WG_D32(32)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TB));
+  }
+#endif
+}
 #undef WG_R96
 #undef WG_R64
 #undef WG_R32
@@ -2363,6 +2396,11 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // Barrier over `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives on barrier id for `threads` threads without waiting (the other side waits in named_sync).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Tile `work` of a persistent block's share: grouped order within each batch entry.
@@ -4806,6 +4844,9 @@ STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 // the 8 row addresses of each ldmatrix phase in 8 different bank groups. Two adjacent n8 score tiles
 // in C fragments are the A fragment of one k16 step of P V, packed to bf16x2: no reordering.
 //
+// On Hopper the bf16 forward at head sizes 64 and 128 runs attention_fwd_tma_kernel instead, the
+// FlashAttention-3 design (copy-engine loads, warp specialization, wgmma for both products; see there).
+//
 // The kernels are written once over an operand policy (AttnTf32, AttnBf16 below): its element type,
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
 // the online softmax, the splits and their merge do not depend on it.
@@ -5188,44 +5229,6 @@ struct AttnBf16 : OneRowTile<AttnBf16<D_>, D_, __nv_bfloat16> {
   using OneRowTile<AttnBf16<D_>, D_, T>::p_times_m;
 };
 
-// The 32 accumulators of an m64n64 wgmma (each thread's share), as asm operands %0-%31.
-#define WG64_ACC                                                                 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "      \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define WG64_OUT(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-// d (64 x 64 over the warpgroup) += a (64 x 16) * b (16 x 64), bf16, both from shared memory
-// descriptors; TB: b is N-major (its transpose bit).
-template <int TB>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
-#ifdef WG_ENABLED
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG64_ACC ", %32, %33, p, 1, 1, 0, %34;\n}\n"
-               : WG64_OUT(d)
-               : "l"(a), "l"(b), "n"(TB), "r"(1));
-#else
-  __trap();
-#endif
-}
-// The same with a from registers: this thread's A fragment of its warp's 16 rows.
-template <int TB>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-#ifdef WG_ENABLED
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG64_ACC ", {%32, %33, %34, %35}, %36, p, 1, 1, "
-               "%37;\n}\n"
-               : WG64_OUT(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(1));
-#else
-  __trap();
-#endif
-}
-#undef WG64_OUT
-#undef WG64_ACC
-
 // bf16 on Hopper's warpgroup MMA (sm_90a), D = 64. The block's 4 warps are one warpgroup, and a
 // product is wgmma m64n64k16 over a whole 64-row tile: warp w gets rows 16w .. 16w + 15, n8 tile j in
 // registers 4j .. 4j + 3, exactly the C fragments of the mma.sync policies above, so the kernels run
@@ -5259,7 +5262,7 @@ struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
     for (int mt = 0; mt < M; ++mt)
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_m64n64k16<0>(reinterpret_cast<float(&)[32]>(acc[mt]), k_major(a + 64 * mt * LD, kk), k_major(b, kk));
+        wgmma_bf16<0, 0, 64>(reinterpret_cast<float(&)[32]>(acc[mt]), k_major(a + 64 * mt * LD, kk), k_major(b, kk), 1);
     wgmma_commit_and_wait();
   }
   template <int NT, int M>
@@ -5280,7 +5283,7 @@ struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
     for (int mt = 0; mt < M; ++mt)
 #pragma unroll
       for (int j = 0; j < NT / 2; ++j)
-        wgmma_m64n64k16<1>(reinterpret_cast<float(&)[32]>(acc[mt]), af[mt][j], n_major(m, j));
+        wgmma_bf16_ra<1, 64>(reinterpret_cast<float(&)[32]>(acc[mt]), af[mt][j], n_major(m, j), 1);
     wgmma_commit_and_wait();
   }
   using OneRowTile<AttnBf16Wg<D_>, D_, T>::a_times_bt;
@@ -5858,11 +5861,358 @@ static void with_attn_ops(int D, bool precise, F&& f) {
   else throw std::invalid_argument("attention: fused mode does not support this head dim");
 }
 
-// Floats of workspace attention_fwd_fused needs: 0 without splits (the same for fp32 and bf16: the
-// splits' partial results are fp32).
+// bf16 attention forward on Hopper, the FlashAttention-3 design (head sizes 64 and 128). A unit of
+// work is 128 queries of one head: two consumer warpgroups of 64 rows each, and a producer warpgroup
+// (its registers handed to the consumers, setmaxnreg) whose first thread lifts Q, then K and V 128
+// keys at a time, through the copy engine (TMA, 4-D tensor maps over (d, position, head, batch), so
+// strided heads and ragged lengths cost nothing: rows past the end come in as zeros) into a ring of
+// stages, each with a barrier for K and one for V, so a product starts as soon as its own operand
+// has landed. Every product is wgmma: S = Q K^T from shared memory (m64n128k16), O += P V with P
+// from registers (the score tile's accumulators, packed to bf16, are the A operand as they stand)
+// and V read N-major. Within a warpgroup the softmax of tile j overlaps the tensor cores:
+// S_j+1 = Q K_j+1^T and O += P_j V_j are issued together, the softmax waits for S_j+1 only, and O is
+// rescaled once P_j V_j has landed. Causal units walk only the key tiles up to their last query, and
+// mask only the tiles that cross the diagonal or the end of the keys. The softmax math and lse_log2
+// are attention_fwd_kernel's.
+template <int D>
+struct AttnTmaShape {
+  static constexpr int BM = 128, BN = 128, THREADS = 384;  // the producer warpgroup, two consumer ones
+  static constexpr bool PINGPONG = D == 64;
+  static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+  static constexpr int Q_SLAB = BM * 128, KV_SLAB = BN * 128;  // one 64-column slab of a tile
+  // As many stages as fit beside Q, the barriers, the mailbox and the 1024-byte alignment, up to 4: 3
+  // at D 128.
+  static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - Q_BYTES - 256) / (2 * KV_BYTES));
+  static constexpr int SMEM = 1024 + Q_BYTES + STAGES * 2 * KV_BYTES + 8 * (2 + 3 * STAGES + 4) + 8;  // + mailbox
+};
+
+struct AttnTmaArgs {
+  __nv_bfloat16* out;
+  AttnLayout lout;
+  float* lse_log2;
+  int Sq, Sk, BH, heads, group;  // BH: query heads of all batch entries; heads: per entry
+  float scale_log2;
+  int* next_unit;  // the units handed out beyond the first gridDim.x (zero at launch)
+};
+
+// A work unit: queries q0 .. q0 + 127 of query head bh, which see `ntiles` key tiles.
+struct AttnTmaUnit {
+  int bh, q0, ntiles;
+};
+
+template <int BM, int BN, bool CAUSAL>
+__device__ __forceinline__ AttnTmaUnit attn_tma_unit(const AttnTmaArgs& p, int u, int qtiles) {
+  // A head's query tiles are consecutive units, so the blocks that read the same K and V run together
+  // and share them in L2 (with heads first, each tile re-read them from memory). Causal: each head's
+  // heaviest tile first.
+  AttnTmaUnit w;
+  w.bh = u / qtiles;
+  const int tile = u % qtiles;
+  w.q0 = (CAUSAL ? qtiles - 1 - tile : tile) * BM;
+  const int key_end = CAUSAL ? min(p.Sk, min(w.q0 + BM, p.Sq) + p.Sk - p.Sq) : p.Sk;  // keys any row sees
+  w.ntiles = key_end > 0 ? (key_end + BN - 1) / BN : 0;
+  return w;
+}
+
+// Persistent: a block per SM takes unit blockIdx.x, then the next one not yet taken (a global
+// counter, so the units running at any time stay neighbours, as a grid's blocks would, however their
+// costs differ; a fixed stride scattered causal blocks over many heads, out of L2). The producer takes
+// them and passes each on through a two-slot mailbox in shared memory. The K/V ring runs on across
+// units, and Q is reloaded as soon as a unit's last Q K^T has landed, so the next unit's loads hide
+// behind this one's last P V and its output stores.
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
+    attention_fwd_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                             const __grid_constant__ CUtensorMap map_v, AttnTmaArgs p) {
+#ifdef WG_ENABLED
+  using S = AttnTmaShape<D>;
+  constexpr int BM = S::BM, BN = S::BN, STAGES = S::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t q_s = (smem_addr(smem_raw) + 1023) & ~1023u, kv_s = q_s + S::Q_BYTES;  // stage st: K, then V
+  const uint32_t q_full = kv_s + STAGES * 2 * S::KV_BYTES, q_empty = q_full + 8, k_full = q_empty + 8,
+                 v_full = k_full + 8 * STAGES, empty = v_full + 8 * STAGES, unit_full = empty + 8 * STAGES,
+                 unit_empty = unit_full + 16;
+  volatile int* mailbox = reinterpret_cast<int*>(smem_raw + (unit_empty + 16 - smem_addr(smem_raw)));
+  const int qtiles = (p.Sq + BM - 1) / BM, units = qtiles * p.BH;
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    mbar_init(q_empty, 8);  // one arrival per consumer warp
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(unit_full + 8 * i, 1);
+      mbar_init(unit_empty + 8 * i, 8);
+    }
+    for (int st = 0; st < STAGES; ++st) {
+      mbar_init(k_full + 8 * st, 1);
+      mbar_init(v_full + 8 * st, 1);
+      mbar_init(empty + 8 * st, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_begin();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Registers: the block starts with 168 a thread (384 threads, one block per SM). The producer
+  // warpgroup keeps 32 and the consumers take 232: setmaxnreg.inc waits until the block's pool holds
+  // what it asks, so the two must balance (128 x 32 + 256 x 232 <= 384 x 168).
+  if (warp < 4) {  // producer: lane 0 of warp 0 issues every copy
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;");
+    if (warp > 0 || lane > 0) return;
+    int it = 0, nq = 0;  // K/V tiles and Q tiles loaded so far
+    for (int i = 0, u = blockIdx.x;; ++i, u = gridDim.x + atomicAdd(p.next_unit, 1)) {
+      mbar_wait(unit_empty + 8 * (i % 2), ((i / 2) & 1) ^ 1);  // a fresh barrier passes parity 1
+      mailbox[i % 2] = u;
+      mbar_arrive(unit_full + 8 * (i % 2));
+      if (u >= units) break;
+      const AttnTmaUnit w = attn_tma_unit<BM, BN, CAUSAL>(p, u, qtiles);
+      if (w.ntiles == 0) continue;  // (its consumers write zeros without waiting for Q)
+      const int b = w.bh / p.heads, h = w.bh % p.heads, hk = h / p.group;
+      mbar_wait(q_empty, (nq++ & 1) ^ 1);  // a fresh barrier passes parity 1
+      mbar_expect_bytes(q_full, S::Q_BYTES);
+      for (int c = 0; c < D / 64; ++c) tma_load_4d(q_s + c * S::Q_SLAB, &map_q, 64 * c, w.q0, h, b, q_full);
+      for (int j = 0; j < w.ntiles; ++j, ++it) {
+        const int st = it % STAGES;
+        mbar_wait(empty + 8 * st, ((it / STAGES) & 1) ^ 1);
+        const uint32_t ks = kv_s + 2 * st * S::KV_BYTES, vs = ks + S::KV_BYTES;
+        mbar_expect_bytes(k_full + 8 * st, S::KV_BYTES);  // rows past the end still count
+        for (int c = 0; c < D / 64; ++c)
+          tma_load_4d(ks + c * S::KV_SLAB, &map_k, 64 * c, j * BN, hk, b, k_full + 8 * st);
+        mbar_expect_bytes(v_full + 8 * st, S::KV_BYTES);
+        for (int c = 0; c < D / 64; ++c)
+          tma_load_4d(vs + c * S::KV_SLAB, &map_v, 64 * c, j * BN, hk, b, v_full + 8 * st);
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroup wg: rows 64 wg .. of a unit's queries; thread (warp, g, t) holds rows
+  // r0 = q0 + 64 wg + 16 (warp % 4) + g and r0 + 8, columns 8j + 2t, +1 of each n8 tile j, in
+  // s[4j + 2h + e] (and o likewise).
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, row = 64 * wg + 16 * (warp % 4) + g;
+  const float k2 = p.scale_log2;
+  const int offset = p.Sk - p.Sq;
+  float s[BN / 2], o[D / 2];
+  uint32_t pf[BN / 16][4];  // P as the A operand of P V, one k16 step of keys each
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // (set again for each unit)
+  int it = 0, nq = 0;  // as the producer counts them
+  int q0 = 0, r0 = 0;  // the current unit's first query, and this thread's first row
+
+  auto issue_qk = [&](int j) {
+    const int st = (it + j) % STAGES;
+    mbar_wait(k_full + 8 * st, ((it + j) / STAGES) & 1);
+    const uint32_t ks = kv_s + 2 * st * S::KV_BYTES, qs = q_s + wg * 64 * 128;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_bf16<0, 0, BN>(s, smem_desc(qs + kk / 4 * S::Q_SLAB + kk % 4 * 32, 16, 1024),
+                           smem_desc(ks + kk / 4 * S::KV_SLAB + kk % 4 * 32, 16, 1024), kk > 0);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int j) {
+    const int st = (it + j) % STAGES;
+    mbar_wait(v_full + 8 * st, ((it + j) / STAGES) & 1);
+    const uint32_t vs = kv_s + (2 * st + 1) * S::KV_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_bf16_ra<1, D>(o, pf[kk], smem_desc(vs + kk * 2048, S::KV_SLAB, 1024), j > 0 || kk > 0);
+    wgmma_commit();
+  };
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) mbar_arrive(bar);
+  };
+  // The online softmax over tile j's scores (in s): new row maxima (log2 units), probabilities in
+  // place, row sums; returns the factors the output so far must be scaled by.
+  auto softmax = [&](int j) {
+    const int k0 = j * BN;
+    if (k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset)) {
+      const int last0 = CAUSAL ? r0 + offset : INT_MAX, last1 = CAUSAL ? r0 + 8 + offset : INT_MAX;
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        const int key = k0 + 8 * (i / 4) + 2 * t + (i & 1);
+        if (key >= p.Sk || key > (i & 2 ? last1 : last0)) s[i] = -INFINITY;
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 4) {
+      mx0 = fmaxf(mx0, fmaxf(s[i], s[i + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[i + 2], s[i + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = fmaxf(m0, mx0 == -INFINITY ? -INFINITY : mx0 * k2);
+    const float n1 = fmaxf(m1, mx1 == -INFINITY ? -INFINITY : mx1 * k2);
+    const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;  // no key yet: 0, not NaN
+    const float2 a = make_float2(fast_exp2(m0 - c0), fast_exp2(m1 - c1));
+    m0 = n0;
+    m1 = n1;
+    l0 *= a.x;
+    l1 *= a.y;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 4) {
+      s[i] = fast_exp2(fmaf(s[i], k2, -c0));
+      s[i + 1] = fast_exp2(fmaf(s[i + 1], k2, -c0));
+      s[i + 2] = fast_exp2(fmaf(s[i + 2], k2, -c1));
+      s[i + 3] = fast_exp2(fmaf(s[i + 3], k2, -c1));
+      l0 += s[i] + s[i + 1];
+      l1 += s[i + 2] + s[i + 3];
+    }
+    return a;
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pf[kk][e] = pack_bf16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+  };
+  // Ping-pong at D 64 (S::PINGPONG): the two warpgroups take turns issuing their products (named
+  // barrier 1 + wg: my turn), so one's softmax runs while the other's products keep the tensor cores
+  // busy; warpgroup 0 goes first in each unit, and its last turn is not passed on. At D 128 the
+  // products are long enough to hide the softmax within a warpgroup, and the turns cost more than
+  // they give.
+  int turns_left = 0;
+  auto my_turn = [&]() {
+    if (S::PINGPONG) named_sync(1 + wg, 256);
+  };
+  auto your_turn = [&]() {
+    if (S::PINGPONG && (--turns_left > 0 || wg == 0)) named_arrive(2 - wg, 256);
+  };
+
+  for (int i = 0;; ++i) {
+    mbar_wait(unit_full + 8 * (i % 2), (i / 2) & 1);
+    const int u = mailbox[i % 2];
+    __syncwarp();
+    release(unit_empty + 8 * (i % 2));
+    if (u >= units) break;
+    const AttnTmaUnit w = attn_tma_unit<BM, BN, CAUSAL>(p, u, qtiles);
+    q0 = w.q0;
+    r0 = q0 + row;
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.f;
+    const int n = w.ntiles;
+    if (n > 0) {
+      turns_left = n + 1;
+      if (S::PINGPONG && wg == 1) named_arrive(1, 256);
+      mbar_wait(q_full, nq++ & 1);
+      my_turn();
+      issue_qk(0);
+      your_turn();
+      wgmma_wait<0>();
+      if (n == 1) release(q_empty);  // the unit's last Q K^T has landed: the producer may reload Q
+      softmax(0);
+      pack_p();
+      for (int j = 1; j < n; ++j) {
+        my_turn();
+        issue_qk(j);
+        issue_pv(j - 1);
+        your_turn();
+        wgmma_wait<1>();  // S_j has landed; P_j-1 V_j-1 may still run
+        if (j == n - 1) release(q_empty);
+        const float2 a = softmax(j);
+        wgmma_wait<0>();
+        release(empty + 8 * ((it + j - 1) % STAGES));
+#pragma unroll
+        for (int i = 0; i < D / 2; i += 4) {
+          o[i] *= a.x;
+          o[i + 1] *= a.x;
+          o[i + 2] *= a.y;
+          o[i + 3] *= a.y;
+        }
+        pack_p();
+      }
+      my_turn();
+      issue_pv(n - 1);
+      your_turn();
+      wgmma_wait<0>();
+      release(empty + 8 * ((it + n - 1) % STAGES));
+      it += n;
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;  // no key seen: zeros
+    __nv_bfloat16* out = head_start(p.out, p.lout, w.bh);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + 8 * hh;
+      if (r >= p.Sq) continue;
+      const float inv = hh ? inv1 : inv0;
+      __nv_bfloat16* dst = out + (int64_t)r * p.lout.ss;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        store2(dst + 8 * j + 2 * t, o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+      if (t == 0) p.lse_log2[(int64_t)w.bh * p.Sq + r] = (hh ? m1 : m0) + log2f(hh ? l1 : l0);
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel
+#endif
+}
+
+// A tensor map over one attention operand, (batch, heads, rows, D) bf16 laid out as l says, read in
+// boxes of 64 values x box_rows rows of one head; false where the copy engine cannot address it
+// (a base or stride off 16 bytes).
+static bool attn_tile_map(CUtensorMap& map, const void* x, const AttnLayout& l, int batch, int rows, int D,
+                          int box_rows) {
+  if (!aligned16(x) || l.ss % 8 || l.sh % 8 || l.sb % 8) return false;
+  const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)rows, (cuuint64_t)l.heads, (cuuint64_t)batch};
+  // A dimension of size 1 is never stepped over; give it a stride the encoder accepts.
+  const int64_t sh = l.heads == 1 ? (int64_t)rows * l.ss : l.sh, sb = batch == 1 ? sh * l.heads : l.sb;
+  if (l.ss <= 0 || sh <= 0 || sb <= 0) return false;
+  const cuuint64_t strides[3] = {(cuuint64_t)l.ss * 2, (cuuint64_t)sh * 2, (cuuint64_t)sb * 2};
+  const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+  return tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(x), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int D, bool CAUSAL>
+static void attention_fwd_tma_launch(const CUtensorMap (&maps)[3], const AttnTmaArgs& p, cudaStream_t s) {
+  using S = AttnTmaShape<D>;
+  raise_smem_limit<attention_fwd_tma_kernel<D, CAUSAL>>(S::SMEM);
+  cudaMemsetAsync(p.next_unit, 0, sizeof(int), s);
+  const int64_t units = (int64_t)ceil_div(p.Sq, S::BM) * p.BH;
+  launch_pdl(attention_fwd_tma_kernel<D, CAUSAL>, dim3((unsigned)std::min<int64_t>(units, num_sms())),
+             dim3(S::THREADS), S::SMEM, s, maps[0], maps[1], maps[2], p);
+}
+
+// Runs the bf16 forward on attention_fwd_tma_kernel where it applies (sm_90a, head size 64 or 128,
+// no kv_len, at least one whole query tile, operands the copy engine can address, a workspace for
+// the unit counter); false: it did not, and the caller runs attention_fwd_kernel.
+static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                              __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq,
+                              int Sk, int D, bool causal, float scale_log2, const int64_t* kv_len, float* workspace,
+                              cudaStream_t s) {
+  if (!attention_wgmma_enabled.load() || !hopper_wgmma() || (D != 64 && D != 128) || kv_len || Sq < 128 || !workspace ||
+      (int64_t)ceil_div(Sq, AttnTmaShape<64>::BM) * BH > INT_MAX)  // the units, counted in int
+    return false;
+  const int batch = BH / l.q.heads;
+  CUtensorMap maps[3];
+  if (!attn_tile_map(maps[0], q, l.q, batch, Sq, D, 128) || !attn_tile_map(maps[1], k, l.k, batch, Sk, D, 128) ||
+      !attn_tile_map(maps[2], v, l.v, batch, Sk, D, 128))
+    return false;
+  int* next_unit = reinterpret_cast<int*>(workspace);
+  const AttnTmaArgs p{out, l.out, lse_log2, Sq, Sk, BH, l.q.heads, group, scale_log2, next_unit};
+  const auto launch = causal ? (D == 64 ? attention_fwd_tma_launch<64, true> : attention_fwd_tma_launch<128, true>)
+                             : (D == 64 ? attention_fwd_tma_launch<64, false> : attention_fwd_tma_launch<128, false>);
+  launch(maps, p, s);
+  return true;
+}
+
+// Floats of workspace attention_fwd_fused needs: the splits' partial results (fp32, for fp32 and bf16
+// alike), and at least one word for the Hopper forward's unit counter where it may run.
 int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D) {
   const int splits = attention_fwd_splits(BH, group, Sq, Sk);
-  return splits == 1 ? 0 : (int64_t)splits * BH * Sq * (D + 1);
+  return std::max<int64_t>(splits == 1 ? 0 : (int64_t)splits * BH * Sq * (D + 1), Sq >= 128 ? 1 : 0);
 }
 
 template <class T>
@@ -5879,6 +6229,13 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse_log2 = lse_log2; p.kv_len = kv_len;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (attention_fwd_tma(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, p.scale_log2, kv_len, workspace,
+                          s)) {
+      check_launch("attention_fwd_fused");
+      return;
+    }
+  }
   const int splits = attention_fwd_splits(BH, group, Sq, Sk);
   p.split_tiles = ceil_div(ceil_div(Sk, 64), splits);
   const int64_t rows = (int64_t)BH * Sq;
