@@ -4844,8 +4844,9 @@ STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 // the 8 row addresses of each ldmatrix phase in 8 different bank groups. Two adjacent n8 score tiles
 // in C fragments are the A fragment of one k16 step of P V, packed to bf16x2: no reordering.
 //
-// On Hopper the bf16 forward at head sizes 64 and 128 runs attention_fwd_tma_kernel instead, the
-// FlashAttention-3 design (copy-engine loads, warp specialization, wgmma for both products; see there).
+// On Hopper, bf16 at head sizes 64 and 128 runs the FlashAttention-3 design instead (copy-engine loads,
+// warp specialization, wgmma for every product): attention_fwd_tma_kernel forward,
+// attention_bwd_dkv_tma_kernel and attention_bwd_dq_tma_kernel backward (see there).
 //
 // The kernels are written once over an operand policy (AttnTf32, AttnBf16 below): its element type,
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
@@ -6157,6 +6158,330 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 #endif
 }
 
+// dK and dV of the bf16 backward on Hopper, in the forward's design: a block owns 128 keys of one K/V
+// head (two consumer warpgroups of 64 keys) and walks the query tiles (64 queries) of every query
+// head that shares it, in head order; the producer thread lifts K and V once, then each tile's Q and
+// dO through the copy engine, while warp 1 of the producer warpgroup copies the tile's lse_log2 and
+// delta (one float a query: rows need not start on 16 bytes) into the same stage. Products, all
+// wgmma, in the transposed frame: S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T and
+// dS^T = P^T (dP^T - delta) in registers feed dV += P^T dO and dK += dS^T Q as A operands, Q and dO
+// read N-major. Each block writes its own rows of dK and dV, summed over the group in a fixed order: no
+// atomics, deterministic. dQ stays with attention_bwd_kernel's dQ blocks.
+template <int D>
+struct AttnBwdTmaShape {
+  static constexpr int BN = 128, BQ = 64, THREADS = 384;
+  // At D 64 a tile's S^T and dP^T are issued before the previous tile's dV and dK have landed; at
+  // D 128 the registers hold only one of the two sets of products.
+  static constexpr bool OVERLAP = D == 64;
+  static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2;  // K or V; Q or dO
+  static constexpr int KV_SLAB = BN * 128, Q_SLAB = BQ * 128;
+  static constexpr int STAGE_BYTES = 2 * Q_BYTES + 2 * BQ * 4;  // Q, dO, lse_log2, delta
+  static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - 2 * KV_BYTES - 256) / STAGE_BYTES);
+  static constexpr int SMEM = 1024 + 2 * KV_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES);
+};
+
+struct AttnBwdTmaArgs {
+  const float *lse_log2, *delta;  // (B * H, Sq)
+  __nv_bfloat16 *dk, *dv;
+  AttnLayout ldk, ldv;
+  int Sq, Sk, heads, group;  // heads: query heads per batch entry
+  float scale, scale_log2;
+};
+
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
+    attention_bwd_dkv_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                                 const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
+                                 AttnBwdTmaArgs p) {
+#ifdef WG_ENABLED
+  using S = AttnBwdTmaShape<D>;
+  constexpr int BN = S::BN, BQ = S::BQ, STAGES = S::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t k_s = (smem_addr(smem_raw) + 1023) & ~1023u, v_s = k_s + S::KV_BYTES, st_s = v_s + S::KV_BYTES;
+  // stage st: Q at st_s + st * STAGE_BYTES, dO after it, then lse_log2 and delta (BQ floats each)
+  const uint32_t kv_full = st_s + STAGES * S::STAGE_BYTES, full = kv_full + 8, empty = full + 8 * STAGES;
+  const float* stats = reinterpret_cast<const float*>(smem_raw + (st_s - smem_addr(smem_raw)));
+  const int kvhead = blockIdx.y, b = kvhead / (p.heads / p.group), hk = kvhead % (p.heads / p.group);
+  const int k0 = blockIdx.x * BN, offset = p.Sk - p.Sq;
+  // Causal: query q reaches key k0 only if q >= k0 - offset.
+  const int qstart = CAUSAL ? max(0, k0 - offset) / BQ * BQ : 0;
+  const int per_head = qstart < p.Sq ? (p.Sq - qstart + BQ - 1) / BQ : 0, tiles = p.group * per_head;
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int st = 0; st < STAGES; ++st) {
+      mbar_init(full + 8 * st, 2);   // the copy engine's bytes + warp 1's statistics
+      mbar_init(empty + 8 * st, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_begin();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 4) {  // producer warpgroup: registers as in attention_fwd_tma_kernel
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;");
+    if (warp > 1 || (warp == 0 && lane > 0) || tiles == 0) return;
+    if (warp == 0) {
+      mbar_expect_bytes(kv_full, 2 * S::KV_BYTES);
+      for (int c = 0; c < D / 64; ++c) {
+        tma_load_4d(k_s + c * S::KV_SLAB, &map_k, 64 * c, k0, hk, b, kv_full);
+        tma_load_4d(v_s + c * S::KV_SLAB, &map_v, 64 * c, k0, hk, b, kv_full);
+      }
+    }
+    for (int i = 0; i < tiles; ++i) {
+      const int st = i % STAGES, h = hk * p.group + i / per_head, q0 = qstart + i % per_head * BQ;
+      const uint32_t qs = st_s + st * S::STAGE_BYTES;
+      if (warp == 0) {
+        mbar_wait(empty + 8 * st, ((i / STAGES) & 1) ^ 1);
+        mbar_expect_bytes(full + 8 * st, 2 * S::Q_BYTES);
+        for (int c = 0; c < D / 64; ++c) {
+          tma_load_4d(qs + c * S::Q_SLAB, &map_q, 64 * c, q0, h, b, full + 8 * st);
+          tma_load_4d(qs + S::Q_BYTES + c * S::Q_SLAB, &map_do, 64 * c, q0, h, b, full + 8 * st);
+        }
+      } else {  // warp 1: lse_log2 and delta, zeros past Sq (their P is masked)
+        mbar_wait(empty + 8 * st, ((i / STAGES) & 1) ^ 1);
+        float* dst = const_cast<float*>(stats) + (st * S::STAGE_BYTES + 2 * S::Q_BYTES) / 4;
+        const int64_t row = (int64_t)(b * p.heads + h) * p.Sq;
+        for (int r = lane; r < BQ; r += 32) {
+          const bool in = q0 + r < p.Sq;
+          dst[r] = in ? p.lse_log2[row + q0 + r] : 0.f;
+          dst[BQ + r] = in ? p.delta[row + q0 + r] : 0.f;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full + 8 * st);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  // Consumer warpgroup wg: keys 64 wg .. of the block's; thread (warp, g, t) holds keys
+  // key0 = k0 + 64 wg + 16 (warp % 4) + g and key0 + 8 (rows), queries 8j + 2t, +1 of the tile (columns).
+  const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, key0 = k0 + 64 * wg + 16 * (warp % 4) + g;
+  const uint32_t ks = k_s + wg * 64 * 128, vs = v_s + wg * 64 * 128;
+  float s[BQ / 2], dp[BQ / 2], dk[D / 2], dv[D / 2];
+  uint32_t pf[BQ / 16][4], dsf[BQ / 16][4];  // P^T and dS^T as A operands, one k16 step of queries each
+  if (tiles > 0) {
+    mbar_wait(kv_full, 0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  }
+  for (int i = 0; i < tiles; ++i) {
+    const int st = i % STAGES, q0 = qstart + i % per_head * BQ;
+    const uint32_t qs = st_s + st * S::STAGE_BYTES, dos = qs + S::Q_BYTES;
+    mbar_wait(full + 8 * st, (i / STAGES) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int off = kk / 4 * S::KV_SLAB + kk % 4 * 32, qoff = kk / 4 * S::Q_SLAB + kk % 4 * 32;
+      wgmma_bf16<0, 0, BQ>(s, smem_desc(ks + off, 16, 1024), smem_desc(qs + qoff, 16, 1024), kk > 0);
+      wgmma_bf16<0, 0, BQ>(dp, smem_desc(vs + off, 16, 1024), smem_desc(dos + qoff, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    if (S::OVERLAP && i > 0) {
+      wgmma_wait<1>();  // the previous tile's dV and dK have landed: its stage goes back
+      if (lane == 0) mbar_arrive(empty + 8 * ((i - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    const float* ls = stats + (st * S::STAGE_BYTES + 2 * S::Q_BYTES) / 4;
+    const bool masked = q0 + BQ > p.Sq || k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + offset);
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j + 2 * t);
+      const float2 d2 = *reinterpret_cast<const float2*>(ls + BQ + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pr = fast_exp2(s[4 * j + e] * p.scale_log2 - (e & 1 ? l2.y : l2.x));
+        if (masked) {
+          const int q = q0 + 8 * j + 2 * t + (e & 1), key = key0 + (e & 2 ? 8 : 0);
+          if (q >= p.Sq || key >= p.Sk || (CAUSAL && key > q + offset)) pr = 0.f;
+        }
+        s[4 * j + e] = pr;
+        dp[4 * j + e] = pr * (dp[4 * j + e] - (e & 1 ? d2.y : d2.x));
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pf[kk][e] = pack_bf16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        dsf[kk][e] = pack_bf16x2(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+      }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      wgmma_bf16_ra<1, D>(dv, pf[kk], smem_desc(dos + kk * 2048, S::Q_SLAB, 1024), i > 0 || kk > 0);
+      wgmma_bf16_ra<1, D>(dk, dsf[kk], smem_desc(qs + kk * 2048, S::Q_SLAB, 1024), i > 0 || kk > 0);
+    }
+    wgmma_commit();
+    if (!S::OVERLAP) {
+      wgmma_wait<0>();
+      if (lane == 0) mbar_arrive(empty + 8 * st);
+    }
+  }
+  wgmma_wait<0>();
+  if (S::OVERLAP && tiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((tiles - 1) % STAGES));
+  __nv_bfloat16* dkp = head_start(p.dk, p.ldk, kvhead);
+  __nv_bfloat16* dvp = head_start(p.dv, p.ldv, kvhead);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = key0 + 8 * hh;
+    if (key >= p.Sk) continue;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int c = 8 * j + 2 * t;
+      store2(dkp + (int64_t)key * p.ldk.ss + c, dk[4 * j + 2 * hh] * p.scale, dk[4 * j + 2 * hh + 1] * p.scale);
+      store2(dvp + (int64_t)key * p.ldv.ss + c, dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel
+#endif
+}
+
+// dQ of the bf16 backward on Hopper: the forward's structure again. A block owns 128 queries of one
+// head (two consumer warpgroups of 64); the producer thread lifts Q and dO once, then K and V 64 keys
+// at a time. Per tile: S = Q K^T and dP = dO V^T from shared memory, P = exp2(S * scale_log2 - lse_log2)
+// and dS = P (dP - delta) in registers (one lse_log2 and delta a row, read once), dQ += dS K with dS as
+// the A operand and K read N-major; the next tile's S and dP are issued before this tile's dQ product
+// is waited for. Every dQ row is this block's alone: deterministic.
+template <int D>
+struct AttnDqTmaShape {
+  static constexpr int BM = 128, BN = 64, THREADS = 384;
+  static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // Q or dO; K or V
+  static constexpr int Q_SLAB = BM * 128, KV_SLAB = BN * 128;
+  static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - 2 * Q_BYTES - 256) / (2 * KV_BYTES));
+  static constexpr int SMEM = 1024 + 2 * Q_BYTES + STAGES * 2 * KV_BYTES + 8 * (1 + 2 * STAGES);
+};
+
+struct AttnDqTmaArgs {
+  const float *lse_log2, *delta;  // (B * H, Sq)
+  __nv_bfloat16* dq;
+  AttnLayout ldq;
+  int Sq, Sk, heads, group;
+  float scale, scale_log2;
+};
+
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
+    attention_bwd_dq_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                                const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
+                                AttnDqTmaArgs p) {
+#ifdef WG_ENABLED
+  using S = AttnDqTmaShape<D>;
+  constexpr int BM = S::BM, BN = S::BN, STAGES = S::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t q_s = (smem_addr(smem_raw) + 1023) & ~1023u, do_s = q_s + S::Q_BYTES, kv_s = do_s + S::Q_BYTES;
+  const uint32_t q_full = kv_s + STAGES * 2 * S::KV_BYTES, full = q_full + 8, empty = full + 8 * STAGES;
+  // As in attention_fwd_tma_kernel: a head's query tiles neighbours in the grid, the heaviest first.
+  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+  const int q0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM, offset = p.Sk - p.Sq;
+  const int key_end = CAUSAL ? min(p.Sk, min(q0 + BM, p.Sq) + offset) : p.Sk;
+  const int ntiles = key_end > 0 ? (key_end + BN - 1) / BN : 0;
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int st = 0; st < STAGES; ++st) {
+      mbar_init(full + 8 * st, 1);
+      mbar_init(empty + 8 * st, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_begin();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 4) {  // producer warpgroup: registers as in attention_fwd_tma_kernel
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;");
+    if (threadIdx.x > 0 || ntiles == 0) return;
+    mbar_expect_bytes(q_full, 2 * S::Q_BYTES);
+    for (int c = 0; c < D / 64; ++c) {
+      tma_load_4d(q_s + c * S::Q_SLAB, &map_q, 64 * c, q0, h, b, q_full);
+      tma_load_4d(do_s + c * S::Q_SLAB, &map_do, 64 * c, q0, h, b, q_full);
+    }
+    for (int j = 0; j < ntiles; ++j) {
+      const int st = j % STAGES;
+      mbar_wait(empty + 8 * st, ((j / STAGES) & 1) ^ 1);
+      const uint32_t ks = kv_s + 2 * st * S::KV_BYTES, vs = ks + S::KV_BYTES;
+      mbar_expect_bytes(full + 8 * st, 2 * S::KV_BYTES);
+      for (int c = 0; c < D / 64; ++c) {
+        tma_load_4d(ks + c * S::KV_SLAB, &map_k, 64 * c, j * BN, h / p.group, b, full + 8 * st);
+        tma_load_4d(vs + c * S::KV_SLAB, &map_v, 64 * c, j * BN, h / p.group, b, full + 8 * st);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  // Consumer warpgroup wg: rows r0 = q0 + 64 wg + 16 (warp % 4) + g and r0 + 8, keys 8j + 2t, +1.
+  const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, r0 = q0 + 64 * wg + 16 * (warp % 4) + g;
+  const uint32_t qs = q_s + wg * 64 * 128, dos = do_s + wg * 64 * 128;
+  float s[BN / 2], dp[BN / 2], dq[D / 2];
+  uint32_t dsf[BN / 16][4];  // dS as the A operand of dS K, one k16 step of keys each
+  float lse[2], dlt[2];
+  for (int hh = 0; hh < 2; ++hh) {
+    const bool in = r0 + 8 * hh < p.Sq;
+    lse[hh] = in ? p.lse_log2[(int64_t)bh * p.Sq + r0 + 8 * hh] : 0.f;
+    dlt[hh] = in ? p.delta[(int64_t)bh * p.Sq + r0 + 8 * hh] : 0.f;
+  }
+  if (ntiles > 0) {
+    mbar_wait(q_full, 0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  }
+  for (int j = 0; j < ntiles; ++j) {
+    const int st = j % STAGES, k0 = j * BN;
+    const uint32_t ks = kv_s + 2 * st * S::KV_BYTES, vs = ks + S::KV_BYTES;
+    mbar_wait(full + 8 * st, (j / STAGES) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int qoff = kk / 4 * S::Q_SLAB + kk % 4 * 32, koff = kk / 4 * S::KV_SLAB + kk % 4 * 32;
+      wgmma_bf16<0, 0, BN>(s, smem_desc(qs + qoff, 16, 1024), smem_desc(ks + koff, 16, 1024), kk > 0);
+      wgmma_bf16<0, 0, BN>(dp, smem_desc(dos + qoff, 16, 1024), smem_desc(vs + koff, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    if (j > 0) {
+      wgmma_wait<1>();  // the previous tile's dQ product has landed: its stage goes back
+      if (lane == 0) mbar_arrive(empty + 8 * ((j - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    const bool masked = k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const int hh = (i >> 1) & 1;
+      float pr = fast_exp2(s[i] * p.scale_log2 - lse[hh]);
+      if (masked) {
+        const int key = k0 + 8 * (i / 4) + 2 * t + (i & 1);
+        if (key >= p.Sk || (CAUSAL && key > r0 + 8 * hh + offset)) pr = 0.f;
+      }
+      dp[i] = pr * (dp[i] - dlt[hh]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dsf[kk][e] = pack_bf16x2(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_bf16_ra<1, D>(dq, dsf[kk], smem_desc(ks + kk * 2048, S::KV_SLAB, 1024), j > 0 || kk > 0);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  if (ntiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((ntiles - 1) % STAGES));
+  __nv_bfloat16* dqp = head_start(p.dq, p.ldq, bh);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r0 + 8 * hh;
+    if (r >= p.Sq) continue;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      store2(dqp + (int64_t)r * p.ldq.ss + 8 * j + 2 * t, dq[4 * j + 2 * hh] * p.scale, dq[4 * j + 2 * hh + 1] * p.scale);
+  }
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel
+#endif
+}
+
 // A tensor map over one attention operand, (batch, heads, rows, D) bf16 laid out as l says, read in
 // boxes of 64 values x box_rows rows of one head; false where the copy engine cannot address it
 // (a base or stride off 16 bytes).
@@ -6205,6 +6530,52 @@ static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   const auto launch = causal ? (D == 64 ? attention_fwd_tma_launch<64, true> : attention_fwd_tma_launch<128, true>)
                              : (D == 64 ? attention_fwd_tma_launch<64, false> : attention_fwd_tma_launch<128, false>);
   launch(maps, p, s);
+  return true;
+}
+
+template <int D, bool CAUSAL>
+static void attention_bwd_dkv_tma_launch(const CUtensorMap (&maps)[4], const AttnBwdTmaArgs& p, int kv_heads,
+                                         cudaStream_t s) {
+  using S = AttnBwdTmaShape<D>;
+  raise_smem_limit<attention_bwd_dkv_tma_kernel<D, CAUSAL>>(S::SMEM);
+  launch_pdl(attention_bwd_dkv_tma_kernel<D, CAUSAL>, dim3(ceil_div(p.Sk, S::BN), kv_heads), dim3(S::THREADS),
+             S::SMEM, s, maps[0], maps[1], maps[2], maps[3], p);
+}
+
+template <int D, bool CAUSAL>
+static void attention_bwd_dq_tma_launch(const CUtensorMap (&maps)[4], const AttnDqTmaArgs& p, int BH, cudaStream_t s) {
+  using S = AttnDqTmaShape<D>;
+  raise_smem_limit<attention_bwd_dq_tma_kernel<D, CAUSAL>>(S::SMEM);
+  launch_pdl(attention_bwd_dq_tma_kernel<D, CAUSAL>, dim3(ceil_div(p.Sq, S::BM), BH), dim3(S::THREADS), S::SMEM, s,
+             maps[0], maps[1], maps[2], maps[3], p);
+}
+
+// The bf16 backward on attention_bwd_dkv_tma_kernel and attention_bwd_dq_tma_kernel where they apply
+// (as for the forward: sm_90a, head size 64 or 128, operands the copy engine can address; at most
+// 65535 query heads); false: they did not, and attention_bwd_kernel runs. delta is computed already.
+static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                              const __nv_bfloat16* dout, const float* lse_log2, const float* delta, __nv_bfloat16* dq,
+                              __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH, int group, int Sq,
+                              int Sk, int D, bool causal, float scale, cudaStream_t s) {
+  if (!attention_wgmma_enabled.load() || !hopper_wgmma() || (D != 64 && D != 128) || BH > 65535) return false;
+  const int batch = BH / l.q.heads;
+  CUtensorMap kv[4], qo[4];  // boxes of 64 queries and 128 keys (dK, dV); 128 queries and 64 keys (dQ)
+  if (!attn_tile_map(kv[0], q, l.q, batch, Sq, D, 64) || !attn_tile_map(kv[1], k, l.k, batch, Sk, D, 128) ||
+      !attn_tile_map(kv[2], v, l.v, batch, Sk, D, 128) || !attn_tile_map(kv[3], dout, l.dout, batch, Sq, D, 64) ||
+      !attn_tile_map(qo[0], q, l.q, batch, Sq, D, 128) || !attn_tile_map(qo[1], k, l.k, batch, Sk, D, 64) ||
+      !attn_tile_map(qo[2], v, l.v, batch, Sk, D, 64) || !attn_tile_map(qo[3], dout, l.dout, batch, Sq, D, 128))
+    return false;
+  const float scale_log2 = scale * 1.4426950408889634f;
+  const AttnBwdTmaArgs pkv{lse_log2, delta, dk, dv, l.dk, l.dv, Sq, Sk, l.q.heads, group, scale, scale_log2};
+  const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2};
+  const auto dkv = causal ? (D == 64 ? attention_bwd_dkv_tma_launch<64, true> : attention_bwd_dkv_tma_launch<128, true>)
+                          : (D == 64 ? attention_bwd_dkv_tma_launch<64, false> : attention_bwd_dkv_tma_launch<128, false>);
+  const auto dqk = causal ? (D == 64 ? attention_bwd_dq_tma_launch<64, true> : attention_bwd_dq_tma_launch<128, true>)
+                          : (D == 64 ? attention_bwd_dq_tma_launch<64, false> : attention_bwd_dq_tma_launch<128, false>);
+  dkv(kv, pkv, BH / group, s);
+  check_launch("attention_bwd_dkv_tma");
+  dqk(qo, pq, BH, s);
+  check_launch("attention_bwd_dq_tma");
   return true;
 }
 
@@ -6281,6 +6652,9 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse_log2 = const_cast<float*>(lse_log2);
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.ldout = l.dout; p.ldq = l.dq; p.ldk = l.dk; p.ldv = l.dv;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, s)) return;
+  }
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_bwd_dispatch<decltype(ops)>(p, BH, s); });
 }
 

@@ -3625,7 +3625,7 @@ ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
     # many key blocks against few query tiles, 32-query tiles of the backward at D = 96 and 128
     (1, 2, 300, 1000, 96, False, {}),
     (1, 4, 129, 1100, 128, _C, dict(kv_heads=2)),
-    # the Hopper forward (attention_fwd_tma_kernel: D 64 and 128, 128 queries or more) at odd lengths,
+    # the Hopper kernels (*_tma_kernel: D 64 and 128; the forward from 128 queries) at odd lengths,
     # causal with Sq < Sk (queries aligned to the last keys: the diagonal off the tile grid), every scale
     (1, 2, 200, 333, 128, _C, {}),
     (1, 2, 130, 384, 64, _C, {}),
@@ -3655,15 +3655,14 @@ def launched_kernels(fn):
 
 
 def t_attention_bf16_wgmma_choice():
-    # Which kernels and products the bf16 attention runs, read from the kernels' names. On a compute
-    # capability 9.0 GPU: the forward on attention_fwd_tma_kernel at head sizes 64 and 128, the backward
-    # on wgmma (policy AttnBf16Wg) at 64; with set_attention_wgmma(False), and elsewhere, mma.sync
-    # (AttnBf16) throughout.
+    # Which kernels the bf16 attention runs, read from their names: on a compute capability 9.0 GPU the
+    # forward and both backward kernels of the Hopper design (*_tma_kernel) at head sizes 64 and 128;
+    # with set_attention_wgmma(False), and elsewhere, the mma.sync policy (AttnBf16) throughout.
     if torch.cuda.get_device_capability() != (9, 0):
         raise Skip("wgmma needs compute capability 9.0")
 
     def kind(name):
-        return "tma" if "attention_fwd_tma_kernel" in name else "AttnBf16Wg" if "AttnBf16Wg" in name else \
+        return "tma" if "_tma_kernel" in name else "AttnBf16Wg" if "AttnBf16Wg" in name else \
             "AttnBf16" if "AttnBf16" in name else name
     seen = {}
     for D in (64, 128):
@@ -3673,11 +3672,11 @@ def t_attention_bf16_wgmma_choice():
                 names = launched_kernels(lambda: kernels.attention(q, k, v, causal=True).sum().backward())
             if not names:  # not even PyTorch's own: the profiler saw nothing (e.g. under compute-sanitizer)
                 raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
-            for part, want in (("attention_fwd", "tma" if on else "AttnBf16"),
-                               ("attention_bwd_kernel", "AttnBf16Wg" if D == 64 and on else "AttnBf16")):
+            for part in ("attention_fwd", "attention_bwd"):
                 kinds = sorted({kind(n) for n in names if part in n})
+                want = ["tma"] if on else ["AttnBf16"]
                 seen[(D, on, part)] = kinds
-                assert kinds == [want], f"D={D} wgmma={on}: {part} ran {kinds}, expected [{want}]"
+                assert kinds == want, f"D={D} wgmma={on}: {part} ran {kinds}, expected {want}"
     return "; ".join(f"D={D} wgmma={on}: {part.split('_')[1]} {k[0]}" for (D, on, part), k in seen.items())
 
 
@@ -5175,9 +5174,8 @@ def bench_attention_bf16(rows):
     print("\nattention bf16; SDPA = F.scaled_dot_product_attention in bf16, default backend (the repo's causal "
           "alignment; a mask where it differs from is_causal); SDPA-FA2 = the same restricted to its "
           "FlashAttention-2 backend (none where that takes no mask: decode)")
-    # on Hopper ours runs the forward on attention_fwd_tma_kernel (D 64 and 128) and the backward on wgmma
-    # (D 64); "ours mma.sync" is the same call with kernels.set_attention_wgmma(False), the kernels other
-    # GPUs run
+    # on Hopper ours runs the forward and backward kernels of the Hopper design (D 64 and 128); "ours
+    # mma.sync" is the same call with kernels.set_attention_wgmma(False), the kernels other GPUs run
     hopper = torch.cuda.get_device_capability() == (9, 0)
     cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "ours mma.sync ms",
             "SDPA/ours", "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
