@@ -6161,8 +6161,8 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 // dK and dV of the bf16 backward on Hopper, in the forward's design: a block owns 128 keys of one K/V
 // head (two consumer warpgroups of 64 keys) and walks the query tiles (64 queries) of every query
 // head that shares it, in head order; the producer thread lifts K and V once, then each tile's Q and
-// dO through the copy engine, while warp 1 of the producer warpgroup copies the tile's lse_log2 and
-// delta (one float a query: rows need not start on 16 bytes) into the same stage. Products, all
+// dO through the copy engine. The consumers read the tile's lse_log2 and delta (one float a query,
+// rows not on 16 bytes) from global memory (L2) as they use them. Products, all
 // wgmma, in the transposed frame: S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T and
 // dS^T = P^T (dP^T - delta) in registers feed dV += P^T dO and dK += dS^T Q as A operands, Q and dO
 // read N-major. Each block writes its own rows of dK and dV, summed over the group in a fixed order: no
@@ -6175,7 +6175,7 @@ struct AttnBwdTmaShape {
   static constexpr bool OVERLAP = D == 64;
   static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2;  // K or V; Q or dO
   static constexpr int KV_SLAB = BN * 128, Q_SLAB = BQ * 128;
-  static constexpr int STAGE_BYTES = 2 * Q_BYTES + 2 * BQ * 4;  // Q, dO, lse_log2, delta
+  static constexpr int STAGE_BYTES = 2 * Q_BYTES;  // Q, dO
   static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - 2 * KV_BYTES - 256) / STAGE_BYTES);
   static constexpr int SMEM = 1024 + 2 * KV_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES);
 };
@@ -6198,9 +6198,8 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   constexpr int BN = S::BN, BQ = S::BQ, STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t k_s = (smem_addr(smem_raw) + 1023) & ~1023u, v_s = k_s + S::KV_BYTES, st_s = v_s + S::KV_BYTES;
-  // stage st: Q at st_s + st * STAGE_BYTES, dO after it, then lse_log2 and delta (BQ floats each)
+  // stage st: Q at st_s + st * STAGE_BYTES, dO after it
   const uint32_t kv_full = st_s + STAGES * S::STAGE_BYTES, full = kv_full + 8, empty = full + 8 * STAGES;
-  const float* stats = reinterpret_cast<const float*>(smem_raw + (st_s - smem_addr(smem_raw)));
   const int kvhead = blockIdx.y, b = kvhead / (p.heads / p.group), hk = kvhead % (p.heads / p.group);
   const int k0 = blockIdx.x * BN, offset = p.Sk - p.Sq;
   // Causal: query q reaches key k0 only if q >= k0 - offset.
@@ -6209,7 +6208,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
     for (int st = 0; st < STAGES; ++st) {
-      mbar_init(full + 8 * st, 2);   // the copy engine's bytes + warp 1's statistics
+      mbar_init(full + 8 * st, 1);
       mbar_init(empty + 8 * st, 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -6217,43 +6216,29 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   __syncthreads();
   pdl_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp < 4) {  // producer warpgroup: registers as in attention_fwd_tma_kernel
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;");
-    if (warp > 1 || (warp == 0 && lane > 0) || tiles == 0) return;
-    if (warp == 0) {
-      mbar_expect_bytes(kv_full, 2 * S::KV_BYTES);
-      for (int c = 0; c < D / 64; ++c) {
-        tma_load_4d(k_s + c * S::KV_SLAB, &map_k, 64 * c, k0, hk, b, kv_full);
-        tma_load_4d(v_s + c * S::KV_SLAB, &map_v, 64 * c, k0, hk, b, kv_full);
-      }
+  // Registers as in attention_fwd_tma_kernel, but 24 / 240: dK and dV take 128 a thread at D 128.
+  if (warp < 4) {  // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    if (threadIdx.x > 0 || tiles == 0) return;
+    mbar_expect_bytes(kv_full, 2 * S::KV_BYTES);
+    for (int c = 0; c < D / 64; ++c) {
+      tma_load_4d(k_s + c * S::KV_SLAB, &map_k, 64 * c, k0, hk, b, kv_full);
+      tma_load_4d(v_s + c * S::KV_SLAB, &map_v, 64 * c, k0, hk, b, kv_full);
     }
     for (int i = 0; i < tiles; ++i) {
       const int st = i % STAGES, h = hk * p.group + i / per_head, q0 = qstart + i % per_head * BQ;
       const uint32_t qs = st_s + st * S::STAGE_BYTES;
-      if (warp == 0) {
-        mbar_wait(empty + 8 * st, ((i / STAGES) & 1) ^ 1);
-        mbar_expect_bytes(full + 8 * st, 2 * S::Q_BYTES);
-        for (int c = 0; c < D / 64; ++c) {
-          tma_load_4d(qs + c * S::Q_SLAB, &map_q, 64 * c, q0, h, b, full + 8 * st);
-          tma_load_4d(qs + S::Q_BYTES + c * S::Q_SLAB, &map_do, 64 * c, q0, h, b, full + 8 * st);
-        }
-      } else {  // warp 1: lse_log2 and delta, zeros past Sq (their P is masked)
-        mbar_wait(empty + 8 * st, ((i / STAGES) & 1) ^ 1);
-        float* dst = const_cast<float*>(stats) + (st * S::STAGE_BYTES + 2 * S::Q_BYTES) / 4;
-        const int64_t row = (int64_t)(b * p.heads + h) * p.Sq;
-        for (int r = lane; r < BQ; r += 32) {
-          const bool in = q0 + r < p.Sq;
-          dst[r] = in ? p.lse_log2[row + q0 + r] : 0.f;
-          dst[BQ + r] = in ? p.delta[row + q0 + r] : 0.f;
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full + 8 * st);
+      mbar_wait(empty + 8 * st, ((i / STAGES) & 1) ^ 1);
+      mbar_expect_bytes(full + 8 * st, 2 * S::Q_BYTES);
+      for (int c = 0; c < D / 64; ++c) {
+        tma_load_4d(qs + c * S::Q_SLAB, &map_q, 64 * c, q0, h, b, full + 8 * st);
+        tma_load_4d(qs + S::Q_BYTES + c * S::Q_SLAB, &map_do, 64 * c, q0, h, b, full + 8 * st);
       }
     }
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
   // Consumer warpgroup wg: keys 64 wg .. of the block's; thread (warp, g, t) holds keys
   // key0 = k0 + 64 wg + 16 (warp % 4) + g and key0 + 8 (rows), queries 8j + 2t, +1 of the tile (columns).
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, key0 = k0 + 64 * wg + 16 * (warp % 4) + g;
@@ -6283,21 +6268,27 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       if (lane == 0) mbar_arrive(empty + 8 * ((i - 1) % STAGES));
     }
     wgmma_wait<0>();
-    const float* ls = stats + (st * S::STAGE_BYTES + 2 * S::Q_BYTES) / 4;
     const bool masked = q0 + BQ > p.Sq || k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + offset);
+    // This thread's queries' lse_log2 and delta (columns 8j + 2t, +1), zeros past Sq (P is masked there).
+    const int64_t row = (int64_t)(b * p.heads + hk * p.group + i / per_head) * p.Sq;
 #pragma unroll
     for (int j = 0; j < BQ / 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * j + 2 * t);
-      const float2 d2 = *reinterpret_cast<const float2*>(ls + BQ + 8 * j + 2 * t);
+      float lq[2], dl[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = q0 + 8 * j + 2 * t + e;
+        lq[e] = q < p.Sq ? p.lse_log2[row + q] : 0.f;
+        dl[e] = q < p.Sq ? p.delta[row + q] : 0.f;
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pr = fast_exp2(s[4 * j + e] * p.scale_log2 - (e & 1 ? l2.y : l2.x));
+        float pr = fast_exp2(s[4 * j + e] * p.scale_log2 - lq[e & 1]);
         if (masked) {
           const int q = q0 + 8 * j + 2 * t + (e & 1), key = key0 + (e & 2 ? 8 : 0);
           if (q >= p.Sq || key >= p.Sk || (CAUSAL && key > q + offset)) pr = 0.f;
         }
         s[4 * j + e] = pr;
-        dp[4 * j + e] = pr * (dp[4 * j + e] - (e & 1 ? d2.y : d2.x));
+        dp[4 * j + e] = pr * (dp[4 * j + e] - dl[e & 1]);
       }
     }
 #pragma unroll
