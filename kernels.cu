@@ -6166,7 +6166,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 // wgmma, in the transposed frame: S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T and
 // dS^T = P^T (dP^T - delta) in registers feed dV += P^T dO and dK += dS^T Q as A operands, Q and dO
 // read N-major. Each block writes its own rows of dK and dV, summed over the group in a fixed order: no
-// atomics, deterministic. dQ stays with attention_bwd_kernel's dQ blocks.
+// atomics, deterministic. dQ comes from attention_bwd_dq_tma_kernel below.
 template <int D>
 struct AttnBwdTmaShape {
   static constexpr int BN = 128, BQ = 64, THREADS = 384;
