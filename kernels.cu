@@ -2239,16 +2239,17 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 //   M/N-major slab: 64 K-rows of 64 M (or N) values, 8 K-rows per 1024 bytes; a k16 step moves it
 //                 two groups (2048 bytes); slabs for the next 64 of N sit 8192 bytes apart.
 
+constexpr int SMEM_BLOCK_MAX = 227 * 1024;  // the most shared memory a block may have (sm_90)
 constexpr int BF_BM = 128, BF_BK = 64;
 constexpr int BF_SLAB = 64 * BF_BK * 2;     // one 64 x 64 bf16 slab (8 KB); also one epilogue piece
 constexpr int BF_A_BYTES = BF_BM * BF_BK * 2;  // 16 KB
 constexpr int BF_OUT_BYTES = 2 * 2 * BF_SLAB;  // epilogue: two pieces per consumer warpgroup
 constexpr int BF_BIAS_BYTES = 2 * 256 * 2;     // the tile's bias (bf16), per consumer warpgroup
 __host__ __device__ constexpr int bf_stage_bytes(int bn) { return BF_A_BYTES + bn * BF_BK * 2; }  // 48 KB at 256
-// As many stages as fit, up to 8, in the 227 KB a block may have beside the epilogue's pieces, the
-// bias, the 1024-byte alignment and the barriers: 4 at BN 256 and 192, 6 at 128, 8 at 64.
+// As many stages as fit, up to 8, in a block's shared memory (SMEM_BLOCK_MAX) beside the epilogue's
+// pieces, the bias, the 1024-byte alignment and the barriers: 4 at BN 256 and 192, 6 at 128, 8 at 64.
 __host__ __device__ constexpr int bf_stages(int bn) {
-  constexpr int room = 227 * 1024 - BF_OUT_BYTES - BF_BIAS_BYTES - 1024 - 2 * 8 * 8;
+  constexpr int room = SMEM_BLOCK_MAX - BF_OUT_BYTES - BF_BIAS_BYTES - 1024 - 2 * 8 * 8;
   return room / bf_stage_bytes(bn) < 8 ? room / bf_stage_bytes(bn) : 8;
 }
 __host__ __device__ constexpr int bf_smem(int bn) {
@@ -5333,6 +5334,46 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], int key0, int Sk,
     }
 }
 
+// One step of the online softmax over a 16 x 8*NT score tile in C fragments (rows g and g + 8 of the
+// warp). The row max is taken over the raw scores and kept in log2 units (m = max * k2, k2 = scale *
+// log2(e) > 0), so a probability is one FFMA and one ex2: s -> exp2(s * k2 - m). m0, m1 take the new
+// maxima, l0, l1 (this thread's partial row sums) are rescaled and added to; returns the factors the
+// output so far must be scaled by. A row with no visible key yet keeps max -inf and subtracts 0, so
+// exp2 gives 0, not NaN.
+template <int NT>
+__device__ __forceinline__ float2 online_softmax_step(float (&s)[NT][4], float k2, float& m0, float& m1, float& l0,
+                                                      float& l1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float n0 = fmaxf(m0, mx0 == -INFINITY ? -INFINITY : mx0 * k2);
+  const float n1 = fmaxf(m1, mx1 == -INFINITY ? -INFINITY : mx1 * k2);
+  const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
+  const float2 a = make_float2(fast_exp2(m0 - c0), fast_exp2(m1 - c1));
+  m0 = n0;
+  m1 = n1;
+  l0 *= a.x;
+  l1 *= a.y;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    s[j][0] = fast_exp2(fmaf(s[j][0], k2, -c0)); s[j][1] = fast_exp2(fmaf(s[j][1], k2, -c0));
+    s[j][2] = fast_exp2(fmaf(s[j][2], k2, -c1)); s[j][3] = fast_exp2(fmaf(s[j][3], k2, -c1));
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    l0 += s[j][0] + s[j][1];
+    l1 += s[j][2] + s[j][3];
+  }
+  return a;
+}
+
 // A warp's 16 x D accumulator rows (C fragments: rows row0 and row0 + 8) to rows of out (D wide),
 // scaled by s0 and s1, rows >= rows skipped.
 template <int N, class Rows>
@@ -5424,10 +5465,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       cp_async_commit();
     }
 
-    // online softmax on this tile. The row max is taken over the raw scores s and kept in log2 units
-    // (m = max * scale_log2, which needs scale_log2 > 0: see attention_fwd), so a probability is one
-    // FFMA and one ex2: exp2(s * scale_log2 - m). Tiles with hidden keys (past Sk, or past the causal
-    // diagonal) set them to -inf behind one uniform branch; the other tiles carry no index math.
+    // online softmax on this tile (online_softmax_step; scale_log2 > 0: see attention_fwd). Tiles with
+    // hidden keys (past Sk, or past the causal diagonal) set them to -inf behind one uniform branch; the
+    // other tiles carry no index math.
     const float k2 = p.scale_log2;
     const bool masked = k0 + 64 > Sk || (p.causal && k0 + 63 > qmin + offset);
     if (masked) {
@@ -5437,35 +5477,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[mt][j][0], s[mt][j][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[mt][j][2], s[mt][j][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float n0 = fmaxf(m0[mt], mx0 == -INFINITY ? -INFINITY : mx0 * k2);
-      const float n1 = fmaxf(m1[mt], mx1 == -INFINITY ? -INFINITY : mx1 * k2);
-      // A row with no visible key yet keeps max -inf; subtract 0 then so exp2 gives 0, not NaN.
-      const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;
-      const float a0 = fast_exp2(m0[mt] - c0), a1 = fast_exp2(m1[mt] - c1);
-      m0[mt] = n0;
-      m1[mt] = n1;
-      l0[mt] *= a0;  // l stays a per-thread partial sum; the 4 lanes of a row are added at the end
-      l1[mt] *= a1;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[mt][j][0] = fast_exp2(fmaf(s[mt][j][0], k2, -c0)); s[mt][j][1] = fast_exp2(fmaf(s[mt][j][1], k2, -c0));
-        s[mt][j][2] = fast_exp2(fmaf(s[mt][j][2], k2, -c1)); s[mt][j][3] = fast_exp2(fmaf(s[mt][j][3], k2, -c1));
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        l0[mt] += s[mt][j][0] + s[mt][j][1];
-        l1[mt] += s[mt][j][2] + s[mt][j][3];
-      }
+      const float2 a = online_softmax_step(s[mt], k2, m0[mt], m1[mt], l0[mt], l1[mt]);
+      const float a0 = a.x, a1 = a.y;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         o[mt][n][0] *= a0; o[mt][n][1] *= a0; o[mt][n][2] *= a1; o[mt][n][3] *= a1;
@@ -5883,7 +5896,7 @@ struct AttnTmaShape {
   static constexpr int Q_SLAB = BM * 128, KV_SLAB = BN * 128;  // one 64-column slab of a tile
   // As many stages as fit beside Q, the barriers, the mailbox and the 1024-byte alignment, up to 4: 3
   // at D 128.
-  static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - Q_BYTES - 256) / (2 * KV_BYTES));
+  static constexpr int STAGES = std::min(4, (SMEM_BLOCK_MAX - 1024 - Q_BYTES - 256) / (2 * KV_BYTES));
   static constexpr int SMEM = 1024 + Q_BYTES + STAGES * 2 * KV_BYTES + 8 * (2 + 3 * STAGES + 4) + 8;  // + mailbox
 };
 
@@ -6022,46 +6035,14 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
   auto release = [&](uint32_t bar) {
     if (lane == 0) mbar_arrive(bar);
   };
-  // The online softmax over tile j's scores (in s): new row maxima (log2 units), probabilities in
-  // place, row sums; returns the factors the output so far must be scaled by.
+  // The online softmax over tile j's scores (in s), its hidden keys masked first; returns the factors
+  // the output so far must be scaled by.
   auto softmax = [&](int j) {
+    float(&sf)[BN / 8][4] = reinterpret_cast<float(&)[BN / 8][4]>(s);
     const int k0 = j * BN;
-    if (k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset)) {
-      const int last0 = CAUSAL ? r0 + offset : INT_MAX, last1 = CAUSAL ? r0 + 8 + offset : INT_MAX;
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const int key = k0 + 8 * (i / 4) + 2 * t + (i & 1);
-        if (key >= p.Sk || key > (i & 2 ? last1 : last0)) s[i] = -INFINITY;
-      }
-    }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < BN / 2; i += 4) {
-      mx0 = fmaxf(mx0, fmaxf(s[i], s[i + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[i + 2], s[i + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float n0 = fmaxf(m0, mx0 == -INFINITY ? -INFINITY : mx0 * k2);
-    const float n1 = fmaxf(m1, mx1 == -INFINITY ? -INFINITY : mx1 * k2);
-    const float c0 = n0 == -INFINITY ? 0.f : n0, c1 = n1 == -INFINITY ? 0.f : n1;  // no key yet: 0, not NaN
-    const float2 a = make_float2(fast_exp2(m0 - c0), fast_exp2(m1 - c1));
-    m0 = n0;
-    m1 = n1;
-    l0 *= a.x;
-    l1 *= a.y;
-#pragma unroll
-    for (int i = 0; i < BN / 2; i += 4) {
-      s[i] = fast_exp2(fmaf(s[i], k2, -c0));
-      s[i + 1] = fast_exp2(fmaf(s[i + 1], k2, -c0));
-      s[i + 2] = fast_exp2(fmaf(s[i + 2], k2, -c1));
-      s[i + 3] = fast_exp2(fmaf(s[i + 3], k2, -c1));
-      l0 += s[i] + s[i + 1];
-      l1 += s[i + 2] + s[i + 3];
-    }
-    return a;
+    if (k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset))
+      mask_scores(sf, k0 + 2 * t, p.Sk, CAUSAL ? r0 + offset : INT_MAX, CAUSAL ? r0 + 8 + offset : INT_MAX);
+    return online_softmax_step(sf, k2, m0, m1, l0, l1);
   };
   auto pack_p = [&]() {
 #pragma unroll
@@ -6176,7 +6157,7 @@ struct AttnBwdTmaShape {
   static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2;  // K or V; Q or dO
   static constexpr int KV_SLAB = BN * 128, Q_SLAB = BQ * 128;
   static constexpr int STAGE_BYTES = 2 * Q_BYTES;  // Q, dO
-  static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - 2 * KV_BYTES - 256) / STAGE_BYTES);
+  static constexpr int STAGES = std::min(4, (SMEM_BLOCK_MAX - 1024 - 2 * KV_BYTES - 256) / STAGE_BYTES);
   static constexpr int SMEM = 1024 + 2 * KV_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES);
 };
 
@@ -6341,7 +6322,7 @@ struct AttnDqTmaShape {
   static constexpr int BM = 128, BN = 64, THREADS = 384;
   static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;  // Q or dO; K or V
   static constexpr int Q_SLAB = BM * 128, KV_SLAB = BN * 128;
-  static constexpr int STAGES = std::min(4, (227 * 1024 - 1024 - 2 * Q_BYTES - 256) / (2 * KV_BYTES));
+  static constexpr int STAGES = std::min(4, (SMEM_BLOCK_MAX - 1024 - 2 * Q_BYTES - 256) / (2 * KV_BYTES));
   static constexpr int SMEM = 1024 + 2 * Q_BYTES + STAGES * 2 * KV_BYTES + 8 * (1 + 2 * STAGES);
 };
 
