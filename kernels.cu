@@ -6142,8 +6142,8 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 // dK and dV of the bf16 backward on Hopper, in the forward's design: a block owns 128 keys of one K/V
 // head (two consumer warpgroups of 64 keys) and walks the query tiles (64 queries) of every query
 // head that shares it, in head order; the producer thread lifts K and V once, then each tile's Q and
-// dO through the copy engine. The consumers read the tile's lse_log2 and delta (one float a query,
-// rows not on 16 bytes) from global memory (L2) as they use them. Products, all
+// dO through the copy engine. The consumers load the tile's lse_log2 and delta (one float a query,
+// rows not on 16 bytes) a tile ahead, each warp into its own shared memory. Products, all
 // wgmma, in the transposed frame: S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T and
 // dS^T = P^T (dP^T - delta) in registers feed dV += P^T dO and dK += dS^T Q as A operands, Q and dO
 // read N-major. Each block writes its own rows of dK and dV, summed over the group in a fixed order: no
@@ -6157,8 +6157,10 @@ struct AttnBwdTmaShape {
   static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2;  // K or V; Q or dO
   static constexpr int KV_SLAB = BN * 128, Q_SLAB = BQ * 128;
   static constexpr int STAGE_BYTES = 2 * Q_BYTES;  // Q, dO
-  static constexpr int STAGES = std::min(4, (SMEM_BLOCK_MAX - 1024 - 2 * KV_BYTES - 256) / STAGE_BYTES);
-  static constexpr int SMEM = 1024 + 2 * KV_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES);
+  static constexpr int STATS_BYTES = 8 * 2 * 2 * BQ * 4;  // each consumer warp's lse_log2 and delta, two tiles
+  static constexpr int STAGES =
+      std::min(4, (SMEM_BLOCK_MAX - 1024 - 2 * KV_BYTES - 256 - STATS_BYTES) / STAGE_BYTES);
+  static constexpr int SMEM = 1024 + 2 * KV_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES) + STATS_BYTES;
 };
 
 struct AttnBwdTmaArgs {
@@ -6179,8 +6181,9 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   constexpr int BN = S::BN, BQ = S::BQ, STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t k_s = (smem_addr(smem_raw) + 1023) & ~1023u, v_s = k_s + S::KV_BYTES, st_s = v_s + S::KV_BYTES;
-  // stage st: Q at st_s + st * STAGE_BYTES, dO after it
+  // stage st: Q at st_s + st * STAGE_BYTES, dO after it; the barriers; the consumers' statistics
   const uint32_t kv_full = st_s + STAGES * S::STAGE_BYTES, full = kv_full + 8, empty = full + 8 * STAGES;
+  float* stats = reinterpret_cast<float*>(smem_raw + (empty + 8 * STAGES - smem_addr(smem_raw)));
   const int kvhead = blockIdx.y, b = kvhead / (p.heads / p.group), hk = kvhead % (p.heads / p.group);
   const int k0 = blockIdx.x * BN, offset = p.Sk - p.Sq;
   // Causal: query q reaches key k0 only if q >= k0 - offset.
@@ -6226,6 +6229,21 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   const uint32_t ks = k_s + wg * 64 * 128, vs = v_s + wg * 64 * 128;
   float s[BQ / 2], dp[BQ / 2], dk[D / 2], dv[D / 2];
   uint32_t pf[BQ / 16][4], dsf[BQ / 16][4];  // P^T and dS^T as A operands, one k16 step of queries each
+  // Tile i's lse_log2 and delta (BQ each): a warp's columns span all of them, too many registers for
+  // each thread to load its own. So each warp loads the next tile's a tile ahead, four a lane, and
+  // shares them through its buffer i % 2 in shared memory: lse_log2 at [0, BQ), delta at [BQ, 2 BQ).
+  static_assert(2 * BQ == 4 * 32, "four statistics a lane");
+  float* warp_stats = stats + (warp - 4) * 4 * BQ;
+  float next_stats[4];
+  auto load_stats = [&](int i) {  // zero past Sq: P is masked there
+    const int64_t row = (int64_t)(b * p.heads + hk * p.group + i / per_head) * p.Sq;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int q = qstart + i % per_head * BQ + (c & 1) * 32 + lane;
+      next_stats[c] = q < p.Sq ? (c < 2 ? p.lse_log2 : p.delta)[row + q] : 0.f;
+    }
+  };
+  if (tiles > 0) load_stats(0);
   if (tiles > 0) {
     mbar_wait(kv_full, 0);
   } else {
@@ -6235,6 +6253,12 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   for (int i = 0; i < tiles; ++i) {
     const int st = i % STAGES, q0 = qstart + i % per_head * BQ;
     const uint32_t qs = st_s + st * S::STAGE_BYTES, dos = qs + S::Q_BYTES;
+    // Buffer i % 2 was last read in tile i - 2, before the warp's __syncwarp in tile i - 1.
+    float* ts = warp_stats + (i & 1) * 2 * BQ;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) ts[32 * c + lane] = next_stats[c];
+    if (i + 1 < tiles) load_stats(i + 1);
+    __syncwarp();
     mbar_wait(full + 8 * st, (i / STAGES) & 1);
     wgmma_fence();
 #pragma unroll
@@ -6250,17 +6274,11 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     }
     wgmma_wait<0>();
     const bool masked = q0 + BQ > p.Sq || k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + offset);
-    // This thread's queries' lse_log2 and delta (columns 8j + 2t, +1), zeros past Sq (P is masked there).
-    const int64_t row = (int64_t)(b * p.heads + hk * p.group + i / per_head) * p.Sq;
 #pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-      float lq[2], dl[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int q = q0 + 8 * j + 2 * t + e;
-        lq[e] = q < p.Sq ? p.lse_log2[row + q] : 0.f;
-        dl[e] = q < p.Sq ? p.delta[row + q] : 0.f;
-      }
+    for (int j = 0; j < BQ / 8; ++j) {  // this thread's queries, columns 8j + 2t and + 1
+      const float2 l2 = *reinterpret_cast<const float2*>(ts + 8 * j + 2 * t);
+      const float2 d2 = *reinterpret_cast<const float2*>(ts + BQ + 8 * j + 2 * t);
+      const float lq[2] = {l2.x, l2.y}, dl[2] = {d2.x, d2.y};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pr = fast_exp2(s[4 * j + e] * p.scale_log2 - lq[e & 1]);
