@@ -5374,6 +5374,13 @@ __device__ __forceinline__ float2 online_softmax_step(float (&s)[NT][4], float k
   return a;
 }
 
+// A wgmma accumulator of N columns, flat as wgmma writes it, seen as N / 8 C fragments (the same
+// registers in the same order) for store_rows and the softmax helpers.
+template <int N>
+__device__ __forceinline__ float (&as_fragments(float (&acc)[N / 2]))[N / 8][4] {
+  return reinterpret_cast<float(&)[N / 8][4]>(acc);
+}
+
 // A warp's 16 x D accumulator rows (C fragments: rows row0 and row0 + 8) to rows of out (D wide),
 // scaled by s0 and s1, rows >= rows skipped.
 template <int N, class Rows>
@@ -6038,7 +6045,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
   // The online softmax over tile j's scores (in s), its hidden keys masked first; returns the factors
   // the output so far must be scaled by.
   auto softmax = [&](int j) {
-    float(&sf)[BN / 8][4] = reinterpret_cast<float(&)[BN / 8][4]>(s);
+    float(&sf)[BN / 8][4] = as_fragments<BN>(s);
     const int k0 = j * BN;
     if (k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset))
       mask_scores(sf, k0 + 2 * t, p.Sk, CAUSAL ? r0 + offset : INT_MAX, CAUSAL ? r0 + 8 + offset : INT_MAX);
@@ -6121,6 +6128,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;  // no key seen: zeros
+    // Row by row, each with its lse_log2 (store_rows' interleaved rows ran slower here at short S).
     __nv_bfloat16* out = head_start(p.out, p.lout, w.bh);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -6152,8 +6160,9 @@ template <int D>
 struct AttnBwdTmaShape {
   static constexpr int BN = 128, BQ = 64, THREADS = 384;
   // At D 64 a tile's S^T and dP^T are issued before the previous tile's dV and dK have landed; at
-  // D 128 the registers hold only one of the two sets of products.
-  static constexpr bool OVERLAP = D == 64;
+  // D 128 the registers hold only one of the two sets of products, so the two warpgroups ping-pong
+  // instead (at D 64 that gained nothing on top of the overlap).
+  static constexpr bool OVERLAP = D == 64, PINGPONG = D == 128;
   static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2;  // K or V; Q or dO
   static constexpr int KV_SLAB = BN * 128, Q_SLAB = BQ * 128;
   static constexpr int STAGE_BYTES = 2 * Q_BYTES;  // Q, dO
@@ -6244,6 +6253,17 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     }
   };
   if (tiles > 0) load_stats(0);
+  // Ping-pong: the warpgroups take turns issuing products (named barrier 1 + wg: my turn), so one's
+  // elementwise work runs while the other's products keep the tensor cores busy; warpgroup 0 goes
+  // first and its last turn is not passed on.
+  int turns_left = 2 * tiles;
+  auto my_turn = [&]() {
+    if (S::PINGPONG) named_sync(1 + wg, 256);
+  };
+  auto your_turn = [&]() {
+    if (S::PINGPONG && (--turns_left > 0 || wg == 0)) named_arrive(2 - wg, 256);
+  };
+  if (S::PINGPONG && wg == 1 && tiles > 0) named_arrive(1, 256);
   if (tiles > 0) {
     mbar_wait(kv_full, 0);
   } else {
@@ -6260,6 +6280,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     if (i + 1 < tiles) load_stats(i + 1);
     __syncwarp();
     mbar_wait(full + 8 * st, (i / STAGES) & 1);
+    my_turn();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -6268,6 +6289,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       wgmma_bf16<0, 0, BQ>(dp, smem_desc(vs + off, 16, 1024), smem_desc(dos + qoff, 16, 1024), kk > 0);
     }
     wgmma_commit();
+    your_turn();
     if (S::OVERLAP && i > 0) {
       wgmma_wait<1>();  // the previous tile's dV and dK have landed: its stage goes back
       if (lane == 0) mbar_arrive(empty + 8 * ((i - 1) % STAGES));
@@ -6297,6 +6319,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
         pf[kk][e] = pack_bf16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
         dsf[kk][e] = pack_bf16x2(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
       }
+    my_turn();
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BQ / 16; ++kk) {
@@ -6304,6 +6327,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       wgmma_bf16_ra<1, D>(dk, dsf[kk], smem_desc(qs + kk * 2048, S::Q_SLAB, 1024), i > 0 || kk > 0);
     }
     wgmma_commit();
+    your_turn();
     if (!S::OVERLAP) {
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(empty + 8 * st);
@@ -6311,19 +6335,8 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   }
   wgmma_wait<0>();
   if (S::OVERLAP && tiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((tiles - 1) % STAGES));
-  __nv_bfloat16* dkp = head_start(p.dk, p.ldk, kvhead);
-  __nv_bfloat16* dvp = head_start(p.dv, p.ldv, kvhead);
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int key = key0 + 8 * hh;
-    if (key >= p.Sk) continue;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int c = 8 * j + 2 * t;
-      store2(dkp + (int64_t)key * p.ldk.ss + c, dk[4 * j + 2 * hh] * p.scale, dk[4 * j + 2 * hh + 1] * p.scale);
-      store2(dvp + (int64_t)key * p.ldv.ss + c, dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-    }
-  }
+  store_rows(attn_rows(p.dk, p.ldk, kvhead), as_fragments<D>(dk), key0, p.Sk, p.scale, p.scale);
+  store_rows(attn_rows(p.dv, p.ldv, kvhead), as_fragments<D>(dv), key0, p.Sk, 1.f, 1.f);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel
 #endif
@@ -6458,15 +6471,7 @@ __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
   }
   wgmma_wait<0>();
   if (ntiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((ntiles - 1) % STAGES));
-  __nv_bfloat16* dqp = head_start(p.dq, p.ldq, bh);
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = r0 + 8 * hh;
-    if (r >= p.Sq) continue;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j)
-      store2(dqp + (int64_t)r * p.ldq.ss + 8 * j + 2 * t, dq[4 * j + 2 * hh] * p.scale, dq[4 * j + 2 * hh + 1] * p.scale);
-  }
+  store_rows(attn_rows(p.dq, p.ldq, bh), as_fragments<D>(dq), r0, p.Sq, p.scale, p.scale);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel
 #endif
