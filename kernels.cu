@@ -6059,7 +6059,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
   };
   // Ping-pong at D 64 (S::PINGPONG): the two warpgroups take turns issuing their products (named
   // barrier 1 + wg: my turn), so one's softmax runs while the other's products keep the tensor cores
-  // busy; warpgroup 0 goes first in each unit, and its last turn is not passed on. At D 128 the
+  // busy; warpgroup 0 goes first in each unit, and warpgroup 1 keeps its last turn. At D 128 the
   // products are long enough to hide the softmax within a warpgroup, and the turns cost more than
   // they give.
   int turns_left = 0;
@@ -6255,7 +6255,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   if (tiles > 0) load_stats(0);
   // Ping-pong: the warpgroups take turns issuing products (named barrier 1 + wg: my turn), so one's
   // elementwise work runs while the other's products keep the tensor cores busy; warpgroup 0 goes
-  // first and its last turn is not passed on.
+  // first and warpgroup 1 keeps its last turn (no one is left to take it).
   int turns_left = 2 * tiles;
   auto my_turn = [&]() {
     if (S::PINGPONG) named_sync(1 + wg, 256);
