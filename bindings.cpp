@@ -64,6 +64,11 @@ void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float*
 void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
                    const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
                    cudaStream_t s);
+void hc_pre_coeffs_fwd(const float* x, int C, const float* h, const float* alpha, const float* bias, float* pre,
+                       float* post, float* res, float* merged, int M, int n, int iters, cudaStream_t s);
+void hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float* h, const float* alpha,
+                       const float* bias, const float* dpost, const float* dres, float* dh, float* dalpha,
+                       float* dbias, float* ws, int M, int n, int iters, cudaStream_t s);
 int64_t hc_project_fwd_workspace_floats(int M, int n, int D);
 int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
 void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
@@ -1057,25 +1062,44 @@ std::tuple<Tensor, Tensor, Tensor> hc_coeffs_meta(const Tensor& h, const Tensor&
   return {pre, at::empty_like(pre), at::empty(with_dims(h, {n, n}), h.options())};
 }
 
-// The backward recomputes Sinkhorn from h; an undefined gradient (an output nobody used) counts as zeros.
-std::tuple<Tensor, Tensor, Tensor> hc_coeffs_backward_cuda(const Tensor& h_in, const Tensor& alpha_in,
-                                                           const Tensor& bias_in, const std::optional<Tensor>& dpre_in,
-                                                           const std::optional<Tensor>& dpost_in,
-                                                           const std::optional<Tensor>& dres_in, int64_t iters) {
+// The backward recomputes Sinkhorn from h; an undefined gradient (an output nobody used) counts as zeros. Given the
+// streams x (M, n, C) and dmerged (hc_pre's backward), dpre is the gradient of the merge stream_merge(x, pre), which
+// the kernel computes from them (dpre_in unused).
+static std::tuple<Tensor, Tensor, Tensor> coeffs_backward(const Tensor& h_in, const Tensor& alpha_in,
+                                                          const Tensor& bias_in, const std::optional<Tensor>& dpre_in,
+                                                          const std::optional<Tensor>& dpost_in,
+                                                          const std::optional<Tensor>& dres_in, int64_t iters,
+                                                          const Tensor& x = Tensor(),
+                                                          const Tensor& dmerged = Tensor()) {
   const int64_t n = check_hc_coeffs(h_in, alpha_in, bias_in, iters);
   const c10::cuda::CUDAGuard guard(h_in.device());
   const Tensor h = h_in.contiguous(), alpha = alpha_in.contiguous(), bias = bias_in.contiguous();
   auto grad = [&](const std::optional<Tensor>& g, std::initializer_list<int64_t> last) {
     return g.has_value() && g->defined() ? g->contiguous() : at::zeros(with_dims(h, last), h.options());
   };
-  const Tensor dpre = grad(dpre_in, {n}), dpost = grad(dpost_in, {n}), dres = grad(dres_in, {n, n});
+  const Tensor dpost = grad(dpost_in, {n}), dres = grad(dres_in, {n, n});
   const int M = (int)(h.numel() / h.size(-1));
   Tensor dh = at::empty_like(h), dalpha = at::empty_like(alpha), dbias = at::empty_like(bias);
   Tensor ws = at::empty({hc_coeffs_workspace_floats(M, (int)n, (int)iters)}, h.options());
-  hc_coeffs_bwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), dpre.data_ptr<float>(),
-                dpost.data_ptr<float>(), dres.data_ptr<float>(), dh.data_ptr<float>(), dalpha.data_ptr<float>(),
-                dbias.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)iters, stream());
+  if (dmerged.defined()) {
+    hc_pre_coeffs_bwd(x.data_ptr<float>(), dmerged.data_ptr<float>(), (int)x.size(-1), h.data_ptr<float>(),
+                      alpha.data_ptr<float>(), bias.data_ptr<float>(), dpost.data_ptr<float>(), dres.data_ptr<float>(),
+                      dh.data_ptr<float>(), dalpha.data_ptr<float>(), dbias.data_ptr<float>(), ws_ptr(ws), M, (int)n,
+                      (int)iters, stream());
+  } else {
+    const Tensor dpre = grad(dpre_in, {n});
+    hc_coeffs_bwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), dpre.data_ptr<float>(),
+                  dpost.data_ptr<float>(), dres.data_ptr<float>(), dh.data_ptr<float>(), dalpha.data_ptr<float>(),
+                  dbias.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)iters, stream());
+  }
   return {dh, dalpha, dbias};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hc_coeffs_backward_cuda(const Tensor& h, const Tensor& alpha, const Tensor& bias,
+                                                           const std::optional<Tensor>& dpre,
+                                                           const std::optional<Tensor>& dpost,
+                                                           const std::optional<Tensor>& dres, int64_t iters) {
+  return coeffs_backward(h, alpha, bias, dpre, dpost, dres, iters);
 }
 
 std::tuple<Tensor, Tensor, Tensor> hc_coeffs_backward_meta(const Tensor& h, const Tensor& alpha, const Tensor& bias,
@@ -1524,16 +1548,19 @@ static int64_t check_hc_pre(const Tensor& x, const Tensor& weight, const Tensor&
   return n;
 }
 
-// The rest of hc_pre's forward once x (contiguous) is projected: the coefficients and the merge.
+// The rest of hc_pre's forward once x (contiguous) is projected: the coefficients and the merge, one launch.
 // (merged, post, res, and for the backward h, rstd, pre)
 static std::vector<Tensor> hc_pre_from_projection(const char* op, const Tensor& x, const Tensor& h, const Tensor& rstd,
-                                                  const Tensor& alpha, const Tensor& bias, int64_t iters) {
-  const int64_t n = x.size(-2), C = x.size(-1);
-  const auto [pre, post, res] = hc_coeffs_cuda(h, alpha, bias, iters);
+                                                  const Tensor& alpha_in, const Tensor& bias_in, int64_t iters) {
+  const int64_t n = check_hc_coeffs(h, alpha_in, bias_in, iters), C = x.size(-1);
+  const Tensor alpha = alpha_in.contiguous(), bias = bias_in.contiguous();
+  Tensor pre = at::empty(with_dims(h, {n}), h.options()), post = at::empty_like(pre);
+  Tensor res = at::empty(with_dims(h, {n, n}), h.options());
   Tensor merged = at::empty(with_dims(x.select(-2, 0), {C}), x.options());
-  stream_merge_fwd(x.data_ptr<float>(), pre.data_ptr<float>(), merged.data_ptr<float>(),
-                   to_int(op, x.numel() / std::max<int64_t>(n * C, 1), "number of tokens"), (int)n, to_int(op, C, "C"),
-                   true, stream());
+  hc_pre_coeffs_fwd(x.data_ptr<float>(), to_int(op, C, "C"), h.data_ptr<float>(), alpha.data_ptr<float>(),
+                    bias.data_ptr<float>(), pre.data_ptr<float>(), post.data_ptr<float>(), res.data_ptr<float>(),
+                    merged.data_ptr<float>(), to_int(op, h.numel() / h.size(-1), "number of tokens"), (int)n,
+                    to_int(op, iters, "iters"), stream());
   return {merged, post, res, h, rstd, pre};
 }
 
@@ -1568,12 +1595,9 @@ static std::vector<Tensor> hc_pre_grads(const Tensor& x_in, const Tensor& weight
   const int M = (int)(x.numel() / std::max<int64_t>(D, 1));
   const bool merged_used = dmerged_in.has_value() && dmerged_in->defined();
   const Tensor dmerged = merged_used ? dmerged_in->contiguous() : Tensor();
-  // the merge's coefficient gradient only (its dx comes with the projection's below); zeros if merged was unused
-  Tensor dpre = merged_used && M > 0 ? at::empty_like(pre) : at::zeros_like(pre);
-  if (merged_used && M > 0)
-    stream_merge_bwd(x.data_ptr<float>(), pre.data_ptr<float>(), dmerged.data_ptr<float>(), nullptr,
-                     dpre.data_ptr<float>(), nullptr, M, (int)n, (int)C, true, stream());
-  const auto [dh, dalpha, dbias] = hc_coeffs_backward_cuda(h, alpha, bias, dpre, dpost, dres, iters);
+  // the coefficients' backward takes the merge's coefficient gradient from x and dmerged in its own kernel (the
+  // merge's dx comes with the projection's below); an unused merged gives none
+  const auto [dh, dalpha, dbias] = coeffs_backward(h, alpha, bias, std::nullopt, dpost, dres, iters, x, dmerged);
   const Tensor dadd = dadd_in.defined() ? dadd_in.contiguous() : Tensor();
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
   Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());

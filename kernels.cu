@@ -22,7 +22,8 @@
 //   KV cache write                  kv_write
 //   top-k                           topk, topk_workspace_bytes
 //   Sinkhorn                        sinkhorn_fwd, sinkhorn_bwd, sinkhorn_workspace_floats
-//   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats
+//   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats,
+//                                   hc_pre_coeffs_fwd, hc_pre_coeffs_bwd (with the merge by H_pre)
 //   mhc-dynamic's projection        hc_project_fwd, hc_mix_project_fwd, hc_project_bwd,
 //                                   hc_project_fwd_workspace_floats, hc_mix_project_fwd_workspace_floats,
 //                                   hc_project_bwd_workspace_floats
@@ -3475,6 +3476,103 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 }
 
 // ------------------------------------------------------------------------------------------------
+// Loads and per-lane sums the stream kernels (mhc.py) and mhc-dynamic's coefficients share.
+
+// VEC values of a row of fp32 or bf16 at unit u, as floats, and back (16-byte fp32 or 8-byte bf16 units).
+template <int VEC, class T>
+__device__ __forceinline__ void stream_load(const T* row, int u, float (&v)[VEC]) {
+  if constexpr (VEC == 4 && std::is_same_v<T, float>) unpack16(load_stream4(row + 4 * u), v);
+  else if constexpr (VEC == 4) load4(row + 4 * u, v);
+  else v[0] = to_float(row[u]);
+}
+
+template <int VEC, class T>
+__device__ __forceinline__ void stream_store(T* row, int u, const float (&v)[VEC]) {
+  if constexpr (VEC == 4) store4(row + 4 * u, v);
+  else row[u] = from_float<T>(v[0]);
+}
+
+// out = sum_i h[i] v[i], in the order stream_merge sums (so a fused merge gives the same bits).
+template <int N, int VEC>
+__device__ __forceinline__ void stream_combine(const float (&h)[N], const float (&v)[N][VEC], float (&out)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    out[k] = h[0] * v[0][k];
+#pragma unroll
+    for (int i = 1; i < N; ++i) out[k] = fmaf(h[i], v[i][k], out[k]);
+  }
+}
+
+// The steps below P of warp_sum_each, offset O first (recursion, so every index into w is a constant).
+template <int O, int P>
+__device__ __forceinline__ void warp_sum_halves(float (&w)[P]) {
+  if constexpr (O > 0) {
+    const bool upper = threadIdx.x & O;
+#pragma unroll
+    for (int k = 0; k < O; ++k) {
+      const float send = upper ? w[k] : w[k + O];
+      w[k] = (upper ? w[k + O] : w[k]) + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    warp_sum_halves<O / 2>(w);
+  }
+}
+
+// Each of V <= 32 values summed over the warp's lanes: afterwards lane l holds the total of value l % P, P being
+// V rounded up to a power of 2. The butterfly's steps at offsets 16 .. P add all P values; each step below P
+// halves them, a lane keeping the half its offset bit picks and adding its partner's copy of that half. That is
+// P log2(32 / P) + P - 1 shuffles (31 for 32 values) where a warp_sum of each takes 5 per value, and each
+// total is the same pairwise sum in the same order as warp_sum's: the same bits. threadIdx.x's low 5 bits must be
+// the lane (blocks a multiple of 32 wide, as every stream kernel's).
+template <int V>
+__device__ __forceinline__ float warp_sum_each(const float* v) {
+  constexpr int P = V <= 1 ? 1 : V <= 2 ? 2 : V <= 4 ? 4 : V <= 8 ? 8 : V <= 16 ? 16 : 32;
+  float w[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) w[k] = k < V ? v[k] : 0.f;
+  for (int o = 16; o >= P; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < P; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k], o);
+  warp_sum_halves<P / 2>(w);
+  return w[0];
+}
+
+// The K per-lane sums acc added over the warp, 32 values at a time: use(k, total) runs on lane k % 32.
+template <int LO = 0, int K, class Use>
+__device__ __forceinline__ void warp_sums(const float (&acc)[K], Use use) {
+  constexpr int V = K - LO < 32 ? K - LO : 32;
+  const float total = warp_sum_each<V>(acc + LO);
+  const int lane = threadIdx.x & 31;
+  if (lane < V) use(LO + lane, total);
+  if constexpr (LO + 32 < K) warp_sums<LO + 32>(acc, use);
+}
+
+// Calls launch(N, VEC) with n (1..8) and VEC (4 when vec4, else 1) as compile-time constants
+// (std::integral_constant), so each stream kernel is instantiated for every stream count and unit width.
+template <class Launch>
+static void stream_dispatch(int n, bool vec4, Launch launch) {
+  auto widths = [&](auto N) {
+    if (vec4) launch(N, std::integral_constant<int, 4>{});
+    else launch(N, std::integral_constant<int, 1>{});
+  };
+  switch (n) {
+    case 1: widths(std::integral_constant<int, 1>{}); break;
+    case 2: widths(std::integral_constant<int, 2>{}); break;
+    case 3: widths(std::integral_constant<int, 3>{}); break;
+    case 4: widths(std::integral_constant<int, 4>{}); break;
+    case 5: widths(std::integral_constant<int, 5>{}); break;
+    case 6: widths(std::integral_constant<int, 6>{}); break;
+    case 7: widths(std::integral_constant<int, 7>{}); break;
+    default: widths(std::integral_constant<int, 8>{});
+  }
+}
+
+// Whole units of 4: C % 4 == 0 and every pointer aligned to 4 of its elements (nullptr passes).
+template <class... P>
+static bool stream_vec4(int C, P... ptrs) {
+  return C % 4 == 0 && ((reinterpret_cast<uintptr_t>(ptrs) % (4 * sizeof(*ptrs)) == 0) && ...);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Sinkhorn-Knopp for mHC: logits (M, n, n), n <= 8 -> doubly stochastic P (M, n, n), the same
 // iteration as mhc.sinkhorn_torch. Each of `iters` iterations normalises the columns, then the
 // rows (the paper's order, P <- T_r(T_c(P))), so P's rows sum to 1 and its columns nearly so.
@@ -3500,8 +3598,10 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 // and thousands of them (one per token, mhc-dynamic) both run several times faster than one thread a
 // matrix.
 //
-// Backward, one launch: recompute the forward, storing every half-step's lse (n floats) in a
-// workspace laid out (2 * iters, n, M), M fastest; then the exact reverse pass. Start with
+// Backward, one launch: recompute the forward, storing every half-step's lse (n floats), then the exact
+// reverse pass. The lse sit in shared memory, laid out (2 * iters, n, matrices of the block), when the block's
+// fit in SINKHORN_LSE_SMEM bytes (20 iterations need 20 KB); more iterations use a workspace laid out
+// (2 * iters, n, M), M fastest, whose loads each wait on L2. Start with
 // dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian of a log-softmax along that
 // axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j for each row i after a row
 // step, over i for each column j after a column step), since exp(A') is the softmax of A along it.
@@ -3511,6 +3611,7 @@ void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, 
 
 constexpr int SINKHORN_THREADS = 128;
 constexpr int SINKHORN_MAX_N = 8;
+constexpr int SINKHORN_LSE_SMEM = 32 * 1024;  // a block's lse in shared memory at most (with the static: <= 48 KB)
 
 // Lanes per matrix: n rounded up to a power of 2.
 __host__ __device__ constexpr int sinkhorn_lanes(int n) { return n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8; }
@@ -3538,14 +3639,35 @@ struct SinkhornGroup {
   }
 };
 
+// Bytes of shared memory a block's lse take, or 0 where they do not fit and go to the workspace.
+__host__ __device__ constexpr int sinkhorn_lse_smem(int n, int iters) {
+  const long long bytes = 8LL * iters * n * (SINKHORN_THREADS / sinkhorn_lanes(n));
+  return bytes <= SINKHORN_LSE_SMEM ? (int)bytes : 0;
+}
+
+// Where the backward keeps the lse of the lane's matrix: half-step `step`'s entry k at p[(step * N + k) * stride].
+struct SinkhornLse {
+  float* p;
+  int64_t stride;
+};
+
+// The lse of grp's matrix: in the block's shared memory smem (sinkhorn_lse_smem bytes), or in the workspace ws
+// when smem is nullptr (lanes outside a matrix get matrix 0's place: they read it and never write it).
+template <int N>
+__device__ __forceinline__ SinkhornLse sinkhorn_lse(const SinkhornGroup<N>& grp, float* smem, float* ws, int M) {
+  using Grp = SinkhornGroup<N>;
+  if (smem) return {smem + threadIdx.x / Grp::G, Grp::PER_BLOCK};
+  return {ws + (grp.m < M ? grp.m : 0), M};
+}
+
 // The forward's iterations on row a of group grp: a comes in as logits and leaves as the last state in base 2
-// (P = exp2f(a)); ws != nullptr stores each half-step's lse (base 2) at ws[(step, k, m)] (row k's by lane k,
-// column k's by lane k).
+// (P = exp2f(a)); lse.p != nullptr stores each half-step's lse (base 2) there (row k's by lane k, column k's by
+// lane k).
 template <int N>
 __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
-                                                 float* ws, int M) {
+                                                 SinkhornLse lse) {
   using Grp = SinkhornGroup<N>;
-  const bool store = ws && grp.active;
+  const bool store = lse.p && grp.active;
 #pragma unroll
   for (int j = 0; j < N; ++j) a[j] *= 1.4426950408889634f;  // log2(e)
   for (int it = 0; it < iters; ++it) {
@@ -3554,7 +3676,7 @@ __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, fl
       const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
       const float log_sum = log2f(Grp::sum(grp.active ? exp2f(a[j] - mx) : 0.f));
       a[j] = (a[j] - mx) - log_sum;
-      if (store && grp.r == j) ws[((int64_t)(2 * it) * N + j) * M + grp.m] = mx + log_sum;
+      if (store && grp.r == j) lse.p[((int64_t)(2 * it) * N + j) * lse.stride] = mx + log_sum;
     }
     float mx = a[0];  // row r, the lane's own
 #pragma unroll
@@ -3565,7 +3687,7 @@ __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, fl
     const float log_sum = log2f(sum);
 #pragma unroll
     for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
-    if (store) ws[((int64_t)(2 * it + 1) * N + grp.r) * M + grp.m] = mx + log_sum;
+    if (store) lse.p[((int64_t)(2 * it + 1) * N + grp.r) * lse.stride] = mx + log_sum;
   }
 }
 
@@ -3582,7 +3704,7 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const fl
   const SinkhornGroup<N> grp(M);
   float a[N];
   sinkhorn_load_row<N>(grp, logits, a);
-  sinkhorn_iterate<N>(grp, a, iters, nullptr, M);
+  sinkhorn_iterate<N>(grp, a, iters, {});
   if (!grp.active) return;
   float* dst = out + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
@@ -3593,18 +3715,17 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const fl
 // The state's base does not enter g: each half-step's Jacobian is that of a log-softmax, exp(A') = exp2f(a').
 template <int N>
 __device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, float (&a)[N], float (&g)[N],
-                                                 const float* ws, int M, int iters) {
+                                                 SinkhornLse lse, int iters) {
   using Grp = SinkhornGroup<N>;
 #pragma unroll
   for (int j = 0; j < N; ++j) g[j] *= exp2f(a[j]);  // dA = dP * P
-  // The lse of iteration it - 1 are loaded while iteration it is undone: each load waits on L2 (the
-  // forward's stores went there), which would otherwise add its latency to every half-step.
-  const int64_t m = grp.active ? grp.m : 0;  // lanes outside a matrix read matrix 0's lse, unused
-  const int r = grp.r < N ? grp.r : 0;
+  // The lse of iteration it - 1 are loaded while iteration it is undone: from the workspace each load waits on
+  // L2 (the forward's stores went there), which would otherwise add its latency to every half-step.
+  const int r = grp.r < N ? grp.r : 0;  // lanes outside a matrix read a row's lse, unused
   auto load_lse = [&](int it, float& row, float (&col)[N]) {
-    row = ws[((int64_t)(2 * it + 1) * N + r) * M + m];
+    row = lse.p[((int64_t)(2 * it + 1) * N + r) * lse.stride];
 #pragma unroll
-    for (int j = 0; j < N; ++j) col[j] = ws[((int64_t)(2 * it) * N + j) * M + m];
+    for (int j = 0; j < N; ++j) col[j] = lse.p[((int64_t)(2 * it) * N + j) * lse.stride];
   };
   float row_next, col_next[N];
   load_lse(iters - 1, row_next, col_next);
@@ -3630,37 +3751,44 @@ __device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, fl
   }
 }
 
+// ws: the lse when sinkhorn_lse_smem(N, iters) is 0 (no dynamic shared memory).
 template <int N>
 __global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
     float* dlogits, float* ws, int M, int iters) {
+  extern __shared__ float lse_smem[];
   const SinkhornGroup<N> grp(M);
+  const SinkhornLse lse = sinkhorn_lse(grp, sinkhorn_lse_smem(N, iters) ? lse_smem : nullptr, ws, M);
   float a[N], g[N];
   sinkhorn_load_row<N>(grp, logits, a);
-  sinkhorn_iterate<N>(grp, a, iters, ws, M);
+  sinkhorn_iterate<N>(grp, a, iters, lse);
   __syncwarp();  // the lse each lane stored are read back by its group's other lanes
   sinkhorn_load_row<N>(grp, dout, g);
-  sinkhorn_reverse<N>(grp, a, g, ws, M, iters);
+  sinkhorn_reverse<N>(grp, a, g, lse, iters);
   if (!grp.active) return;
   float* dst = dlogits + ((int64_t)grp.m * N + grp.r) * N;
 #pragma unroll
   for (int j = 0; j < N; ++j) dst[j] = g[j];
 }
 
-// Floats of workspace sinkhorn_bwd needs.
-int64_t sinkhorn_workspace_floats(int M, int n, int iters) { return (int64_t)M * 2 * iters * n; }
+// Floats of workspace sinkhorn_bwd needs: the lse, unless they fit in shared memory.
+int64_t sinkhorn_workspace_floats(int M, int n, int iters) {
+  return sinkhorn_lse_smem(n, iters) ? 0 : (int64_t)M * 2 * iters * n;
+}
 
-#define SINKHORN_LAUNCH(KERNEL, N, M, stream, ...) \
-  KERNEL<N><<<ceil_div(M, SinkhornGroup<N>::PER_BLOCK), SINKHORN_THREADS, 0, stream>>>(__VA_ARGS__)
-#define SINKHORN_DISPATCH(KERNEL, n, M, stream, ...)                      \
-  switch (n) {                                                         \
-    case 1: SINKHORN_LAUNCH(KERNEL, 1, M, stream, __VA_ARGS__); break; \
-    case 2: SINKHORN_LAUNCH(KERNEL, 2, M, stream, __VA_ARGS__); break; \
-    case 3: SINKHORN_LAUNCH(KERNEL, 3, M, stream, __VA_ARGS__); break; \
-    case 4: SINKHORN_LAUNCH(KERNEL, 4, M, stream, __VA_ARGS__); break; \
-    case 5: SINKHORN_LAUNCH(KERNEL, 5, M, stream, __VA_ARGS__); break; \
-    case 6: SINKHORN_LAUNCH(KERNEL, 6, M, stream, __VA_ARGS__); break; \
-    case 7: SINKHORN_LAUNCH(KERNEL, 7, M, stream, __VA_ARGS__); break; \
-    default: SINKHORN_LAUNCH(KERNEL, 8, M, stream, __VA_ARGS__);       \
+// LSE: a backward kernel, given its lse's shared memory (sinkhorn_lse_smem(N, iters) bytes; iters in scope).
+#define SINKHORN_LAUNCH(KERNEL, N, LSE, M, stream, ...)                                            \
+  KERNEL<N><<<ceil_div(M, SinkhornGroup<N>::PER_BLOCK), SINKHORN_THREADS,                       \
+              LSE ? sinkhorn_lse_smem(N, iters) : 0, stream>>>(__VA_ARGS__)
+#define SINKHORN_DISPATCH(KERNEL, n, LSE, M, stream, ...)                      \
+  switch (n) {                                                              \
+    case 1: SINKHORN_LAUNCH(KERNEL, 1, LSE, M, stream, __VA_ARGS__); break; \
+    case 2: SINKHORN_LAUNCH(KERNEL, 2, LSE, M, stream, __VA_ARGS__); break; \
+    case 3: SINKHORN_LAUNCH(KERNEL, 3, LSE, M, stream, __VA_ARGS__); break; \
+    case 4: SINKHORN_LAUNCH(KERNEL, 4, LSE, M, stream, __VA_ARGS__); break; \
+    case 5: SINKHORN_LAUNCH(KERNEL, 5, LSE, M, stream, __VA_ARGS__); break; \
+    case 6: SINKHORN_LAUNCH(KERNEL, 6, LSE, M, stream, __VA_ARGS__); break; \
+    case 7: SINKHORN_LAUNCH(KERNEL, 7, LSE, M, stream, __VA_ARGS__); break; \
+    default: SINKHORN_LAUNCH(KERNEL, 8, LSE, M, stream, __VA_ARGS__);       \
   }
 
 static void sinkhorn_check_args(const char* what, int n, int iters) {
@@ -3673,7 +3801,7 @@ static void sinkhorn_check_args(const char* what, int n, int iters) {
 void sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s) {
   sinkhorn_check_args("sinkhorn_fwd", n, iters);
   if (M == 0) return;
-  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, M, s, logits, out, M, iters);
+  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, false, M, s, logits, out, M, iters);
   check_launch("sinkhorn_fwd");
 }
 
@@ -3682,7 +3810,7 @@ void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float*
                   cudaStream_t s) {
   sinkhorn_check_args("sinkhorn_bwd", n, iters);
   if (M == 0) return;
-  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, M, s, logits, dout, dlogits, ws, M, iters);
+  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, true, M, s, logits, dout, dlogits, ws, M, iters);
   check_launch("sinkhorn_bwd");
 }
 
@@ -3710,50 +3838,178 @@ __device__ __forceinline__ void hc_res_logits(const SinkhornGroup<N>& grp, const
   for (int j = 0; j < N; ++j) a[j] = grp.active ? alpha[2] * hm[base + j] + bias[base + j] : 0.f;
 }
 
-template <int N>
-__global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_fwd_kernel(const float* h, const float* alpha,
-    const float* bias, float* pre, float* post, float* res, int M, int iters) {
-  constexpr int K = hc_coeff_count(N);
-  const SinkhornGroup<N> grp(M);
-  const float* hm = h + (int64_t)(grp.active ? grp.m : 0) * K;
-  float a[N];
-  hc_res_logits<N>(grp, hm, alpha, bias, a);
-  sinkhorn_iterate<N>(grp, a, iters, nullptr, M);
-  if (!grp.active) return;
-  const int64_t row = (int64_t)grp.m * N + grp.r;
-  pre[row] = sigmoidf(alpha[0] * hm[grp.r] + bias[grp.r]);
-  post[row] = 2.f * sigmoidf(alpha[1] * hm[N + grp.r] + bias[N + grp.r]);
-#pragma unroll
-  for (int j = 0; j < N; ++j) res[row * N + j] = exp2f(a[j]);
+// hc_pre (and hc_mix_pre) hand both kernels the streams x (M, n, C) as well: its merge by H_pre happens in the same
+// launch. Sinkhorn's chain of half-steps is latency, a few warps an SM, and the merge is a pass over the streams;
+// a block's first SINKHORN_THREADS run Sinkhorn for its tokens while HC_DOT_WARPS more warps stream those tokens'
+// rows, so the two overlap. Forward, the dot warps write merged[m, c] = sum_i pre[m, i] x[m, i, c] (stream_merge's
+// order; pre is a sigmoid of h, which they compute as the Sinkhorn threads do). Backward, they compute the merge's
+// coefficient gradient dpre[m, i] = sum_c dmerged[m, c] x[m, i, c] into shared memory, which the Sinkhorn threads
+// need only at the end: no stream_merge_bwd launch for it and no dpre through memory. Not more dot warps: they
+// take issue slots from the Sinkhorn warps, whose chain is the longer part at 4 x 256 wide.
+constexpr int HC_DOT_WARPS = 8;
+
+// Threads a block of the coefficient kernels has: SINKHORN_THREADS, and the dot warps where they have streams.
+__host__ __device__ constexpr int hc_coeffs_threads(int vec) {
+  return SINKHORN_THREADS + (vec ? 32 * HC_DOT_WARPS : 0);
 }
 
-// part: one row of 2K floats a block, the block's sums of dL/du (the bias's gradient) and of dL/du * h
-// (alpha's, before the sum over its group), u being alpha h + bias.
-template <int N>
-__global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_bwd_kernel(const float* h, const float* alpha,
-    const float* bias, const float* dpre, const float* dpost, const float* dres, float* dh, float* part, float* ws,
-    int M, int iters) {
+struct HcCoeffsFwdArgs {
+  const float* h, *alpha, *bias;
+  float* pre, *post, *res;
+  const float* x;  // hc_pre: the streams, merged by pre into merged
+  float* merged;
+  int M, C, iters;
+};
+
+// merged of the block's tokens, by the dot warps (w: which one), each taking an equal share of the tokens: a token's
+// units spread over the lanes, TU tokens' loads in flight together.
+template <int N, int VEC>
+__device__ __forceinline__ void hc_merge_streams(const HcCoeffsFwdArgs& a, int w) {
+  static_assert(SinkhornGroup<N>::PER_BLOCK % HC_DOT_WARPS == 0, "an equal share of the tokens for each dot warp");
+  constexpr int T = SinkhornGroup<N>::PER_BLOCK / HC_DOT_WARPS, K = hc_coeff_count(N);
+  constexpr int TU = 8 / N < 1 ? 1 : 8 / N > T ? T : 8 / N;
+  const int lane = threadIdx.x % 32, units = a.C / VEC;
+  for (int t0 = 0; t0 < T; t0 += TU) {
+    float pre[TU][N];
+    bool live[TU];
+    int64_t m[TU];
+#pragma unroll
+    for (int t = 0; t < TU; ++t) {
+      m[t] = (int64_t)blockIdx.x * SinkhornGroup<N>::PER_BLOCK + w * T + t0 + t;
+      live[t] = t0 + t < T && m[t] < a.M;
+      const float* hm = a.h + (live[t] ? m[t] : 0) * K;
+#pragma unroll
+      for (int i = 0; i < N; ++i) pre[t][i] = sigmoidf(a.alpha[0] * hm[i] + a.bias[i]);
+    }
+    for (int u = lane; u < units; u += 32) {
+      float xv[TU][N][VEC];
+#pragma unroll
+      for (int t = 0; t < TU; ++t)
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if (live[t]) stream_load<VEC>(a.x + (m[t] * N + i) * a.C, u, xv[t][i]);
+#pragma unroll
+      for (int t = 0; t < TU; ++t) {
+        if (!live[t]) continue;
+        float out[VEC];
+        stream_combine<N, VEC>(pre[t], xv[t], out);
+        stream_store<VEC>(a.merged + m[t] * a.C, u, out);
+      }
+    }
+  }
+}
+
+// VEC 0: the coefficients alone; 1 or 4: with the merge (hc_merge_streams's units).
+template <int N, int VEC = 0>
+__global__ void __launch_bounds__(hc_coeffs_threads(VEC)) hc_coeffs_fwd_kernel(HcCoeffsFwdArgs a) {
+  constexpr int K = hc_coeff_count(N);
+  if (threadIdx.x >= SINKHORN_THREADS) {
+    if constexpr (VEC > 0) hc_merge_streams<N, VEC>(a, threadIdx.x / 32 - SINKHORN_THREADS / 32);
+    return;
+  }
+  const SinkhornGroup<N> grp(a.M);
+  const float* hm = a.h + (int64_t)(grp.active ? grp.m : 0) * K;
+  const float* alpha = a.alpha, *bias = a.bias;
+  float u[N];
+  hc_res_logits<N>(grp, hm, alpha, bias, u);
+  sinkhorn_iterate<N>(grp, u, a.iters, {});
+  if (!grp.active) return;
+  const int64_t row = (int64_t)grp.m * N + grp.r;
+  a.pre[row] = sigmoidf(alpha[0] * hm[grp.r] + bias[grp.r]);
+  a.post[row] = 2.f * sigmoidf(alpha[1] * hm[N + grp.r] + bias[N + grp.r]);
+#pragma unroll
+  for (int j = 0; j < N; ++j) a.res[row * N + j] = exp2f(u[j]);
+}
+
+// What hc_coeffs_bwd_kernel reads and writes. part: one row of 2K floats a block, the block's sums of dL/du (the
+// bias's gradient) and of dL/du * h (alpha's, before the sum over its group), u being alpha h + bias. hc_pre's
+// backward passes the streams x and the merge's output gradient dmerged (M, C) in place of dpre.
+struct HcCoeffsBwdArgs {
+  const float* h, *alpha, *bias, *dpre, *dpost, *dres;
+  const float* x, *dmerged;  // hc_pre's backward: dpre from these
+  float* dh, *part, *ws;
+  int M, C, iters;
+};
+
+// dpre of the block's tokens into dpre_s[slot][i], by the dot warps (w: which one), each taking an equal share of
+// the tokens: a token's units spread over the lanes, TU tokens' loads in flight together, then warp_sums.
+template <int N, int VEC>
+__device__ __forceinline__ void hc_merge_dpre(const HcCoeffsBwdArgs& a, int w, float (*dpre_s)[N]) {
+  static_assert(SinkhornGroup<N>::PER_BLOCK % HC_DOT_WARPS == 0, "an equal share of the tokens for each dot warp");
+  constexpr int T = SinkhornGroup<N>::PER_BLOCK / HC_DOT_WARPS;  // tokens of a dot warp
+  constexpr int TU = 10 / (N + 1) < 1 ? 1 : 10 / (N + 1) > T ? T : 10 / (N + 1);
+  const int lane = threadIdx.x % 32, first = w * T, units = a.C / VEC;
+  for (int t0 = 0; t0 < T; t0 += TU) {
+    const float* x[TU], *g[TU];
+    bool live[TU];
+#pragma unroll
+    for (int t = 0; t < TU; ++t) {
+      const int64_t m = (int64_t)blockIdx.x * SinkhornGroup<N>::PER_BLOCK + first + t0 + t;
+      live[t] = t0 + t < T && m < a.M;
+      x[t] = a.x + (live[t] ? m : 0) * N * a.C;
+      g[t] = a.dmerged + (live[t] ? m : 0) * a.C;
+    }
+    float acc[TU][N] = {};
+    for (int u = lane; u < units; u += 32) {
+      float gv[TU][VEC], xv[TU][N][VEC];
+#pragma unroll
+      for (int t = 0; t < TU; ++t) {
+        if (!live[t]) continue;
+        stream_load<VEC>(g[t], u, gv[t]);
+#pragma unroll
+        for (int i = 0; i < N; ++i) stream_load<VEC>(x[t] + (int64_t)i * a.C, u, xv[t][i]);
+      }
+#pragma unroll
+      for (int t = 0; t < TU; ++t) {
+        if (!live[t]) continue;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[t][i] = fmaf(gv[t][k], xv[t][i][k], acc[t][i]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TU; ++t)
+      if (t0 + t < T) warp_sums(acc[t], [&](int i, float total) { dpre_s[first + t0 + t][i] = total; });
+  }
+}
+
+// VEC 0: dpre read from memory; 1 or 4: computed from x and dmerged by the dot warps (hc_merge_dpre's units). The
+// lse take sinkhorn_lse_smem(N, iters) bytes of dynamic shared memory, or the workspace ws where that is 0.
+template <int N, int VEC = 0>
+__global__ void __launch_bounds__(hc_coeffs_threads(VEC)) hc_coeffs_bwd_kernel(HcCoeffsBwdArgs a) {
   using Grp = SinkhornGroup<N>;
   constexpr int K = hc_coeff_count(N);
+  extern __shared__ float lse_smem[];
   __shared__ float du_s[Grp::PER_BLOCK][K], duh_s[Grp::PER_BLOCK][K];
-  const Grp grp(M);
+  __shared__ float dpre_s[VEC ? Grp::PER_BLOCK : 1][N];
+  const bool sinkhorn = threadIdx.x < SINKHORN_THREADS;  // else a dot warp
+  const Grp grp(a.M);  // for the Sinkhorn threads
   const int tok = threadIdx.x / Grp::G;  // the token's slot in the block
-  const float* hm = h + (int64_t)(grp.active ? grp.m : 0) * K;
-  float a[N], g[N];
-  hc_res_logits<N>(grp, hm, alpha, bias, a);
-  sinkhorn_iterate<N>(grp, a, iters, ws, M);
-  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
-  sinkhorn_load_row<N>(grp, dres, g);
-  sinkhorn_reverse<N>(grp, a, g, ws, M, iters);  // g: dL/du of row r of res
-  if (grp.r < N) {  // the token's terms, zero for a slot past M
+  const float* hm = a.h + (int64_t)(grp.active ? grp.m : 0) * K;
+  const float* alpha = a.alpha, *bias = a.bias;
+  float g[N];
+  if (sinkhorn) {
+    const SinkhornLse lse = sinkhorn_lse(grp, sinkhorn_lse_smem(N, a.iters) ? lse_smem : nullptr, a.ws, a.M);
+    float u[N];
+    hc_res_logits<N>(grp, hm, alpha, bias, u);
+    sinkhorn_iterate<N>(grp, u, a.iters, lse);
+    __syncwarp();  // the lse each lane stored are read back by its group's other lanes
+    sinkhorn_load_row<N>(grp, a.dres, g);
+    sinkhorn_reverse<N>(grp, u, g, lse, a.iters);  // g: dL/du of row r of res
+  } else if constexpr (VEC > 0) {
+    hc_merge_dpre<N, VEC>(a, threadIdx.x / 32 - SINKHORN_THREADS / 32, dpre_s);
+  }
+  if constexpr (VEC > 0) __syncthreads();  // dpre_s written
+  if (sinkhorn && grp.r < N) {  // the token's terms, zero for a slot past M
     const int r = grp.r, base = 2 * N + r * N;
     const int64_t row = (int64_t)(grp.active ? grp.m : 0) * N + r;
     float du_pre = 0.f, du_post = 0.f;
     if (grp.active) {
       const float sp = sigmoidf(alpha[0] * hm[r] + bias[r]), sq = sigmoidf(alpha[1] * hm[N + r] + bias[N + r]);
-      du_pre = dpre[row] * sp * (1.f - sp);
-      du_post = dpost[row] * 2.f * sq * (1.f - sq);
-      float* dhm = dh + (int64_t)grp.m * K;
+      du_pre = (VEC ? dpre_s[tok][r] : a.dpre[row]) * sp * (1.f - sp);
+      du_post = a.dpost[row] * 2.f * sq * (1.f - sq);
+      float* dhm = a.dh + (int64_t)grp.m * K;
       dhm[r] = alpha[0] * du_pre;
       dhm[N + r] = alpha[1] * du_post;
 #pragma unroll
@@ -3770,12 +4026,12 @@ __global__ void __launch_bounds__(SINKHORN_THREADS) hc_coeffs_bwd_kernel(const f
     }
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < 2 * K; t += SINKHORN_THREADS) {
+  for (int t = threadIdx.x; t < 2 * K; t += blockDim.x) {
     const float (*src)[K] = t < K ? du_s : duh_s;
     const int c = t < K ? t : t - K;
     float sum = 0.f;
     for (int i = 0; i < Grp::PER_BLOCK; ++i) sum += src[i][c];
-    part[(int64_t)blockIdx.x * 2 * K + t] = sum;
+    a.part[(int64_t)blockIdx.x * 2 * K + t] = sum;
   }
 }
 
@@ -3786,6 +4042,7 @@ __global__ void hc_coeffs_finish_kernel(const float* part, int blocks, int n, fl
   const int K = hc_coeff_count(n), lane = threadIdx.x % 32;
   for (int t = threadIdx.x / 32; t < 2 * K; t += blockDim.x / 32) {
     float sum = 0.f;
+#pragma unroll 4
     for (int b = lane; b < blocks; b += 32) sum += part[(int64_t)b * 2 * K + t];
     sum = warp_sum(sum);
     if (lane == 0) {
@@ -3809,13 +4066,57 @@ int64_t hc_coeffs_workspace_floats(int M, int n, int iters) {
   return sinkhorn_workspace_floats(M, n, iters) + (int64_t)hc_coeffs_blocks(M, n) * 2 * hc_coeff_count(n);
 }
 
+// hc_coeffs_fwd and hc_pre_coeffs_fwd: the kernel, with the merge where a.x is given.
+static void hc_coeffs_fwd_launch(const HcCoeffsFwdArgs& a, int n, cudaStream_t s) {
+  const int M = a.M, iters = a.iters;
+  if (M == 0) return;
+  if (!a.x) {
+    SINKHORN_DISPATCH(hc_coeffs_fwd_kernel, n, false, M, s, a);
+    return;
+  }
+  stream_dispatch(n, stream_vec4(a.C, a.x, a.merged), [&](auto N, auto V) {
+    constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
+    hc_coeffs_fwd_kernel<n_, vec><<<ceil_div(M, SinkhornGroup<n_>::PER_BLOCK), hc_coeffs_threads(vec), 0, s>>>(a);
+  });
+}
+
 // h (M, K) contiguous, K = 2n + n^2; pre, post (M, n); res (M, n, n).
 void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
                    int n, int iters, cudaStream_t s) {
   sinkhorn_check_args("hc_coeffs_fwd", n, iters);
-  if (M == 0) return;
-  SINKHORN_DISPATCH(hc_coeffs_fwd_kernel, n, M, s, h, alpha, bias, pre, post, res, M, iters);
+  HcCoeffsFwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.pre = pre; a.post = post; a.res = res; a.M = M; a.iters = iters;
+  hc_coeffs_fwd_launch(a, n, s);
   check_launch("hc_coeffs_fwd");
+}
+
+// hc_pre's: hc_coeffs_fwd and the merge merged = stream_merge(x, pre) (M, C) of the streams x (M, n, C), in one
+// launch; all contiguous.
+void hc_pre_coeffs_fwd(const float* x, int C, const float* h, const float* alpha, const float* bias, float* pre,
+                       float* post, float* res, float* merged, int M, int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("hc_pre_coeffs_fwd", n, iters);
+  HcCoeffsFwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.pre = pre; a.post = post; a.res = res; a.x = x; a.merged = merged;
+  a.M = M; a.C = C; a.iters = iters;
+  hc_coeffs_fwd_launch(a, n, s);
+  check_launch("hc_pre_coeffs_fwd");
+}
+
+// hc_coeffs_bwd and hc_pre_coeffs_bwd: the kernel (its dpre from a.dpre, or from a.x and a.dmerged), then the sums
+// of the blocks' partials.
+static void hc_coeffs_bwd_launch(HcCoeffsBwdArgs a, float* dalpha, float* dbias, int n, cudaStream_t s) {
+  const int M = a.M, iters = a.iters, blocks = M == 0 ? 0 : hc_coeffs_blocks(M, n);
+  a.part = a.ws + sinkhorn_workspace_floats(M, n, iters);
+  if (M > 0 && !a.x) {
+    SINKHORN_DISPATCH(hc_coeffs_bwd_kernel, n, true, M, s, a);
+  } else if (M > 0) {
+    stream_dispatch(n, stream_vec4(a.C, a.x, a.dmerged), [&](auto N, auto V) {
+      constexpr int n_ = decltype(N)::value;
+      constexpr int vec = decltype(V)::value;
+      hc_coeffs_bwd_kernel<n_, vec><<<blocks, hc_coeffs_threads(vec), sinkhorn_lse_smem(n_, iters), s>>>(a);
+    });
+  }
+  hc_coeffs_finish_kernel<<<1, 1024, 0, s>>>(a.part, blocks, n, dalpha, dbias);
 }
 
 // dpre, dpost (M, n), dres (M, n, n) -> dh (M, K), dalpha (3), dbias (K); ws: hc_coeffs_workspace_floats.
@@ -3824,12 +4125,24 @@ void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const 
                    const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
                    cudaStream_t s) {
   sinkhorn_check_args("hc_coeffs_bwd", n, iters);
-  const int blocks = M == 0 ? 0 : hc_coeffs_blocks(M, n);
-  float* part = ws + sinkhorn_workspace_floats(M, n, iters);
-  if (M > 0) SINKHORN_DISPATCH(hc_coeffs_bwd_kernel, n, M, s, h, alpha, bias, dpre, dpost, dres, dh, part, ws, M,
-                               iters);
-  hc_coeffs_finish_kernel<<<1, 256, 0, s>>>(part, blocks, n, dalpha, dbias);
+  HcCoeffsBwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.dpre = dpre; a.dpost = dpost; a.dres = dres;
+  a.dh = dh; a.ws = ws; a.M = M; a.iters = iters;
+  hc_coeffs_bwd_launch(a, dalpha, dbias, n, s);
   check_launch("hc_coeffs_bwd");
+}
+
+// hc_pre's: hc_coeffs_bwd with dpre the gradient of the merge stream_merge(x, pre), from the streams x (M, n, C)
+// and the merge's output gradient dmerged (M, C), both contiguous.
+void hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float* h, const float* alpha,
+                       const float* bias, const float* dpost, const float* dres, float* dh, float* dalpha,
+                       float* dbias, float* ws, int M, int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("hc_pre_coeffs_bwd", n, iters);
+  HcCoeffsBwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.dpost = dpost; a.dres = dres; a.x = x; a.dmerged = dmerged;
+  a.dh = dh; a.ws = ws; a.M = M; a.C = C; a.iters = iters;
+  hc_coeffs_bwd_launch(a, dalpha, dbias, n, s);
+  check_launch("hc_pre_coeffs_bwd");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -4098,19 +4411,22 @@ __global__ void __launch_bounds__(HP_THREADS) hc_project_fwd_kernel(HpFwdArgs<TY
   }
 }
 
-// The ranges' partial sums added in range order: h = sum * rstd, rstd from the sum of squares.
+// The ranges' partial sums added in range order: h = sum * rstd, rstd from the sum of squares. A thread per entry
+// (m, k) of a range's (M, K + 1) rows, so a warp's loads are consecutive floats.
 __global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int M, int K, int64_t D, float eps,
                                              float* h, float* rstd) {
-  const int64_t m = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (m >= M) return;
-  auto sum_of = [&](int kk) {
-    float sum = 0.f;
-    for (int r = 0; r < ranges; ++r) sum += part[((int64_t)r * M + m) * (K + 1) + kk];
-    return sum;
-  };
-  const float r = rsqrtf(sum_of(K) / D + eps);
-  rstd[m] = r;
-  for (int kk = 0; kk < K; ++kk) h[m * K + kk] = sum_of(kk) * r;
+  const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)M * (K + 1);
+  if (e >= stride) return;
+  const int64_t m = e / (K + 1);
+  const int kk = (int)(e % (K + 1));
+  float sum = 0.f, ss = 0.f;
+  for (int r = 0; r < ranges; ++r) {
+    sum += part[r * stride + e];
+    ss += part[r * stride + m * (K + 1) + K];
+  }
+  const float rs = rsqrtf(ss / D + eps);
+  if (kk == K) rstd[m] = rs;
+  else h[m * K + kk] = sum * rs;
 }
 
 // part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes one
@@ -4239,8 +4555,8 @@ static void hp_fwd_launch(HpFwdArgs<TY> a, float* ws, bool vec4, cudaStream_t s)
     hc_project_fwd_kernel<N, MIX, false, TY><<<grid, HP_THREADS, smem, s>>>(a);
   }
   if (grid.y > 1)
-    hc_project_fwd_finish_kernel<<<ceil_div(a.M, 128), 128, 0, s>>>(ws, (int)grid.y, a.M, P::K, (int64_t)P::S * a.C,
-                                                                     a.eps, a.h, a.rstd);
+    hc_project_fwd_finish_kernel<<<ceil_div((int64_t)a.M * (P::K + 1), 256), 256, 0, s>>>(
+        ws, (int)grid.y, a.M, P::K, (int64_t)P::S * a.C, a.eps, a.h, a.rstd);
 }
 
 #define HP_FWD_LAUNCH(N) hp_fwd_launch<N, MIX>(a, ws, vec4, s);
@@ -4368,35 +4684,10 @@ struct StreamArgs {
   int M, C;
 };
 
-// VEC values of a row of fp32 or bf16 at unit u, as floats, and back (16-byte fp32 or 8-byte bf16 units).
-template <int VEC, class T>
-__device__ __forceinline__ void stream_load(const T* row, int u, float (&v)[VEC]) {
-  if constexpr (VEC == 4 && std::is_same_v<T, float>) unpack16(load_stream4(row + 4 * u), v);
-  else if constexpr (VEC == 4) load4(row + 4 * u, v);
-  else v[0] = to_float(row[u]);
-}
-
-template <int VEC, class T>
-__device__ __forceinline__ void stream_store(T* row, int u, const float (&v)[VEC]) {
-  if constexpr (VEC == 4) store4(row + 4 * u, v);
-  else row[u] = from_float<T>(v[0]);
-}
-
 template <int K>
 __device__ __forceinline__ void stream_coefs(const float* p, float (&c)[K]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) c[k] = __ldg(p + k);
-}
-
-// out = sum_i h[i] v[i], in the order stream_merge sums (so a fused merge gives the same bits).
-template <int N, int VEC>
-__device__ __forceinline__ void stream_combine(const float (&h)[N], const float (&v)[N][VEC], float (&out)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    out[k] = h[0] * v[0][k];
-#pragma unroll
-    for (int i = 1; i < N; ++i) out[k] = fmaf(h[i], v[i][k], out[k]);
-  }
 }
 
 // Stream i of the mix, out[i] = sum_j r[i, j] x[j] + p[i] y, for one unit.
@@ -4409,49 +4700,6 @@ __device__ __forceinline__ void stream_mixed(int i, const float (&r)[N * N], con
 #pragma unroll
     for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
   }
-}
-
-// The steps below P of warp_sum_each, offset O first (recursion, so every index into w is a constant).
-template <int O, int P>
-__device__ __forceinline__ void warp_sum_halves(float (&w)[P]) {
-  if constexpr (O > 0) {
-    const bool upper = threadIdx.x & O;
-#pragma unroll
-    for (int k = 0; k < O; ++k) {
-      const float send = upper ? w[k] : w[k + O];
-      w[k] = (upper ? w[k + O] : w[k]) + __shfl_xor_sync(0xffffffffu, send, O);
-    }
-    warp_sum_halves<O / 2>(w);
-  }
-}
-
-// Each of V <= 32 values summed over the warp's lanes: afterwards lane l holds the total of value l % P, P being
-// V rounded up to a power of 2. The butterfly's steps at offsets 16 .. P add all P values; each step below P
-// halves them, a lane keeping the half its offset bit picks and adding its partner's copy of that half. That is
-// P log2(32 / P) + P - 1 shuffles (31 for 32 values) where a warp_sum of each takes 5 per value, and each
-// total is the same pairwise sum in the same order as warp_sum's: the same bits. threadIdx.x's low 5 bits must be
-// the lane (blocks a multiple of 32 wide, as every stream kernel's).
-template <int V>
-__device__ __forceinline__ float warp_sum_each(const float* v) {
-  constexpr int P = V <= 1 ? 1 : V <= 2 ? 2 : V <= 4 ? 4 : V <= 8 ? 8 : V <= 16 ? 16 : 32;
-  float w[P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) w[k] = k < V ? v[k] : 0.f;
-  for (int o = 16; o >= P; o >>= 1)
-#pragma unroll
-    for (int k = 0; k < P; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k], o);
-  warp_sum_halves<P / 2>(w);
-  return w[0];
-}
-
-// The K per-lane sums acc added over the warp, 32 values at a time: use(k, total) runs on lane k % 32.
-template <int LO = 0, int K, class Use>
-__device__ __forceinline__ void warp_sums(const float (&acc)[K], Use use) {
-  constexpr int V = K - LO < 32 ? K - LO : 32;
-  const float total = warp_sum_each<V>(acc + LO);
-  const int lane = threadIdx.x & 31;
-  if (lane < V) use(LO + lane, total);
-  if constexpr (LO + 32 < K) warp_sums<LO + 32>(acc, use);
 }
 
 // Static coefficients: each warp's K sums (over all its tokens) added over its lanes, then the block's warps
@@ -4529,7 +4777,7 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(St
   for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
     const float* x = a.x + (int64_t)m * N * a.C;
     const float* g = a.dout + (int64_t)m * a.C;
-    float* dx = a.dx ? a.dx + (int64_t)m * N * a.C : nullptr;  // none: hc_pre adds h[i] dout in its own pass
+    float* dx = a.dx + (int64_t)m * N * a.C;
     float h[N];
     stream_coefs<N>(a.h + m * a.h_stride, h);
     for (int u = threadIdx.x; u < units; u += 32) {
@@ -4545,7 +4793,7 @@ __global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(St
           d[k] = h[i] * gv[k];
           acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
         }
-        if (dx) stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
+        stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
       }
     }
     if (per_token) {
@@ -4660,26 +4908,6 @@ __global__ void stream_coef_finish_kernel(const float* part, int rows, int K, fl
   }
 }
 
-// Calls launch(N, VEC) with n (1..STREAM_MAX_N) and VEC (4 when vec4, else 1) as compile-time constants
-// (std::integral_constant), so each stream kernel is instantiated for every stream count and unit width.
-template <class Launch>
-static void stream_dispatch(int n, bool vec4, Launch launch) {
-  auto widths = [&](auto N) {
-    if (vec4) launch(N, std::integral_constant<int, 4>{});
-    else launch(N, std::integral_constant<int, 1>{});
-  };
-  switch (n) {
-    case 1: widths(std::integral_constant<int, 1>{}); break;
-    case 2: widths(std::integral_constant<int, 2>{}); break;
-    case 3: widths(std::integral_constant<int, 3>{}); break;
-    case 4: widths(std::integral_constant<int, 4>{}); break;
-    case 5: widths(std::integral_constant<int, 5>{}); break;
-    case 6: widths(std::integral_constant<int, 6>{}); break;
-    case 7: widths(std::integral_constant<int, 7>{}); break;
-    default: widths(std::integral_constant<int, 8>{});
-  }
-}
-
 static const dim3 STREAM_BLOCK(32, STREAM_TOKENS);
 
 static void stream_check_n(const char* what, int n) {
@@ -4688,11 +4916,6 @@ static void stream_check_n(const char* what, int n) {
                              ", got n = " + std::to_string(n));
 }
 
-// Whole units of 4: C % 4 == 0 and every pointer aligned to 4 of its elements (nullptr passes).
-template <class... P>
-static bool stream_vec4(int C, P... ptrs) {
-  return C % 4 == 0 && ((reinterpret_cast<uintptr_t>(ptrs) % (4 * sizeof(*ptrs)) == 0) && ...);
-}
 
 // Forward grid: STREAM_TOKENS tokens per block in x, a token's units over y (32 per block).
 static dim3 stream_fwd_grid(int M, int C, bool vec4) {
@@ -4734,7 +4957,6 @@ static void stream_bwd_launch(const char* what, int M, bool per_token, Launch la
 
 // dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the workspace part
 // (stream_coef_rows(M) * n floats). Zeros where C or M is 0.
-// dx = nullptr (per token only) leaves dx to the caller: hc_pre adds it in hc_project_bwd's pass.
 void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
                       int n, int C, bool per_token, cudaStream_t s) {
   stream_check_n("stream_merge_bwd", n);

@@ -3156,6 +3156,8 @@ for _iters in (1, 7):
     for _n in (1, 2, 4, 8):
         for _scale in (30, 1e3):
             add(f"sinkhorn/24x{_n}x{_n}_x{_scale:g}_iters{_iters}", t_sinkhorn, (24, _n, _n), _scale, iters=_iters)
+for _n in (1, 4, 8):  # 64 iterations: the backward's lse pass SINKHORN_LSE_SMEM and go to the workspace
+    add(f"sinkhorn/300x{_n}x{_n}_x30_iters64", t_sinkhorn, (300, _n, _n), 30, iters=64)
 for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for
     add(f"sinkhorn/24x{_n}x{_n}_x30", t_sinkhorn, (24, _n, _n), 30)
 add("sinkhorn/2x12x4x4", t_sinkhorn, (2, 12, 4, 4), 1)
@@ -3181,6 +3183,7 @@ for _lead in ((1,), (24,), (4096,), (2, 65), (0,)):
 for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for, with larger logits
     add(f"hc_coeffs/24_n{_n}_x30", t_hc_coeffs, (24,), _n, 30.0)
 add("hc_coeffs/300_n4_x30_iters7", t_hc_coeffs, (300,), 4, 30.0, iters=7)
+add("hc_coeffs/300_n4_x30_iters64", t_hc_coeffs, (300,), 4, 30.0, iters=64)  # lse in the workspace
 def t_hc_project(lead, n, C, x=None):
     # mhc-dynamic's projection of the flattened streams, RMSNorm(x, w) phi^T, against F.rms_norm and F.linear:
     # a dot product of length D = nC per output, and dw sums over the tokens, so tolerances as a matmul's
@@ -3201,7 +3204,7 @@ for _lead, _n, _C in (((1,), 4, 256), ((24,), 4, 256), ((4096,), 4, 256), ((2, 6
 add("hc_project/9_n4_C64_misaligned", lambda: t_hc_project((9,), 4, 64, x=misaligned(9, 256)))
 
 
-def t_hc_pre(lead, n, C, used=(True, True, True)):
+def t_hc_pre(lead, n, C, used=(True, True, True), iters=20):
     # hc_pre = hc_coeffs(hc_project(x flattened)) and the merge, against the twins in a row: the merged stream and
     # H_post, H_res, and the gradients of all five inputs. phi / sqrt(D) keeps the projections near 1, so the
     # logits alpha h + bias are a few units. used: which outputs the loss takes (an unused one's gradient is zeros)
@@ -3209,7 +3212,7 @@ def t_hc_pre(lead, n, C, used=(True, True, True)):
     tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
     chosen = [i for i, u in enumerate(used) if u]
     def f(ops, x, w, phi, alpha, bias):  # one call, its unused outputs' gradients undefined
-        out = ops.hc_pre(x, w, phi, alpha, bias)
+        out = ops.hc_pre(x, w, phi, alpha, bias, iters)
         return tuple(out[i] for i in chosen)
     compare(f, tol, tol, x=rand(*lead, n, C), w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
 
@@ -3219,6 +3222,7 @@ for _lead, _n, _C in (((1,), 1, 3), ((5,), 2, 3), ((24,), 4, 256), ((4096,), 4, 
     add(f"hc_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_pre, _lead, _n, _C)
 add("hc_pre/24_n4_C64_merged_unused", t_hc_pre, (24,), 4, 64, used=(False, True, True))
 add("hc_pre/24_n4_C64_only_merged", t_hc_pre, (24,), 4, 64, used=(True, False, False))
+add("hc_pre/300_n4_C64_iters40", t_hc_pre, (300,), 4, 64, iters=40)  # the lse in the workspace
 
 
 def t_hc_mix_pre(lead, n, C, per_token=True, used=(True,) * 4, y_dtype=torch.float32):
