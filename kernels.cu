@@ -4916,7 +4916,6 @@ static void stream_check_n(const char* what, int n) {
                              ", got n = " + std::to_string(n));
 }
 
-
 // Forward grid: STREAM_TOKENS tokens per block in x, a token's units over y (32 per block).
 static dim3 stream_fwd_grid(int M, int C, bool vec4) {
   return dim3(ceil_div(M, STREAM_TOKENS), std::min(ceil_div(vec4 ? C / 4 : C, 32), 65535));
@@ -6017,7 +6016,6 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<ty
     attention_bwd_dq<Ops, BK, STAGES>(p, smem, blockIdx.x, gridDim.y - 1 - y);
   }
 }
-
 
 template <class T>
 static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale) {
