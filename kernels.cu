@@ -3652,7 +3652,8 @@ struct SinkhornLse {
 };
 
 // The lse of grp's matrix: in the block's shared memory smem (sinkhorn_lse_smem bytes), or in the workspace ws
-// when smem is nullptr (lanes outside a matrix get matrix 0's place: they read it and never write it).
+// when smem is nullptr. Lanes outside a matrix never store; what they read back (their slot's unwritten shared
+// memory, or matrix 0's entries in the workspace) reaches only their own state, which the sums leave out.
 template <int N>
 __device__ __forceinline__ SinkhornLse sinkhorn_lse(const SinkhornGroup<N>& grp, float* smem, float* ws, int M) {
   using Grp = SinkhornGroup<N>;
