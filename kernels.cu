@@ -3599,9 +3599,10 @@ static bool stream_vec4(int C, P... ptrs) {
 // matrix.
 //
 // Backward, one launch: recompute the forward, storing every half-step's lse (n floats), then the exact
-// reverse pass. The lse sit in shared memory, laid out (2 * iters, n, matrices of the block), when the block's
+// reverse pass. The lse sit in shared memory, laid out (2 * iters, matrices of the block, n), when the block's
 // fit in SINKHORN_LSE_SMEM bytes (20 iterations need 20 KB); more iterations use a workspace laid out
-// (2 * iters, n, M), M fastest, whose loads each wait on L2. Start with
+// (2 * iters, M, n), whose loads each wait on L2. With n fastest, a row step's stores (lane r: row r's lse) and
+// loads are consecutive addresses, free of bank conflicts, and a column step's are one per matrix. Start with
 // dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian of a log-softmax along that
 // axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j for each row i after a row
 // step, over i for each column j after a column step), since exp(A') is the softmax of A along it.
@@ -3645,10 +3646,10 @@ __host__ __device__ constexpr int sinkhorn_lse_smem(int n, int iters) {
   return bytes <= SINKHORN_LSE_SMEM ? (int)bytes : 0;
 }
 
-// Where the backward keeps the lse of the lane's matrix: half-step `step`'s entry k at p[(step * N + k) * stride].
+// Where the backward keeps the lse of the lane's matrix: half-step h's entry k at p[h * step + k].
 struct SinkhornLse {
   float* p;
-  int64_t stride;
+  int64_t step;
 };
 
 // The lse of grp's matrix: in the block's shared memory smem (sinkhorn_lse_smem bytes), or in the workspace ws
@@ -3657,27 +3658,31 @@ struct SinkhornLse {
 template <int N>
 __device__ __forceinline__ SinkhornLse sinkhorn_lse(const SinkhornGroup<N>& grp, float* smem, float* ws, int M) {
   using Grp = SinkhornGroup<N>;
-  if (smem) return {smem + threadIdx.x / Grp::G, Grp::PER_BLOCK};
-  return {ws + (grp.m < M ? grp.m : 0), M};
+  if (smem) return {smem + threadIdx.x / Grp::G * N, Grp::PER_BLOCK * N};
+  return {ws + (int64_t)(grp.m < M ? grp.m : 0) * N, (int64_t)M * N};
 }
 
 // The forward's iterations on row a of group grp: a comes in as logits and leaves as the last state in base 2
-// (P = exp2f(a)); lse.p != nullptr stores each half-step's lse (base 2) there (row k's by lane k, column k's by
-// lane k).
+// (P = exp2f(a)); lse.p != nullptr stores each half-step's lse (base 2) there, lane r the entry of column r and of
+// row r: every lane of the group has each column's lse (the shuffles' sums are the same bits in all of them), so a
+// lane picks its own and stores once a half-step, through a pointer that moves by a constant: the stores sit in the
+// chain of half-steps that limits the kernels, where per-entry index arithmetic made them cost more than the math.
 template <int N>
 __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
                                                  SinkhornLse lse) {
   using Grp = SinkhornGroup<N>;
   const bool store = lse.p && grp.active;
+  float* mine = store ? lse.p + grp.r : nullptr;  // iteration it's: column r's at mine[0], row r's at mine[step]
 #pragma unroll
   for (int j = 0; j < N; ++j) a[j] *= 1.4426950408889634f;  // log2(e)
   for (int it = 0; it < iters; ++it) {
+    float col_lse = 0.f;  // column r's
 #pragma unroll
     for (int j = 0; j < N; ++j) {  // column j over the group's rows
       const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
       const float log_sum = log2f(Grp::sum(grp.active ? exp2f(a[j] - mx) : 0.f));
       a[j] = (a[j] - mx) - log_sum;
-      if (store && grp.r == j) lse.p[((int64_t)(2 * it) * N + j) * lse.stride] = mx + log_sum;
+      if (grp.r == j) col_lse = mx + log_sum;
     }
     float mx = a[0];  // row r, the lane's own
 #pragma unroll
@@ -3688,7 +3693,11 @@ __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, fl
     const float log_sum = log2f(sum);
 #pragma unroll
     for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
-    if (store) lse.p[((int64_t)(2 * it + 1) * N + grp.r) * lse.stride] = mx + log_sum;
+    if (store) {
+      mine[0] = col_lse;
+      mine[lse.step] = mx + log_sum;
+      mine += 2 * lse.step;
+    }
   }
 }
 
@@ -3723,18 +3732,22 @@ __device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, fl
   // The lse of iteration it - 1 are loaded while iteration it is undone: from the workspace each load waits on
   // L2 (the forward's stores went there), which would otherwise add its latency to every half-step.
   const int r = grp.r < N ? grp.r : 0;  // lanes outside a matrix read a row's lse, unused
-  auto load_lse = [&](int it, float& row, float (&col)[N]) {
-    row = lse.p[((int64_t)(2 * it + 1) * N + r) * lse.stride];
+  const float* at = lse.p + 2 * (iters - 1) * lse.step;  // the last iteration's; then one back at a time
+  auto load_lse = [&](float& row, float (&col)[N]) {
+    row = at[lse.step + r];
 #pragma unroll
-    for (int j = 0; j < N; ++j) col[j] = lse.p[((int64_t)(2 * it) * N + j) * lse.stride];
+    for (int j = 0; j < N; ++j) col[j] = at[j];
   };
   float row_next, col_next[N];
-  load_lse(iters - 1, row_next, col_next);
+  load_lse(row_next, col_next);
   for (int it = iters - 1; it >= 0; --it) {
     float row_lse = row_next, col_lse[N];
 #pragma unroll
     for (int j = 0; j < N; ++j) col_lse[j] = col_next[j];
-    if (it > 0) load_lse(it - 1, row_next, col_next);
+    if (it > 0) {
+      at -= 2 * lse.step;
+      load_lse(row_next, col_next);
+    }
     float sum = 0.f;  // undo the row step: over j, the lane's own
 #pragma unroll
     for (int j = 0; j < N; ++j) sum += g[j];
