@@ -3666,7 +3666,7 @@ __device__ __forceinline__ SinkhornLse sinkhorn_lse(const SinkhornGroup<N>& grp,
 // (P = exp2f(a)); lse.p != nullptr stores each half-step's lse (base 2) there, lane r the entry of column r and of
 // row r: every lane of the group has each column's lse (the shuffles' sums are the same bits in all of them), so a
 // lane picks its own and stores once a half-step, through a pointer that moves by a constant: the stores sit in the
-// chain of half-steps that limits the kernels, where per-entry index arithmetic made them cost more than the math.
+// chain of half-steps that limits the kernels, so each takes as few instructions as it can.
 template <int N>
 __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
                                                  SinkhornLse lse) {
