@@ -1447,6 +1447,15 @@ struct GeluTanh {
 
 __device__ __forceinline__ float sigmoidf(float u) { return 1.f / (1.f + expf(-u)); }
 
+// 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
+// wraps in a fix-up for results below 2^-126, which flush to 0 here). Softmax and Sinkhorn sum terms
+// of at most 1 (the max subtracted) into a sum of at least 1, so one that small is 0 at fp32's resolution.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // SiLU(x) = x * sigmoid(x), written as PyTorch writes it: x / (1 + exp(-x)).
 struct Silu {
   __device__ float fwd(float x) const { return x / (1.f + expf(-x)); }
@@ -3585,9 +3594,12 @@ static bool stream_vec4(int C, P... ptrs) {
 // the sum in [1, n]), so any finite logits give finite results. The new state is formed as
 // (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
 // |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps. The state is kept in base 2
-// (A log2(e), P = 2^A; the scaling rounds each logit once more): exp2f and log2f are a few
-// instructions each where expf and logf are a dozen or more, at the same accuracy (1-2 ulps), and a
-// matrix's chain of 2 * iters half-steps is what limits both kernels.
+// (A log2(e), P = 2^A; the scaling rounds each logit once more), so a half-step's exponentials and
+// its logarithm are one special-function instruction each: ex2.approx.ftz for the terms 2^(a - max)
+// of the sum (fast_exp2: a term below 2^-126 flushes to 0 against a sum of at least 1) and lg2.approx
+// for the log of that sum, which lies in [1, n] (__log2f, relative error about 2^-22), where log2f is
+// a polynomial of some twenty instructions. A matrix's chain of 2 * iters half-steps is what limits
+// both kernels, and it issues every one of those instructions.
 //
 // One row per lane: a matrix is a group of G lanes of one warp (G = n rounded up to a power of 2), lane
 // r holding row r of the state in registers (n is a template parameter, dispatched 1..8, and every loop
@@ -3680,7 +3692,7 @@ __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, fl
 #pragma unroll
     for (int j = 0; j < N; ++j) {  // column j over the group's rows
       const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
-      const float log_sum = log2f(Grp::sum(grp.active ? exp2f(a[j] - mx) : 0.f));
+      const float log_sum = __log2f(Grp::sum(grp.active ? fast_exp2(a[j] - mx) : 0.f));
       a[j] = (a[j] - mx) - log_sum;
       if (grp.r == j) col_lse = mx + log_sum;
     }
@@ -3689,8 +3701,8 @@ __device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, fl
     for (int j = 1; j < N; ++j) mx = fmaxf(mx, a[j]);
     float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) sum += exp2f(a[j] - mx);
-    const float log_sum = log2f(sum);
+    for (int j = 0; j < N; ++j) sum += fast_exp2(a[j] - mx);
+    const float log_sum = __log2f(sum);
 #pragma unroll
     for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
     if (store) {
@@ -5140,15 +5152,6 @@ template <class Ops>
 __device__ __forceinline__ unsigned char* attn_smem_base(unsigned char* raw) {
   if constexpr (!Ops::WGMMA) return raw;
   return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-}
-
-// 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
-// wraps in a fix-up for results below 2^-126, which flush to 0 here). The softmax's probabilities
-// are at most 1 against a row sum of at least 1, so one that small is 0 at fp32's resolution anyway.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
