@@ -5392,6 +5392,52 @@ def bench_megakernel(rows, steps=100):
                          timeline=by_step, head_us=head))
 
 
+def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, n_layer=4, steps=3):
+    """Device time of each kernel of an eager training step (forward, backward, AdamW) of a GPT with this
+    residual on the cuda op set, per sublayer: {kernel name: us}, read by torch.profiler over `steps` steps."""
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "weight_decay": 0.0})
+    ops = train.cuda_op_set(kernels, n_embd // n_head)
+    model = train.GPT(data.INCREMENT_VOCAB, block_size, n_embd, n_head, n_layer, 0, ops, residual=variant).to(DEV)
+    opt = train.make_optimizer(model, cfg, True, False)
+    x = torch.randint(0, data.INCREMENT_VOCAB, (batch_size, block_size + 1), device=DEV)
+    step = functools.partial(train.train_step, model, opt, x[:, :-1].contiguous(), x[:, 1:].contiguous())
+    for _ in range(2):  # optimizer state, library handles
+        step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # the profiler's note that it keeps one cycle's events: one cycle is all there is
+        warnings.simplefilter("ignore", UserWarning)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    kernels.check_errors()
+    per = steps * 2 * n_layer  # sublayers timed
+    return {e.key: e.self_device_time_total / per for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def bench_mhc_profile(rows):
+    """Where mhc-dynamic's extra training time goes, kernel by kernel: an eager step of a 4-layer model at the sweep's
+    shape (256 wide, 32 x 128 tokens) and at 768 wide (16 x 256 tokens), each kernel's device time a sublayer, the
+    mHC kernels by name and the rest as one line against the baseline's, beside the 15% of the baseline's step that
+    a cost of 1.15x allows. The model's first hc_pre (no mix before it) and last stream_mix (its exit) count as an
+    eighth each."""
+    for n_embd, n_head, block_size, batch_size in ((256, 4, 128, 32), (768, 8, 256, 16)):
+        base = mhc_step_kernels("baseline", n_embd, n_head, block_size, batch_size)
+        dyn = mhc_step_kernels("mhc-dynamic", n_embd, n_head, block_size, batch_size)
+        ours = {k: v for k, v in dyn.items() if re.search(r"hc_|stream_|sinkhorn", k)}
+        rest = sum(v for k, v in dyn.items() if k not in ours) - sum(base.values())
+        b, d = sum(base.values()), sum(dyn.values())
+        print(f"\nmhc-dynamic, {batch_size * block_size} tokens x {n_embd} wide, 4 streams: eager training step, "
+              f"kernel time a sublayer: baseline {b:.1f} us, mhc-dynamic {d:.1f} us ({d / b:.2f}x); "
+              f"extra {d - b:.1f} us where 1.15x allows {0.15 * b:.1f}")
+        for name, us in sorted(ours.items(), key=lambda kv: -kv[1]):
+            short = re.sub(r"^void |\(.*$", "", name)
+            print(f"  {short:<58} {us:>7.1f}")
+            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel=short, us=us))
+        print(f"  {'the other kernels, against the baseline':<58} {rest:>+7.1f}")
+        rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel="other", us=rest, baseline_us=b, mhc_us=d))
+
+
 def bench_main(json_path):
     if not HAS_CUDA:  # building the extension cannot help here
         print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
@@ -5416,6 +5462,8 @@ def bench_main(json_path):
         bench_gqa(rows)
     if ONLY in "megakernel":
         bench_megakernel(rows)
+    if ONLY in "mhc_profile":
+        bench_mhc_profile(rows)
     if ONLY == "ddp":  # training runs of --preset=large on one and two GPUs, minutes each: only when asked
         bench_ddp_scaling(rows)
     if json_path:
