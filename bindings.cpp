@@ -1723,7 +1723,10 @@ std::vector<Tensor> hc_mix_pre_forward_meta(const Tensor& x, const Tensor& h_res
   return r;
 }
 
-// (dx, dh_res, dh_post, dy, dweight, dphi, dalpha, dbias); an undefined gradient counts as zeros.
+// (dx, dh_res, dh_post, dy, dweight, dphi, dalpha, dbias); an undefined gradient counts as zeros. The projection's
+// backward and the mix's stay two kernels, ds between them in memory: in one kernel, lanes laid out by column for the
+// projection's sums over tokens must add up each token's mix sums (dh_res, dh_post) across lanes, token by token,
+// and that kernel ran slower than the two.
 std::vector<Tensor> hc_mix_pre_backward_cuda(const Tensor& x, const Tensor& h_res, const Tensor& h_post,
                                              const Tensor& y, const Tensor& s, const Tensor& weight,
                                              const Tensor& phi, const Tensor& alpha, const Tensor& bias,
