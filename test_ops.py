@@ -5418,9 +5418,12 @@ def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, n_layer=4,
 def bench_mhc_profile(rows):
     """Where mhc-dynamic's extra training time goes, kernel by kernel: an eager step of a 4-layer model at the sweep's
     shape (256 wide, 32 x 128 tokens) and at 768 wide (16 x 256 tokens), each kernel's device time a sublayer, the
-    mHC kernels by name and the rest as one line against the baseline's, beside the 15% of the baseline's step that
-    a cost of 1.15x allows. The model's first hc_pre (no mix before it) and last stream_mix (its exit) count as an
-    eighth each."""
+    mHC kernels by name and the rest as one line against the baseline's (then its largest differences, kernel by
+    kernel), beside the 15% of the baseline's step that a cost of 1.15x allows. The model's first hc_pre (no mix
+    before it) and last stream_mix (its exit) count as an eighth each."""
+    def short(name, width=56):  # a kernel's name without its arguments and PyTorch's namespaces
+        return re.sub(r"^void |at::native::|\(anonymous namespace\)::|\(.*$", "", name)[:width]
+
     for n_embd, n_head, block_size, batch_size in ((256, 4, 128, 32), (768, 8, 256, 16)):
         base = mhc_step_kernels("baseline", n_embd, n_head, block_size, batch_size)
         dyn = mhc_step_kernels("mhc-dynamic", n_embd, n_head, block_size, batch_size)
@@ -5431,10 +5434,13 @@ def bench_mhc_profile(rows):
               f"kernel time a sublayer: baseline {b:.1f} us, mhc-dynamic {d:.1f} us ({d / b:.2f}x); "
               f"extra {d - b:.1f} us where 1.15x allows {0.15 * b:.1f}")
         for name, us in sorted(ours.items(), key=lambda kv: -kv[1]):
-            short = re.sub(r"^void |\(.*$", "", name)
-            print(f"  {short:<58} {us:>7.1f}")
-            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel=short, us=us))
-        print(f"  {'the other kernels, against the baseline':<58} {rest:>+7.1f}")
+            print(f"  {short(name):<58} {us:>7.1f}")
+            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel=short(name), us=us))
+        print(f"  {'the other kernels, against the baseline':<58} {rest:>+7.1f}; the largest differences:")
+        others = (set(base) | set(dyn)) - set(ours)
+        diffs = sorted(((dyn.get(k, 0.0) - base.get(k, 0.0), k) for k in others), key=lambda t: -abs(t[0]))
+        for diff, name in diffs[:5]:
+            print(f"    {short(name, 72):<72} {diff:>+7.1f}")
         rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel="other", us=rest, baseline_us=b, mhc_us=d))
 
 
