@@ -4181,9 +4181,9 @@ void hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float*
 //
 // Forward: x times w * phi on the tensor cores (below, at hc_project_fwd_kernel); rstd is kept for the
 // backward; hc_mix_pre's forward is the same kernel with the previous sublayer's stream mix in front. The
-// backward's sums (over k for s, over tokens for dphi) fit tensor-core tiles too (K padded to 8), but a
-// tensor-core version ran no faster: without the FMAs, the wait on the loads of x and the per-element work remain.
-// fp32 FMAs on the CUDA cores.
+// backward's sums (over k for s, over tokens for dphi) would fit tensor-core tiles too (K padded to 8), but a
+// tensor-core version ran no faster: taking the FMAs away leaves the wait on the loads of x and the per-element
+// work, which are what limit it. So the backward runs fp32 FMAs on the CUDA cores.
 // Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
 //   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
 //   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
