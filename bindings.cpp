@@ -3031,9 +3031,10 @@ static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int6
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
   // A whole decode step of a gpt model: the logits of tok at position pos, its key and value written into
-  // the caches, pos advanced by one; with trace, each block's clock (ns) at its start, at each barrier
-  // (arrived, left) and at its end. The workspace holds the grid barrier's counter: zero it before the
-  // first step, then keep it for one model's steps on one stream and one GPU.
+  // the caches, pos advanced by one; with trace, each block's clock (ns) at its start, after each step
+  // (its work done, the next step's inputs arrived) and at its end. The workspace holds a launch count and
+  // the values passed between blocks: zero it before the first step, then keep it for one model's steps on
+  // one stream and one GPU.
   def_op(m, "decode_megakernel(Tensor[] weights, Tensor tok, Tensor(a!) pos, Tensor(b!) k_cache, "
             "Tensor(c!) v_cache, Tensor(d!) logits, Tensor(e!) workspace, int n_head, float eps=1e-05, "
             "Tensor(f!)? trace=None) -> ()");
@@ -3159,7 +3160,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return py::make_tuple(decode_megakernel_grid(), decode_megakernel_trace_stamps((int)n_layer));
         },
         "the shape of decode_megakernel's trace on the current GPU, (blocks, stamps): one block an SM; a block's "
-        "clock at its start, on arriving at and leaving each of the 5 barriers of a layer, and at its end",
+        "clock at its start, after each of the 5 steps of a layer (its work done, the next step's inputs arrived), "
+        "and at its end",
         py::arg("n_layer"));
   m.def("decode_megakernel_why_not", &decode_megakernel_why_not,
         "None if decode_megakernel runs a gpt model of this shape on the current GPU, with weights of element_size "

@@ -247,8 +247,8 @@ def megakernel_why_not(model):
 class Megakernel:
     """One decode step of a gpt dense model as one launch of kernels.decode_megakernel: the logits of the
     token at the cache's position, its key and value written into the cache, the position advanced. The
-    weights are handed over in the op's order; the workspace (its grid barrier's counter, the activations
-    passed between blocks) is zeroed once and kept for every step of this model, cache and GPU."""
+    weights are handed over in the op's order; the workspace (a launch count, the activations passed between
+    blocks with their steps' tags) is zeroed once and kept for every step of this model, cache and GPU."""
 
     LAYER = ("ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w", "ln_2_b",
              "mlp.fc_w", "mlp.fc_b", "mlp.proj_w", "mlp.proj_b")

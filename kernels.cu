@@ -6913,49 +6913,61 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // kernel per op each of the ~130 links costs a launch and a ramp-up, about what a layer's weights take
 // to stream in, and the step reaches a fraction of the copy rate (inference.py prints how much).
 //
-// Instruction set. A layer is five steps, each ended by a grid-wide barrier: (A) LayerNorm + QKV
-// projection, the new key and value written into the cache; (B) attention of the one query, a block
-// per (head, split of the keys), the last split of a head to finish adding the splits up; (C) output
-// projection + residual; (D) LayerNorm + fc + GELU; (E) mlp projection + residual. After the last
-// layer, (F) LayerNorm + the tied output head writes the logits (the caller picks the token). Every
-// block computes a norm over the whole row (n_embd values) itself rather than wait for one to share it.
-// Each op rounds to the weights' dtype where the op set's kernels write their outputs, so the math is
-// the op set's; the sums' order is not (one warp a row here), so fp32 logits agree to rounding.
+// Instruction set. A layer is five steps: (A) LayerNorm + QKV projection, the new key and value written
+// into the cache; (B) attention of the one query, a block per (head, split of the keys), split 0 of a
+// head adding the splits up; (C) output projection + residual; (D) LayerNorm + fc + GELU; (E) mlp
+// projection + residual. After the last layer, (F) LayerNorm + the tied output head writes the logits
+// (the caller picks the token). Every block computes a norm over the whole row (n_embd values) itself
+// rather than wait for one to share it. Each op rounds to the weights' dtype where the op set's kernels
+// write their outputs, so the math is the op set's; the sums' order is not (one warp a row here), so
+// fp32 logits agree to rounding.
 //
 // Scheduler. The grid is one block per SM, all resident (a cooperative launch). The rows of each
-// product are cut evenly over the blocks, so the schedule is arithmetic on the block index, the same
-// every step: a block's weight rows of the whole step form one list of chunks, each at most a page of
-// shared memory. Thread 0 copies chunk j into page j % MK_PAGES (cp.async.bulk, completion on the
-// page's mbarrier) as soon as chunk j - MK_PAGES has been read, so the next steps' weights stream in
-// while the block waits at a barrier or computes: the weights never wait on the activations. A step's
-// last refill is issued once the block has arrived at the barrier, not before: the arrival is a release,
-// which waits for the block's earlier memory operations, a bulk copy in flight included, and would hold
-// every block at the barrier for the copy's time.
+// product are cut evenly over the blocks, so the schedule is arithmetic on the block index and the
+// position: a block's weight rows of the whole step, and before each layer's output projection the keys
+// and values its attention split reads from the cache, form one list of chunks of a page of shared
+// memory each (MkPlan). A producer warp walks the list and fills page j % pages with chunk j (bulk
+// copies, completion on the page's mbarrier) as soon as every consumer thread has released the chunk
+// before it there, so the next steps' weights stream in while the consumers wait or compute: the
+// weights never wait on the activations, and attention reads the cache from shared memory.
 //
-// Synchronisation. A grid barrier is one 64-bit counter in the workspace: each block adds one
-// (release) and spins (acquire) until the counter reaches the next multiple of the grid size, so it
-// never needs resetting between steps or graph replays (MkBarrier). Values other blocks wrote are read
-// through L2 (ld.global.cg), never a stale L1 line. Attention's splits meet on a per-head counter
-// instead (the last one in adds them up and resets it). With a trace, thread 0 of each block records
-// the clock at every barrier, which shows where a step's time goes (test_ops.py --bench --only megakernel).
+// Synchronisation. No grid barrier: each value one block hands to others (the query, the new key and
+// value, the attention splits' parts and output, the residual stream, the GELU output) is a 64-bit word
+// of the float and the tag of the step that wrote it, and a reader polls the words it needs until each
+// carries the step's tag (mk_put, mk_poll). A block waits only for the values it reads, and no fence
+// orders data before a flag. A release (a barrier's arrival) would also wait for the producer's bulk
+// copies in flight. With a trace, thread 0 of each block records the clock when it has finished each
+// step's work and when the next step's inputs have all arrived (test_ops.py --bench --only megakernel).
 
-constexpr int MK_THREADS = 256, MK_WARPS = MK_THREADS / 32;
-constexpr int MK_PAGES = 4, MK_PAGE_BYTES = 40 * 1024;  // weight pages in flight or being read, per block
+constexpr int MK_THREADS = 256, MK_WARPS = MK_THREADS / 32;  // the consumer warps; one producer warp more
+constexpr int MK_MAX_PAGES = 6, MK_MIN_PAGE_BYTES = 32 * 1024;  // pages a block streams through (mk_pages)
 constexpr int MK_MAX_LAYERS = 64;   // layers the kernel's argument holds
 constexpr int MK_MAX_HEAD = 128;    // head size: at most 4 values a lane
 constexpr int MK_MAX_SPLITS = 32;   // splits of a head's keys (blocks per head in step B)
 constexpr int MK_LAYER_WEIGHTS = 12;
 constexpr int MK_MAX_OWN = 64;      // rows of the residual stream a block keeps: n_embd <= 64 x its SMs
 
-// Floats of attention's scratch: the warps' parts of an item, later the splits' parts of a head.
+__device__ __forceinline__ void mk_sync() {  // the consumer warps' barrier (the producer warp runs apart)
+  asm volatile("bar.sync 1, %0;" ::"n"(MK_THREADS) : "memory");
+}
+
+// Floats of attention's scratch: the warps' parts of an item, later the splits' parts of a head; then the
+// query and the new key and value.
 __host__ __device__ constexpr int mk_scratch_floats(int hs, int splits) {
-  return (splits > MK_WARPS ? splits : MK_WARPS) * (hs + 2);
+  return (splits > MK_WARPS ? splits : MK_WARPS) * (hs + 2) + 3 * hs;
 }
 
 template <class T>
 struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `layers`
   const T *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
 };
+
+constexpr int MK_MAX_QKV_ROWS = 3 * MK_MAX_OWN + 1;  // a block's rows of the QKV product: (3 n_embd) / SMs
+
+// Rows of the largest chunk (the products of n_embd columns): a page's biases.
+__host__ __device__ constexpr int mk_max_chunk_rows(int C, int elem_bytes, int page_bytes) {
+  return page_bytes / (C * elem_bytes);
+}
 
 template <class T>
 struct MkArgs {
@@ -6966,35 +6978,39 @@ struct MkArgs {
   int64_t* pos;            // its position; advanced by one
   T* logits;               // (V)
   float* ws;               // mk_workspace
-  uint64_t* trace;         // nullptr, or (G, mk_trace_stamps) ns: when each block arrived at and left each barrier
+  uint64_t* trace;         // nullptr, or (G, mk_trace_stamps) ns: MkTrace's stamps of each block
   IndexErrorBox* box;
   int n_layer, C, n_head, n_kv_head, hs, V, capacity, splits;
+  int pages, page_bytes;  // mk_pages
   float eps, scale;
 };
 
-// The workspace: the barrier's counter, the heads' counters, then the activations handed between blocks.
+// The workspace: the launch count, then the values handed between blocks, each a 64-bit word of its float's
+// bits and the tag of the step that wrote it (mk_put, mk_poll).
 struct MkWorkspace {
-  unsigned long long* barrier;
-  unsigned* heads;      // (n_head)
-  float *x, *q, *o, *h;  // residual (C), query (C), attention output (C), GELU output (4C)
-  float* part;          // (n_head, splits, hs + 2): each split's max score, sum of exps and unnormalised output
-  __host__ __device__ MkWorkspace(float* ws, int C, int n_head) {
-    barrier = reinterpret_cast<unsigned long long*>(ws);
-    heads = reinterpret_cast<unsigned*>(ws + 2);
-    x = ws + (2 + n_head + 3) / 4 * 4;
-    q = x + C;
-    o = q + C;
+  unsigned* launches;    // launches so far; block 0 adds one at the end of each
+  uint64_t *xa, *xd;     // the residual stream after the mlp (step E, read by A) and after attention (C, read by D)
+  uint64_t *q, *kv, *o;  // the query (C), the new key and value (2 n_kv_head hs), the attention output (C)
+  uint64_t *h;           // the GELU output (4C)
+  uint64_t* part;        // (n_head, splits, hs + 2): each split's max score, sum of exps and unnormalised output
+  __host__ __device__ MkWorkspace(float* ws, int C, int kv_width) {
+    launches = reinterpret_cast<unsigned*>(ws);
+    xa = reinterpret_cast<uint64_t*>(ws + 4);
+    xd = xa + C;
+    q = xd + C;
+    kv = q + C;
+    o = kv + 2 * kv_width;
     h = o + C;
     part = h + 4 * C;
   }
 };
 
-// Stamps of a block's trace: its start, two at each of the 5 barriers of a layer, its end.
+// Stamps of a block's trace: its start, two for each of a layer's 5 steps (MkTrace), its end.
 __host__ __device__ constexpr int mk_trace_stamps(int n_layer) { return 2 + 10 * n_layer; }
 
 // Floats of MkWorkspace.
 __host__ __device__ inline int64_t mk_workspace_floats(int C, int n_head, int hs, int splits) {
-  return (2 + n_head + 3) / 4 * 4 + 7LL * C + (int64_t)n_head * splits * (hs + 2);
+  return 4 + 2 * (10LL * C + (int64_t)n_head * splits * (hs + 2));
 }
 
 template <class T>
@@ -7012,21 +7028,39 @@ struct MkPlan {
   MkRows p[MK_PRODUCTS];
   int K[MK_PRODUCTS];
   int per_layer, total;  // chunks a layer, chunks of the whole step
+  int pages, page_bytes;
+  // Step B's chunk: the cached keys and values [att_j0, att_j0 + att_keys) of the block's split, keys first
+  int att_j0, att_keys, att_chunks, att_first;
 
-  __device__ MkPlan(const MkArgs<T>& a) {
+  __device__ MkPlan(const MkArgs<T>& a, int pos) {
     const int G = gridDim.x, b = blockIdx.x, kv = a.n_kv_head * a.hs;
     const int N[MK_PRODUCTS] = {a.C + 2 * kv, a.C, 4 * a.C, a.C, a.V};
     const int Ks[MK_PRODUCTS] = {a.C, a.C, a.C, 4 * a.C, a.C};
+    // Step B's item is the block's index (mk_attention). Its keys before pos are in the cache before the
+    // launch (the key at pos comes from step A); as many as fit a page go through one, the rest (a long
+    // context) are read from the cache, as are all where a cache row is no multiple of 16 bytes.
+    const int splits = a.splits, hs = a.hs, row_bytes = hs * (int)sizeof(T);
+    const int per_split = (pos + 1 + splits - 1) / splits, j0 = b % splits * per_split;
+    const int j1 = min(pos + 1, j0 + per_split), fit = row_bytes % 16 == 0 ? a.page_bytes / (2 * row_bytes) : 0;
+    att_j0 = j0;
+    att_keys = b < a.n_head * splits ? max(0, min(min(j1, pos), j0 + fit) - j0) : 0;
+    att_chunks = att_keys > 0;
     int first = 0;
     for (int s = 0; s < MK_PRODUCTS; ++s) {
       const int r0 = (int)((int64_t)N[s] * b / G), r1 = (int)((int64_t)N[s] * (b + 1) / G);
-      const int per = MK_PAGE_BYTES / (Ks[s] * (int)sizeof(T));
+      const int per = a.page_bytes / (Ks[s] * (int)sizeof(T));
       K[s] = Ks[s];
       p[s] = {r0, r1 - r0, per, (r1 - r0 + per - 1) / per, s == MK_HEAD ? 0 : first};
       if (s != MK_HEAD) first += p[s].chunks;
+      if (s == MK_QKV) {
+        att_first = first;
+        first += att_chunks;
+      }
     }
     per_layer = first;
     total = a.n_layer * per_layer + p[MK_HEAD].chunks;
+    pages = a.pages;
+    page_bytes = a.page_bytes;
   }
 
   // The chunk's index in the step's list: chunk c of product s in layer l.
@@ -7035,29 +7069,75 @@ struct MkPlan {
   }
 };
 
+// Where row r of the QKV product goes: kind (0 query, 1 key, 2 value) << 30 | its offset in w.q, or in the
+// cache's layer at position 0.
+template <class T>
+__device__ int mk_qkv_at(const MkArgs<T>& a, int r) {
+  const int kv = a.n_kv_head * a.hs;
+  if (r < a.C) return r;
+  const int c = (r - a.C) % kv, head = c / a.hs, d = c % a.hs;
+  return (r < a.C + kv ? 1 : 2) << 30 | (head * a.capacity * a.hs + d);
+}
+
 template <class T>
 __device__ __forceinline__ const T* mk_matrix(const MkArgs<T>& a, int l, int s) {
   const MkLayer<T>& w = a.layer[l];
   return s == MK_QKV ? w.attn_w : s == MK_OUT ? w.proj_w : s == MK_FC ? w.fc_w : s == MK_FC2 ? w.fc2_w : a.wte;
 }
 
-// Thread 0: start copying chunk j of the step's list into its page.
 template <class T>
-__device__ void mk_fetch(const MkArgs<T>& a, const MkPlan<T>& plan, int j, char* pages, uint32_t full) {
-  if (j < 0 || j >= plan.total) return;
-  int l = 0, s = MK_HEAD, c = j - (plan.total - plan.p[MK_HEAD].chunks);
-  if (c < 0) {
-    l = j / plan.per_layer;
-    c = j % plan.per_layer;
-    for (s = 0; c >= plan.p[s].first + plan.p[s].chunks; ++s) {}
-    c -= plan.p[s].first;
-  }
-  const MkRows& r = plan.p[s];
-  const int row = r.r0 + c * r.per_chunk, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
-  const uint32_t bytes = (uint32_t)rows * plan.K[s] * sizeof(T), bar = full + 8 * (j % MK_PAGES);
-  mbar_expect_bytes(bar, bytes);
-  bulk_copy(smem_addr(pages + (j % MK_PAGES) * MK_PAGE_BYTES), mk_matrix(a, l, s) + (int64_t)row * plan.K[s],
-            bytes, bar);
+__device__ __forceinline__ const T* mk_bias(const MkArgs<T>& a, int l, int s) {
+  const MkLayer<T>& w = a.layer[l];
+  return s == MK_QKV ? w.attn_b : s == MK_OUT ? w.proj_b : s == MK_FC ? w.fc_b : s == MK_FC2 ? w.fc2_b : nullptr;
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// The producer warp: walks the step's list of chunks and fills each page as soon as the consumer threads have
+// released it (empty): weight rows by one bulk copy and their biases (fp32, 0 for none) by the lanes, or a
+// split's keys and values by two copies. full completes on the 32 lanes' arrivals and the copies' bytes.
+template <class T>
+__device__ void mk_produce(const MkArgs<T>& a, const MkPlan<T>& plan, char* pages, float* pbias, int max_rows,
+                           uint32_t full, uint32_t empty) {
+  const int lane = threadIdx.x % 32;
+  int j = 0;
+  auto page = [&] {  // page j % pages, once the consumers have released its last chunk
+    const int p = j % a.pages;
+    if (j >= a.pages) mbar_wait(empty + 8 * p, (j / a.pages - 1) & 1);
+    return p;
+  };
+  for (int l = 0; l <= a.n_layer; ++l)
+    for (int s = l == a.n_layer ? MK_HEAD : 0; s < (l == a.n_layer ? MK_PRODUCTS : MK_HEAD); ++s) {
+      if (s == MK_OUT && plan.att_chunks) {  // step B's keys and values
+        const int p = page();
+        if (lane == 0) {
+          const int kvh = blockIdx.x / a.splits / (a.n_head / a.n_kv_head);
+          const int64_t at = (((int64_t)l * a.n_kv_head + kvh) * a.capacity + plan.att_j0) * a.hs;
+          const uint32_t bytes = (uint32_t)plan.att_keys * a.hs * sizeof(T);
+          const uint32_t dst = smem_addr(pages + (int64_t)p * a.page_bytes);
+          mbar_expect_tx(full + 8 * p, 2 * bytes);
+          bulk_copy(dst, a.k_cache + at, bytes, full + 8 * p);
+          bulk_copy(dst + bytes, a.v_cache + at, bytes, full + 8 * p);
+        }
+        mbar_arrive(full + 8 * p);
+        ++j;
+      }
+      const MkRows& r = plan.p[s];
+      const T* w = mk_matrix(a, l == a.n_layer ? 0 : l, s);
+      const T* bias = l == a.n_layer ? nullptr : mk_bias(a, l, s);
+      for (int c = 0; c < r.chunks; ++c, ++j) {
+        const int p = page(), row = r.r0 + c * r.per_chunk, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
+        if (lane == 0) {
+          const uint32_t bytes = (uint32_t)rows * plan.K[s] * sizeof(T);
+          mbar_expect_tx(full + 8 * p, bytes);
+          bulk_copy(smem_addr(pages + (int64_t)p * a.page_bytes), w + (int64_t)row * plan.K[s], bytes, full + 8 * p);
+        }
+        for (int i = lane; i < rows; i += 32) pbias[p * max_rows + i] = bias ? to_float(bias[row + i]) : 0.f;
+        mbar_arrive(full + 8 * p);
+      }
+    }
 }
 
 // A warp's dot products of n <= R rows of the page (row r at row + r * stride values) with vec (fp32, shared
@@ -7087,35 +7167,30 @@ __device__ __forceinline__ void mk_dots(const T* row, int64_t stride, int n, con
   for (int r = 0; r < R; ++r) sum[r] = warp_sum(acc[r]);
 }
 
-// The block's rows of product s (layer l) times vec, plus bias (or none): out(row, value) for each, by lane 0
-// of a warp, whose bias loads are in flight during the dot products. Each page but the last is refilled with
-// the chunk MK_PAGES further on as soon as it has been read; the last's refill is returned (-1 for no rows),
-// for thread 0 to issue once the block has arrived at the barrier.
+// The block's rows of product s (layer l) times vec, plus bias: out(row, value) for each, by lane 0 of a warp.
+// Each thread releases a page once it has read it (empty counts the consumer threads); the warps do not wait
+// for each other.
 template <class T, class Out>
-__device__ int mk_product(const MkArgs<T>& a, const MkPlan<T>& plan, int l, int s, const float* vec,
-                          const T* bias, char* pages, uint32_t full, Out out) {
+__device__ void mk_product(const MkPlan<T>& plan, int l, int s, const float* vec, const char* pages,
+                           const float* pbias, int max_rows, uint32_t full, uint32_t empty, Out out) {
   const MkRows& r = plan.p[s];
   const int warp = threadIdx.x / 32, K = plan.K[s];
-  if (r.chunks == 0) return -1;
-  for (int c = 0;; ++c) {
-    const int j = plan.index(l, s, c), rows = min(r.per_chunk, r.rows - c * r.per_chunk);
-    mbar_wait(full + 8 * (j % MK_PAGES), (j / MK_PAGES) & 1);
-    const T* page = reinterpret_cast<const T*>(pages + (j % MK_PAGES) * MK_PAGE_BYTES);
+  for (int c = 0; c < r.chunks; ++c) {
+    const int j = plan.index(l, s, c), p = j % plan.pages, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
+    mbar_wait(full + 8 * p, (j / plan.pages) & 1);
+    const T* page = reinterpret_cast<const T*>(pages + (int64_t)p * plan.page_bytes);
+    const float* b = pbias + p * max_rows;
     for (int i = warp; i < rows; i += MK_ROWS * MK_WARPS) {  // rows i, i + MK_WARPS, ...
       const int n = min(MK_ROWS, (rows - i + MK_WARPS - 1) / MK_WARPS);
-      float sum[MK_ROWS], b[MK_ROWS] = {};
-      if (bias && threadIdx.x % 32 == 0)
-        for (int k = 0; k < n; ++k) b[k] = to_float(bias[r.r0 + c * r.per_chunk + i + k * MK_WARPS]);
+      float sum[MK_ROWS];
       if (sizeof(T) == 4 && n == 1)  // measured: the one-row loop is faster for fp32, slower for bf16
         mk_dots<T, 1>(page + (int64_t)i * K, 0, 1, vec, K, sum);
       else
         mk_dots<T, MK_ROWS>(page + (int64_t)i * K, (int64_t)MK_WARPS * K, n, vec, K, sum);
       if (threadIdx.x % 32 == 0)
-        for (int k = 0; k < n; ++k) out(r.r0 + c * r.per_chunk + i + k * MK_WARPS, sum[k] + b[k]);
+        for (int k = 0; k < n; ++k) out(r.r0 + c * r.per_chunk + i + k * MK_WARPS, sum[k] + b[i + k * MK_WARPS]);
     }
-    __syncthreads();  // the page has been read
-    if (c + 1 == r.chunks) return j + MK_PAGES;
-    if (threadIdx.x == 0) mk_fetch(a, plan, j + MK_PAGES, pages, full);
+    mbar_arrive(empty + 8 * p);  // by every thread after its own reads, so no read is left unordered
   }
 }
 
@@ -7123,11 +7198,11 @@ __device__ int mk_product(const MkArgs<T>& a, const MkPlan<T>& plan, int l, int 
 __device__ __forceinline__ float mk_block_sum(float v, float* red) {
   v = warp_sum(v);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
+  mk_sync();
   float sum = 0.f;
 #pragma unroll
   for (int w = 0; w < MK_WARPS; ++w) sum += red[w];
-  __syncthreads();  // red may be written again
+  mk_sync();  // red may be written again
   return sum;
 }
 
@@ -7144,7 +7219,7 @@ __device__ void mk_layernorm(float* vec, const T* w, const T* b, int C, float ep
   const float rstd = rsqrtf(mk_block_sum(ss, red) / C + eps);
   for (int i = threadIdx.x; i < C; i += MK_THREADS)
     vec[i] = round_to<T>((vec[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]));
-  __syncthreads();
+  mk_sync();
 }
 
 // Thread-parallel copy of a norm's weight and bias (C values each) into shared memory, for a later
@@ -7158,18 +7233,48 @@ __device__ __forceinline__ void mk_fetch_norm(T* dst, const T* w, const T* b, in
   cp_async_commit();
 }
 
-// vec = n floats (n % 4 == 0) that other blocks wrote, read through L2, four 16-byte loads a thread in flight.
-__device__ __forceinline__ void mk_load(float* vec, const float* src, int n) {
-  for (int i = 4 * threadIdx.x; i < n; i += 16 * MK_THREADS) {
-    float4 v[4];
+// Hand-offs between blocks. A value one block writes and others read is stored with the tag of the step
+// that wrote it, in one 64-bit word (mk_put); a reader polls the words it needs until every tag is the
+// step's (mk_poll). The word is written and read whole, so a value is seen with its own tag or not at all:
+// no fence orders the data before a flag, and no grid barrier waits for every block. Tags count steps
+// over launches (MkWorkspace.launches), so a word left by an earlier step or launch never passes.
+// A buffer is written again only after every block has read it: each step's output feeds, through the
+// next steps, every block's input before that buffer's next write.
+__device__ __forceinline__ void mk_put(uint64_t* dst, float v, unsigned tag) {
+  const uint64_t word = (uint64_t)tag << 32 | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(dst), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ ulonglong2 mk_load2(const uint64_t* src) {
+  ulonglong2 v;
+  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(src) : "memory");
+  return v;
+}
+
+// dst[0, n) = the values at src(i) once they carry `tag` (n even; src(i + 1) = src(i) + 1 for even i, and
+// src(i) 16-byte aligned), four pairs a thread in flight; then the consumer warps' barrier.
+template <class Src>
+__device__ void mk_poll(float* dst, int n, unsigned tag, Src src) {
+  constexpr int U = 4;
+  mk_sync();  // every warp has read dst's previous values
+  for (int i0 = 2 * threadIdx.x; i0 < n; i0 += 2 * U * MK_THREADS) {
+    ulonglong2 v[U];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (i + 4 * k * MK_THREADS < n) v[k] = __ldcg(reinterpret_cast<const float4*>(src + i + 4 * k * MK_THREADS));
+    for (int u = 0; u < U; ++u)
+      if (i0 + 2 * u * MK_THREADS < n) v[u] = mk_load2(src(i0 + 2 * u * MK_THREADS));
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (i + 4 * k * MK_THREADS < n) *reinterpret_cast<float4*>(vec + i + 4 * k * MK_THREADS) = v[k];
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + 2 * u * MK_THREADS;
+      if (i >= n) break;
+      while ((unsigned)(v[u].x >> 32) != tag || (unsigned)(v[u].y >> 32) != tag) {
+        __nanosleep(64);  // measured: polling back to back slows the writers down
+        v[u] = mk_load2(src(i));
+      }
+      dst[i] = __uint_as_float((unsigned)v[u].x);
+      dst[i + 1] = __uint_as_float((unsigned)v[u].y);
+    }
   }
-  __syncthreads();
+  mk_sync();
 }
 
 __device__ __forceinline__ uint64_t mk_clock() {  // ns, the same clock on every SM
@@ -7178,57 +7283,22 @@ __device__ __forceinline__ uint64_t mk_clock() {  // ns, the same clock on every
   return t;
 }
 
-// The grid barrier. Every block adds one to the counter per barrier, which only grows: at a launch's start
-// it is a multiple of G (all earlier barriers complete), so each block's first read of it, before its
-// first arrival, tells the barrier count so far (fewer than G arrivals can have come in since), and the
-// k-th barrier of the launch waits for (that + k) * G. The add needs no answer (red), the wait one load.
-// Hence the workspace's contract: zeroed before its first step, then used by one stream at a time, on one
-// GPU (G its SM count).
-// trace (thread 0's stamps, or nullptr): when the block arrived and when it left. Thread 0 calls
-// arrived() between its arrival and its wait.
-struct MkBarrier {
-  unsigned long long* counter;
-  unsigned long long target;
-  uint64_t* trace;
-  int stamp;
-
-  __device__ MkBarrier(unsigned long long* c, uint64_t* tr) : counter(c), trace(tr), stamp(0) {
-    if (threadIdx.x == 0) {
-      unsigned long long now;
-      asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(counter) : "memory");
-      target = (now / gridDim.x + 1) * gridDim.x;
-      record();
-    }
-  }
-
-  __device__ void record() {  // thread 0's
-    if (trace) trace[stamp] = mk_clock();
+// The trace: thread 0's clock when its block finished a step's work and when the next step's inputs had
+// all arrived (nullptr: none).
+struct MkTrace {
+  uint64_t* at;
+  int stamp = 0;
+  __device__ void record() {
+    if (at && threadIdx.x == 0) at[stamp] = mk_clock();
     ++stamp;
-  }
-
-  template <class Arrived>
-  __device__ void sync(Arrived arrived) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      record();
-      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
-      arrived();
-      unsigned long long now;
-      do {
-        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(counter) : "memory");
-      } while (now < target);
-      target += gridDim.x;
-      record();
-    }
-    __syncthreads();
   }
 };
 
 // Adds up n parts of one head's attention (max score, sum of exps, hs unnormalised values each, at
-// parts[i * (hs + 2)]): with keep = 1 into one such part (out[0] the max, out[1] the sum), with keep = 0
+// parts[i * (hs + 2)]): with keep = 1 into one such part (put(0, the max), put(1, the sum), ...), with keep = 0
 // into the normalised output (hs values, rounded to T).
-template <class T>
-__device__ void mk_merge(const float* parts, int n, int hs, float* out, int keep) {
+template <class T, class Put>
+__device__ void mk_merge(const float* parts, int n, int hs, int keep, Put put) {
   const int stride = hs + 2;
   float mx = -INFINITY;
   for (int i = 0; i < n; ++i) mx = fmaxf(mx, parts[i * stride]);
@@ -7241,38 +7311,58 @@ __device__ void mk_merge(const float* parts, int n, int hs, float* out, int keep
       den += f * pi[1];
       acc += f * pi[keep ? d : 2 + d];
     }
-    out[d] = keep ? (d == 0 ? mx : acc) : round_to<T>(acc / den);
+    put(d, keep ? (d == 0 ? mx : acc) : round_to<T>(acc / den));
   }
 }
 
 // Step B for one (head, split) item: its keys' softmax-weighted values, unnormalised, with their max score
-// and sum of exps; the split that completes the head adds the splits up into o. A warp takes every
-// MK_WARPS-th key, MK_KEYS at a time with all their loads issued first (the cache is read from memory: a
-// key at a time would wait a round trip for each). scratch: max(MK_WARPS, splits) * (hs + 2) floats.
+// and sum of exps; split 0 of the head adds the splits up into o. The keys and values come from the
+// producer's page (MkPlan's att_keys of them), the one at pos from step A's hand-off, any others from the
+// cache. A warp takes every MK_WARPS-th key, MK_KEYS at a time with all their loads issued first (a key at
+// a time would wait a round trip for each one read from memory). scratch: mk_scratch_floats.
 constexpr int MK_KEYS = 2;
 
 template <class T>
-__device__ void mk_attention(const MkArgs<T>& a, const MkWorkspace& w, int l, int item, int pos, float* scratch,
-                             int* last) {
+__device__ void mk_attention(const MkArgs<T>& a, const MkPlan<T>& plan, const MkWorkspace& w, int l, int item,
+                             int pos, float* scratch, const char* pages, uint32_t full, uint32_t empty,
+                             unsigned tag_a, unsigned tag_b) {
   const int hs = a.hs, head = item / a.splits, split = item % a.splits, stride = hs + 2;
   const int kvh = head / (a.n_head / a.n_kv_head), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int kv_len = pos + 1, per = (kv_len + a.splits - 1) / a.splits;
-  const int j0 = split * per, j1 = min(kv_len, j0 + per);
+  const int j0 = split * per, j1 = min(kv_len, j0 + per), kvw = a.n_kv_head * hs;
   const int64_t base = ((int64_t)l * a.n_kv_head + kvh) * a.capacity * hs;
+  float* qkv = scratch + max(MK_WARPS, a.splits) * stride;  // the query, then the new key and value
+  const bool has_new = j0 <= pos && pos < j1;
+  mk_poll(qkv, has_new ? 3 * hs : hs, tag_a, [&](int i) {
+    return i < hs ? w.q + head * hs + i : w.kv + (i < 2 * hs ? kvh * hs + i - hs : kvw + kvh * hs + i - 2 * hs);
+  });
   float q[4], o[4] = {0.f, 0.f, 0.f, 0.f}, m = -INFINITY, sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) q[i] = lane + 32 * i < hs ? __ldcg(w.q + head * hs + lane + 32 * i) : 0.f;
+  for (int i = 0; i < 4; ++i) q[i] = lane + 32 * i < hs ? qkv[lane + 32 * i] : 0.f;
+  const int jp = l * plan.per_layer + plan.att_first, pg = jp % plan.pages;  // the chunk and its page
+  const int je = j0 + plan.att_keys;                                             // keys before je: the page's
+  const T* ks = reinterpret_cast<const T*>(pages + (int64_t)pg * plan.page_bytes);
+  const T* vs = ks + plan.att_keys * hs;
+  if (plan.att_chunks) mbar_wait(full + 8 * pg, (jp / plan.pages) & 1);
   for (int jb = j0 + warp; jb < j1; jb += MK_KEYS * MK_WARPS) {  // online softmax over the warp's keys
     float k[MK_KEYS][4], v[MK_KEYS][4];
 #pragma unroll
     for (int t = 0; t < MK_KEYS; ++t) {
-      const int64_t at = base + (int64_t)(jb + t * MK_WARPS) * hs;
-      const bool in = jb + t * MK_WARPS < j1;
+      const int key = jb + t * MK_WARPS;
+      const int64_t at = base + (int64_t)key * hs;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const bool live = in && lane + 32 * i < hs;
-        k[t][i] = live ? to_float(__ldcg(a.k_cache + at + lane + 32 * i)) : 0.f;
-        v[t][i] = live ? to_float(__ldcg(a.v_cache + at + lane + 32 * i)) : 0.f;
+        const int d = lane + 32 * i;
+        const bool live = key < j1 && d < hs;
+        const int e = (key - j0) * hs + d;
+        k[t][i] = !live      ? 0.f
+                  : key == pos ? qkv[hs + d]
+                  : key < je   ? to_float(ks[e])
+                               : to_float(__ldcg(a.k_cache + at + d));
+        v[t][i] = !live      ? 0.f
+                  : key == pos ? qkv[2 * hs + d]
+                  : key < je   ? to_float(vs[e])
+                               : to_float(__ldcg(a.v_cache + at + d));
       }
     }
 #pragma unroll
@@ -7289,44 +7379,40 @@ __device__ void mk_attention(const MkArgs<T>& a, const MkWorkspace& w, int l, in
       m = m_new;
     }
   }
+  if (plan.att_chunks) mbar_arrive(empty + 8 * pg);  // this thread has read the page
   float* mine = scratch + warp * stride;  // the warps' parts, then added up in a fixed order
   if (lane == 0) { mine[0] = m; mine[1] = sum; }
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     if (lane + 32 * i < hs) mine[2 + lane + 32 * i] = o[i];
-  __syncthreads();
-  mk_merge<T>(scratch, MK_WARPS, hs, w.part + ((int64_t)head * a.splits + split) * stride, 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // the part reaches L2 before the count says so
-    *last = atomicAdd(w.heads + head, 1u) == (unsigned)a.splits - 1;
-    if (*last) __threadfence();  // and the other splits' parts are seen after it
-  }
-  __syncthreads();
-  if (!*last) return;
-  const float* parts = w.part + (int64_t)head * a.splits * stride;
-  for (int i = threadIdx.x; i < a.splits * stride; i += MK_THREADS) scratch[i] = __ldcg(parts + i);
-  __syncthreads();
-  mk_merge<T>(scratch, a.splits, hs, w.o + head * hs, 0);
-  if (threadIdx.x == 0) w.heads[head] = 0;  // for the next layer, past a grid barrier
+  mk_sync();
+  uint64_t* parts = w.part + (int64_t)head * a.splits * stride;
+  mk_merge<T>(scratch, MK_WARPS, hs, 1, [&](int d, float v) { mk_put(parts + split * stride + d, v, tag_b); });
+  if (split != 0) return;
+  mk_sync();  // scratch is read again below
+  mk_poll(scratch, a.splits * stride, tag_b, [&](int i) { return parts + i; });
+  mk_merge<T>(scratch, a.splits, hs, 0, [&](int d, float v) { mk_put(w.o + head * hs + d, v, tag_b); });
 }
 
 template <class T>
-__global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const __grid_constant__ MkArgs<T> a) {
+__global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(const __grid_constant__ MkArgs<T> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // the bulk copies are Hopper's; the launcher refuses older GPUs
 #else
   extern __shared__ __align__(128) char smem[];
   char* pages = smem;
-  T* norm = reinterpret_cast<T*>(smem + MK_PAGES * MK_PAGE_BYTES);  // 2C: the next norm's weight and bias
+  T* norm = reinterpret_cast<T*>(smem + (int64_t)a.pages * a.page_bytes);  // 2C: the next norm's weight and bias
   float* vec = reinterpret_cast<float*>(norm + 2 * a.C);            // 4C: a product's input
   float* scratch = vec + 4 * a.C;                                   // mk_scratch_floats: attention's parts
   float* red = scratch + mk_scratch_floats(a.hs, a.splits);         // MK_WARPS: block sums
-  __shared__ uint64_t full_bars[MK_PAGES];  // page p's copy has landed
+  float* pbias = red + MK_WARPS;                                    // pages * max_rows: the pages' biases
+  const int max_rows = mk_max_chunk_rows(a.C, sizeof(T), a.page_bytes);
+  __shared__ uint64_t full_bars[MK_MAX_PAGES];   // page p has been filled
+  __shared__ uint64_t empty_bars[MK_MAX_PAGES];  // page p has been read by every consumer thread
+  __shared__ int qkv_at[MK_MAX_QKV_ROWS];    // where each of the block's QKV rows goes (mk_qkv_at)
   __shared__ float own[MK_MAX_OWN];          // the block's rows of the residual stream
-  __shared__ int last;                       // step B: this block adds its head's splits up
-  const uint32_t full = smem_addr(full_bars);
-  const MkWorkspace w(a.ws, a.C, a.n_head);
+  const uint32_t full = smem_addr(full_bars), empty = smem_addr(empty_bars);
+  const MkWorkspace w(a.ws, a.C, a.n_kv_head * a.hs);
   const int C = a.C, G = gridDim.x;
   const int64_t tok = *a.tok, pos = *a.pos;
   if (tok < 0 || tok >= a.V || pos < 0 || pos >= a.capacity) {  // every block sees the same values
@@ -7334,85 +7420,108 @@ __global__ void __launch_bounds__(MK_THREADS, 1) decode_megakernel_kernel(const 
       if (tok < 0 || tok >= a.V) report_bad_index(a.box, kBadDecodeToken, tok, a.V);
       else report_bad_index(a.box, kBadDecodePosition, pos, a.capacity);
     }
-    for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < a.V; i += G * MK_THREADS)
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.V; i += G * blockDim.x)
       a.logits[i] = from_float<T>(NAN);
     return;
   }
-  const MkPlan<T> plan(a);
-  MkBarrier barrier(w.barrier, a.trace ? a.trace + (int64_t)blockIdx.x * mk_trace_stamps(a.n_layer) : nullptr);
+  const MkPlan<T> plan(a, (int)pos);
+  MkTrace trace{a.trace ? a.trace + (int64_t)blockIdx.x * mk_trace_stamps(a.n_layer) : nullptr};
+  trace.record();
+  // tag(l, s): step s (A..E) of layer l in this launch, counted over launches
+  const unsigned tag0 = *w.launches * (5u * a.n_layer) + 1u;
+  auto tag = [&](int l, int s) { return tag0 + 5u * l + s; };
   if (threadIdx.x == 0) {
-    for (int p = 0; p < MK_PAGES; ++p) mbar_init(full + 8 * p, 1);
+    for (int p = 0; p < a.pages; ++p) {
+      mbar_init(full + 8 * p, 32);
+      mbar_init(empty + 8 * p, MK_THREADS);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int j = 0; j < MK_PAGES; ++j) mk_fetch(a, plan, j, pages, full);
   }
+  __syncthreads();
+  if (threadIdx.x >= MK_THREADS) {
+    mk_produce(a, plan, pages, pbias, max_rows, full, empty);
+    return;
+  }
+  for (int i = threadIdx.x; i < plan.p[MK_QKV].rows; i += MK_THREADS) qkv_at[i] = mk_qkv_at(a, plan.p[MK_QKV].r0 + i);
   mk_fetch_norm(norm, a.layer[0].ln1_w, a.layer[0].ln1_b, C);
   // The embedding: every block adds the two rows (as the op set's add, rounded to T). The residual
   // stream's rows [r0, r0 + rows) of the output projections are this block's (the same cut for both):
   // it keeps them in shared memory and publishes them for the norms.
   for (int i = threadIdx.x; i < C; i += MK_THREADS)
     vec[i] = round_to<T>(to_float(a.wte[tok * C + i]) + to_float(a.wpe[pos * C + i]));
-  __syncthreads();
+  mk_sync();
   const int r0 = plan.p[MK_OUT].r0;
-  for (int i = threadIdx.x; i < plan.p[MK_OUT].rows; i += MK_THREADS) w.x[r0 + i] = own[i] = vec[r0 + i];
-  auto residual = [&](int r, float y) {  // the stream's row r plus y, both rounded to T as the op set's add
-    const float x = round_to<T>(own[r - r0] + round_to<T>(y));
-    own[r - r0] = x;
-    w.x[r] = x;
+  for (int i = threadIdx.x; i < plan.p[MK_OUT].rows; i += MK_THREADS) own[i] = vec[r0 + i];
+  // the stream's row r plus y, both rounded to T as the op set's add, handed to the next norm with tag t
+  auto residual = [&](uint64_t* x, unsigned t) {
+    return [&, x, t](int r, float y) {
+      const float v = round_to<T>(own[r - r0] + round_to<T>(y));
+      own[r - r0] = v;
+      mk_put(x + r, v, t);
+    };
   };
-  const int kv = a.n_kv_head * a.hs;
-  int refill = -1;  // thread 0: the chunk to copy once the block has arrived at the barrier
-  auto arrived = [&] { mk_fetch(a, plan, refill, pages, full); };
+  auto from = [](const uint64_t* src) { return [src](int i) { return src + i; }; };
   for (int l = 0; l < a.n_layer; ++l) {
     const MkLayer<T>& L = a.layer[l];
-    // (A) LayerNorm + QKV; the key and value go into the cache at pos
-    if (l > 0) mk_load(vec, w.x, C);
+    // (A) LayerNorm + QKV; the key and value go into the cache at pos, and to step B
     mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
     mk_fetch_norm(norm, L.ln2_w, L.ln2_b, C);
     const int64_t cache_row = ((int64_t)l * a.n_kv_head * a.capacity + pos) * a.hs;
-    refill = mk_product(a, plan, l, MK_QKV, vec, L.attn_b, pages, full, [&](int r, float sum) {
+    mk_product(plan, l, MK_QKV, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
       const float y = round_to<T>(sum);
-      if (r < C) {
-        w.q[r] = y;
+      const int at = qkv_at[r - plan.p[MK_QKV].r0], kind = at >> 30, off = at & ((1 << 30) - 1);
+      if (kind == 0) {
+        mk_put(w.q + off, y, tag(l, 0));
       } else {
-        const int c = (r - C) % kv, head = c / a.hs, d = c % a.hs;
-        T* cache = r < C + kv ? a.k_cache : a.v_cache;
-        cache[cache_row + (int64_t)head * a.capacity * a.hs + d] = from_float<T>(y);
+        (kind == 1 ? a.k_cache : a.v_cache)[cache_row + off] = from_float<T>(y);
+        mk_put(w.kv + r - C, y, tag(l, 0));
       }
     });
-    barrier.sync(arrived);
-    if (l == 0 && blockIdx.x == 0 && threadIdx.x == 0) *a.pos = pos + 1;  // every block has read it by now
+    trace.record();
+    trace.record();  // step B's inputs are polled inside mk_attention
     // (B) attention
-    if (blockIdx.x < a.n_head * a.splits) mk_attention<T>(a, w, l, blockIdx.x, (int)pos, scratch, &last);
-    barrier.sync([] {});
+    if (blockIdx.x < a.n_head * a.splits)
+      mk_attention<T>(a, plan, w, l, blockIdx.x, (int)pos, scratch, pages, full, empty, tag(l, 0), tag(l, 1));
+    trace.record();
+    mk_poll(vec, C, tag(l, 1), from(w.o));
+    trace.record();
     // (C) output projection + residual
-    mk_load(vec, w.o, C);
-    refill = mk_product(a, plan, l, MK_OUT, vec, L.proj_b, pages, full, residual);
-    barrier.sync(arrived);
+    mk_product(plan, l, MK_OUT, vec, pages, pbias, max_rows, full, empty, residual(w.xd, tag(l, 2)));
+    trace.record();
+    mk_poll(vec, C, tag(l, 2), from(w.xd));
+    trace.record();
     // (D) LayerNorm + fc + GELU
-    mk_load(vec, w.x, C);
     mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
     if (l + 1 < a.n_layer) mk_fetch_norm(norm, a.layer[l + 1].ln1_w, a.layer[l + 1].ln1_b, C);
     else mk_fetch_norm(norm, a.lnf_w, a.lnf_b, C);
-    refill = mk_product(a, plan, l, MK_FC, vec, L.fc_b, pages, full,
-                        [&](int r, float sum) { w.h[r] = round_to<T>(GeluErf().fwd(round_to<T>(sum))); });
-    barrier.sync(arrived);
+    mk_product(plan, l, MK_FC, vec, pages, pbias, max_rows, full, empty,
+               [&](int r, float sum) { mk_put(w.h + r, round_to<T>(GeluErf().fwd(round_to<T>(sum))), tag(l, 3)); });
+    trace.record();
+    mk_poll(vec, 4 * C, tag(l, 3), from(w.h));
+    trace.record();
     // (E) mlp projection + residual
-    mk_load(vec, w.h, 4 * C);
-    refill = mk_product(a, plan, l, MK_FC2, vec, L.fc2_b, pages, full, residual);
-    barrier.sync(arrived);
+    mk_product(plan, l, MK_FC2, vec, pages, pbias, max_rows, full, empty, residual(w.xa, tag(l, 4)));
+    trace.record();
+    mk_poll(vec, C, tag(l, 4), from(w.xa));  // the next layer's input, or the head's
+    trace.record();
   }
   // (F) LayerNorm + head
-  mk_load(vec, w.x, C);
   mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
-  mk_product(a, plan, 0, MK_HEAD, vec, static_cast<const T*>(nullptr), pages, full,
+  mk_product(plan, 0, MK_HEAD, vec, pages, pbias, max_rows, full, empty,
              [&](int r, float sum) { a.logits[r] = from_float<T>(sum); });
-  if (threadIdx.x == 0) barrier.record();
+  trace.record();
+  // Every block read pos and the launch count at its start, before its first hand-off, and block 0 has
+  // seen every block's last one.
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *a.pos = pos + 1;
+    *w.launches += 1;
+  }
 #endif
 }
 
-// Bytes of dynamic shared memory the kernel takes at width C and head size hs.
-static int mk_smem_bytes(int C, int hs, int elem_bytes, int splits) {
-  return MK_PAGES * MK_PAGE_BYTES + 2 * C * elem_bytes + 4 * (4 * C + mk_scratch_floats(hs, splits) + MK_WARPS);
+// Bytes of dynamic shared memory the kernel takes besides its pages, at width C and head size hs.
+static int mk_smem_rest(int C, int hs, int elem_bytes, int splits) {
+  return 2 * C * elem_bytes + 4 * (4 * C + mk_scratch_floats(hs, splits) + MK_WARPS);
 }
 
 static int mk_splits(int n_head) { return std::max(1, std::min(MK_MAX_SPLITS, num_sms() / n_head)); }
@@ -7423,6 +7532,25 @@ static int mk_smem_optin() {  // the most shared memory a block may have (static
     cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     return bytes;
   });
+}
+
+static int mk_static_smem(int elem_bytes);
+
+// The pages: each holds a row of the mlp projection (4 n_embd values) and is at least 32 KB (two such rows
+// in bf16 at 2048 wide: with one, one warp would do that product); as many as shared memory holds, up to 6.
+struct MkPages {
+  int count, bytes;
+};
+static MkPages mk_pages(int C, int hs, int elem_bytes, int splits) {
+  const int bytes = std::max(MK_MIN_PAGE_BYTES, (4 * C * elem_bytes + 1023) / 1024 * 1024);
+  const int each = bytes + 4 * mk_max_chunk_rows(C, elem_bytes, bytes);  // a page and its biases
+  const int room = mk_smem_optin() - mk_static_smem(elem_bytes) - mk_smem_rest(C, hs, elem_bytes, splits);
+  return {std::min(MK_MAX_PAGES, std::max(0, room / each)), bytes};
+}
+
+static int mk_smem_bytes(int C, int hs, int elem_bytes, int splits) {
+  const MkPages p = mk_pages(C, hs, elem_bytes, splits);
+  return p.count * (p.bytes + 4 * mk_max_chunk_rows(C, elem_bytes, p.bytes)) + mk_smem_rest(C, hs, elem_bytes, splits);
 }
 
 static int mk_static_smem(int elem_bytes) {  // bytes of the kernel's __shared__ variables
@@ -7447,11 +7575,11 @@ const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int 
   if (hs > MK_MAX_HEAD) return "head size (n_embd / n_head) over 128";
   if (n_head % n_kv_head != 0) return "n_head not a multiple of n_kv_head";
   if (n_head > num_sms()) return "more heads than the GPU has SMs";
+  if (hs % 2 != 0) return "an odd head size";
   if ((C * elem_bytes) % 16 != 0) return "a row of n_embd values not a multiple of 16 bytes";
-  if (4 * C * elem_bytes > MK_PAGE_BYTES) return "a row of the mlp projection (4 n_embd values) over a 40 KB page";
   if ((C + num_sms() - 1) / num_sms() > MK_MAX_OWN) return "n_embd over 64 rows for each SM of the GPU";
-  if (mk_smem_bytes(C, hs, elem_bytes, mk_splits(n_head)) + mk_static_smem(elem_bytes) > mk_smem_optin())
-    return "more shared memory a block than the GPU has (n_embd too wide)";
+  if (mk_pages(C, hs, elem_bytes, mk_splits(n_head)).count < 2)
+    return "more shared memory a block than the GPU has (n_embd too wide: two weight pages must fit)";
   return nullptr;
 }
 
@@ -7479,6 +7607,9 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
   a.box = index_error_box();
   a.n_layer = n_layer; a.C = C; a.n_head = n_head; a.n_kv_head = n_kv_head; a.hs = hs; a.V = V;
   a.capacity = capacity; a.splits = mk_splits(n_head); a.eps = eps; a.scale = 1.f / sqrtf((float)hs);
+  const MkPages pages = mk_pages(C, hs, sizeof(T), a.splits);
+  a.pages = pages.count;
+  a.page_bytes = pages.bytes;
   const int smem = mk_smem_bytes(C, hs, sizeof(T), a.splits);
   cudaFuncSetAttribute(decode_megakernel_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaLaunchAttribute attr;
@@ -7486,7 +7617,7 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
   attr.val.cooperative = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(num_sms());
-  cfg.blockDim = dim3(MK_THREADS);
+  cfg.blockDim = dim3(MK_THREADS + 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = &attr;
@@ -7503,3 +7634,4 @@ template void decode_megakernel<__nv_bfloat16>(const __nv_bfloat16* const*, int,
                                                __nv_bfloat16*, __nv_bfloat16*, const int64_t*, int64_t*,
                                                __nv_bfloat16*, float*, uint64_t*, int, int, int, int, int, int, float,
                                                cudaStream_t);
+

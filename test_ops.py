@@ -1817,15 +1817,17 @@ def inference_gpu_megakernel_bad_inputs():
                          (dict(weights=[w.t() if w.dim() == 2 and w.shape[0] == w.shape[1] else w
                                         for w in mk.weights]), "must be contiguous")):
             expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**args(**kw)), want)
-    wide = train.GPT(95, 16, 1024, 4, 1, 0, train.TORCH_OPS).to(DEV).eval()  # head size 256
-    expect_error(ValueError, lambda: inference.Megakernel(wide, inference.kv_cache(wide, DEV)),
-                 "decode_megakernel cannot decode this model: head size")
-    return "NaN logits and the op's error for a bad token and position; 8 bad arguments named; head size 256 refused"
+    for n_embd, n_head, want in ((1024, 4, "head size"), (36, 4, "an odd head size")):  # head sizes 256 and 9
+        bad = train.GPT(95, 16, n_embd, n_head, 1, 0, train.TORCH_OPS).to(DEV).eval()
+        expect_error(ValueError, lambda: inference.Megakernel(bad, inference.kv_cache(bad, DEV)),
+                     f"decode_megakernel cannot decode this model: {want}")
+    return "NaN logits and the op's error for a bad token and position; 8 bad arguments named; head sizes 256, 9 refused"
 
 
 def inference_gpu_megakernel_trace():
-    # the traced step's logits are the untraced step's, bit for bit, and its clocks show the grid barrier
-    # holding: no block leaves a barrier before the last one arrives, and each block's stamps only grow
+    # the traced step's logits are the untraced step's, bit for bit, and its clocks show the hand-offs
+    # holding: each block's stamps only grow, and in steps C, D and E, whose outputs every block writes and
+    # every block reads, no block has the next step's inputs before the last block had this step's
     model = _mk_model(256, 4, 2, 48, n_layer=4)
     cache, twin = _mk_prefilled(model, [3, 1, 4])
     tok, trace = torch.tensor([[9]], device=DEV), torch.zeros(kernels.decode_megakernel_trace_shape(4),
@@ -1836,10 +1838,14 @@ def inference_gpu_megakernel_trace():
     assert torch.equal(plain, traced), "tracing changed the logits"
     t = trace.cpu()
     assert (t[:, 1:] >= t[:, :-1]).all(), "a block's clock went back"
-    arrive, leave = t[:, 1:-1:2], t[:, 2:-1:2]
-    assert (leave.min(0).values >= arrive.max(0).values).all(), "a block left a barrier before the last arrived"
+    assert 256 >= t.shape[0], f"{t.shape[0]} blocks: some have no rows of the 256-wide products"
+    _, ready = megakernel_done_ready(t)
+    for s in (2, 3, 4):  # C, D, E of each layer
+        early = ready[:, s::5].min(0).values < ready[:, s - 1::5].max(0).values
+        assert not early.any(), (f"step {MK_STEPS[s]}: a block had every block's outputs before the last block "
+                                 f"had its inputs")
     steps, head, total = megakernel_timeline(t)
-    return f"{t.shape[0]} blocks x {arrive.shape[1]} barriers hold; traced step {total:.1f} us"
+    return f"{t.shape[0]} blocks x {ready.shape[1]} hand-offs hold; traced step {total:.1f} us"
 
 
 def inference_gpu_megakernel_sampling():
@@ -5333,20 +5339,25 @@ def bench_ddp_rows(rows, dtype, res):
 MK_STEPS = "ABCDE"  # a layer's steps in decode_megakernel: norm + QKV, attention, out-proj, norm + fc, mlp proj
 
 
+def megakernel_done_ready(stamps):
+    """A decode_megakernel trace (blocks, 2 + 10 n_layer ns stamps) as (done, ready), each (blocks, 5 n_layer):
+    when each block finished each step's work, and when the next step's inputs had all reached it."""
+    return stamps[:, 1:-1:2], stamps[:, 2:-1:2]
+
+
 def megakernel_timeline(stamps):
-    """Where a decode_megakernel step's time goes, from its trace (blocks, 2 + 10 n_layer ns stamps): for each
-    step of a layer (medians over the layers) the median and the slowest block's work (arrival at the
-    barrier minus its departure from the one before), the arrivals' spread (last minus median) and the
-    barrier's own latency (first departure minus last arrival); then the head and the whole launch, in µs."""
+    """Where a decode_megakernel step's time goes, from its trace: for each step of a layer (medians over the
+    layers) the median and the slowest block's work (from its inputs' arrival to the step's last output) and
+    wait (from there to the next step's inputs' arrival; step B polls its own, so A's wait is nil); then the
+    head and the whole launch, in µs."""
     t = (stamps - stamps[:, 0].min()).double() / 1e3
-    arrive, leave = t[:, 1:-1:2], t[:, 2:-1:2]  # (blocks, barriers)
-    work = arrive - torch.cat([t[:, :1], leave[:, :-1]], 1)
-    per_barrier = dict(median=work.median(0).values, slowest=work.max(0).values,
-                       spread=arrive.max(0).values - arrive.median(0).values,
-                       barrier=leave.min(0).values - arrive.max(0).values)
-    steps = {name: {k: v[i::len(MK_STEPS)].median().item() for k, v in per_barrier.items()}
+    done, ready = megakernel_done_ready(t)
+    work, wait = done - torch.cat([t[:, :1], ready[:, :-1]], 1), ready - done
+    per_step = dict(work=work.median(0).values, slowest_work=work.max(0).values, wait=wait.median(0).values,
+                    slowest_wait=wait.max(0).values)
+    steps = {name: {k: v[i::len(MK_STEPS)].median().item() for k, v in per_step.items()}
              for i, name in enumerate(MK_STEPS)}
-    head = (t[:, -1] - leave[:, -1]).max().item()
+    head = (t[:, -1] - ready[:, -1]).max().item()
     return steps, head, (t[:, -1].max() - t[:, 0].min()).item()
 
 
@@ -5357,7 +5368,7 @@ def bench_megakernel(rows, steps=100):
     bw = inference.copy_bandwidth(DEV)
     print(f"\ndecode_megakernel, gpt 768 x 12, 8 heads, positions 100-199; copy rate {bw / 1e9:,.0f} GB/s")
     print(f"{'dtype':<6} {'us/step':>8} {'tok/s':>8} {'of copy bw':>11}   timeline of one step, us: steps of a layer "
-          f"(median over layers): median block / slowest block / arrival spread / barrier")
+          f"(median over layers): work of the median / slowest block, its wait for the next step's inputs")
     for dtype in ("fp32", "bf16"):
         model = inference.with_dtype(train.GPT(95, 256, 768, 8, 12, 0, train.TORCH_OPS).to(DEV).eval(), dtype)
         if why := inference.megakernel_why_not(model):
@@ -5384,7 +5395,7 @@ def bench_megakernel(rows, steps=100):
         us = t0.elapsed_time(t1) * 1e3 / steps
         frac = inference.weight_bytes_per_token(model) / (us * 1e-6) / bw
         by_step, head, total = megakernel_timeline(trace.cpu())
-        layer = " | ".join(f"{k} {v['median']:.1f}/{v['slowest']:.1f}/{v['spread']:.1f}/{v['barrier']:.1f}"
+        layer = " | ".join(f"{k} {v['work']:.1f}/{v['slowest_work']:.1f}, {v['wait']:.1f}/{v['slowest_wait']:.1f}"
                            for k, v in by_step.items())
         print(f"{dtype:<6} {us:>8.1f} {1e6 / us:>8,.0f} {frac:>11.0%}   {layer} | head {head:.1f} | traced step "
               f"{total:.1f}")
