@@ -2019,6 +2019,11 @@ __device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) 
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// The same expectation without an arrival, for a barrier whose arrivals come from several threads.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // Wait until the barrier's phase of this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   asm volatile(
@@ -7089,10 +7094,6 @@ template <class T>
 __device__ __forceinline__ const T* mk_bias(const MkArgs<T>& a, int l, int s) {
   const MkLayer<T>& w = a.layer[l];
   return s == MK_QKV ? w.attn_b : s == MK_OUT ? w.proj_b : s == MK_FC ? w.fc_b : s == MK_FC2 ? w.fc2_b : nullptr;
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 // The producer warp: walks the step's list of chunks and fills each page as soon as the consumer threads have
