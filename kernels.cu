@@ -7034,8 +7034,9 @@ struct MkPlan {
   int K[MK_PRODUCTS];
   int per_layer, total;  // chunks a layer, chunks of the whole step
   int pages, page_bytes;
-  // Step B's chunk: the cached keys and values [att_j0, att_j0 + att_keys) of the block's split, keys first
-  int att_j0, att_keys, att_chunks, att_first;
+  // Step B's split holds keys [att_j0, att_j1); its chunk: the cached keys and values [att_j0, att_j0 +
+  // att_keys), keys first
+  int att_j0, att_j1, att_keys, att_chunks, att_first;
 
   __device__ MkPlan(const MkArgs<T>& a, int pos) {
     const int G = gridDim.x, b = blockIdx.x, kv = a.n_kv_head * a.hs;
@@ -7048,6 +7049,7 @@ struct MkPlan {
     const int per_split = (pos + 1 + splits - 1) / splits, j0 = b % splits * per_split;
     const int j1 = min(pos + 1, j0 + per_split), fit = row_bytes % 16 == 0 ? a.page_bytes / (2 * row_bytes) : 0;
     att_j0 = j0;
+    att_j1 = j1;
     att_keys = b < a.n_head * splits ? max(0, min(min(j1, pos), j0 + fit) - j0) : 0;
     att_chunks = att_keys > 0;
     int first = 0;
@@ -7329,8 +7331,7 @@ __device__ void mk_attention(const MkArgs<T>& a, const MkPlan<T>& plan, const Mk
                              unsigned tag_a, unsigned tag_b) {
   const int hs = a.hs, head = item / a.splits, split = item % a.splits, stride = hs + 2;
   const int kvh = head / (a.n_head / a.n_kv_head), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int kv_len = pos + 1, per = (kv_len + a.splits - 1) / a.splits;
-  const int j0 = split * per, j1 = min(kv_len, j0 + per), kvw = a.n_kv_head * hs;
+  const int j0 = plan.att_j0, j1 = plan.att_j1, kvw = a.n_kv_head * hs;  // item is the block's index
   const int64_t base = ((int64_t)l * a.n_kv_head + kvh) * a.capacity * hs;
   float* qkv = scratch + max(MK_WARPS, a.splits) * stride;  // the query, then the new key and value
   const bool has_new = j0 <= pos && pos < j1;
