@@ -136,15 +136,15 @@ void kv_write(T*, T*, const T*, const T*, const int64_t*, const int64_t*, const 
               cudaStream_t);
 template <class T>
 void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
-                       T* k_cache, T* v_cache, const int64_t* tok, int64_t* pos, T* logits, float* ws,
-                       uint64_t* trace, int n_layer, int C, int n_head, int n_kv_head, int V, int capacity, float eps,
-                       cudaStream_t s);
+                       const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
+                       int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
+                       int n_kv_head, int hidden, int V, int capacity, float eps, cudaStream_t s);
 int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs);
 const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes);
 int decode_megakernel_max_layers();
 int decode_megakernel_grid();
 int decode_megakernel_trace_stamps(int n_layer);
-constexpr int MK_WEIGHTS = 12;  // tensors a layer; decode_megakernel refuses another count
+constexpr int MK_WEIGHTS = 13;  // weight slots a layer (MkLayer); decode_megakernel refuses another count
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
           cudaStream_t s);
@@ -2877,36 +2877,56 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 
 // ---- decode megakernel (inference only, no autograd) ------------------------------------------
 
-// weights: wte (V, C), wpe (>= capacity, C), ln_f_w, ln_f_b (C), then per layer, as a gpt Block names them,
-// ln_1_w, ln_1_b, attn_w (C + 2 kv, C), attn_b, attn_proj_w (C, C), attn_proj_b, ln_2_w, ln_2_b,
-// mlp.fc_w (4C, C), mlp.fc_b, mlp.proj_w (C, 4C), mlp.proj_b; every one contiguous, in one dtype.
-static const char* const kMkLayerNames[] = {"ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b",
-                                            "ln_2_w", "ln_2_b", "fc_w",   "fc_b",   "proj_w",      "proj_b"};
+// weights of a gpt model: wte (V, C), wpe (>= capacity, C), ln_f_w, ln_f_b (C), then per layer, as a gpt Block
+// names them, ln_1_w, ln_1_b, attn_w (C + 2 kv, C), attn_b, attn_proj_w (C, C), attn_proj_b, ln_2_w, ln_2_b,
+// mlp.fc_w (4C, C), mlp.fc_b, mlp.proj_w (C, 4C), mlp.proj_b. With rope_cos and rope_sin (fp32, (>= capacity,
+// head_size / 2), a llama model's angles): wte, ln_f_w, then per layer ln_1_w, attn_w, attn_proj_w, ln_2_w,
+// mlp.fc_w (H, C), mlp.up_w (H, C), mlp.proj_w (C, H), H the SwiGLU width. Every one contiguous, in one dtype.
+// A layer's weights fill the kernel's slots (MkLayer's order) that the architecture has.
+static const char* const kMkSlotNames[MK_WEIGHTS] = {"ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w",
+                                                     "attn_proj_b", "ln_2_w", "ln_2_b", "fc_w", "fc_b", "up_w",
+                                                     "proj_w", "proj_b"};
+static std::vector<int> mk_slots(bool llama) {
+  return llama ? std::vector<int>{0, 2, 4, 6, 8, 10, 11} : std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12};
+}
+static int64_t mk_globals(bool llama) { return llama ? 2 : 4; }  // wte, (wpe), ln_f_w, (ln_f_b)
 
-static std::vector<int64_t> mk_layer_shape(int i, int64_t C, int64_t kv) {
-  switch (i) {
+static std::vector<int64_t> mk_slot_shape(int slot, int64_t C, int64_t kv, int64_t H) {
+  switch (slot) {
     case 2: return {C + 2 * kv, C};
     case 3: return {C + 2 * kv};
     case 4: return {C, C};
-    case 8: return {4 * C, C};
-    case 9: return {4 * C};
-    case 10: return {C, 4 * C};
+    case 8: case 10: return {H, C};
+    case 9: return {H};
+    case 11: return {C, H};
     default: return {C};
   }
 }
 
+// The mlp's width: gpt's 4C, llama's fc_w rows.
+static int64_t mk_hidden(const std::vector<Tensor>& weights, bool llama, int64_t C) {
+  return llama && weights.size() > 6 && weights[6].dim() == 2 ? weights[6].size(0) : 4 * C;
+}
+
 static void check_decode_megakernel(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                                     const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
-                                    const Tensor& workspace, int64_t n_head, const std::optional<Tensor>& trace) {
+                                    const Tensor& workspace, int64_t n_head, const std::optional<Tensor>& trace,
+                                    const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
   const char* op = "decode_megakernel";
-  REQUIRE(weights.size() >= 4 + MK_WEIGHTS && (weights.size() - 4) % MK_WEIGHTS == 0, op,
-          ": weights must be wte, wpe, ln_f_w, ln_f_b, then 12 a layer (ln_1_w, ln_1_b, attn_w, attn_b, attn_proj_w, "
-          "attn_proj_b, ln_2_w, ln_2_b, mlp.fc_w, mlp.fc_b, mlp.proj_w, mlp.proj_b), got ", (int64_t)weights.size(),
-          " tensors");
+  const bool llama = rope_cos.has_value() && rope_cos->defined();
+  REQUIRE(llama == (rope_sin.has_value() && rope_sin->defined()), op,
+          ": rope_cos and rope_sin come together (a llama model) or not at all (gpt)");
+  const int64_t G = mk_globals(llama), per = (int64_t)mk_slots(llama).size();
+  REQUIRE((int64_t)weights.size() >= G + per && ((int64_t)weights.size() - G) % per == 0, op,
+          llama ? ": with rope tables (llama) weights must be wte, ln_f_w, then 7 a layer (ln_1_w, attn_w, attn_proj_w, "
+                  "ln_2_w, mlp.fc_w, mlp.up_w, mlp.proj_w), got "
+                : ": weights must be wte, wpe, ln_f_w, ln_f_b, then 12 a layer (ln_1_w, ln_1_b, attn_w, attn_b, "
+                  "attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, mlp.fc_w, mlp.fc_b, mlp.proj_w, mlp.proj_b), got ",
+          (int64_t)weights.size(), " tensors");
   const Tensor& wte = weights[0];
   check_fp_cuda(op, wte, "wte", wte, "wte");
   check_dim(op, wte, "wte", 2, "(V, C)");
-  const int64_t L = (weights.size() - 4) / MK_WEIGHTS, V = wte.size(0), C = wte.size(1);
+  const int64_t L = ((int64_t)weights.size() - G) / per, V = wte.size(0), C = wte.size(1);
   REQUIRE(n_head >= 1 && C % n_head == 0, op, ": n_head must divide n_embd (", C, "), got ", n_head);
   REQUIRE(C >= 1, op, ": wte must have at least one column (n_embd), got shape ", wte.sizes());
   check_fp_cuda(op, k_cache, "k_cache", wte, "wte");
@@ -2927,15 +2947,29 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
     REQUIRE(w.is_contiguous(), op, ": ", name, " must be contiguous");
   };
   check_weight(wte, "wte", {V, C});
-  REQUIRE(weights[1].dim() == 2 && weights[1].size(0) >= capacity, op, ": wpe must hold at least the cache's ",
-          capacity, " positions, got shape ", weights[1].sizes());
-  check_weight(weights[1], "wpe", {weights[1].size(0), C});
-  check_weight(weights[2], "ln_f_w", {C});
-  check_weight(weights[3], "ln_f_b", {C});
+  if (!llama) {
+    REQUIRE(weights[1].dim() == 2 && weights[1].size(0) >= capacity, op, ": wpe must hold at least the cache's ",
+            capacity, " positions, got shape ", weights[1].sizes());
+    check_weight(weights[1], "wpe", {weights[1].size(0), C});
+  }
+  check_weight(weights[G / 2], "ln_f_w", {C});
+  if (!llama) check_weight(weights[3], "ln_f_b", {C});
+  const int64_t H = mk_hidden(weights, llama, C), elem = wte.element_size();
+  REQUIRE(H >= 1 && H <= 4 * C && (H * elem) % 16 == 0, op, ": mlp.fc_w's rows (the SwiGLU width) must be in [1, ",
+          4 * C, "] and a multiple of 16 bytes, got ", H);
+  const std::vector<int> slots = mk_slots(llama);
   for (int64_t l = 0; l < L; ++l)
-    for (int i = 0; i < MK_WEIGHTS; ++i)
-      check_weight(weights[4 + l * MK_WEIGHTS + i], "layer " + std::to_string(l) + "'s " + kMkLayerNames[i],
-                   mk_layer_shape(i, C, n_kv * hs));
+    for (int64_t i = 0; i < per; ++i)
+      check_weight(weights[G + l * per + i], "layer " + std::to_string(l) + "'s " + kMkSlotNames[slots[i]],
+                   mk_slot_shape(slots[i], C, n_kv * hs, H));
+  if (llama)
+    for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&*rope_cos, "rope_cos"}, {&*rope_sin, "rope_sin"}}) {
+      check_float_cuda(op, *t, name);
+      check_same_device(op, wte, "wte", *t, name);
+      REQUIRE(t->dim() == 2 && t->size(0) >= capacity && t->size(1) == hs / 2 && t->is_contiguous(), op, ": ", name,
+              " must be a contiguous (>= ", capacity, ", ", hs / 2, ") table of the cache's positions' angles, got shape ",
+              t->sizes());
+    }
   for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&tok, "tok"}, {&pos, "pos"}}) {
     check_index_cuda(op, *t, name);
     check_same_device(op, wte, "wte", *t, name);
@@ -2963,9 +2997,10 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
 
 void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
-                            const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace) {
+                            const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
+                            const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
   raise_pending_index_error();
-  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace);
+  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin);
   const char* op = "decode_megakernel";
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const int64_t C = weights[0].size(1), L = k_cache.size(0), hs = C / n_head, n_kv = k_cache.size(2);
@@ -2984,14 +3019,20 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
   const int64_t blocks = decode_megakernel_grid(), stamps = decode_megakernel_trace_stamps((int)L);
   REQUIRE(!tracing || (trace->size(0) == blocks && trace->size(1) == stamps), op, ": trace must have shape (",
           blocks, ", ", stamps, "): the GPU's SMs, 2 + 10 n_layer stamps; got ", trace->sizes());
+  const bool llama = rope_cos.has_value() && rope_cos->defined();
+  const std::vector<int> slots = mk_slots(llama);
+  const int64_t G = mk_globals(llama), per = (int64_t)slots.size();
   with_type(weights[0].scalar_type(), [&](auto t) {
     using E = decltype(t);
-    std::vector<const E*> layers(L * MK_WEIGHTS);
-    for (int64_t i = 0; i < L * MK_WEIGHTS; ++i) layers[i] = ptr<E>(weights[4 + i]);
-    decode_megakernel(layers.data(), MK_WEIGHTS, ptr<E>(weights[0]), ptr<E>(weights[1]), ptr<E>(weights[2]),
-                      ptr<E>(weights[3]), ptr<E>(k_cache), ptr<E>(v_cache), ptr<int64_t>(tok), ptr<int64_t>(pos),
-                      ptr<E>(logits), ptr<float>(workspace),
-                      tracing ? reinterpret_cast<uint64_t*>(trace->data_ptr()) : nullptr, (int)L, to_int(op, C, "n_embd"), (int)n_head, (int)n_kv,
+    std::vector<const E*> layers(L * MK_WEIGHTS, nullptr);  // the slots the architecture lacks stay empty
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t i = 0; i < per; ++i) layers[l * MK_WEIGHTS + slots[i]] = ptr<E>(weights[G + l * per + i]);
+    decode_megakernel(layers.data(), MK_WEIGHTS, ptr<E>(weights[0]), llama ? nullptr : ptr<E>(weights[1]),
+                      ptr<E>(weights[G / 2]), llama ? nullptr : ptr<E>(weights[3]),
+                      llama ? ptr<float>(*rope_cos) : nullptr, llama ? ptr<float>(*rope_sin) : nullptr,
+                      ptr<E>(k_cache), ptr<E>(v_cache), ptr<int64_t>(tok), ptr<int64_t>(pos), ptr<E>(logits),
+                      ptr<float>(workspace), tracing ? reinterpret_cast<uint64_t*>(trace->data_ptr()) : nullptr,
+                      (int)L, to_int(op, C, "n_embd"), (int)n_head, (int)n_kv, (int)mk_hidden(weights, llama, C),
                       to_int(op, weights[0].size(0), "V"), to_int(op, k_cache.size(3), "capacity"), (float)eps,
                       stream());
   });
@@ -3001,15 +3042,17 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
 
 void decode_megakernel_meta(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
-                            const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace) {
-  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace);
+                            const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
+                            const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
+  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin);
 }
 
 void decode_megakernel_autograd(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                                 const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
-                                const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace) {
+                                const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
+                                const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
   call_below_autograd(KERNELS_OP("decode_megakernel", decode_megakernel_cuda), weights, tok, pos, k_cache, v_cache,
-                      logits, workspace, n_head, eps, trace);
+                      logits, workspace, n_head, eps, trace, rope_cos, rope_sin);
 }
 
 // The workspace decode_megakernel needs at width n_embd with n_head heads (floats, on the current GPU).
@@ -3030,14 +3073,14 @@ static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int6
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // A whole decode step of a gpt model: the logits of tok at position pos, its key and value written into
-  // the caches, pos advanced by one; with trace, each block's clock (ns) at its start, after each step
+  // A whole decode step of a gpt model (or, with rope_cos and rope_sin, a llama model): the logits of tok
+  // at position pos, its key and value written into the caches, pos advanced by one; with trace, each block's clock (ns) at its start, after each step
   // (its work done, the next step's inputs arrived) and at its end. The workspace holds a launch count and
   // the values passed between blocks: zero it before the first step, then keep it for one model's steps on
   // one stream and one GPU.
   def_op(m, "decode_megakernel(Tensor[] weights, Tensor tok, Tensor(a!) pos, Tensor(b!) k_cache, "
             "Tensor(c!) v_cache, Tensor(d!) logits, Tensor(e!) workspace, int n_head, float eps=1e-05, "
-            "Tensor(f!)? trace=None) -> ()");
+            "Tensor(f!)? trace=None, Tensor? rope_cos=None, Tensor? rope_sin=None) -> ()");
   cuda_meta(m, "decode_megakernel", decode_megakernel_cuda, decode_megakernel_meta, CPU_ERRORS);
   autograd(m, "decode_megakernel", decode_megakernel_autograd);
 }
@@ -3164,7 +3207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and at its end",
         py::arg("n_layer"));
   m.def("decode_megakernel_why_not", &decode_megakernel_why_not,
-        "None if decode_megakernel runs a gpt model of this shape on the current GPU, with weights of element_size "
+        "None if decode_megakernel runs a gpt or llama model of this shape on the current GPU, with weights of element_size "
         "bytes (4: float32, 2: bfloat16), else the reason",
         py::arg("n_embd"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("n_layer"), py::arg("element_size"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));

@@ -6912,16 +6912,19 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 }
 
 // ------------------------------------------------------------------------------------------------
-// decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases;
-// multi-head or grouped-query attention; fp32 or bf16) in one launch, where the op set launches about
-// ten kernels a layer. Decoding one token reads every weight once, so its limit is bandwidth; with a
-// kernel per op each of the ~130 links costs a launch and a ramp-up, about what a layer's weights take
-// to stream in, and the step reaches a fraction of the copy rate (inference.py prints how much).
+// decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases) or
+// a llama model (RMSNorm, RoPE, SwiGLU MLP, no biases), multi-head or grouped-query attention, fp32 or
+// bf16, in one launch, where the op set launches about ten kernels a layer. Decoding one token reads every
+// weight once, so its limit is bandwidth; with a kernel per op each of the ~130 links costs a launch and a
+// ramp-up, about what a layer's weights take to stream in, and the step reaches a fraction of the copy
+// rate (inference.py prints how much).
 //
-// Instruction set. A layer is five steps: (A) LayerNorm + QKV projection, the new key and value written
-// into the cache; (B) attention of the one query, a block per (head, split of the keys), split 0 of a
-// head adding the splits up; (C) output projection + residual; (D) LayerNorm + fc + GELU; (E) mlp
-// projection + residual. After the last layer, (F) LayerNorm + the tied output head writes the logits
+// Instruction set. A layer is five steps: (A) norm + QKV projection, the new key and value written into
+// the cache; (B) attention of the one query, a block per (head, split of the keys), split 0 of a head
+// adding the splits up (llama: each block first rotates the query and the new key, and writes the key
+// into the cache, as the rows of a pair may come from two blocks); (C) output projection + residual; (D)
+// norm + fc + GELU, or norm + fc and up + SwiGLU (a block's rows of both, so the pairs meet in the block);
+// (E) mlp projection + residual. After the last layer, (F) norm + the tied output head writes the logits
 // (the caller picks the token). Every block computes a norm over the whole row (n_embd values) itself
 // rather than wait for one to share it. Each op rounds to the weights' dtype where the op set's kernels
 // write their outputs, so the math is the op set's; the sums' order is not (one warp a row here), so
@@ -6949,7 +6952,7 @@ constexpr int MK_MAX_PAGES = 6, MK_MIN_PAGE_BYTES = 32 * 1024;  // pages a block
 constexpr int MK_MAX_LAYERS = 64;   // layers the kernel's argument holds
 constexpr int MK_MAX_HEAD = 128;    // head size: at most 4 values a lane
 constexpr int MK_MAX_SPLITS = 32;   // splits of a head's keys (blocks per head in step B)
-constexpr int MK_LAYER_WEIGHTS = 12;
+constexpr int MK_LAYER_WEIGHTS = 13;
 constexpr int MK_MAX_OWN = 64;      // rows of the residual stream a block keeps: n_embd <= 64 x its SMs
 
 __device__ __forceinline__ void mk_sync() {  // the consumer warps' barrier (the producer warp runs apart)
@@ -6963,8 +6966,9 @@ __host__ __device__ constexpr int mk_scratch_floats(int hs, int splits) {
 }
 
 template <class T>
-struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `layers`
-  const T *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `layers`; nullptr: none (biases
+                  // in llama, up_w in gpt)
+  const T *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *up_w, *fc2_w, *fc2_b;
 };
 
 constexpr int MK_MAX_QKV_ROWS = 3 * MK_MAX_OWN + 1;  // a block's rows of the QKV product: (3 n_embd) / SMs
@@ -6977,7 +6981,8 @@ __host__ __device__ constexpr int mk_max_chunk_rows(int C, int elem_bytes, int p
 template <class T>
 struct MkArgs {
   MkLayer<T> layer[MK_MAX_LAYERS];
-  const T *wte, *wpe, *lnf_w, *lnf_b;
+  const T *wte, *wpe, *lnf_w, *lnf_b;  // wpe and lnf_b nullptr in llama
+  const float *rope_cos, *rope_sin;    // llama's angles, (>= capacity, hs / 2) each; nullptr in gpt
   T *k_cache, *v_cache;    // (n_layer, n_kv_head, capacity, hs)
   const int64_t* tok;      // the token to decode
   int64_t* pos;            // its position; advanced by one
@@ -6985,7 +6990,7 @@ struct MkArgs {
   float* ws;               // mk_workspace
   uint64_t* trace;         // nullptr, or (G, mk_trace_stamps) ns: MkTrace's stamps of each block
   IndexErrorBox* box;
-  int n_layer, C, n_head, n_kv_head, hs, V, capacity, splits;
+  int n_layer, C, n_head, n_kv_head, hs, hidden, V, capacity, splits;  // hidden: the mlp's width, 4C or SwiGLU's
   int pages, page_bytes;  // mk_pages
   float eps, scale;
 };
@@ -6996,7 +7001,7 @@ struct MkWorkspace {
   unsigned* launches;    // launches so far; block 0 adds one at the end of each
   uint64_t *xa, *xd;     // the residual stream after the mlp (step E, read by A) and after attention (C, read by D)
   uint64_t *q, *kv, *o;  // the query (C), the new key and value (2 n_kv_head hs), the attention output (C)
-  uint64_t *h;           // the GELU output (4C)
+  uint64_t *h;           // the GELU or SwiGLU output (hidden <= 4C)
   uint64_t* part;        // (n_head, splits, hs + 2): each split's max score, sum of exps and unnormalised output
   __host__ __device__ MkWorkspace(float* ws, int C, int kv_width) {
     launches = reinterpret_cast<unsigned*>(ws);
@@ -7021,8 +7026,8 @@ __host__ __device__ inline int64_t mk_workspace_floats(int C, int n_head, int hs
 template <class T>
 __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
 
-// Step s's product in a layer (0 QKV, 1 attention output, 2 fc, 3 mlp projection) or the head (4).
-enum MkProduct { MK_QKV, MK_OUT, MK_FC, MK_FC2, MK_HEAD, MK_PRODUCTS };
+// Step s's product in a layer (QKV, attention output, fc, up (llama; none in gpt), mlp projection) or the head.
+enum MkProduct { MK_QKV, MK_OUT, MK_FC, MK_UP, MK_FC2, MK_HEAD, MK_PRODUCTS };
 
 struct MkRows {  // a block's rows of one product and their chunks
   int r0, rows, per_chunk, chunks, first;  // first: its first chunk's index within a layer's chunks
@@ -7040,8 +7045,9 @@ struct MkPlan {
 
   __device__ MkPlan(const MkArgs<T>& a, int pos) {
     const int G = gridDim.x, b = blockIdx.x, kv = a.n_kv_head * a.hs;
-    const int N[MK_PRODUCTS] = {a.C + 2 * kv, a.C, 4 * a.C, a.C, a.V};
-    const int Ks[MK_PRODUCTS] = {a.C, a.C, a.C, 4 * a.C, a.C};
+    const int F = a.hidden, up = a.rope_cos ? F : 0;
+    const int N[MK_PRODUCTS] = {a.C + 2 * kv, a.C, F, up, a.C, a.V};
+    const int Ks[MK_PRODUCTS] = {a.C, a.C, a.C, a.C, F, a.C};
     // Step B's item is the block's index (mk_attention). Its keys before pos are in the cache before the
     // launch (the key at pos comes from step A); as many as fit a page go through one, the rest (a long
     // context) are read from the cache, as are all where a cache row is no multiple of 16 bytes.
@@ -7089,7 +7095,8 @@ __device__ int mk_qkv_at(const MkArgs<T>& a, int r) {
 template <class T>
 __device__ __forceinline__ const T* mk_matrix(const MkArgs<T>& a, int l, int s) {
   const MkLayer<T>& w = a.layer[l];
-  return s == MK_QKV ? w.attn_w : s == MK_OUT ? w.proj_w : s == MK_FC ? w.fc_w : s == MK_FC2 ? w.fc2_w : a.wte;
+  return s == MK_QKV ? w.attn_w : s == MK_OUT ? w.proj_w : s == MK_FC ? w.fc_w : s == MK_UP ? w.up_w
+       : s == MK_FC2 ? w.fc2_w : a.wte;
 }
 
 template <class T>
@@ -7209,29 +7216,31 @@ __device__ __forceinline__ float mk_block_sum(float v, float* red) {
   return sum;
 }
 
-// vec (C, shared memory) = layernorm(vec) * w + b, two-pass as norm_fwd_row, rounded to T; w and b in shared
-// memory, copied there while the block waited (mk_fetch_norm).
+// vec (C, shared memory) = layernorm(vec) * w + b, two-pass as norm_fwd_row, rounded to T; with no bias
+// (rms), RMSNorm: the mean fixed at 0. w and b in shared memory, copied there while the block waited
+// (mk_fetch_norm).
 template <class T>
-__device__ void mk_layernorm(float* vec, const T* w, const T* b, int C, float eps, float* red) {
+__device__ void mk_norm(float* vec, const T* w, const T* b, bool rms, int C, float eps, float* red) {
   cp_async_wait<0>();  // this thread's part of w and b has landed; the block sum's barrier makes it all
   float s = 0.f;
-  for (int i = threadIdx.x; i < C; i += MK_THREADS) s += vec[i];
-  const float mean = mk_block_sum(s, red) / C;
+  if (!rms)
+    for (int i = threadIdx.x; i < C; i += MK_THREADS) s += vec[i];
+  const float mean = rms ? 0.f : mk_block_sum(s, red) / C;
   float ss = 0.f;
   for (int i = threadIdx.x; i < C; i += MK_THREADS) ss += (vec[i] - mean) * (vec[i] - mean);
   const float rstd = rsqrtf(mk_block_sum(ss, red) / C + eps);
   for (int i = threadIdx.x; i < C; i += MK_THREADS)
-    vec[i] = round_to<T>((vec[i] - mean) * rstd * to_float(w[i]) + to_float(b[i]));
+    vec[i] = round_to<T>((vec[i] - mean) * rstd * to_float(w[i]) + (rms ? 0.f : to_float(b[i])));
   mk_sync();
 }
 
-// Thread-parallel copy of a norm's weight and bias (C values each) into shared memory, for a later
-// mk_layernorm; the block's last reads of the previous ones are behind a barrier.
+// Thread-parallel copy of a norm's weight and bias (C values each; no bias: nullptr) into shared memory, for
+// a later mk_norm; the block's last reads of the previous ones are behind a barrier.
 template <class T>
 __device__ __forceinline__ void mk_fetch_norm(T* dst, const T* w, const T* b, int C) {
   constexpr int E = per16<T>();
   const int units = C / E;  // 16-byte units of each
-  for (int u = threadIdx.x; u < 2 * units; u += MK_THREADS)
+  for (int u = threadIdx.x; u < (b ? 2 : 1) * units; u += MK_THREADS)
     cp_async<16>(dst + u * E, u < units ? w + u * E : b + (u - units) * E, true);
   cp_async_commit();
 }
@@ -7318,6 +7327,28 @@ __device__ void mk_merge(const float* parts, int n, int hs, int keep, Put put) {
   }
 }
 
+// llama's RoPE in step B: the query and, where the split holds it (has_new), the new key (qkv's first and
+// second hs values) turned by pos's angles as the op set's rope turns them (each product rounded on its own,
+// the result to T); key_row: where the rotated key goes in the cache, or nullptr (another block writes it).
+template <class T>
+__device__ void mk_rope(const MkArgs<T>& a, float* qkv, bool has_new, int pos, T* key_row) {
+  const int half = a.hs / 2;
+  const float *cos = a.rope_cos + (int64_t)pos * half, *sin = a.rope_sin + (int64_t)pos * half;
+  for (int i = threadIdx.x; i < (has_new ? 2 : 1) * half; i += MK_THREADS) {
+    const bool key = i >= half;
+    const int d = i - (key ? half : 0);
+    float* x = qkv + (key ? a.hs : 0);
+    const float c = cos[d], s = sin[d], x1 = x[d], x2 = x[d + half];
+    x[d] = round_to<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    x[d + half] = round_to<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    if (key && key_row) {
+      key_row[d] = from_float<T>(x[d]);
+      key_row[d + half] = from_float<T>(x[d + half]);
+    }
+  }
+  mk_sync();
+}
+
 // Step B for one (head, split) item: its keys' softmax-weighted values, unnormalised, with their max score
 // and sum of exps; split 0 of the head adds the splits up into o. The keys and values come from the
 // producer's page (MkPlan's att_keys of them), the one at pos from step A's hand-off, any others from the
@@ -7338,6 +7369,10 @@ __device__ void mk_attention(const MkArgs<T>& a, const MkPlan<T>& plan, const Mk
   mk_poll(qkv, has_new ? 3 * hs : hs, tag_a, [&](int i) {
     return i < hs ? w.q + head * hs + i : w.kv + (i < 2 * hs ? kvh * hs + i - hs : kvw + kvh * hs + i - 2 * hs);
   });
+  if (a.rope_cos) {  // the first query head of the key's group writes it
+    const bool writes = has_new && head % (a.n_head / a.n_kv_head) == 0;
+    mk_rope(a, qkv, has_new, pos, writes ? a.k_cache + base + (int64_t)pos * hs : nullptr);
+  }
   float q[4], o[4] = {0.f, 0.f, 0.f, 0.f}, m = -INFINITY, sum = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) q[i] = lane + 32 * i < hs ? qkv[lane + 32 * i] : 0.f;
@@ -7413,9 +7448,11 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   __shared__ uint64_t empty_bars[MK_MAX_PAGES];  // page p has been read by every consumer thread
   __shared__ int qkv_at[MK_MAX_QKV_ROWS];    // where each of the block's QKV rows goes (mk_qkv_at)
   __shared__ float own[MK_MAX_OWN];          // the block's rows of the residual stream
+  __shared__ float gate[4 * MK_MAX_OWN];     // llama: the block's rows of the fc product, SwiGLU's gate
   const uint32_t full = smem_addr(full_bars), empty = smem_addr(empty_bars);
   const MkWorkspace w(a.ws, a.C, a.n_kv_head * a.hs);
   const int C = a.C, G = gridDim.x;
+  const bool rms = a.rope_cos != nullptr;  // llama: RMSNorm, RoPE, SwiGLU, no biases
   const int64_t tok = *a.tok, pos = *a.pos;
   if (tok < 0 || tok >= a.V || pos < 0 || pos >= a.capacity) {  // every block sees the same values
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -7446,11 +7483,13 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   }
   for (int i = threadIdx.x; i < plan.p[MK_QKV].rows; i += MK_THREADS) qkv_at[i] = mk_qkv_at(a, plan.p[MK_QKV].r0 + i);
   mk_fetch_norm(norm, a.layer[0].ln1_w, a.layer[0].ln1_b, C);
-  // The embedding: every block adds the two rows (as the op set's add, rounded to T). The residual
-  // stream's rows [r0, r0 + rows) of the output projections are this block's (the same cut for both):
-  // it keeps them in shared memory and publishes them for the norms.
-  for (int i = threadIdx.x; i < C; i += MK_THREADS)
-    vec[i] = round_to<T>(to_float(a.wte[tok * C + i]) + to_float(a.wpe[pos * C + i]));
+  // The embedding: every block adds the two rows (as the op set's add, rounded to T; llama has no position
+  // row). The residual stream's rows [r0, r0 + rows) of the output projections are this block's (the same
+  // cut for both): it keeps them in shared memory and publishes them for the norms.
+  for (int i = threadIdx.x; i < C; i += MK_THREADS) {
+    const float e = to_float(a.wte[tok * C + i]);
+    vec[i] = a.wpe ? round_to<T>(e + to_float(a.wpe[pos * C + i])) : e;
+  }
   mk_sync();
   const int r0 = plan.p[MK_OUT].r0;
   for (int i = threadIdx.x; i < plan.p[MK_OUT].rows; i += MK_THREADS) own[i] = vec[r0 + i];
@@ -7465,8 +7504,9 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   auto from = [](const uint64_t* src) { return [src](int i) { return src + i; }; };
   for (int l = 0; l < a.n_layer; ++l) {
     const MkLayer<T>& L = a.layer[l];
-    // (A) LayerNorm + QKV; the key and value go into the cache at pos, and to step B
-    mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
+    // (A) norm + QKV; the key (gpt's; llama's is rotated in step B) and value go into the cache at pos,
+    // and to step B
+    mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
     mk_fetch_norm(norm, L.ln2_w, L.ln2_b, C);
     const int64_t cache_row = ((int64_t)l * a.n_kv_head * a.capacity + pos) * a.hs;
     mk_product(plan, l, MK_QKV, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
@@ -7475,7 +7515,7 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
       if (kind == 0) {
         mk_put(w.q + off, y, tag(l, 0));
       } else {
-        (kind == 1 ? a.k_cache : a.v_cache)[cache_row + off] = from_float<T>(y);
+        if (kind != 1 || !rms) (kind == 1 ? a.k_cache : a.v_cache)[cache_row + off] = from_float<T>(y);
         mk_put(w.kv + r - C, y, tag(l, 0));
       }
     });
@@ -7492,14 +7532,23 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     trace.record();
     mk_poll(vec, C, tag(l, 2), from(w.xd));
     trace.record();
-    // (D) LayerNorm + fc + GELU
-    mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
+    // (D) norm + fc + GELU, or norm + fc and up + SwiGLU
+    mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
     if (l + 1 < a.n_layer) mk_fetch_norm(norm, a.layer[l + 1].ln1_w, a.layer[l + 1].ln1_b, C);
     else mk_fetch_norm(norm, a.lnf_w, a.lnf_b, C);
-    mk_product(plan, l, MK_FC, vec, pages, pbias, max_rows, full, empty,
-               [&](int r, float sum) { mk_put(w.h + r, round_to<T>(GeluErf().fwd(round_to<T>(sum))), tag(l, 3)); });
+    const int h0 = plan.p[MK_FC].r0;
+    mk_product(plan, l, MK_FC, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
+      if (rms) gate[r - h0] = round_to<T>(sum);
+      else mk_put(w.h + r, round_to<T>(GeluErf().fwd(round_to<T>(sum))), tag(l, 3));
+    });
+    if (rms) {
+      mk_sync();  // every warp's gates are in
+      mk_product(plan, l, MK_UP, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
+        mk_put(w.h + r, round_to<T>(Silu().fwd(gate[r - h0]) * round_to<T>(sum)), tag(l, 3));
+      });
+    }
     trace.record();
-    mk_poll(vec, 4 * C, tag(l, 3), from(w.h));
+    mk_poll(vec, a.hidden, tag(l, 3), from(w.h));
     trace.record();
     // (E) mlp projection + residual
     mk_product(plan, l, MK_FC2, vec, pages, pbias, max_rows, full, empty, residual(w.xa, tag(l, 4)));
@@ -7507,8 +7556,8 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     mk_poll(vec, C, tag(l, 4), from(w.xa));  // the next layer's input, or the head's
     trace.record();
   }
-  // (F) LayerNorm + head
-  mk_layernorm<T>(vec, norm, norm + C, C, a.eps, red);
+  // (F) norm + head
+  mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
   mk_product(plan, 0, MK_HEAD, vec, pages, pbias, max_rows, full, empty,
              [&](int r, float sum) { a.logits[r] = from_float<T>(sum); });
   trace.record();
@@ -7538,7 +7587,7 @@ static int mk_smem_optin() {  // the most shared memory a block may have (static
 
 static int mk_static_smem(int elem_bytes);
 
-// The pages: each holds a row of the mlp projection (4 n_embd values) and is at least 32 KB (two such rows
+// The pages: each holds a row of the mlp projection (up to 4 n_embd values) and is at least 32 KB (two such rows
 // in bf16 at 2048 wide: with one, one warp would do that product); as many as shared memory holds, up to 6.
 struct MkPages {
   int count, bytes;
@@ -7585,29 +7634,33 @@ const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int 
   return nullptr;
 }
 
-// layers: n_layer * per_layer (12) device pointers, host array, in MkLayer's order; the caches (n_layer, n_kv_head,
-// capacity, hs); ws: decode_megakernel_workspace_floats, zeroed before the first step; trace: nullptr or
+// layers: n_layer * per_layer (13) device pointers, host array, in MkLayer's order, nullptr for those the
+// model has none of; with rope_cos and rope_sin (fp32, (>= capacity, hs / 2)) a llama model, else gpt (wpe
+// and lnf_b given); hidden: the mlp's width. The caches (n_layer, n_kv_head, capacity, hs); ws:
+// decode_megakernel_workspace_floats, zeroed before the first step; trace: nullptr or
 // decode_megakernel_trace_stamps(n_layer) ns for each of decode_megakernel_grid() blocks.
 template <class T>
 void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
-                       T* k_cache, T* v_cache, const int64_t* tok, int64_t* pos, T* logits, float* ws,
-                       uint64_t* trace, int n_layer, int C, int n_head, int n_kv_head, int V, int capacity, float eps,
-                       cudaStream_t s) {
+                       const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
+                       int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
+                       int n_kv_head, int hidden, int V, int capacity, float eps, cudaStream_t s) {
   const int hs = C / n_head;
   const char* why = decode_megakernel_unsupported(C, n_head, n_kv_head, hs, sizeof(T));
-  if (per_layer != MK_LAYER_WEIGHTS) why = "12 weights a layer expected";
+  if (per_layer != MK_LAYER_WEIGHTS) why = "13 weight slots a layer expected";
+  if (!why && (hidden < 1 || hidden > 4 * C || hidden * (int)sizeof(T) % 16 != 0))
+    why = "the mlp's width over 4 n_embd, or its rows no multiple of 16 bytes";
   if (!why && (n_layer < 1 || n_layer > MK_MAX_LAYERS)) why = "n_layer outside [1, 64]";
   if (why) throw std::runtime_error(std::string("decode_megakernel: ") + why);
   MkArgs<T> a = {};
   for (int l = 0; l < n_layer; ++l) {
     const T* const* p = layers + MK_LAYER_WEIGHTS * l;
-    a.layer[l] = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11]};
+    a.layer[l] = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12]};
   }
-  a.wte = wte; a.wpe = wpe; a.lnf_w = lnf_w; a.lnf_b = lnf_b;
+  a.wte = wte; a.wpe = wpe; a.lnf_w = lnf_w; a.lnf_b = lnf_b; a.rope_cos = rope_cos; a.rope_sin = rope_sin;
   a.k_cache = k_cache; a.v_cache = v_cache; a.tok = tok; a.pos = pos; a.logits = logits; a.ws = ws;
   a.trace = trace;
   a.box = index_error_box();
-  a.n_layer = n_layer; a.C = C; a.n_head = n_head; a.n_kv_head = n_kv_head; a.hs = hs; a.V = V;
+  a.n_layer = n_layer; a.C = C; a.n_head = n_head; a.n_kv_head = n_kv_head; a.hs = hs; a.hidden = hidden; a.V = V;
   a.capacity = capacity; a.splits = mk_splits(n_head); a.eps = eps; a.scale = 1.f / sqrtf((float)hs);
   const MkPages pages = mk_pages(C, hs, sizeof(T), a.splits);
   a.pages = pages.count;
@@ -7629,11 +7682,11 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
 }
 
 template void decode_megakernel<float>(const float* const*, int, const float*, const float*, const float*, const float*,
-                                       float*, float*, const int64_t*, int64_t*, float*, float*, uint64_t*, int, int,
-                                       int, int, int, int, float, cudaStream_t);
+                                       const float*, const float*, float*, float*, const int64_t*, int64_t*, float*,
+                                       float*, uint64_t*, int, int, int, int, int, int, int, float, cudaStream_t);
 template void decode_megakernel<__nv_bfloat16>(const __nv_bfloat16* const*, int, const __nv_bfloat16*,
                                                const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-                                               __nv_bfloat16*, __nv_bfloat16*, const int64_t*, int64_t*,
-                                               __nv_bfloat16*, float*, uint64_t*, int, int, int, int, int, int, float,
-                                               cudaStream_t);
+                                               const float*, const float*, __nv_bfloat16*, __nv_bfloat16*,
+                                               const int64_t*, int64_t*, __nv_bfloat16*, float*, uint64_t*, int, int,
+                                               int, int, int, int, int, float, cudaStream_t);
 

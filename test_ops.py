@@ -1695,14 +1695,16 @@ def inference_gpu_bf16_paths():
 add("inference/gpu_bf16_paths", inference_gpu_bf16_paths)
 
 
-# decode_megakernel's shapes: (n_embd, n_head, n_kv_head, context); head sizes 96, 64 and 32 (grouped-query)
-# and 40 (no multiple of a warp), widths that are no multiple of a tile, one narrower than the SMs are many
-# (blocks with no rows of a product).
-_MK_SHAPES = ((768, 8, 8, 64), (256, 4, 2, 48), (200, 5, 5, 40), (64, 2, 1, 32))
+# decode_megakernel's shapes: (arch, n_embd, n_head, n_kv_head, context); head sizes 96, 64 and 32
+# (grouped-query) and 40 (no multiple of a warp), widths that are no multiple of a tile, one narrower than the
+# SMs are many (blocks with no rows of a product); llama at inference.py's shape and at head size 40 (SwiGLU
+# 576 wide).
+_MK_SHAPES = (("gpt", 768, 8, 8, 64), ("gpt", 256, 4, 2, 48), ("gpt", 200, 5, 5, 40), ("gpt", 64, 2, 1, 32),
+              ("llama", 768, 8, 4, 64), ("llama", 200, 5, 5, 40))
 
 
-def _mk_model(n_embd, n_head, n_kv, block, n_layer=3, dtype="fp32"):
-    model = train.GPT(95, block, n_embd, n_head, n_layer, 0, train.TORCH_OPS, n_kv_head=n_kv).to(DEV).eval()
+def _mk_model(arch, n_embd, n_head, n_kv, block, n_layer=3, dtype="fp32"):
+    model = train.GPT(95, block, n_embd, n_head, n_layer, 0, train.TORCH_OPS, n_kv_head=n_kv, arch=arch).to(DEV).eval()
     for i, p in enumerate(model.parameters()):  # biases and norms off their zero / one init, each its own draw,
         if p.dim() == 1:                         # so that one used in another's place shows
             with torch.no_grad():
@@ -1730,14 +1732,14 @@ def inference_gpu_megakernel_step():
     # the logits, the key and value written at the position, the position advanced; fp32 and bf16
     notes = []
     for dtype, tol in (("fp32", (2e-5, 1e-4)), ("bf16", (3e-2, 3e-2))):
-        for n_embd, n_head, n_kv, block in _MK_SHAPES:
-            model = _mk_model(n_embd, n_head, n_kv, block, dtype=dtype)
+        for arch, n_embd, n_head, n_kv, block in _MK_SHAPES:
+            model = _mk_model(arch, n_embd, n_head, n_kv, block, dtype=dtype)
             cache, twin = _mk_prefilled(model, [3, 1, 4, 1, 5])
             tok = torch.tensor([[9]], device=DEV)
             with torch.no_grad():
                 ref = model(tok, cache=twin)[0][0, 0]
                 ours = inference.Megakernel(model, cache)(tok)
-            label = f"{dtype}_{n_embd}_{n_head}h_{n_kv}kv"
+            label = f"{dtype}_{arch}_{n_embd}_{n_head}h_{n_kv}kv"
             check(f"logits_{label}", ours.float(), ref.float(), tol)
             check(f"k_{label}", cache.k.float(), twin.k.float(), tol)  # position 5 written, no other
             check(f"v_{label}", cache.v.float(), twin.v.float(), tol)
@@ -1753,8 +1755,8 @@ def inference_gpu_megakernel_tokens():
     # be a near tie (under 5% of the logits' spread), as between op sets
     n_new, notes = under_tool(200, 4), []
     for dtype in ("fp32", "bf16"):
-        for n_embd, n_head, n_kv, block in _MK_SHAPES:
-            model = _mk_model(n_embd, n_head, n_kv, block, dtype=dtype)
+        for arch, n_embd, n_head, n_kv, block in _MK_SHAPES:
+            model = _mk_model(arch, n_embd, n_head, n_kv, block, dtype=dtype)
             hs, toks, margins = n_embd // n_head, {}, {}
             # the cuda op set decodes with the fused attention: where it lacks the head size, the
             # megakernel's prefill and pick run on the torch op set
@@ -1769,7 +1771,7 @@ def inference_gpu_megakernel_tokens():
                 with torch.no_grad():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                 toks[name], margins[name] = dec.tokens.tolist(), dec.margins
-            label = f"{dtype} {n_embd}/{n_head}h/{n_kv}kv"
+            label = f"{dtype} {arch} {n_embd}/{n_head}h/{n_kv}kv"
             if dtype == "fp32":
                 assert all(t == toks["torch"] for t in toks.values()), f"{label}: {toks}"
                 check(f"margins_{label}", margins["megakernel"], margins["torch"], 1e-4)
@@ -1790,7 +1792,7 @@ def inference_gpu_megakernel_tokens():
 def inference_gpu_megakernel_bad_inputs():
     # a token or position out of range gives NaN logits and the op's error at the next check, nothing
     # written out of bounds; a model the kernel cannot run, or wrong arguments, a clear error
-    model = _mk_model(256, 4, 2, 48)
+    model = _mk_model("gpt", 256, 4, 2, 48)
     cache, _ = _mk_prefilled(model, [3, 1, 4])
     mk = inference.Megakernel(model, cache)
     for tok, pos, want in ((95, 3, "decode_megakernel: tok out of range in an earlier call: got 95"),
@@ -1817,18 +1819,31 @@ def inference_gpu_megakernel_bad_inputs():
                          (dict(weights=[w.t() if w.dim() == 2 and w.shape[0] == w.shape[1] else w
                                         for w in mk.weights]), "must be contiguous")):
             expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**args(**kw)), want)
+    llama = _mk_model("llama", 256, 4, 2, 48)
+    lcache, _ = _mk_prefilled(llama, [3, 1, 4])
+    lmk = inference.Megakernel(llama, lcache)
+    largs = lambda **kw: args(**{**dict(weights=lmk.weights, k_cache=lcache.k, v_cache=lcache.v, pos=lcache.pos,
+                                        logits=lmk.logits, workspace=lmk.workspace, rope_cos=llama.rope_cos,
+                                        rope_sin=llama.rope_sin), **kw})
+    with torch.no_grad():
+        for kw, want in ((dict(rope_sin=None), "rope_cos and rope_sin come together"),
+                         (dict(rope_cos=llama.rope_cos[:40], rope_sin=llama.rope_sin[:40]), "rope_cos must be a contiguous"),
+                         (dict(rope_sin=llama.rope_sin.double()), "rope_sin must be float32"),
+                         (dict(weights=mk.weights), "with rope tables (llama) weights must be wte, ln_f_w, then 7 a layer")):
+            expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**largs(**kw)), want)
     for n_embd, n_head, want in ((1024, 4, "head size"), (36, 4, "an odd head size")):  # head sizes 256 and 9
         bad = train.GPT(95, 16, n_embd, n_head, 1, 0, train.TORCH_OPS).to(DEV).eval()
         expect_error(ValueError, lambda: inference.Megakernel(bad, inference.kv_cache(bad, DEV)),
                      f"decode_megakernel cannot decode this model: {want}")
-    return "NaN logits and the op's error for a bad token and position; 8 bad arguments named; head sizes 256, 9 refused"
+    return ("NaN logits and the op's error for a bad token and position; 8 bad arguments (gpt) and 4 (llama) named; "
+            "head sizes 256, 9 refused")
 
 
 def inference_gpu_megakernel_trace():
     # the traced step's logits are the untraced step's, bit for bit, and its clocks show the hand-offs
     # holding: each block's stamps only grow, and in steps C, D and E, whose outputs every block writes and
     # every block reads, no block has the next step's inputs before the last block had this step's
-    model = _mk_model(256, 4, 2, 48, n_layer=4)
+    model = _mk_model("gpt", 256, 4, 2, 48, n_layer=4)
     cache, twin = _mk_prefilled(model, [3, 1, 4])
     tok, trace = torch.tensor([[9]], device=DEV), torch.zeros(kernels.decode_megakernel_trace_shape(4),
                                                               dtype=torch.long, device=DEV)
@@ -1854,8 +1869,8 @@ def inference_gpu_megakernel_sampling():
     # from the same uniforms: all 200 in fp32; bf16's first difference, if any, is reported
     n_new, notes = under_tool(200, 4), []
     for dtype in ("fp32", "bf16"):
-        for n_embd, n_head, n_kv, block in _MK_SHAPES[:2]:
-            model = _mk_model(n_embd, n_head, n_kv, block, dtype=dtype)
+        for arch, n_embd, n_head, n_kv, block in _MK_SHAPES[:2] + _MK_SHAPES[4:5]:
+            model = _mk_model(arch, n_embd, n_head, n_kv, block, dtype=dtype)
             uniforms, toks = torch.rand(n_new, generator=torch.Generator().manual_seed(5)), {}
             for mode in ("graph", "megakernel"):
                 model.ops = train.TORCH_OPS
@@ -1864,7 +1879,7 @@ def inference_gpu_megakernel_sampling():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                 toks[mode] = dec.tokens.tolist()
             i = inference.first_difference(toks["graph"], toks["megakernel"])
-            label = f"{dtype} {n_embd}/{n_head}h/{n_kv}kv"
+            label = f"{dtype} {arch} {n_embd}/{n_head}h/{n_kv}kv"
             assert dtype != "fp32" or i is None, f"{label}: sampled tokens differ at {i}: {toks}"
             notes.append(f"{label}: equal to token {n_new if i is None else i}")
     return "; ".join(notes)
@@ -1877,7 +1892,7 @@ for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, infe
 
 def inference_megakernel_refuses():
     # the models decode_megakernel does not decode say why, before any GPU is asked (CPU, in CI)
-    for kw, want in ((dict(arch="llama"), "gpt arch"), (dict(mlp=lambda: inference.MoE(32, 4, 2)), "dense models"),
+    for kw, want in ((dict(mlp=lambda: inference.MoE(32, 4, 2)), "dense models"),
                      (dict(residual="mhc"), "baseline residual stream"),
                      (dict(residual="hc", n_streams=1), "baseline residual stream")):  # one stream still mixes
         model = train.GPT(95, 24, 32, 2, 2, 0, train.TORCH_OPS, **kw)
@@ -1887,7 +1902,7 @@ def inference_megakernel_refuses():
             raise AssertionError(f"{kw}: Megakernel took the model")
         except ValueError as e:
             assert want in str(e), f"{kw}: {e}"
-    return "llama, MoE, mHC and one-stream HC models refused with their reason"
+    return "MoE, mHC and one-stream HC models refused with their reason"
 
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
@@ -3800,17 +3815,23 @@ def _megakernel_supported(dt):
 
 
 def _megakernel_case(plain, dt):
-    """decode_megakernel's opcheck case where the GPU runs it (Hopper): a 1-layer gpt 64 wide, 2 heads, 11
-    tokens, a cache of 64 positions."""
+    """decode_megakernel's opcheck cases where the GPU runs it (Hopper): a 1-layer model 64 wide, 2 heads, 11
+    tokens, a cache of 64 positions: gpt, and llama (one K/V head, SwiGLU 192 wide, with its RoPE tables)."""
     if not _megakernel_supported(dt):
         return []
-    C = 64
-    shapes = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
-              (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
-    workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2), device=DEV)
-    args = ([plain(*s) for s in shapes], torch.tensor([[3]], device=DEV), torch.tensor([5], device=DEV),
-            plain(1, 1, 2, 64, 32), plain(1, 1, 2, 64, 32), plain(11), workspace, 2)
-    return [("decode_megakernel", torch.ops.kernels.decode_megakernel, args, {})]
+    C, H = 64, train.swiglu_hidden(64)
+    gpt = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
+           (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
+    llama = [(11, C), (C,), (C,), (2 * C, C), (C, C), (C,), (H, C), (H, C), (C, H)]
+    cases = []
+    for name, shapes, n_kv, rope in (("gpt", gpt, 2, {}),
+                                     ("llama", llama, 1, dict(rope_cos=torch.rand(64, 16, device=DEV),
+                                                              rope_sin=torch.rand(64, 16, device=DEV)))):
+        workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2), device=DEV)
+        args = ([plain(*s) for s in shapes], torch.tensor([[3]], device=DEV), torch.tensor([5], device=DEV),
+                plain(1, 1, n_kv, 64, 32), plain(1, 1, n_kv, 64, 32), plain(11), workspace, 2)
+        cases.append((f"decode_megakernel_{name}", torch.ops.kernels.decode_megakernel, args, rope))
+    return cases
 
 
 def opcheck_cases(dt):
