@@ -138,13 +138,14 @@ template <class T>
 void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
                        const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
                        int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
-                       int n_kv_head, int hidden, int V, int capacity, float eps, cudaStream_t s);
-int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs);
+                       int n_kv_head, int hidden, int n_expert, int top_k, int V, int capacity, float eps,
+                       cudaStream_t s);
+int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs, int top_k);
 const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes);
 int decode_megakernel_max_layers();
 int decode_megakernel_grid();
 int decode_megakernel_trace_stamps(int n_layer);
-constexpr int MK_WEIGHTS = 13;  // weight slots a layer (MkLayer); decode_megakernel refuses another count
+constexpr int MK_WEIGHTS = 14;  // weight slots a layer (MkLayer); decode_megakernel refuses another count
 size_t topk_workspace_bytes(int64_t rows, int L, int k);
 void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
           cudaStream_t s);
@@ -2881,47 +2882,67 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // names them, ln_1_w, ln_1_b, attn_w (C + 2 kv, C), attn_b, attn_proj_w (C, C), attn_proj_b, ln_2_w, ln_2_b,
 // mlp.fc_w (4C, C), mlp.fc_b, mlp.proj_w (C, 4C), mlp.proj_b. With rope_cos and rope_sin (fp32, (>= capacity,
 // head_size / 2), a llama model's angles): wte, ln_f_w, then per layer ln_1_w, attn_w, attn_proj_w, ln_2_w,
-// mlp.fc_w (H, C), mlp.up_w (H, C), mlp.proj_w (C, H), H the SwiGLU width. Every one contiguous, in one dtype.
-// A layer's weights fill the kernel's slots (MkLayer's order) that the architecture has.
+// mlp.fc_w (H, C), mlp.up_w (H, C), mlp.proj_w (C, H), H the SwiGLU width. With top_k > 0 (a mixture of
+// experts, of which a token takes top_k): every mlp weight and bias with a leading dim of the E experts, and
+// mlp.router_w (E, C) last in each layer. Every one contiguous, in one dtype. A layer's weights fill the
+// kernel's slots (MkLayer's order) that the model has.
 static const char* const kMkSlotNames[MK_WEIGHTS] = {"ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w",
-                                                     "attn_proj_b", "ln_2_w", "ln_2_b", "fc_w", "fc_b", "up_w",
-                                                     "proj_w", "proj_b"};
-static std::vector<int> mk_slots(bool llama) {
-  return llama ? std::vector<int>{0, 2, 4, 6, 8, 10, 11} : std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12};
+                                                     "attn_proj_b", "ln_2_w", "ln_2_b", "mlp.fc_w", "mlp.fc_b",
+                                                     "mlp.up_w", "mlp.proj_w", "mlp.proj_b", "mlp.router_w"};
+static std::vector<int> mk_slots(bool llama, bool moe) {
+  std::vector<int> slots = llama ? std::vector<int>{0, 2, 4, 6, 8, 10, 11}
+                                 : std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12};
+  if (moe) slots.push_back(13);
+  return slots;
 }
 static int64_t mk_globals(bool llama) { return llama ? 2 : 4; }  // wte, (wpe), ln_f_w, (ln_f_b)
 
-static std::vector<int64_t> mk_slot_shape(int slot, int64_t C, int64_t kv, int64_t H) {
+// Slot's shape at width C, key width kv, mlp width H, E experts (0: dense).
+static std::vector<int64_t> mk_slot_shape(int slot, int64_t C, int64_t kv, int64_t H, int64_t E) {
+  std::vector<int64_t> shape;
   switch (slot) {
-    case 2: return {C + 2 * kv, C};
-    case 3: return {C + 2 * kv};
-    case 4: return {C, C};
-    case 8: case 10: return {H, C};
-    case 9: return {H};
-    case 11: return {C, H};
-    default: return {C};
+    case 2: shape = {C + 2 * kv, C}; break;
+    case 3: shape = {C + 2 * kv}; break;
+    case 4: shape = {C, C}; break;
+    case 8: case 10: shape = {H, C}; break;
+    case 9: shape = {H}; break;
+    case 11: shape = {C, H}; break;
+    case 13: return {E, C};
+    default: shape = {C};
   }
+  if (E && slot >= 8) shape.insert(shape.begin(), E);  // an expert's mlp weights each
+  return shape;
 }
 
-// The mlp's width: gpt's 4C, llama's fc_w rows.
+// The mlp's width: gpt's 4C, llama's fc_w rows (of an expert, in a mixture).
 static int64_t mk_hidden(const std::vector<Tensor>& weights, bool llama, int64_t C) {
-  return llama && weights.size() > 6 && weights[6].dim() == 2 ? weights[6].size(0) : 4 * C;
+  return llama && weights.size() > 6 && weights[6].dim() >= 2 ? weights[6].size(-2) : 4 * C;
+}
+
+// A mixture's experts: layer 0's router_w rows (0 for a dense model).
+static int64_t mk_experts(const std::vector<Tensor>& weights, bool llama, int64_t top_k) {
+  const size_t at = mk_globals(llama) + mk_slots(llama, true).size() - 1;
+  return top_k > 0 && weights.size() > at && weights[at].dim() == 2 ? weights[at].size(0) : 0;
 }
 
 static void check_decode_megakernel(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                                     const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
                                     const Tensor& workspace, int64_t n_head, const std::optional<Tensor>& trace,
-                                    const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
+                                    const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin,
+                                    int64_t top_k) {
   const char* op = "decode_megakernel";
   const bool llama = rope_cos.has_value() && rope_cos->defined();
   REQUIRE(llama == (rope_sin.has_value() && rope_sin->defined()), op,
           ": rope_cos and rope_sin come together (a llama model) or not at all (gpt)");
-  const int64_t G = mk_globals(llama), per = (int64_t)mk_slots(llama).size();
-  REQUIRE((int64_t)weights.size() >= G + per && ((int64_t)weights.size() - G) % per == 0, op,
-          llama ? ": with rope tables (llama) weights must be wte, ln_f_w, then 7 a layer (ln_1_w, attn_w, attn_proj_w, "
-                  "ln_2_w, mlp.fc_w, mlp.up_w, mlp.proj_w), got "
-                : ": weights must be wte, wpe, ln_f_w, ln_f_b, then 12 a layer (ln_1_w, ln_1_b, attn_w, attn_b, "
-                  "attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, mlp.fc_w, mlp.fc_b, mlp.proj_w, mlp.proj_b), got ",
+  REQUIRE(top_k >= 0 && top_k <= 2, op, ": top_k must be 0 (a dense model) or the 1 or 2 experts a token takes, got ",
+          top_k);
+  const std::vector<int> slots = mk_slots(llama, top_k > 0);
+  const int64_t G = mk_globals(llama), per = (int64_t)slots.size();
+  std::string names;
+  for (int i : slots) names += std::string(names.empty() ? "" : ", ") + kMkSlotNames[i];
+  REQUIRE((int64_t)weights.size() >= G + per && ((int64_t)weights.size() - G) % per == 0, op, ": weights must be ",
+          llama ? "wte, ln_f_w" : "wte, wpe, ln_f_w, ln_f_b", ", then ", per, " a layer (", names, ") for a ",
+          top_k ? "mixture of experts" : "dense model", llama ? " with rope tables (llama)" : " (gpt)", ", got ",
           (int64_t)weights.size(), " tensors");
   const Tensor& wte = weights[0];
   check_fp_cuda(op, wte, "wte", wte, "wte");
@@ -2957,11 +2978,13 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
   const int64_t H = mk_hidden(weights, llama, C), elem = wte.element_size();
   REQUIRE(H >= 1 && H <= 4 * C && (H * elem) % 16 == 0, op, ": mlp.fc_w's rows (the SwiGLU width) must be in [1, ",
           4 * C, "] and a multiple of 16 bytes, got ", H);
-  const std::vector<int> slots = mk_slots(llama);
+  const int64_t E = mk_experts(weights, llama, top_k);
+  REQUIRE(!top_k || (E >= top_k && E <= 64), op, ": mlp.router_w must have between top_k (", top_k,
+          ") and 64 rows (experts), got shape ", weights[G + per - 1].sizes());
   for (int64_t l = 0; l < L; ++l)
     for (int64_t i = 0; i < per; ++i)
       check_weight(weights[G + l * per + i], "layer " + std::to_string(l) + "'s " + kMkSlotNames[slots[i]],
-                   mk_slot_shape(slots[i], C, n_kv * hs, H));
+                   mk_slot_shape(slots[i], C, n_kv * hs, H, E));
   if (llama)
     for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&*rope_cos, "rope_cos"}, {&*rope_sin, "rope_sin"}}) {
       check_float_cuda(op, *t, name);
@@ -2998,16 +3021,18 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
 void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
                             const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
-                            const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
+                            const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin,
+                            int64_t top_k) {
   raise_pending_index_error();
-  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin);
+  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin,
+                          top_k);
   const char* op = "decode_megakernel";
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const int64_t C = weights[0].size(1), L = k_cache.size(0), hs = C / n_head, n_kv = k_cache.size(2);
   const char* why = decode_megakernel_unsupported((int)C, (int)n_head, (int)n_kv, (int)hs,
                                                   (int)weights[0].element_size());
   REQUIRE_VALUE(why == nullptr, op, ": this model cannot run here: ", why ? why : "");
-  const int64_t need = decode_megakernel_workspace_floats((int)C, (int)n_head, (int)hs);
+  const int64_t need = decode_megakernel_workspace_floats((int)C, (int)n_head, (int)hs, (int)std::max<int64_t>(1, top_k));
   REQUIRE(workspace.numel() >= need, op, ": workspace must hold ", need,
           " floats (decode_megakernel_workspace_floats), got ", workspace.numel());
   for (size_t i = 0; i < weights.size(); ++i)  // the kernel copies weight rows with 16-byte bulk copies
@@ -3020,7 +3045,7 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
   REQUIRE(!tracing || (trace->size(0) == blocks && trace->size(1) == stamps), op, ": trace must have shape (",
           blocks, ", ", stamps, "): the GPU's SMs, 2 + 10 n_layer stamps; got ", trace->sizes());
   const bool llama = rope_cos.has_value() && rope_cos->defined();
-  const std::vector<int> slots = mk_slots(llama);
+  const std::vector<int> slots = mk_slots(llama, top_k > 0);
   const int64_t G = mk_globals(llama), per = (int64_t)slots.size();
   with_type(weights[0].scalar_type(), [&](auto t) {
     using E = decltype(t);
@@ -3033,6 +3058,7 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
                       ptr<E>(k_cache), ptr<E>(v_cache), ptr<int64_t>(tok), ptr<int64_t>(pos), ptr<E>(logits),
                       ptr<float>(workspace), tracing ? reinterpret_cast<uint64_t*>(trace->data_ptr()) : nullptr,
                       (int)L, to_int(op, C, "n_embd"), (int)n_head, (int)n_kv, (int)mk_hidden(weights, llama, C),
+                      (int)mk_experts(weights, llama, top_k), (int)top_k,
                       to_int(op, weights[0].size(0), "V"), to_int(op, k_cache.size(3), "capacity"), (float)eps,
                       stream());
   });
@@ -3043,22 +3069,27 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
 void decode_megakernel_meta(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
                             const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
-                            const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
-  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin);
+                            const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin,
+                            int64_t top_k) {
+  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin,
+                          top_k);
 }
 
 void decode_megakernel_autograd(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                                 const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
                                 const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
-                                const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin) {
+                                const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin,
+                                int64_t top_k) {
   call_below_autograd(KERNELS_OP("decode_megakernel", decode_megakernel_cuda), weights, tok, pos, k_cache, v_cache,
-                      logits, workspace, n_head, eps, trace, rope_cos, rope_sin);
+                      logits, workspace, n_head, eps, trace, rope_cos, rope_sin, top_k);
 }
 
-// The workspace decode_megakernel needs at width n_embd with n_head heads (floats, on the current GPU).
-static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head) {
+// The workspace decode_megakernel needs at width n_embd with n_head heads, top_k experts a token (1: dense)
+// (floats, on the current GPU).
+static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head, int64_t top_k) {
   REQUIRE_VALUE(n_head >= 1 && n_embd % n_head == 0, "decode_megakernel_workspace_floats: n_head must divide n_embd");
-  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head));
+  REQUIRE_VALUE(top_k >= 1 && top_k <= 2, "decode_megakernel_workspace_floats: top_k must be 1 or 2, got ", top_k);
+  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head), (int)top_k);
 }
 
 // None if the current GPU's megakernel decodes a model of this shape and dtype, else why not.
@@ -3073,14 +3104,14 @@ static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int6
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // A whole decode step of a gpt model (or, with rope_cos and rope_sin, a llama model): the logits of tok
-  // at position pos, its key and value written into the caches, pos advanced by one; with trace, each block's clock (ns) at its start, after each step
+  // A whole decode step of a gpt model (or, with rope_cos and rope_sin, a llama model; with top_k, a mixture
+  // of experts): the logits of tok at position pos, its key and value written into the caches, pos advanced by one; with trace, each block's clock (ns) at its start, after each step
   // (its work done, the next step's inputs arrived) and at its end. The workspace holds a launch count and
   // the values passed between blocks: zero it before the first step, then keep it for one model's steps on
   // one stream and one GPU.
   def_op(m, "decode_megakernel(Tensor[] weights, Tensor tok, Tensor(a!) pos, Tensor(b!) k_cache, "
             "Tensor(c!) v_cache, Tensor(d!) logits, Tensor(e!) workspace, int n_head, float eps=1e-05, "
-            "Tensor(f!)? trace=None, Tensor? rope_cos=None, Tensor? rope_sin=None) -> ()");
+            "Tensor(f!)? trace=None, Tensor? rope_cos=None, Tensor? rope_sin=None, int top_k=0) -> ()");
   cuda_meta(m, "decode_megakernel", decode_megakernel_cuda, decode_megakernel_meta, CPU_ERRORS);
   autograd(m, "decode_megakernel", decode_megakernel_autograd);
 }
@@ -3196,9 +3227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Process-wide, for launches from then on",
         py::arg("on"));
   m.def("decode_megakernel_workspace_floats", &decode_megakernel_workspace,
-        "floats of float32 workspace decode_megakernel needs for a model n_embd wide with n_head heads, on the "
-        "current GPU; zero it once and pass the same tensor to every step",
-        py::arg("n_embd"), py::arg("n_head"));
+        "floats of float32 workspace decode_megakernel needs for a model n_embd wide with n_head heads whose "
+        "tokens each take top_k experts (1: dense), on the current GPU; zero it once and pass the same tensor to "
+        "every step",
+        py::arg("n_embd"), py::arg("n_head"), py::arg("top_k") = 1);
   m.def("decode_megakernel_trace_shape", [](int64_t n_layer) {
           return py::make_tuple(decode_megakernel_grid(), decode_megakernel_trace_stamps((int)n_layer));
         },

@@ -5,7 +5,7 @@ per step is decoded against a cache preallocated at the context length. The same
 PyTorch op set and on our kernels (GEMV for every projection, the cache write, fused attention of one
 query against the cache, layernorm, GELU, embedding, softmax and top-k for the router and the sampler;
 on Hopper launched early, each while the one before runs: kernels.set_pdl), eagerly and with
-the decode step captured in a CUDA graph, and (dense) with the whole step in one persistent kernel,
+the decode step captured in a CUDA graph, and with the whole step in one persistent kernel,
 kernels.decode_megakernel; the generated tokens are compared one by one.
 
     python inference.py                              # dense and MoE, random weights, seeds 0-4
@@ -61,7 +61,7 @@ OPTIONS = dict(
     backend=("both", "which op sets decode: both, torch or cuda"),
     cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
     megakernel=(True, "with --cuda_graph, also decode on kernels.decode_megakernel: the whole step in one launch "
-                      "(dense gpt or llama; graphed with the token's pick)"),
+                      "(gpt or llama, dense or MoE; graphed with the token's pick)"),
     pdl=(True, "cuda op set: launch our kernels (prefill and decode) with programmatic dependent launch (Hopper: "
                "each may start while the one before runs); false: ordinary launches, to measure the difference"),
     dtype=("fp32", "fp32, bf16 or fp32,bf16: the model's weights, activations and KV cache (bf16: half the bytes per "
@@ -232,8 +232,8 @@ def weight_bytes_per_token(model):
 def megakernel_why_not(model):
     """None where kernels.decode_megakernel decodes this model on the current GPU, else why not."""
     block = model.blocks[0]
-    if isinstance(block.mlp, MoE):
-        return "it decodes dense models, not mixtures of experts"
+    if isinstance(block.mlp, MoE) and (block.mlp.top_k > 2 or block.mlp.router_w.shape[0] > 64):
+        return "it decodes mixtures of at most 64 experts, of which a token takes at most 2"
     if model.streams.variant != "baseline":
         return "it decodes the baseline residual stream, not hyper-connections"
     import kernels
@@ -243,11 +243,11 @@ def megakernel_why_not(model):
 
 
 class Megakernel:
-    """One decode step of a dense gpt or llama model as one launch of kernels.decode_megakernel: the logits of
-    the token at the cache's position, its key and value written into the cache, the position advanced. The
-    weights are handed over in the op's order (llama's with its RoPE tables); the workspace (a launch count,
-    the activations passed between blocks with their steps' tags) is zeroed once and kept for every step of
-    this model, cache and GPU."""
+    """One decode step of a gpt or llama model, dense or a mixture of experts, as one launch of
+    kernels.decode_megakernel: the logits of the token at the cache's position, its key and value written into
+    the cache, the position advanced. The weights are handed over in the op's order (llama's with its RoPE
+    tables, a mixture's with each layer's router last); the workspace (a launch count, the activations passed
+    between blocks with their steps' tags) is zeroed once and kept for every step of this model, cache and GPU."""
 
     LAYER = dict(gpt=("ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w", "ln_2_b",
                       "mlp.fc_w", "mlp.fc_b", "mlp.proj_w", "mlp.proj_b"),
@@ -261,18 +261,21 @@ class Megakernel:
         dev, C, block = model.wte.device, model.wte.shape[1], model.blocks[0]
         params = [dict(b.named_parameters()) for b in model.blocks]
         llama = model.wpe is None
-        names = self.LAYER["llama" if llama else "gpt"]
+        self.top_k = block.mlp.top_k if isinstance(block.mlp, MoE) else 0
+        names = self.LAYER["llama" if llama else "gpt"] + (("mlp.router_w",) if self.top_k else ())
         top = [model.wte, model.ln_f_w] if llama else [model.wte, model.wpe, model.ln_f_w, model.ln_f_b]
         self.weights = top + [p[n] for p in params for n in names]
         self.rope = (model.rope_cos, model.rope_sin) if llama else (None, None)
         with torch.cuda.device(dev):  # sized for this GPU's SMs
-            self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head), device=dev)
+            self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head, max(1, self.top_k)),
+                                         device=dev)
         self.logits = torch.empty(model.wte.shape[0], device=dev, dtype=model.wte.dtype)
         self.cache, self.n_head = cache, block.n_head
 
     def __call__(self, tok, trace=None):  # tok (1, 1) int64 -> logits (V,); trace: see the op's schema
         torch.ops.kernels.decode_megakernel(self.weights, tok, self.cache.pos, self.cache.k, self.cache.v,
-                                            self.logits, self.workspace, self.n_head, train.LN_EPS, trace, *self.rope)
+                                            self.logits, self.workspace, self.n_head, train.LN_EPS, trace, *self.rope,
+                                            self.top_k)
         return self.logits
 
 

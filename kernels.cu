@@ -6913,22 +6913,24 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 
 // ------------------------------------------------------------------------------------------------
 // decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases) or
-// a llama model (RMSNorm, RoPE, SwiGLU MLP, no biases), multi-head or grouped-query attention, fp32 or
-// bf16, in one launch, where the op set launches about ten kernels a layer. Decoding one token reads every
+// a llama model (RMSNorm, RoPE, SwiGLU MLP, no biases), dense or a mixture of experts, multi-head or
+// grouped-query attention, fp32 or bf16, in one launch, where the op set launches about ten kernels a layer. Decoding one token reads every
 // weight once, so its limit is bandwidth; with a kernel per op each of the ~130 links costs a launch and a
 // ramp-up, about what a layer's weights take to stream in, and the step reaches a fraction of the copy
 // rate (inference.py prints how much).
 //
-// Instruction set. A layer is five steps: (A) norm + QKV projection, the new key and value written into
-// the cache; (B) attention of the one query, a block per (head, split of the keys), split 0 of a head
-// adding the splits up (llama: each block first rotates the query and the new key, and writes the key
-// into the cache, as the rows of a pair may come from two blocks); (C) output projection + residual; (D)
-// norm + fc + GELU, or norm + fc and up + SwiGLU (a block's rows of both, so the pairs meet in the block);
-// (E) mlp projection + residual. After the last layer, (F) norm + the tied output head writes the logits
-// (the caller picks the token). Every block computes a norm over the whole row (n_embd values) itself
-// rather than wait for one to share it. Each op rounds to the weights' dtype where the op set's kernels
-// write their outputs, so the math is the op set's; the sums' order is not (one warp a row here), so
-// fp32 logits agree to rounding.
+// Instruction set. A layer is five steps: (A) norm + QKV projection, the new key and value written into the
+// cache; (B) attention of the one query, a block per (head, split of the keys), split 0 of a head adding
+// the splits up (llama: each block first rotates the query and the new key, and writes the key into the
+// cache, as the rows of a pair may come from two blocks); (C) output projection + residual; (D) norm + fc +
+// GELU, or norm + fc and up + SwiGLU (a block's rows of both, so the pairs meet in the block); (E) mlp
+// projection + residual. A mixture of experts' step D starts with the router, which every block computes
+// itself (a few rows) rather than wait for another's; the products of D and E then run once for each chosen
+// expert, and E adds the experts' outputs weighted by their renormalised probabilities. After the last
+// layer, (F) norm + the tied output head writes the logits (the caller picks the token). Every block
+// computes a norm over the whole row (n_embd values) itself rather than wait for one to share it. Each op
+// rounds to the weights' dtype where the op set's kernels write their outputs, so the math is the op set's;
+// the sums' order is not (one warp a row here), so fp32 logits agree to rounding.
 //
 // Scheduler. The grid is one block per SM, all resident (a cooperative launch). The rows of each
 // product are cut evenly over the blocks, so the schedule is arithmetic on the block index and the
@@ -6952,7 +6954,8 @@ constexpr int MK_MAX_PAGES = 6, MK_MIN_PAGE_BYTES = 32 * 1024;  // pages a block
 constexpr int MK_MAX_LAYERS = 64;   // layers the kernel's argument holds
 constexpr int MK_MAX_HEAD = 128;    // head size: at most 4 values a lane
 constexpr int MK_MAX_SPLITS = 32;   // splits of a head's keys (blocks per head in step B)
-constexpr int MK_LAYER_WEIGHTS = 13;
+constexpr int MK_LAYER_WEIGHTS = 14;
+constexpr int MK_MAX_EXPERTS = 64, MK_MAX_TOPK = 2;  // a mixture's experts, and those a token takes
 constexpr int MK_MAX_OWN = 64;      // rows of the residual stream a block keeps: n_embd <= 64 x its SMs
 
 __device__ __forceinline__ void mk_sync() {  // the consumer warps' barrier (the producer warp runs apart)
@@ -6967,8 +6970,10 @@ __host__ __device__ constexpr int mk_scratch_floats(int hs, int splits) {
 
 template <class T>
 struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `layers`; nullptr: none (biases
-                  // in llama, up_w in gpt)
+                  // in llama, up_w in gpt, router_w in a dense model). A mixture's fc, up and mlp projection
+                  // weights and biases hold every expert's, one after another.
   const T *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *up_w, *fc2_w, *fc2_b;
+  const T* router_w;
 };
 
 constexpr int MK_MAX_QKV_ROWS = 3 * MK_MAX_OWN + 1;  // a block's rows of the QKV product: (3 n_embd) / SMs
@@ -6991,6 +6996,7 @@ struct MkArgs {
   uint64_t* trace;         // nullptr, or (G, mk_trace_stamps) ns: MkTrace's stamps of each block
   IndexErrorBox* box;
   int n_layer, C, n_head, n_kv_head, hs, hidden, V, capacity, splits;  // hidden: the mlp's width, 4C or SwiGLU's
+  int n_expert, top_k;    // a mixture's experts and those a token takes; dense: 0 and 1
   int pages, page_bytes;  // mk_pages
   float eps, scale;
 };
@@ -7001,9 +7007,9 @@ struct MkWorkspace {
   unsigned* launches;    // launches so far; block 0 adds one at the end of each
   uint64_t *xa, *xd;     // the residual stream after the mlp (step E, read by A) and after attention (C, read by D)
   uint64_t *q, *kv, *o;  // the query (C), the new key and value (2 n_kv_head hs), the attention output (C)
-  uint64_t *h;           // the GELU or SwiGLU output (hidden <= 4C)
+  uint64_t *h;           // the GELU or SwiGLU output of each chosen expert (top_k x hidden, hidden <= 4C)
   uint64_t* part;        // (n_head, splits, hs + 2): each split's max score, sum of exps and unnormalised output
-  __host__ __device__ MkWorkspace(float* ws, int C, int kv_width) {
+  __host__ __device__ MkWorkspace(float* ws, int C, int kv_width, int top_k) {
     launches = reinterpret_cast<unsigned*>(ws);
     xa = reinterpret_cast<uint64_t*>(ws + 4);
     xd = xa + C;
@@ -7011,7 +7017,7 @@ struct MkWorkspace {
     kv = q + C;
     o = kv + 2 * kv_width;
     h = o + C;
-    part = h + 4 * C;
+    part = h + 4 * C * top_k;
   }
 };
 
@@ -7019,8 +7025,8 @@ struct MkWorkspace {
 __host__ __device__ constexpr int mk_trace_stamps(int n_layer) { return 2 + 10 * n_layer; }
 
 // Floats of MkWorkspace.
-__host__ __device__ inline int64_t mk_workspace_floats(int C, int n_head, int hs, int splits) {
-  return 4 + 2 * (10LL * C + (int64_t)n_head * splits * (hs + 2));
+__host__ __device__ inline int64_t mk_workspace_floats(int C, int n_head, int hs, int splits, int top_k) {
+  return 4 + 2 * ((6LL + 4 * top_k) * C + (int64_t)n_head * splits * (hs + 2));
 }
 
 template <class T>
@@ -7036,7 +7042,7 @@ struct MkRows {  // a block's rows of one product and their chunks
 template <class T>
 struct MkPlan {
   MkRows p[MK_PRODUCTS];
-  int K[MK_PRODUCTS];
+  int K[MK_PRODUCTS], slots[MK_PRODUCTS];  // slots: times the product runs, once for each chosen expert
   int per_layer, total;  // chunks a layer, chunks of the whole step
   int pages, page_bytes;
   // Step B's split holds keys [att_j0, att_j1); its chunk: the cached keys and values [att_j0, att_j0 +
@@ -7063,8 +7069,9 @@ struct MkPlan {
       const int r0 = (int)((int64_t)N[s] * b / G), r1 = (int)((int64_t)N[s] * (b + 1) / G);
       const int per = a.page_bytes / (Ks[s] * (int)sizeof(T));
       K[s] = Ks[s];
+      slots[s] = s == MK_FC || s == MK_UP || s == MK_FC2 ? a.top_k : 1;
       p[s] = {r0, r1 - r0, per, (r1 - r0 + per - 1) / per, s == MK_HEAD ? 0 : first};
-      if (s != MK_HEAD) first += p[s].chunks;
+      if (s != MK_HEAD) first += p[s].chunks * slots[s];
       if (s == MK_QKV) {
         att_first = first;
         first += att_chunks;
@@ -7076,7 +7083,7 @@ struct MkPlan {
     page_bytes = a.page_bytes;
   }
 
-  // The chunk's index in the step's list: chunk c of product s in layer l.
+  // The chunk's index in the step's list: chunk c of product s in layer l (slot k's chunks after slot k - 1's).
   __device__ int index(int l, int s, int c) const {
     return (s == MK_HEAD ? total - p[MK_HEAD].chunks : l * per_layer + p[s].first) + c;
   }
@@ -7092,27 +7099,32 @@ __device__ int mk_qkv_at(const MkArgs<T>& a, int r) {
   return (r < a.C + kv ? 1 : 2) << 30 | (head * a.capacity * a.hs + d);
 }
 
+// Product s's weight matrix in layer l (expert e's in a mixture), and its bias (nullptr: none).
 template <class T>
-__device__ __forceinline__ const T* mk_matrix(const MkArgs<T>& a, int l, int s) {
+__device__ __forceinline__ const T* mk_matrix(const MkArgs<T>& a, int l, int s, int e) {
   const MkLayer<T>& w = a.layer[l];
-  return s == MK_QKV ? w.attn_w : s == MK_OUT ? w.proj_w : s == MK_FC ? w.fc_w : s == MK_UP ? w.up_w
-       : s == MK_FC2 ? w.fc2_w : a.wte;
+  const int64_t expert = (int64_t)e * a.hidden * a.C;  // elements of each expert's fc, up or projection
+  return s == MK_QKV ? w.attn_w : s == MK_OUT ? w.proj_w : s == MK_FC ? w.fc_w + expert
+       : s == MK_UP ? w.up_w + expert : s == MK_FC2 ? w.fc2_w + expert : a.wte;
 }
 
 template <class T>
-__device__ __forceinline__ const T* mk_bias(const MkArgs<T>& a, int l, int s) {
+__device__ __forceinline__ const T* mk_bias(const MkArgs<T>& a, int l, int s, int e) {
   const MkLayer<T>& w = a.layer[l];
-  return s == MK_QKV ? w.attn_b : s == MK_OUT ? w.proj_b : s == MK_FC ? w.fc_b : s == MK_FC2 ? w.fc2_b : nullptr;
+  const T* b = s == MK_QKV ? w.attn_b : s == MK_OUT ? w.proj_b : s == MK_FC ? w.fc_b : s == MK_FC2 ? w.fc2_b : nullptr;
+  return b && (s == MK_FC || s == MK_FC2) ? b + (int64_t)e * (s == MK_FC ? a.hidden : a.C) : b;
 }
 
 // The producer warp: walks the step's list of chunks and fills each page as soon as the consumer threads have
 // released it (empty): weight rows by one bulk copy and their biases (fp32, 0 for none) by the lanes, or a
 // split's keys and values by two copies. full completes on the 32 lanes' arrivals and the copies' bytes.
+// A mixture's expert weights wait for the block's router (route: its phase l completes once experts holds
+// layer l's choice).
 template <class T>
 __device__ void mk_produce(const MkArgs<T>& a, const MkPlan<T>& plan, char* pages, float* pbias, int max_rows,
-                           uint32_t full, uint32_t empty) {
+                           uint32_t full, uint32_t empty, uint32_t route, const int* experts) {
   const int lane = threadIdx.x % 32;
-  int j = 0;
+  int j = 0, chosen[MK_MAX_TOPK] = {};
   auto page = [&] {  // page j % pages, once the consumers have released its last chunk
     const int p = j % a.pages;
     if (j >= a.pages) mbar_wait(empty + 8 * p, (j / a.pages - 1) & 1);
@@ -7134,18 +7146,25 @@ __device__ void mk_produce(const MkArgs<T>& a, const MkPlan<T>& plan, char* page
         mbar_arrive(full + 8 * p);
         ++j;
       }
+      if (s == MK_FC && a.n_expert) {  // this layer's experts, once the block's router has chosen them
+        mbar_wait(route, l & 1);
+        for (int k = 0; k < a.top_k; ++k) chosen[k] = experts[k];
+      }
       const MkRows& r = plan.p[s];
-      const T* w = mk_matrix(a, l == a.n_layer ? 0 : l, s);
-      const T* bias = l == a.n_layer ? nullptr : mk_bias(a, l, s);
-      for (int c = 0; c < r.chunks; ++c, ++j) {
-        const int p = page(), row = r.r0 + c * r.per_chunk, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
-        if (lane == 0) {
-          const uint32_t bytes = (uint32_t)rows * plan.K[s] * sizeof(T);
-          mbar_expect_tx(full + 8 * p, bytes);
-          bulk_copy(smem_addr(pages + (int64_t)p * a.page_bytes), w + (int64_t)row * plan.K[s], bytes, full + 8 * p);
+      for (int slot = 0; slot < plan.slots[s]; ++slot) {
+        const T* w = mk_matrix(a, l == a.n_layer ? 0 : l, s, chosen[slot]);
+        const T* bias = l == a.n_layer ? nullptr : mk_bias(a, l, s, chosen[slot]);
+        for (int c = 0; c < r.chunks; ++c, ++j) {
+          const int p = page(), row = r.r0 + c * r.per_chunk, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
+          if (lane == 0) {
+            const uint32_t bytes = (uint32_t)rows * plan.K[s] * sizeof(T);
+            const uint32_t dst = smem_addr(pages + (int64_t)p * a.page_bytes);
+            mbar_expect_tx(full + 8 * p, bytes);
+            bulk_copy(dst, w + (int64_t)row * plan.K[s], bytes, full + 8 * p);
+          }
+          for (int i = lane; i < rows; i += 32) pbias[p * max_rows + i] = bias ? to_float(bias[row + i]) : 0.f;
+          mbar_arrive(full + 8 * p);
         }
-        for (int i = lane; i < rows; i += 32) pbias[p * max_rows + i] = bias ? to_float(bias[row + i]) : 0.f;
-        mbar_arrive(full + 8 * p);
       }
     }
 }
@@ -7177,16 +7196,17 @@ __device__ __forceinline__ void mk_dots(const T* row, int64_t stride, int n, con
   for (int r = 0; r < R; ++r) sum[r] = warp_sum(acc[r]);
 }
 
-// The block's rows of product s (layer l) times vec, plus bias: out(row, value) for each, by lane 0 of a warp.
-// Each thread releases a page once it has read it (empty counts the consumer threads); the warps do not wait
-// for each other.
+// The block's rows of product s (layer l; in a mixture, its run for the slot-th chosen expert) times vec,
+// plus bias: out(row, value) for each, by lane 0 of a warp. Each thread releases a page once it has read it
+// (empty counts the consumer threads); the warps do not wait for each other.
 template <class T, class Out>
-__device__ void mk_product(const MkPlan<T>& plan, int l, int s, const float* vec, const char* pages,
+__device__ void mk_product(const MkPlan<T>& plan, int l, int s, int slot, const float* vec, const char* pages,
                            const float* pbias, int max_rows, uint32_t full, uint32_t empty, Out out) {
   const MkRows& r = plan.p[s];
   const int warp = threadIdx.x / 32, K = plan.K[s];
   for (int c = 0; c < r.chunks; ++c) {
-    const int j = plan.index(l, s, c), p = j % plan.pages, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
+    const int j = plan.index(l, s, slot * r.chunks + c), p = j % plan.pages;
+    const int rows = min(r.per_chunk, r.rows - c * r.per_chunk);
     mbar_wait(full + 8 * p, (j / plan.pages) & 1);
     const T* page = reinterpret_cast<const T*>(pages + (int64_t)p * plan.page_bytes);
     const float* b = pbias + p * max_rows;
@@ -7327,6 +7347,44 @@ __device__ void mk_merge(const float* parts, int n, int hs, int keep, Put put) {
   }
 }
 
+// A mixture's router, in every block: the logits of vec (the normed row) against router_w (a warp a row,
+// rounded to T as the op set's linear), their softmax, the top_k largest (the first of equals) and their
+// probabilities renormalised over the chosen, each rounded to T as the op set's ops round them, into
+// experts and weights; thread 0 then completes route's phase for the producer warp. logits: n_expert floats.
+template <class T>
+__device__ void mk_route(const MkArgs<T>& a, const T* router_w, const float* vec, float* logits, int* experts,
+                         float* weights, uint32_t route) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, E = a.n_expert;
+  for (int e = warp; e < E; e += MK_WARPS) {
+    float sum = 0.f;
+    for (int i = lane; i < a.C; i += 32) sum = fmaf(to_float(router_w[(int64_t)e * a.C + i]), vec[i], sum);
+    sum = warp_sum(sum);
+    if (lane == 0) logits[e] = round_to<T>(sum);
+  }
+  mk_sync();
+  if (threadIdx.x == 0) {
+    float m = -INFINITY, z = 0.f, total = 0.f;
+    for (int e = 0; e < E; ++e) m = fmaxf(m, logits[e]);
+    for (int e = 0; e < E; ++e) z += expf(logits[e] - m);
+    for (int e = 0; e < E; ++e) logits[e] = round_to<T>(expf(logits[e] - m) / z);
+    for (int k = 0; k < a.top_k; ++k) {
+      int best = -1;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int i = 0; i < k; ++i) taken |= experts[i] == e;
+        if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+      }
+      experts[k] = best < 0 ? k : best;  // NaN probabilities: any expert, never an address out of range
+      weights[k] = logits[experts[k]];
+      total += weights[k];
+    }
+    total = round_to<T>(total);
+    for (int k = 0; k < a.top_k; ++k) weights[k] = round_to<T>(weights[k] / total);
+    mbar_arrive(route);  // releases experts to the producer warp
+  }
+  mk_sync();
+}
+
 // llama's RoPE in step B: the query and, where the split holds it (has_new), the new key (qkv's first and
 // second hs values) turned by pos's angles as the op set's rope turns them (each product rounded on its own,
 // the result to T); key_row: where the rotated key goes in the cache, or nullptr (another block writes it).
@@ -7448,9 +7506,14 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   __shared__ uint64_t empty_bars[MK_MAX_PAGES];  // page p has been read by every consumer thread
   __shared__ int qkv_at[MK_MAX_QKV_ROWS];    // where each of the block's QKV rows goes (mk_qkv_at)
   __shared__ float own[MK_MAX_OWN];          // the block's rows of the residual stream
-  __shared__ float gate[4 * MK_MAX_OWN];     // llama: the block's rows of the fc product, SwiGLU's gate
-  const uint32_t full = smem_addr(full_bars), empty = smem_addr(empty_bars);
-  const MkWorkspace w(a.ws, a.C, a.n_kv_head * a.hs);
+  __shared__ float gate[MK_MAX_TOPK * 4 * MK_MAX_OWN];  // llama: the block's rows of fc, SwiGLU's gate, by slot
+  __shared__ float mix[MK_MAX_OWN];          // a mixture: the block's rows of the experts' outputs so far
+  __shared__ float router[MK_MAX_EXPERTS];   // a mixture: the router's logits, then its probabilities
+  __shared__ int experts[MK_MAX_TOPK];       // a mixture: the layer's chosen experts
+  __shared__ float expert_p[MK_MAX_TOPK];    // and their renormalised probabilities
+  __shared__ uint64_t route_bar;             // phase l: layer l's experts are chosen (mk_route)
+  const uint32_t full = smem_addr(full_bars), empty = smem_addr(empty_bars), route = smem_addr(&route_bar);
+  const MkWorkspace w(a.ws, a.C, a.n_kv_head * a.hs, a.top_k);
   const int C = a.C, G = gridDim.x;
   const bool rms = a.rope_cos != nullptr;  // llama: RMSNorm, RoPE, SwiGLU, no biases
   const int64_t tok = *a.tok, pos = *a.pos;
@@ -7474,11 +7537,12 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
       mbar_init(full + 8 * p, 32);
       mbar_init(empty + 8 * p, MK_THREADS);
     }
+    mbar_init(route, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (threadIdx.x >= MK_THREADS) {
-    mk_produce(a, plan, pages, pbias, max_rows, full, empty);
+    mk_produce(a, plan, pages, pbias, max_rows, full, empty, route, experts);
     return;
   }
   for (int i = threadIdx.x; i < plan.p[MK_QKV].rows; i += MK_THREADS) qkv_at[i] = mk_qkv_at(a, plan.p[MK_QKV].r0 + i);
@@ -7509,7 +7573,7 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
     mk_fetch_norm(norm, L.ln2_w, L.ln2_b, C);
     const int64_t cache_row = ((int64_t)l * a.n_kv_head * a.capacity + pos) * a.hs;
-    mk_product(plan, l, MK_QKV, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
+    mk_product(plan, l, MK_QKV, 0, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
       const float y = round_to<T>(sum);
       const int at = qkv_at[r - plan.p[MK_QKV].r0], kind = at >> 30, off = at & ((1 << 30) - 1);
       if (kind == 0) {
@@ -7528,37 +7592,52 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     mk_poll(vec, C, tag(l, 1), from(w.o));
     trace.record();
     // (C) output projection + residual
-    mk_product(plan, l, MK_OUT, vec, pages, pbias, max_rows, full, empty, residual(w.xd, tag(l, 2)));
+    mk_product(plan, l, MK_OUT, 0, vec, pages, pbias, max_rows, full, empty, residual(w.xd, tag(l, 2)));
     trace.record();
     mk_poll(vec, C, tag(l, 2), from(w.xd));
     trace.record();
-    // (D) norm + fc + GELU, or norm + fc and up + SwiGLU
+    // (D) norm (+ a mixture's router) + fc + GELU, or + fc and up + SwiGLU, once for each chosen expert
     mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
     if (l + 1 < a.n_layer) mk_fetch_norm(norm, a.layer[l + 1].ln1_w, a.layer[l + 1].ln1_b, C);
     else mk_fetch_norm(norm, a.lnf_w, a.lnf_b, C);
-    const int h0 = plan.p[MK_FC].r0;
-    mk_product(plan, l, MK_FC, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
-      if (rms) gate[r - h0] = round_to<T>(sum);
-      else mk_put(w.h + r, round_to<T>(GeluErf().fwd(round_to<T>(sum))), tag(l, 3));
-    });
+    if (a.n_expert) mk_route(a, L.router_w, vec, router, experts, expert_p, route);
+    const int h0 = plan.p[MK_FC].r0, F = a.hidden;
+    for (int k = 0; k < a.top_k; ++k)
+      mk_product(plan, l, MK_FC, k, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
+        if (rms) gate[k * 4 * MK_MAX_OWN + r - h0] = round_to<T>(sum);
+        else mk_put(w.h + k * F + r, round_to<T>(GeluErf().fwd(round_to<T>(sum))), tag(l, 3));
+      });
     if (rms) {
       mk_sync();  // every warp's gates are in
-      mk_product(plan, l, MK_UP, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
-        mk_put(w.h + r, round_to<T>(Silu().fwd(gate[r - h0]) * round_to<T>(sum)), tag(l, 3));
-      });
+      for (int k = 0; k < a.top_k; ++k)
+        mk_product(plan, l, MK_UP, k, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
+          const float g = gate[k * 4 * MK_MAX_OWN + r - h0];
+          mk_put(w.h + k * F + r, round_to<T>(Silu().fwd(g) * round_to<T>(sum)), tag(l, 3));
+        });
     }
     trace.record();
-    mk_poll(vec, a.hidden, tag(l, 3), from(w.h));
-    trace.record();
-    // (E) mlp projection + residual
-    mk_product(plan, l, MK_FC2, vec, pages, pbias, max_rows, full, empty, residual(w.xa, tag(l, 4)));
+    // (E) mlp projection + residual; a mixture's experts' outputs weighted, rounded and added in order
+    for (int k = 0; k < a.top_k; ++k) {
+      mk_poll(vec, F, tag(l, 3), from(w.h + k * F));
+      if (k == 0) trace.record();
+      if (!a.n_expert) {
+        mk_product(plan, l, MK_FC2, 0, vec, pages, pbias, max_rows, full, empty, residual(w.xa, tag(l, 4)));
+        break;
+      }
+      const bool last = k + 1 == a.top_k;
+      mk_product(plan, l, MK_FC2, k, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
+        const float y = (k ? mix[r - r0] : 0.f) + round_to<T>(expert_p[k] * round_to<T>(sum));
+        if (last) residual(w.xa, tag(l, 4))(r, y);
+        else mix[r - r0] = y;
+      });
+    }
     trace.record();
     mk_poll(vec, C, tag(l, 4), from(w.xa));  // the next layer's input, or the head's
     trace.record();
   }
   // (F) norm + head
   mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
-  mk_product(plan, 0, MK_HEAD, vec, pages, pbias, max_rows, full, empty,
+  mk_product(plan, 0, MK_HEAD, 0, vec, pages, pbias, max_rows, full, empty,
              [&](int r, float sum) { a.logits[r] = from_float<T>(sum); });
   trace.record();
   // Every block read pos and the launch count at its start, before its first hand-off, and block 0 has
@@ -7615,9 +7694,10 @@ int decode_megakernel_max_layers() { return MK_MAX_LAYERS; }
 int decode_megakernel_grid() { return num_sms(); }
 int decode_megakernel_trace_stamps(int n_layer) { return mk_trace_stamps(n_layer); }
 
-// Floats of workspace decode_megakernel needs; zero it once, then keep it for every step.
-int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs) {
-  return mk_workspace_floats(C, n_head, hs, mk_splits(n_head));
+// Floats of workspace decode_megakernel needs (top_k: the experts a token takes, 1 for a dense model); zero
+// it once, then keep it for every step.
+int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs, int top_k) {
+  return mk_workspace_floats(C, n_head, hs, mk_splits(n_head), top_k);
 }
 
 // Why decode_megakernel cannot run this shape, or nullptr.
@@ -7634,19 +7714,23 @@ const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int 
   return nullptr;
 }
 
-// layers: n_layer * per_layer (13) device pointers, host array, in MkLayer's order, nullptr for those the
+// layers: n_layer * per_layer (14) device pointers, host array, in MkLayer's order, nullptr for those the
 // model has none of; with rope_cos and rope_sin (fp32, (>= capacity, hs / 2)) a llama model, else gpt (wpe
-// and lnf_b given); hidden: the mlp's width. The caches (n_layer, n_kv_head, capacity, hs); ws:
+// and lnf_b given); hidden: the mlp's width; n_expert 0 (dense), or a mixture's experts of which a token
+// takes top_k (router_w given). The caches (n_layer, n_kv_head, capacity, hs); ws:
 // decode_megakernel_workspace_floats, zeroed before the first step; trace: nullptr or
 // decode_megakernel_trace_stamps(n_layer) ns for each of decode_megakernel_grid() blocks.
 template <class T>
 void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
                        const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
                        int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
-                       int n_kv_head, int hidden, int V, int capacity, float eps, cudaStream_t s) {
+                       int n_kv_head, int hidden, int n_expert, int top_k, int V, int capacity, float eps,
+                       cudaStream_t s) {
   const int hs = C / n_head;
   const char* why = decode_megakernel_unsupported(C, n_head, n_kv_head, hs, sizeof(T));
-  if (per_layer != MK_LAYER_WEIGHTS) why = "13 weight slots a layer expected";
+  if (per_layer != MK_LAYER_WEIGHTS) why = "14 weight slots a layer expected";
+  if (!why && n_expert && (n_expert > MK_MAX_EXPERTS || top_k < 1 || top_k > std::min(n_expert, MK_MAX_TOPK)))
+    why = "a mixture of at most 64 experts, of which a token takes 1 or 2";
   if (!why && (hidden < 1 || hidden > 4 * C || hidden * (int)sizeof(T) % 16 != 0))
     why = "the mlp's width over 4 n_embd, or its rows no multiple of 16 bytes";
   if (!why && (n_layer < 1 || n_layer > MK_MAX_LAYERS)) why = "n_layer outside [1, 64]";
@@ -7654,13 +7738,14 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
   MkArgs<T> a = {};
   for (int l = 0; l < n_layer; ++l) {
     const T* const* p = layers + MK_LAYER_WEIGHTS * l;
-    a.layer[l] = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12]};
+    a.layer[l] = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13]};
   }
   a.wte = wte; a.wpe = wpe; a.lnf_w = lnf_w; a.lnf_b = lnf_b; a.rope_cos = rope_cos; a.rope_sin = rope_sin;
   a.k_cache = k_cache; a.v_cache = v_cache; a.tok = tok; a.pos = pos; a.logits = logits; a.ws = ws;
   a.trace = trace;
   a.box = index_error_box();
   a.n_layer = n_layer; a.C = C; a.n_head = n_head; a.n_kv_head = n_kv_head; a.hs = hs; a.hidden = hidden; a.V = V;
+  a.n_expert = n_expert; a.top_k = n_expert ? top_k : 1;
   a.capacity = capacity; a.splits = mk_splits(n_head); a.eps = eps; a.scale = 1.f / sqrtf((float)hs);
   const MkPages pages = mk_pages(C, hs, sizeof(T), a.splits);
   a.pages = pages.count;
@@ -7683,10 +7768,11 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
 
 template void decode_megakernel<float>(const float* const*, int, const float*, const float*, const float*, const float*,
                                        const float*, const float*, float*, float*, const int64_t*, int64_t*, float*,
-                                       float*, uint64_t*, int, int, int, int, int, int, int, float, cudaStream_t);
+                                       float*, uint64_t*, int, int, int, int, int, int, int, int, int, float,
+                                       cudaStream_t);
 template void decode_megakernel<__nv_bfloat16>(const __nv_bfloat16* const*, int, const __nv_bfloat16*,
                                                const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                                                const float*, const float*, __nv_bfloat16*, __nv_bfloat16*,
                                                const int64_t*, int64_t*, __nv_bfloat16*, float*, uint64_t*, int, int,
-                                               int, int, int, int, int, float, cudaStream_t);
+                                               int, int, int, int, int, int, int, float, cudaStream_t);
 

@@ -1695,18 +1695,21 @@ def inference_gpu_bf16_paths():
 add("inference/gpu_bf16_paths", inference_gpu_bf16_paths)
 
 
-# decode_megakernel's shapes: (arch, n_embd, n_head, n_kv_head, context); head sizes 96, 64 and 32
-# (grouped-query) and 40 (no multiple of a warp), widths that are no multiple of a tile, one narrower than the
-# SMs are many (blocks with no rows of a product); llama at inference.py's shape and at head size 40 (SwiGLU
-# 576 wide).
-_MK_SHAPES = (("gpt", 768, 8, 8, 64), ("gpt", 256, 4, 2, 48), ("gpt", 200, 5, 5, 40), ("gpt", 64, 2, 1, 32),
-              ("llama", 768, 8, 4, 64), ("llama", 200, 5, 5, 40))
+# decode_megakernel's shapes: (arch, n_embd, n_head, n_kv_head, context, (experts, top_k) or None for dense);
+# head sizes 96, 64 and 32 (grouped-query) and 40 (no multiple of a warp), widths that are no multiple of a
+# tile, one narrower than the SMs are many (blocks with no rows of a product); llama at inference.py's shape
+# and at head size 40 (SwiGLU 576 wide); mixtures of experts taking 2 of 4 (gpt, llama) and 1 of 3.
+_MK_SHAPES = (("gpt", 768, 8, 8, 64, None), ("gpt", 256, 4, 2, 48, None), ("gpt", 200, 5, 5, 40, None),
+              ("gpt", 64, 2, 1, 32, None), ("llama", 768, 8, 4, 64, None), ("llama", 200, 5, 5, 40, None),
+              ("gpt", 256, 4, 2, 48, (4, 2)), ("llama", 200, 5, 5, 40, (4, 2)), ("gpt", 64, 2, 1, 32, (3, 1)))
 
 
-def _mk_model(arch, n_embd, n_head, n_kv, block, n_layer=3, dtype="fp32"):
-    model = train.GPT(95, block, n_embd, n_head, n_layer, 0, train.TORCH_OPS, n_kv_head=n_kv, arch=arch).to(DEV).eval()
-    for i, p in enumerate(model.parameters()):  # biases and norms off their zero / one init, each its own draw,
-        if p.dim() == 1:                         # so that one used in another's place shows
+def _mk_model(arch, n_embd, n_head, n_kv, block, moe=None, n_layer=3, dtype="fp32"):
+    mlp = (lambda: inference.MoE(n_embd, *moe, arch)) if moe else None
+    model = train.GPT(95, block, n_embd, n_head, n_layer, 0, train.TORCH_OPS, n_kv_head=n_kv, arch=arch,
+                      mlp=mlp).to(DEV).eval()
+    for i, (name, p) in enumerate(model.named_parameters()):  # biases and norms off their zero / one init, each
+        if p.dim() == 1 or name.endswith("_b"):                 # its own draw, so that one used in another's place shows
             with torch.no_grad():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(DEV))
     model = inference.with_dtype(model, dtype)
@@ -1732,14 +1735,14 @@ def inference_gpu_megakernel_step():
     # the logits, the key and value written at the position, the position advanced; fp32 and bf16
     notes = []
     for dtype, tol in (("fp32", (2e-5, 1e-4)), ("bf16", (3e-2, 3e-2))):
-        for arch, n_embd, n_head, n_kv, block in _MK_SHAPES:
-            model = _mk_model(arch, n_embd, n_head, n_kv, block, dtype=dtype)
+        for arch, n_embd, n_head, n_kv, block, moe in _MK_SHAPES:
+            model = _mk_model(arch, n_embd, n_head, n_kv, block, moe, dtype=dtype)
             cache, twin = _mk_prefilled(model, [3, 1, 4, 1, 5])
             tok = torch.tensor([[9]], device=DEV)
             with torch.no_grad():
                 ref = model(tok, cache=twin)[0][0, 0]
                 ours = inference.Megakernel(model, cache)(tok)
-            label = f"{dtype}_{arch}_{n_embd}_{n_head}h_{n_kv}kv"
+            label = f"{dtype}_{arch}_{n_embd}_{n_head}h_{n_kv}kv" + (f"_moe{moe[0]}x{moe[1]}" if moe else "")
             check(f"logits_{label}", ours.float(), ref.float(), tol)
             check(f"k_{label}", cache.k.float(), twin.k.float(), tol)  # position 5 written, no other
             check(f"v_{label}", cache.v.float(), twin.v.float(), tol)
@@ -1752,11 +1755,11 @@ def inference_gpu_megakernel_tokens():
     # greedy fp32 decoding on the megakernel (graphed with the pick) picks the graphed op sets' tokens over
     # 200 steps through several context slides, with their margins; bf16 against the cuda op set's graph
     # (the torch op set's where the fused attention lacks the head size), where a first difference must
-    # be a near tie (under 5% of the logits' spread), as between op sets
+    # be a near tie (under 5% of the logits' spread), as between op sets (a mixture's: reported)
     n_new, notes = under_tool(200, 4), []
     for dtype in ("fp32", "bf16"):
-        for arch, n_embd, n_head, n_kv, block in _MK_SHAPES:
-            model = _mk_model(arch, n_embd, n_head, n_kv, block, dtype=dtype)
+        for arch, n_embd, n_head, n_kv, block, moe in _MK_SHAPES:
+            model = _mk_model(arch, n_embd, n_head, n_kv, block, moe, dtype=dtype)
             hs, toks, margins = n_embd // n_head, {}, {}
             # the cuda op set decodes with the fused attention: where it lacks the head size, the
             # megakernel's prefill and pick run on the torch op set
@@ -1771,7 +1774,7 @@ def inference_gpu_megakernel_tokens():
                 with torch.no_grad():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                 toks[name], margins[name] = dec.tokens.tolist(), dec.margins
-            label = f"{dtype} {arch} {n_embd}/{n_head}h/{n_kv}kv"
+            label = f"{dtype} {arch} {n_embd}/{n_head}h/{n_kv}kv" + (f" moe {moe[1]} of {moe[0]}" if moe else "")
             if dtype == "fp32":
                 assert all(t == toks["torch"] for t in toks.values()), f"{label}: {toks}"
                 check(f"margins_{label}", margins["megakernel"], margins["torch"], 1e-4)
@@ -1782,7 +1785,7 @@ def inference_gpu_megakernel_tokens():
             with torch.no_grad():
                 logits = model(torch.tensor([[3, 1, 4]], device=DEV))[0].float()
             spread = (logits.max() - logits.min()).item()
-            if i is not None:
+            if i is not None and not moe:  # a mixture's router may meet a tie of its own and flip an expert
                 m = margins[ref][i].item()
                 assert m < 0.05 * spread, f"{label}: differ at {i} with margin {m:.3g}, not a near tie"
             notes.append(f"{label}: equal to {ref}'s to token {n_new if i is None else i}")
@@ -1816,6 +1819,8 @@ def inference_gpu_megakernel_bad_inputs():
                          (dict(n_head=3), "n_head must divide n_embd"),
                          (dict(tok=torch.tensor([[1]])), "tok must be a CUDA tensor"),
                          (dict(trace=torch.zeros(3, 5, dtype=torch.long, device=DEV)), "trace must have shape"),
+                         (dict(top_k=3), "top_k must be 0 (a dense model) or the 1 or 2 experts"),
+                         (dict(top_k=2), "then 13 a layer"),
                          (dict(weights=[w.t() if w.dim() == 2 and w.shape[0] == w.shape[1] else w
                                         for w in mk.weights]), "must be contiguous")):
             expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**args(**kw)), want)
@@ -1829,13 +1834,13 @@ def inference_gpu_megakernel_bad_inputs():
         for kw, want in ((dict(rope_sin=None), "rope_cos and rope_sin come together"),
                          (dict(rope_cos=llama.rope_cos[:40], rope_sin=llama.rope_sin[:40]), "rope_cos must be a contiguous"),
                          (dict(rope_sin=llama.rope_sin.double()), "rope_sin must be float32"),
-                         (dict(weights=mk.weights), "with rope tables (llama) weights must be wte, ln_f_w, then 7 a layer")):
+                         (dict(weights=mk.weights), "weights must be wte, ln_f_w, then 7 a layer")):
             expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**largs(**kw)), want)
     for n_embd, n_head, want in ((1024, 4, "head size"), (36, 4, "an odd head size")):  # head sizes 256 and 9
         bad = train.GPT(95, 16, n_embd, n_head, 1, 0, train.TORCH_OPS).to(DEV).eval()
         expect_error(ValueError, lambda: inference.Megakernel(bad, inference.kv_cache(bad, DEV)),
                      f"decode_megakernel cannot decode this model: {want}")
-    return ("NaN logits and the op's error for a bad token and position; 8 bad arguments (gpt) and 4 (llama) named; "
+    return ("NaN logits and the op's error for a bad token and position; 10 bad arguments (gpt) and 4 (llama) named; "
             "head sizes 256, 9 refused")
 
 
@@ -1869,8 +1874,8 @@ def inference_gpu_megakernel_sampling():
     # from the same uniforms: all 200 in fp32; bf16's first difference, if any, is reported
     n_new, notes = under_tool(200, 4), []
     for dtype in ("fp32", "bf16"):
-        for arch, n_embd, n_head, n_kv, block in _MK_SHAPES[:2] + _MK_SHAPES[4:5]:
-            model = _mk_model(arch, n_embd, n_head, n_kv, block, dtype=dtype)
+        for arch, n_embd, n_head, n_kv, block, moe in _MK_SHAPES[:2] + _MK_SHAPES[4:5] + _MK_SHAPES[6:7]:
+            model = _mk_model(arch, n_embd, n_head, n_kv, block, moe, dtype=dtype)
             uniforms, toks = torch.rand(n_new, generator=torch.Generator().manual_seed(5)), {}
             for mode in ("graph", "megakernel"):
                 model.ops = train.TORCH_OPS
@@ -1879,7 +1884,7 @@ def inference_gpu_megakernel_sampling():
                     inference.generate(dec, torch.tensor([3, 1, 4], device=DEV), n_new)
                 toks[mode] = dec.tokens.tolist()
             i = inference.first_difference(toks["graph"], toks["megakernel"])
-            label = f"{dtype} {arch} {n_embd}/{n_head}h/{n_kv}kv"
+            label = f"{dtype} {arch} {n_embd}/{n_head}h/{n_kv}kv" + (" moe" if moe else "")
             assert dtype != "fp32" or i is None, f"{label}: sampled tokens differ at {i}: {toks}"
             notes.append(f"{label}: equal to token {n_new if i is None else i}")
     return "; ".join(notes)
@@ -1892,7 +1897,7 @@ for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, infe
 
 def inference_megakernel_refuses():
     # the models decode_megakernel does not decode say why, before any GPU is asked (CPU, in CI)
-    for kw, want in ((dict(mlp=lambda: inference.MoE(32, 4, 2)), "dense models"),
+    for kw, want in ((dict(mlp=lambda: inference.MoE(32, 4, 3)), "of which a token takes at most 2"),
                      (dict(residual="mhc"), "baseline residual stream"),
                      (dict(residual="hc", n_streams=1), "baseline residual stream")):  # one stream still mixes
         model = train.GPT(95, 24, 32, 2, 2, 0, train.TORCH_OPS, **kw)
@@ -1902,7 +1907,7 @@ def inference_megakernel_refuses():
             raise AssertionError(f"{kw}: Megakernel took the model")
         except ValueError as e:
             assert want in str(e), f"{kw}: {e}"
-    return "MoE, mHC and one-stream HC models refused with their reason"
+    return "MoE of top-3, mHC and one-stream HC models refused with their reason"
 
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
