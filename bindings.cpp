@@ -2976,8 +2976,8 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
   check_weight(weights[G / 2], "ln_f_w", {C});
   if (!llama) check_weight(weights[3], "ln_f_b", {C});
   const int64_t H = mk_hidden(weights, llama, C), elem = wte.element_size();
-  REQUIRE(H >= 1 && H <= 4 * C && (H * elem) % 16 == 0, op, ": mlp.fc_w's rows (the SwiGLU width) must be in [1, ",
-          4 * C, "] and a multiple of 16 bytes, got ", H);
+  REQUIRE(H >= C && H <= 4 * C && (H * elem) % 16 == 0, op, ": mlp.fc_w's rows (the SwiGLU width) must be in [", C,
+          ", ", 4 * C, "] and a multiple of 16 bytes, got ", H);
   const int64_t E = mk_experts(weights, llama, top_k);
   REQUIRE(!top_k || (E >= top_k && E <= 64), op, ": mlp.router_w must have between top_k (", top_k,
           ") and 64 rows (experts), got shape ", weights[G + per - 1].sizes());
@@ -3084,12 +3084,14 @@ void decode_megakernel_autograd(const std::vector<Tensor>& weights, const Tensor
                       logits, workspace, n_head, eps, trace, rope_cos, rope_sin, top_k);
 }
 
-// The workspace decode_megakernel needs at width n_embd with n_head heads, top_k experts a token (1: dense)
+// The workspace decode_megakernel needs at width n_embd with n_head heads, top_k experts a token (0: dense)
 // (floats, on the current GPU).
 static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head, int64_t top_k) {
   REQUIRE_VALUE(n_head >= 1 && n_embd % n_head == 0, "decode_megakernel_workspace_floats: n_head must divide n_embd");
-  REQUIRE_VALUE(top_k >= 1 && top_k <= 2, "decode_megakernel_workspace_floats: top_k must be 1 or 2, got ", top_k);
-  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head), (int)top_k);
+  REQUIRE_VALUE(top_k >= 0 && top_k <= 2, "decode_megakernel_workspace_floats: top_k must be 0 (dense), 1 or 2, got ",
+                top_k);
+  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head),
+                                            (int)std::max<int64_t>(1, top_k));
 }
 
 // None if the current GPU's megakernel decodes a model of this shape and dtype, else why not.
@@ -3228,9 +3230,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("on"));
   m.def("decode_megakernel_workspace_floats", &decode_megakernel_workspace,
         "floats of float32 workspace decode_megakernel needs for a model n_embd wide with n_head heads whose "
-        "tokens each take top_k experts (1: dense), on the current GPU; zero it once and pass the same tensor to "
-        "every step",
-        py::arg("n_embd"), py::arg("n_head"), py::arg("top_k") = 1);
+        "tokens each take top_k experts (0: dense, as the op's top_k), on the current GPU; zero it once and pass "
+        "the same tensor to every step",
+        py::arg("n_embd"), py::arg("n_head"), py::arg("top_k") = 0);
   m.def("decode_megakernel_trace_shape", [](int64_t n_layer) {
           return py::make_tuple(decode_megakernel_grid(), decode_megakernel_trace_stamps((int)n_layer));
         },

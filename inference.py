@@ -234,6 +234,9 @@ def megakernel_why_not(model):
     block = model.blocks[0]
     if isinstance(block.mlp, MoE) and (block.mlp.top_k > 2 or block.mlp.router_w.shape[0] > 64):
         return "it decodes mixtures of at most 64 experts, of which a token takes at most 2"
+    C, hidden = model.wte.shape[1], block.mlp.fc_w.shape[-2]
+    if not C <= hidden <= 4 * C:
+        return f"its mlp width {hidden} is outside [n_embd, 4 n_embd] = [{C}, {4 * C}]"
     if model.streams.variant != "baseline":
         return "it decodes the baseline residual stream, not hyper-connections"
     import kernels
@@ -267,7 +270,7 @@ class Megakernel:
         self.weights = top + [p[n] for p in params for n in names]
         self.rope = (model.rope_cos, model.rope_sin) if llama else (None, None)
         with torch.cuda.device(dev):  # sized for this GPU's SMs
-            self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head, max(1, self.top_k)),
+            self.workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, block.n_head, self.top_k),
                                          device=dev)
         self.logits = torch.empty(model.wte.shape[0], device=dev, dtype=model.wte.dtype)
         self.cache, self.n_head = cache, block.n_head

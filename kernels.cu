@@ -6978,7 +6978,8 @@ struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `l
 
 constexpr int MK_MAX_QKV_ROWS = 3 * MK_MAX_OWN + 1;  // a block's rows of the QKV product: (3 n_embd) / SMs
 
-// Rows of the largest chunk (the products of n_embd columns): a page's biases.
+// Rows of the largest chunk (the products of n_embd columns; the mlp's width is at least n_embd): a page's
+// biases.
 __host__ __device__ constexpr int mk_max_chunk_rows(int C, int elem_bytes, int page_bytes) {
   return page_bytes / (C * elem_bytes);
 }
@@ -7042,7 +7043,7 @@ struct MkRows {  // a block's rows of one product and their chunks
 template <class T>
 struct MkPlan {
   MkRows p[MK_PRODUCTS];
-  int K[MK_PRODUCTS], slots[MK_PRODUCTS];  // slots: times the product runs, once for each chosen expert
+  int K[MK_PRODUCTS], runs[MK_PRODUCTS];  // runs: times the product runs, once for each chosen expert
   int per_layer, total;  // chunks a layer, chunks of the whole step
   int pages, page_bytes;
   // Step B's split holds keys [att_j0, att_j1); its chunk: the cached keys and values [att_j0, att_j0 +
@@ -7069,9 +7070,9 @@ struct MkPlan {
       const int r0 = (int)((int64_t)N[s] * b / G), r1 = (int)((int64_t)N[s] * (b + 1) / G);
       const int per = a.page_bytes / (Ks[s] * (int)sizeof(T));
       K[s] = Ks[s];
-      slots[s] = s == MK_FC || s == MK_UP || s == MK_FC2 ? a.top_k : 1;
+      runs[s] = s == MK_FC || s == MK_UP || s == MK_FC2 ? a.top_k : 1;
       p[s] = {r0, r1 - r0, per, (r1 - r0 + per - 1) / per, s == MK_HEAD ? 0 : first};
-      if (s != MK_HEAD) first += p[s].chunks * slots[s];
+      if (s != MK_HEAD) first += p[s].chunks * runs[s];
       if (s == MK_QKV) {
         att_first = first;
         first += att_chunks;
@@ -7083,7 +7084,7 @@ struct MkPlan {
     page_bytes = a.page_bytes;
   }
 
-  // The chunk's index in the step's list: chunk c of product s in layer l (slot k's chunks after slot k - 1's).
+  // The chunk's index in the step's list: chunk c of product s in layer l (run k's chunks after run k - 1's).
   __device__ int index(int l, int s, int c) const {
     return (s == MK_HEAD ? total - p[MK_HEAD].chunks : l * per_layer + p[s].first) + c;
   }
@@ -7125,6 +7126,10 @@ __device__ void mk_produce(const MkArgs<T>& a, const MkPlan<T>& plan, char* page
                            uint32_t full, uint32_t empty, uint32_t route, const int* experts) {
   const int lane = threadIdx.x % 32;
   int j = 0, chosen[MK_MAX_TOPK] = {};
+  // Only a block with rows of the experts' products waits for their choice: its consumers cannot complete
+  // route's next phase before this warp has filled the pages of the last one, so the parity never aliases.
+  // (A block without such rows would let its consumers run phases ahead, and it needs no choice.)
+  const bool fetches_experts = a.n_expert && plan.p[MK_FC].chunks + plan.p[MK_UP].chunks + plan.p[MK_FC2].chunks > 0;
   auto page = [&] {  // page j % pages, once the consumers have released its last chunk
     const int p = j % a.pages;
     if (j >= a.pages) mbar_wait(empty + 8 * p, (j / a.pages - 1) & 1);
@@ -7146,14 +7151,14 @@ __device__ void mk_produce(const MkArgs<T>& a, const MkPlan<T>& plan, char* page
         mbar_arrive(full + 8 * p);
         ++j;
       }
-      if (s == MK_FC && a.n_expert) {  // this layer's experts, once the block's router has chosen them
+      if (s == MK_FC && fetches_experts) {  // this layer's experts, once the block's router has chosen them
         mbar_wait(route, l & 1);
         for (int k = 0; k < a.top_k; ++k) chosen[k] = experts[k];
       }
       const MkRows& r = plan.p[s];
-      for (int slot = 0; slot < plan.slots[s]; ++slot) {
-        const T* w = mk_matrix(a, l == a.n_layer ? 0 : l, s, chosen[slot]);
-        const T* bias = l == a.n_layer ? nullptr : mk_bias(a, l, s, chosen[slot]);
+      for (int run = 0; run < plan.runs[s]; ++run) {
+        const T* w = mk_matrix(a, l == a.n_layer ? 0 : l, s, chosen[run]);
+        const T* bias = l == a.n_layer ? nullptr : mk_bias(a, l, s, chosen[run]);
         for (int c = 0; c < r.chunks; ++c, ++j) {
           const int p = page(), row = r.r0 + c * r.per_chunk, rows = min(r.per_chunk, r.rows - c * r.per_chunk);
           if (lane == 0) {
@@ -7196,16 +7201,16 @@ __device__ __forceinline__ void mk_dots(const T* row, int64_t stride, int n, con
   for (int r = 0; r < R; ++r) sum[r] = warp_sum(acc[r]);
 }
 
-// The block's rows of product s (layer l; in a mixture, its run for the slot-th chosen expert) times vec,
+// The block's rows of product s (layer l; in a mixture, its run for the run-th chosen expert) times vec,
 // plus bias: out(row, value) for each, by lane 0 of a warp. Each thread releases a page once it has read it
 // (empty counts the consumer threads); the warps do not wait for each other.
 template <class T, class Out>
-__device__ void mk_product(const MkPlan<T>& plan, int l, int s, int slot, const float* vec, const char* pages,
+__device__ void mk_product(const MkPlan<T>& plan, int l, int s, int run, const float* vec, const char* pages,
                            const float* pbias, int max_rows, uint32_t full, uint32_t empty, Out out) {
   const MkRows& r = plan.p[s];
   const int warp = threadIdx.x / 32, K = plan.K[s];
   for (int c = 0; c < r.chunks; ++c) {
-    const int j = plan.index(l, s, slot * r.chunks + c), p = j % plan.pages;
+    const int j = plan.index(l, s, run * r.chunks + c), p = j % plan.pages;
     const int rows = min(r.per_chunk, r.rows - c * r.per_chunk);
     mbar_wait(full + 8 * p, (j / plan.pages) & 1);
     const T* page = reinterpret_cast<const T*>(pages + (int64_t)p * plan.page_bytes);
@@ -7374,7 +7379,7 @@ __device__ void mk_route(const MkArgs<T>& a, const T* router_w, const float* vec
         for (int i = 0; i < k; ++i) taken |= experts[i] == e;
         if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
       }
-      experts[k] = best < 0 ? k : best;  // NaN probabilities: any expert, never an address out of range
+      experts[k] = best;  // E >= top_k, so one is left; with NaN probabilities, the first left
       weights[k] = logits[experts[k]];
       total += weights[k];
     }
@@ -7731,8 +7736,9 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
   if (per_layer != MK_LAYER_WEIGHTS) why = "14 weight slots a layer expected";
   if (!why && n_expert && (n_expert > MK_MAX_EXPERTS || top_k < 1 || top_k > std::min(n_expert, MK_MAX_TOPK)))
     why = "a mixture of at most 64 experts, of which a token takes 1 or 2";
-  if (!why && (hidden < 1 || hidden > 4 * C || hidden * (int)sizeof(T) % 16 != 0))
-    why = "the mlp's width over 4 n_embd, or its rows no multiple of 16 bytes";
+  if (!why && (hidden < C || hidden > 4 * C || hidden * (int)sizeof(T) % 16 != 0))
+    why = "the mlp's width outside [n_embd, 4 n_embd] (a page's biases are sized for rows of n_embd columns), "
+          "or its rows no multiple of 16 bytes";
   if (!why && (n_layer < 1 || n_layer > MK_MAX_LAYERS)) why = "n_layer outside [1, 64]";
   if (why) throw std::runtime_error(std::string("decode_megakernel: ") + why);
   MkArgs<T> a = {};

@@ -1898,16 +1898,20 @@ for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, infe
 def inference_megakernel_refuses():
     # the models decode_megakernel does not decode say why, before any GPU is asked (CPU, in CI)
     for kw, want in ((dict(mlp=lambda: inference.MoE(32, 4, 3)), "of which a token takes at most 2"),
+                     (dict(mlp=lambda: inference.MoE(32, 65, 2)), "mixtures of at most 64 experts"),
+                     (dict(arch="llama", n_embd=8), "mlp width 64 is outside [n_embd, 4 n_embd] = [8, 32]"),
                      (dict(residual="mhc"), "baseline residual stream"),
                      (dict(residual="hc", n_streams=1), "baseline residual stream")):  # one stream still mixes
-        model = train.GPT(95, 24, 32, 2, 2, 0, train.TORCH_OPS, **kw)
+        kw = {"n_embd": 32, **kw}
+        model = train.GPT(95, 24, kw.pop("n_embd"), 2, 2, 0, train.TORCH_OPS, **kw)
         assert want in (inference.megakernel_why_not(model) or ""), f"{kw}: {inference.megakernel_why_not(model)}"
         try:
             inference.Megakernel(model, None)
             raise AssertionError(f"{kw}: Megakernel took the model")
         except ValueError as e:
             assert want in str(e), f"{kw}: {e}"
-    return "MoE of top-3, mHC and one-stream HC models refused with their reason"
+    return ("MoE of top-3 and of 65 experts, an mlp wider than 4 n_embd, mHC and one-stream HC models refused with "
+            "their reason")
 
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
