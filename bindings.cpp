@@ -2925,7 +2925,15 @@ static int64_t mk_experts(const std::vector<Tensor>& weights, bool llama, int64_
   return top_k > 0 && weights.size() > at && weights[at].dim() == 2 ? weights[at].size(0) : 0;
 }
 
-static void check_decode_megakernel(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
+// What check_decode_megakernel read off the arguments: the architecture, where a layer's weights go among the
+// kernel's slots, and the sizes the shapes were checked against.
+struct MkLayout {
+  bool llama;
+  std::vector<int> slots;  // a layer's weights' slots, in their order
+  int64_t globals, L, H, E;  // weights before the layers', layers, mlp width, experts (0: dense)
+};
+
+static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                                     const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
                                     const Tensor& workspace, int64_t n_head, const std::optional<Tensor>& trace,
                                     const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin,
@@ -2985,13 +2993,14 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
     for (int64_t i = 0; i < per; ++i)
       check_weight(weights[G + l * per + i], "layer " + std::to_string(l) + "'s " + kMkSlotNames[slots[i]],
                    mk_slot_shape(slots[i], C, n_kv * hs, H, E));
+  const std::pair<const Tensor*, const char*> tables[] = {{&*rope_cos, "rope_cos"}, {&*rope_sin, "rope_sin"}};
   if (llama)
-    for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&*rope_cos, "rope_cos"}, {&*rope_sin, "rope_sin"}}) {
+    for (const auto& [t, name] : tables) {
       check_float_cuda(op, *t, name);
       check_same_device(op, wte, "wte", *t, name);
       REQUIRE(t->dim() == 2 && t->size(0) >= capacity && t->size(1) == hs / 2 && t->is_contiguous(), op, ": ", name,
-              " must be a contiguous (>= ", capacity, ", ", hs / 2, ") table of the cache's positions' angles, got shape ",
-              t->sizes());
+              " must be a contiguous (>= ", capacity, ", ", hs / 2,
+              ") table of the cache's positions' angles, got shape ", t->sizes());
     }
   for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&tok, "tok"}, {&pos, "pos"}}) {
     check_index_cuda(op, *t, name);
@@ -3016,6 +3025,7 @@ static void check_decode_megakernel(const std::vector<Tensor>& weights, const Te
     REQUIRE(trace->dim() == 2 && trace->is_contiguous(), op,
             ": trace must be a contiguous (blocks, stamps) int64 tensor, got shape ", trace->sizes());
   }
+  return {llama, slots, G, L, H, E};
 }
 
 void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
@@ -3024,15 +3034,16 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
                             const std::optional<Tensor>& rope_cos, const std::optional<Tensor>& rope_sin,
                             int64_t top_k) {
   raise_pending_index_error();
-  check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head, trace, rope_cos, rope_sin,
-                          top_k);
+  const MkLayout layout = check_decode_megakernel(weights, tok, pos, k_cache, v_cache, logits, workspace, n_head,
+                                                  trace, rope_cos, rope_sin, top_k);
   const char* op = "decode_megakernel";
   const c10::cuda::CUDAGuard guard(k_cache.device());
-  const int64_t C = weights[0].size(1), L = k_cache.size(0), hs = C / n_head, n_kv = k_cache.size(2);
+  const int64_t C = weights[0].size(1), L = layout.L, hs = C / n_head, n_kv = k_cache.size(2);
   const char* why = decode_megakernel_unsupported((int)C, (int)n_head, (int)n_kv, (int)hs,
                                                   (int)weights[0].element_size());
   REQUIRE_VALUE(why == nullptr, op, ": this model cannot run here: ", why ? why : "");
-  const int64_t need = decode_megakernel_workspace_floats((int)C, (int)n_head, (int)hs, (int)std::max<int64_t>(1, top_k));
+  const int64_t need = decode_megakernel_workspace_floats((int)C, (int)n_head, (int)hs,
+                                                         (int)std::max<int64_t>(1, top_k));
   REQUIRE(workspace.numel() >= need, op, ": workspace must hold ", need,
           " floats (decode_megakernel_workspace_floats), got ", workspace.numel());
   for (size_t i = 0; i < weights.size(); ++i)  // the kernel copies weight rows with 16-byte bulk copies
@@ -3044,21 +3055,19 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
   const int64_t blocks = decode_megakernel_grid(), stamps = decode_megakernel_trace_stamps((int)L);
   REQUIRE(!tracing || (trace->size(0) == blocks && trace->size(1) == stamps), op, ": trace must have shape (",
           blocks, ", ", stamps, "): the GPU's SMs, 2 + 10 n_layer stamps; got ", trace->sizes());
-  const bool llama = rope_cos.has_value() && rope_cos->defined();
-  const std::vector<int> slots = mk_slots(llama, top_k > 0);
-  const int64_t G = mk_globals(llama), per = (int64_t)slots.size();
+  const bool llama = layout.llama;
+  const int64_t G = layout.globals, per = (int64_t)layout.slots.size();
   with_type(weights[0].scalar_type(), [&](auto t) {
     using E = decltype(t);
     std::vector<const E*> layers(L * MK_WEIGHTS, nullptr);  // the slots the architecture lacks stay empty
     for (int64_t l = 0; l < L; ++l)
-      for (int64_t i = 0; i < per; ++i) layers[l * MK_WEIGHTS + slots[i]] = ptr<E>(weights[G + l * per + i]);
+      for (int64_t i = 0; i < per; ++i) layers[l * MK_WEIGHTS + layout.slots[i]] = ptr<E>(weights[G + l * per + i]);
     decode_megakernel(layers.data(), MK_WEIGHTS, ptr<E>(weights[0]), llama ? nullptr : ptr<E>(weights[1]),
                       ptr<E>(weights[G / 2]), llama ? nullptr : ptr<E>(weights[3]),
                       llama ? ptr<float>(*rope_cos) : nullptr, llama ? ptr<float>(*rope_sin) : nullptr,
                       ptr<E>(k_cache), ptr<E>(v_cache), ptr<int64_t>(tok), ptr<int64_t>(pos), ptr<E>(logits),
                       ptr<float>(workspace), tracing ? reinterpret_cast<uint64_t*>(trace->data_ptr()) : nullptr,
-                      (int)L, to_int(op, C, "n_embd"), (int)n_head, (int)n_kv, (int)mk_hidden(weights, llama, C),
-                      (int)mk_experts(weights, llama, top_k), (int)top_k,
+                      (int)L, to_int(op, C, "n_embd"), (int)n_head, (int)n_kv, (int)layout.H, (int)layout.E, (int)top_k,
                       to_int(op, weights[0].size(0), "V"), to_int(op, k_cache.size(3), "capacity"), (float)eps,
                       stream());
   });
@@ -3106,11 +3115,11 @@ static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int6
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // A whole decode step of a gpt model (or, with rope_cos and rope_sin, a llama model; with top_k, a mixture
-  // of experts): the logits of tok at position pos, its key and value written into the caches, pos advanced by one; with trace, each block's clock (ns) at its start, after each step
-  // (its work done, the next step's inputs arrived) and at its end. The workspace holds a launch count and
-  // the values passed between blocks: zero it before the first step, then keep it for one model's steps on
-  // one stream and one GPU.
+  // A whole decode step of a gpt model (or, with rope_cos and rope_sin, a llama model; with top_k, a mixture of
+  // experts): the logits of tok at position pos, its key and value written into the caches, pos advanced by one;
+  // with trace, each block's clock (ns) at its start, after each step (its work done, the next step's inputs
+  // arrived) and at its end. The workspace holds a launch count and the values passed between blocks: zero it
+  // before the first step, then keep it for one model's steps on one stream and one GPU.
   def_op(m, "decode_megakernel(Tensor[] weights, Tensor tok, Tensor(a!) pos, Tensor(b!) k_cache, "
             "Tensor(c!) v_cache, Tensor(d!) logits, Tensor(e!) workspace, int n_head, float eps=1e-05, "
             "Tensor(f!)? trace=None, Tensor? rope_cos=None, Tensor? rope_sin=None, int top_k=0) -> ()");
@@ -3241,8 +3250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and at its end",
         py::arg("n_layer"));
   m.def("decode_megakernel_why_not", &decode_megakernel_why_not,
-        "None if decode_megakernel runs a gpt or llama model of this shape on the current GPU, with weights of element_size "
-        "bytes (4: float32, 2: bfloat16), else the reason",
+        "None if decode_megakernel runs a gpt or llama model of this shape on the current GPU, with weights of "
+        "element_size bytes (4: float32, 2: bfloat16), else the reason",
         py::arg("n_embd"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("n_layer"), py::arg("element_size"));
   m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
   m.attr("MAX_STREAMS") = MAX_STREAMS;

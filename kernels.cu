@@ -1622,6 +1622,12 @@ struct RopeArgs {
   int H, T_, half;     // T_: tokens; half = D / 2
 };
 
+// The pair (x1, x2) turned by the angle of cosine c and sine s, each product rounded on its own.
+__device__ __forceinline__ void rope_turn(float x1, float x2, float c, float s, float& o1, float& o2) {
+  o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+  o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 // T: x and out, fp32 or bf16 (a bf16 pair is rotated in fp32 and rounded once).
 template <bool BWD, class T>
 __global__ void rope_kernel(RopeArgs<T> a, int64_t n) {
@@ -1637,8 +1643,10 @@ __global__ void rope_kernel(RopeArgs<T> a, int64_t n) {
     const float s = BWD ? -a.sin[(int64_t)t * a.half + i] : a.sin[(int64_t)t * a.half + i];
     const float x1 = to_float(x[i]), x2 = to_float(x[i + a.half]);
     T* o = a.out + row * 2 * a.half;
-    o[i] = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    o[i + a.half] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    float o1, o2;
+    rope_turn(x1, x2, c, s, o1, o2);
+    o[i] = from_float<T>(o1);
+    o[i + a.half] = from_float<T>(o2);
   }
 }
 
@@ -6912,12 +6920,12 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 }
 
 // ------------------------------------------------------------------------------------------------
-// decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases) or
-// a llama model (RMSNorm, RoPE, SwiGLU MLP, no biases), dense or a mixture of experts, multi-head or
-// grouped-query attention, fp32 or bf16, in one launch, where the op set launches about ten kernels a layer. Decoding one token reads every
-// weight once, so its limit is bandwidth; with a kernel per op each of the ~130 links costs a launch and a
-// ramp-up, about what a layer's weights take to stream in, and the step reaches a fraction of the copy
-// rate (inference.py prints how much).
+// decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases) or a
+// llama model (RMSNorm, RoPE, SwiGLU MLP, no biases), dense or a mixture of experts, multi-head or
+// grouped-query attention, fp32 or bf16, in one launch, where the op set launches about ten kernels a
+// layer. Decoding one token reads every weight once, so its limit is bandwidth; with a kernel per op each
+// of the ~130 links costs a launch and a ramp-up, about what a layer's weights take to stream in, and the
+// step reaches a fraction of the copy rate (inference.py prints how much).
 //
 // Instruction set. A layer is five steps: (A) norm + QKV projection, the new key and value written into the
 // cache; (B) attention of the one query, a block per (head, split of the keys), split 0 of a head adding
@@ -7093,11 +7101,11 @@ struct MkPlan {
 // Where row r of the QKV product goes: kind (0 query, 1 key, 2 value) << 30 | its offset in w.q, or in the
 // cache's layer at position 0.
 template <class T>
-__device__ int mk_qkv_at(const MkArgs<T>& a, int r) {
+__device__ unsigned mk_qkv_at(const MkArgs<T>& a, int r) {
   const int kv = a.n_kv_head * a.hs;
   if (r < a.C) return r;
   const int c = (r - a.C) % kv, head = c / a.hs, d = c % a.hs;
-  return (r < a.C + kv ? 1 : 2) << 30 | (head * a.capacity * a.hs + d);
+  return (r < a.C + kv ? 1u : 2u) << 30 | (unsigned)(head * a.capacity * a.hs + d);
 }
 
 // Product s's weight matrix in layer l (expert e's in a mixture), and its bias (nullptr: none).
@@ -7391,8 +7399,8 @@ __device__ void mk_route(const MkArgs<T>& a, const T* router_w, const float* vec
 }
 
 // llama's RoPE in step B: the query and, where the split holds it (has_new), the new key (qkv's first and
-// second hs values) turned by pos's angles as the op set's rope turns them (each product rounded on its own,
-// the result to T); key_row: where the rotated key goes in the cache, or nullptr (another block writes it).
+// second hs values) turned by pos's angles as the rope op turns them (rope_turn, then rounded to T);
+// key_row: where the rotated key goes in the cache, or nullptr (another block writes it).
 template <class T>
 __device__ void mk_rope(const MkArgs<T>& a, float* qkv, bool has_new, int pos, T* key_row) {
   const int half = a.hs / 2;
@@ -7401,9 +7409,10 @@ __device__ void mk_rope(const MkArgs<T>& a, float* qkv, bool has_new, int pos, T
     const bool key = i >= half;
     const int d = i - (key ? half : 0);
     float* x = qkv + (key ? a.hs : 0);
-    const float c = cos[d], s = sin[d], x1 = x[d], x2 = x[d + half];
-    x[d] = round_to<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    x[d + half] = round_to<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    float o1, o2;
+    rope_turn(x[d], x[d + half], cos[d], sin[d], o1, o2);
+    x[d] = round_to<T>(o1);
+    x[d + half] = round_to<T>(o2);
     if (key && key_row) {
       key_row[d] = from_float<T>(x[d]);
       key_row[d + half] = from_float<T>(x[d + half]);
@@ -7509,9 +7518,9 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   const int max_rows = mk_max_chunk_rows(a.C, sizeof(T), a.page_bytes);
   __shared__ uint64_t full_bars[MK_MAX_PAGES];   // page p has been filled
   __shared__ uint64_t empty_bars[MK_MAX_PAGES];  // page p has been read by every consumer thread
-  __shared__ int qkv_at[MK_MAX_QKV_ROWS];    // where each of the block's QKV rows goes (mk_qkv_at)
+  __shared__ unsigned qkv_at[MK_MAX_QKV_ROWS];  // where each of the block's QKV rows goes (mk_qkv_at)
   __shared__ float own[MK_MAX_OWN];          // the block's rows of the residual stream
-  __shared__ float gate[MK_MAX_TOPK * 4 * MK_MAX_OWN];  // llama: the block's rows of fc, SwiGLU's gate, by slot
+  __shared__ float gate[MK_MAX_TOPK * 4 * MK_MAX_OWN];  // llama: the block's rows of fc, SwiGLU's gate, by run
   __shared__ float mix[MK_MAX_OWN];          // a mixture: the block's rows of the experts' outputs so far
   __shared__ float router[MK_MAX_EXPERTS];   // a mixture: the router's logits, then its probabilities
   __shared__ int experts[MK_MAX_TOPK];       // a mixture: the layer's chosen experts
@@ -7520,7 +7529,7 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   const uint32_t full = smem_addr(full_bars), empty = smem_addr(empty_bars), route = smem_addr(&route_bar);
   const MkWorkspace w(a.ws, a.C, a.n_kv_head * a.hs, a.top_k);
   const int C = a.C, G = gridDim.x;
-  const bool rms = a.rope_cos != nullptr;  // llama: RMSNorm, RoPE, SwiGLU, no biases
+  const bool llama = a.rope_cos != nullptr;  // RMSNorm, RoPE, SwiGLU, no biases
   const int64_t tok = *a.tok, pos = *a.pos;
   if (tok < 0 || tok >= a.V || pos < 0 || pos >= a.capacity) {  // every block sees the same values
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -7575,16 +7584,17 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     const MkLayer<T>& L = a.layer[l];
     // (A) norm + QKV; the key (gpt's; llama's is rotated in step B) and value go into the cache at pos,
     // and to step B
-    mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
+    mk_norm<T>(vec, norm, norm + C, llama, C, a.eps, red);
     mk_fetch_norm(norm, L.ln2_w, L.ln2_b, C);
     const int64_t cache_row = ((int64_t)l * a.n_kv_head * a.capacity + pos) * a.hs;
     mk_product(plan, l, MK_QKV, 0, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
       const float y = round_to<T>(sum);
-      const int at = qkv_at[r - plan.p[MK_QKV].r0], kind = at >> 30, off = at & ((1 << 30) - 1);
+      const unsigned at = qkv_at[r - plan.p[MK_QKV].r0];
+      const int kind = at >> 30, off = at & ((1u << 30) - 1);
       if (kind == 0) {
         mk_put(w.q + off, y, tag(l, 0));
       } else {
-        if (kind != 1 || !rms) (kind == 1 ? a.k_cache : a.v_cache)[cache_row + off] = from_float<T>(y);
+        if (kind == 2 || !llama) (kind == 1 ? a.k_cache : a.v_cache)[cache_row + off] = from_float<T>(y);
         mk_put(w.kv + r - C, y, tag(l, 0));
       }
     });
@@ -7602,17 +7612,17 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     mk_poll(vec, C, tag(l, 2), from(w.xd));
     trace.record();
     // (D) norm (+ a mixture's router) + fc + GELU, or + fc and up + SwiGLU, once for each chosen expert
-    mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
+    mk_norm<T>(vec, norm, norm + C, llama, C, a.eps, red);
     if (l + 1 < a.n_layer) mk_fetch_norm(norm, a.layer[l + 1].ln1_w, a.layer[l + 1].ln1_b, C);
     else mk_fetch_norm(norm, a.lnf_w, a.lnf_b, C);
     if (a.n_expert) mk_route(a, L.router_w, vec, router, experts, expert_p, route);
     const int h0 = plan.p[MK_FC].r0, F = a.hidden;
     for (int k = 0; k < a.top_k; ++k)
       mk_product(plan, l, MK_FC, k, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
-        if (rms) gate[k * 4 * MK_MAX_OWN + r - h0] = round_to<T>(sum);
+        if (llama) gate[k * 4 * MK_MAX_OWN + r - h0] = round_to<T>(sum);
         else mk_put(w.h + k * F + r, round_to<T>(GeluErf().fwd(round_to<T>(sum))), tag(l, 3));
       });
-    if (rms) {
+    if (llama) {
       mk_sync();  // every warp's gates are in
       for (int k = 0; k < a.top_k; ++k)
         mk_product(plan, l, MK_UP, k, vec, pages, pbias, max_rows, full, empty, [&](int r, float sum) {
@@ -7641,7 +7651,7 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
     trace.record();
   }
   // (F) norm + head
-  mk_norm<T>(vec, norm, norm + C, rms, C, a.eps, red);
+  mk_norm<T>(vec, norm, norm + C, llama, C, a.eps, red);
   mk_product(plan, 0, MK_HEAD, 0, vec, pages, pbias, max_rows, full, empty,
              [&](int r, float sum) { a.logits[r] = from_float<T>(sum); });
   trace.record();

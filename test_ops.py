@@ -1708,8 +1708,9 @@ def _mk_model(arch, n_embd, n_head, n_kv, block, moe=None, n_layer=3, dtype="fp3
     mlp = (lambda: inference.MoE(n_embd, *moe, arch)) if moe else None
     model = train.GPT(95, block, n_embd, n_head, n_layer, 0, train.TORCH_OPS, n_kv_head=n_kv, arch=arch,
                       mlp=mlp).to(DEV).eval()
-    for i, (name, p) in enumerate(model.named_parameters()):  # biases and norms off their zero / one init, each
-        if p.dim() == 1 or name.endswith("_b"):                 # its own draw, so that one used in another's place shows
+    # biases and norms off their zero / one init, each its own draw, so that one used in another's place shows
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if p.dim() == 1 or name.endswith("_b"):
             with torch.no_grad():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(DEV))
     model = inference.with_dtype(model, dtype)
@@ -1832,7 +1833,8 @@ def inference_gpu_megakernel_bad_inputs():
                                         rope_sin=llama.rope_sin), **kw})
     with torch.no_grad():
         for kw, want in ((dict(rope_sin=None), "rope_cos and rope_sin come together"),
-                         (dict(rope_cos=llama.rope_cos[:40], rope_sin=llama.rope_sin[:40]), "rope_cos must be a contiguous"),
+                         (dict(rope_cos=llama.rope_cos[:40], rope_sin=llama.rope_sin[:40]),
+                          "rope_cos must be a contiguous"),
                          (dict(rope_sin=llama.rope_sin.double()), "rope_sin must be float32"),
                          (dict(weights=mk.weights), "weights must be wte, ln_f_w, then 7 a layer")):
             expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**largs(**kw)), want)
