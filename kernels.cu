@@ -6600,6 +6600,12 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
 // and dS = P (dP - delta) in registers (one lse_log2 and delta a row, read once), dQ += dS K with dS as
 // the A operand and K read N-major; the next tile's S and dP are issued before this tile's dQ product
 // is waited for. Every dQ row is this block's alone: deterministic.
+// Recomputing S and dP here takes two products a tile that the dK/dV kernel has done already
+// (FlashAttention-3 adds each tile's dS K into fp32 sums instead: five products where these kernels
+// take seven). Kept deterministic, the key blocks must add in a fixed order, each waiting for its turn.
+// Built that way (dS^T through shared memory, each block's part added in its turn by the copy engine
+// from a producer thread), it won only at head size 128 from 8k queries, by 2-9%, and lost at head
+// size 64 and at short lengths, where the turns and the final bf16 pass cost more than the two products.
 template <int D>
 struct AttnDqTmaShape {
   static constexpr int BM = 128, BN = 64, THREADS = 384;
