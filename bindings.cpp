@@ -2914,14 +2914,21 @@ static std::vector<int64_t> mk_slot_shape(int slot, int64_t C, int64_t kv, int64
   return shape;
 }
 
+// Where layer 0's weight for `slot` sits among the arguments (a slot the model has).
+static size_t mk_first(bool llama, bool moe, int slot) {
+  const std::vector<int> slots = mk_slots(llama, moe);
+  return mk_globals(llama) + (std::find(slots.begin(), slots.end(), slot) - slots.begin());
+}
+
 // The mlp's width: gpt's 4C, llama's fc_w rows (of an expert, in a mixture).
 static int64_t mk_hidden(const std::vector<Tensor>& weights, bool llama, int64_t C) {
-  return llama && weights.size() > 6 && weights[6].dim() >= 2 ? weights[6].size(-2) : 4 * C;
+  const size_t at = mk_first(llama, false, 8);
+  return llama && weights.size() > at && weights[at].dim() >= 2 ? weights[at].size(-2) : 4 * C;
 }
 
 // A mixture's experts: layer 0's router_w rows (0 for a dense model).
 static int64_t mk_experts(const std::vector<Tensor>& weights, bool llama, int64_t top_k) {
-  const size_t at = mk_globals(llama) + mk_slots(llama, true).size() - 1;
+  const size_t at = mk_first(llama, true, 13);
   return top_k > 0 && weights.size() > at && weights[at].dim() == 2 ? weights[at].size(0) : 0;
 }
 
