@@ -3035,6 +3035,16 @@ static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, cons
   return {llama, slots, G, L, H, E};
 }
 
+// The workspace decode_megakernel needs at width n_embd with n_head heads, top_k experts a token (0: dense)
+// (floats, on the current GPU).
+static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head, int64_t top_k) {
+  REQUIRE_VALUE(n_head >= 1 && n_embd % n_head == 0, "decode_megakernel_workspace_floats: n_head must divide n_embd");
+  REQUIRE_VALUE(top_k >= 0 && top_k <= 2, "decode_megakernel_workspace_floats: top_k must be 0 (dense), 1 or 2, got ",
+                top_k);
+  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head),
+                                            (int)std::max<int64_t>(1, top_k));
+}
+
 void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& tok, const Tensor& pos,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& logits,
                             const Tensor& workspace, int64_t n_head, double eps, const std::optional<Tensor>& trace,
@@ -3049,8 +3059,7 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
   const char* why = decode_megakernel_unsupported((int)C, (int)n_head, (int)n_kv, (int)hs,
                                                   (int)weights[0].element_size());
   REQUIRE_VALUE(why == nullptr, op, ": this model cannot run here: ", why ? why : "");
-  const int64_t need = decode_megakernel_workspace_floats((int)C, (int)n_head, (int)hs,
-                                                         (int)std::max<int64_t>(1, top_k));
+  const int64_t need = decode_megakernel_workspace(C, n_head, top_k);
   REQUIRE(workspace.numel() >= need, op, ": workspace must hold ", need,
           " floats (decode_megakernel_workspace_floats), got ", workspace.numel());
   for (size_t i = 0; i < weights.size(); ++i)  // the kernel copies weight rows with 16-byte bulk copies
@@ -3098,16 +3107,6 @@ void decode_megakernel_autograd(const std::vector<Tensor>& weights, const Tensor
                                 int64_t top_k) {
   call_below_autograd(KERNELS_OP("decode_megakernel", decode_megakernel_cuda), weights, tok, pos, k_cache, v_cache,
                       logits, workspace, n_head, eps, trace, rope_cos, rope_sin, top_k);
-}
-
-// The workspace decode_megakernel needs at width n_embd with n_head heads, top_k experts a token (0: dense)
-// (floats, on the current GPU).
-static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head, int64_t top_k) {
-  REQUIRE_VALUE(n_head >= 1 && n_embd % n_head == 0, "decode_megakernel_workspace_floats: n_head must divide n_embd");
-  REQUIRE_VALUE(top_k >= 0 && top_k <= 2, "decode_megakernel_workspace_floats: top_k must be 0 (dense), 1 or 2, got ",
-                top_k);
-  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head),
-                                            (int)std::max<int64_t>(1, top_k));
 }
 
 // None if the current GPU's megakernel decodes a model of this shape and dtype, else why not.

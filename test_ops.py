@@ -3827,21 +3827,25 @@ def _megakernel_supported(dt):
 
 def _megakernel_case(plain, dt):
     """decode_megakernel's opcheck cases where the GPU runs it (Hopper): a 1-layer model 64 wide, 2 heads, 11
-    tokens, a cache of 64 positions: gpt, and llama (one K/V head, SwiGLU 192 wide, with its RoPE tables)."""
+    tokens, a cache of 64 positions: gpt, llama (one K/V head, SwiGLU 192 wide, with its RoPE tables), and gpt
+    with a mixture of 3 experts of which a token takes 2 (top_k)."""
     if not _megakernel_supported(dt):
         return []
     C, H = 64, train.swiglu_hidden(64)
     gpt = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
            (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
     llama = [(11, C), (C,), (C,), (2 * C, C), (C, C), (C,), (H, C), (H, C), (C, H)]
+    E = 3
+    moe = gpt[:12] + [(E, 4 * C, C), (E, 4 * C), (E, C, 4 * C), (E, C), (E, C)]
     cases = []
-    for name, shapes, n_kv, rope in (("gpt", gpt, 2, {}),
-                                     ("llama", llama, 1, dict(rope_cos=torch.rand(64, 16, device=DEV),
-                                                              rope_sin=torch.rand(64, 16, device=DEV)))):
-        workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2), device=DEV)
+    for name, shapes, n_kv, kw in (("gpt", gpt, 2, {}),
+                                   ("llama", llama, 1, dict(rope_cos=torch.rand(64, 16, device=DEV),
+                                                            rope_sin=torch.rand(64, 16, device=DEV))),
+                                   ("gpt_moe", moe, 2, dict(top_k=2))):
+        workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2, kw.get("top_k", 0)), device=DEV)
         args = ([plain(*s) for s in shapes], torch.tensor([[3]], device=DEV), torch.tensor([5], device=DEV),
                 plain(1, 1, n_kv, 64, 32), plain(1, 1, n_kv, 64, 32), plain(11), workspace, 2)
-        cases.append((f"decode_megakernel_{name}", torch.ops.kernels.decode_megakernel, args, rope))
+        cases.append((f"decode_megakernel_{name}", torch.ops.kernels.decode_megakernel, args, kw))
     return cases
 
 
