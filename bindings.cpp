@@ -171,7 +171,8 @@ void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s);
+                         int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s);
+int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D);
 
 // ---- checks -----------------------------------------------------------------------------------
 
@@ -2657,9 +2658,10 @@ std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k
 }
 
 // The fused backward into the buffers dq, dk, dv (any (B, H, S, D) views with D contiguous).
+// deterministic = false: bf16 on Hopper adds dQ across key blocks in fp32 sums, in no fixed order.
 static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out,
                                 const Tensor& lse_log2, const Tensor& dout_in, bool causal, double scale, bool precise,
-                                const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+                                bool deterministic, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   if (std::isnan(scale)) {  // a NaN scale's outputs are NaN, and so are their gradients
     for (const Tensor* t : {&dq, &dk, &dv}) t->fill_(std::numeric_limits<float>::quiet_NaN());
@@ -2677,11 +2679,14 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
                 layout_of(dq), layout_of(dk), layout_of(dv)};
   const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
   const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
-  if (q.scalar_type() == at::kBFloat16)
+  if (q.scalar_type() == at::kBFloat16) {
+    const int64_t sum_floats = deterministic ? 0 : attention_bwd_dq_sum_floats(BH, Sq, D);
+    const Tensor dq_sum = at::empty({sum_floats}, lse_log2.options());
     attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
                         lse_log2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk),
-                        ptr<bf16>(dv), l, BH, group, Sq, Sk, D, causal, (float)scale, stream());
-  else
+                        ptr<bf16>(dv), l, BH, group, Sq, Sk, D, causal, (float)scale,
+                        sum_floats ? dq_sum.data_ptr<float>() : nullptr, stream());
+  } else
     attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         dout.data_ptr<float>(), lse_log2.data_ptr<float>(), delta.data_ptr<float>(),
                         dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D,
@@ -2692,31 +2697,31 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
 std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                  const Tensor& out, const Tensor& lse_log2,
                                                                  const Tensor& dout, bool causal, double scale,
-                                                                 bool precise) {
+                                                                 bool precise, bool deterministic) {
   Tensor dq = empty_bshd(q), dk = empty_bshd(k), dv = empty_bshd(v);
-  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, dq, dk, dv);
+  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic, dq, dk, dv);
   return {dq, dk, dv};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_meta(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                  const Tensor&, const Tensor&, const Tensor&, bool,
-                                                                 double, bool) {
+                                                                 double, bool, bool) {
   return {empty_bshd(q), empty_bshd(k), empty_bshd(v)};
 }
 
 // The same for packed_qkv's inputs: one (B, S, (H + 2 H_kv) * D) buffer, dq, dk and dv side by side.
 Tensor attention_fused_backward_packed_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                             const Tensor& lse_log2, const Tensor& dout, bool causal, double scale,
-                                            bool precise) {
+                                            bool precise, bool deterministic) {
   const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(3);
   Tensor buf = at::empty({q.size(0), q.size(2), (H + 2 * Hkv) * D}, q.options());
   const auto [dq, dk, dv] = packed_heads(buf, H, Hkv, D);
-  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, dq, dk, dv);
+  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic, dq, dk, dv);
   return buf;
 }
 
 Tensor attention_fused_backward_packed_meta(const Tensor& q, const Tensor& k, const Tensor&, const Tensor&,
-                                            const Tensor&, const Tensor&, bool, double, bool) {
+                                            const Tensor&, const Tensor&, bool, double, bool, bool) {
   return at::empty({q.size(0), q.size(2), (q.size(1) + 2 * k.size(1)) * q.size(3)}, q.options());
 }
 
@@ -2795,7 +2800,8 @@ static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, 
 
 // Below autograd: the forward op of the mode, its output.
 Tensor attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                      c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
+                      c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
+                      bool /*deterministic: the backward's*/) {
   const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
   if (mode == "tiled")
     return std::get<0>(KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, sc));
@@ -2805,7 +2811,7 @@ Tensor attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, bool ca
 
 struct AttentionFn : torch::autograd::Function<AttentionFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                        double scale, bool tiled, bool precise) {
+                        double scale, bool tiled, bool precise, bool deterministic) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto [out, stats] =
         tiled ? KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, scale)
@@ -2815,19 +2821,20 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["tiled"] = tiled;
     ctx->saved_data["precise"] = precise;
+    ctx->saved_data["deterministic"] = deterministic;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto t = ctx->get_saved_variables();
     const double scale = ctx->saved_data["scale"].toDouble();
-    const bool tiled = ctx->saved_data["tiled"].toBool();
+    const bool tiled = ctx->saved_data["tiled"].toBool(), det = ctx->saved_data["deterministic"].toBool();
     if (!tiled && packed_qkv(t[0], t[1], t[2])) {
       const Tensor buf = KERNELS_OP("attention_fused_backward_packed", attention_fused_backward_packed_cuda)
                              .call(t[0], t[1], t[2], t[3], t[4], grads[0], ctx->saved_data["causal"].toBool(),
-                                   scale, ctx->saved_data["precise"].toBool());
+                                   scale, ctx->saved_data["precise"].toBool(), det);
       const auto [dq, dk, dv] = packed_heads(buf, t[0].size(1), t[1].size(1), t[0].size(3));
-      return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor()};
+      return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     const auto [dq, dk, dv] =
         tiled
@@ -2835,19 +2842,20 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
                                                                                         grads[0], scale)
             : KERNELS_OP("attention_fused_backward", attention_fused_backward_cuda)
                   .call(t[0], t[1], t[2], t[3], t[4], grads[0], ctx->saved_data["causal"].toBool(), scale,
-                        ctx->saved_data["precise"].toBool());
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor()};
+                        ctx->saved_data["precise"].toBool(), det);
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
+                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
+                          bool deterministic) {
   if ((kv_len.has_value() && kv_len->defined()) || !wants_grad(q, k, v)) {  // kv_len: inference only
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return attention_impl(q, k, v, causal, scale, mode, precision, kv_len);
+    return attention_impl(q, k, v, causal, scale, mode, precision, kv_len, deterministic);
   }
   const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
-  return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32");
+  return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32", deterministic);
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
@@ -2855,18 +2863,20 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   // the queries to the last keys; H_kv dividing H is grouped-query attention; kv_len (a 1-element int64
   // tensor) counts a preallocated cache's valid keys (inference). float32 multiplies in 3xTF32
   // (precision 'fp32') or TF32; bfloat16 (mode 'fused') in bf16 with fp32 softmax statistics.
+  // deterministic=False: the bf16 backward on Hopper adds dQ across key blocks in one kernel, in no
+  // fixed order (faster at long sequences; dq's last bits vary from run to run, dk and dv do not).
   def_op(m, "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str mode='fused', "
-         "str precision='fp32', Tensor? kv_len=None) -> Tensor");
+         "str precision='fp32', Tensor? kv_len=None, bool deterministic=True) -> Tensor");
   composite(m, "attention", attention_impl);
   autograd(m, "attention", attention_autograd);
   def_half(m, "attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, "
            "Tensor? kv_len) -> (Tensor, Tensor)");
   cuda_meta(m, "attention_fused", attention_fused_cuda, attention_fused_meta, CPU_ERRORS);
   def_half(m, "attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse_log2, Tensor dout, "
-           "bool causal, float scale, bool precise) -> (Tensor, Tensor, Tensor)");
+           "bool causal, float scale, bool precise, bool deterministic) -> (Tensor, Tensor, Tensor)");
   cuda_meta(m, "attention_fused_backward", attention_fused_backward_cuda, attention_fused_backward_meta);
   def_half(m, "attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse_log2, "
-           "Tensor dout, bool causal, float scale, bool precise) -> Tensor");
+           "Tensor dout, bool causal, float scale, bool precise, bool deterministic) -> Tensor");
   cuda_meta(m, "attention_fused_backward_packed", attention_fused_backward_packed_cuda,
             attention_fused_backward_packed_meta);
   def_half(m, "attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
@@ -3195,14 +3205,16 @@ Tensor softmax_autocast(const Tensor& x, std::optional<at::ScalarType> out_dtype
 }
 
 Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len) {
+                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
+                          bool deterministic) {
   BELOW_AUTOCAST;
   const auto& op = KERNELS_OP("attention", attention_impl);
-  if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len);
+  if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len, deterministic);
   const bool cache = kv_len.has_value() && kv_len->defined();  // fused only: its own error if D is not supported
   if (mode == "fused" && (cache || attention_fused_supports((int)q.size(3))))
-    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len);
-  return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len)
+    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len, deterministic);
+  return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len,
+                 deterministic)
       .to(at::kBFloat16);
 }
 

@@ -6412,7 +6412,18 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 // dS^T = P^T (dP^T - delta) in registers feed dV += P^T dO and dK += dS^T Q as A operands, Q and dO
 // read N-major. Each block writes its own rows of dK and dV, summed over the group in a fixed order: no
 // atomics, deterministic. dQ comes from attention_bwd_dq_tma_kernel below.
-template <int D>
+//
+// ADD_DQ (the op's deterministic=False): dQ here too, added across key blocks, five products a tile
+// where this kernel and the dQ kernel take seven. Each warpgroup writes its dS^T into shared memory
+// (bf16, the M-major layout wgmma reads) and computes a 64 x 64 part of the tile's dQ = dS K: at D 128
+// 64 columns over all 128 keys, issued a tile later with the next dV and dK products so that neither
+// warpgroup waits for the other's dS^T; at D 64 all 64 columns over its own 64 keys. The part goes to
+// a shared-memory buffer, and a thread of the producer warpgroup has the copy engine add it into fp32
+// sums in global memory (cp.reduce.async.bulk) while the consumers go on; attention_bwd_dq_finish_kernel
+// then writes dq in bf16. The sums are added in whatever order the blocks get there, so dq's last bits
+// may differ from run to run (dK and dV stay bit for bit the deterministic ones), as in cuDNN's and
+// FlashAttention-3's default backward.
+template <int D, bool ADD_DQ = false>
 struct AttnBwdTmaShape {
   static constexpr int BN = 128, BQ = 64, THREADS = 384;
   // At D 64 a tile's S^T and dP^T are issued before the previous tile's dV and dK have landed; at
@@ -6423,9 +6434,11 @@ struct AttnBwdTmaShape {
   static constexpr int KV_SLAB = BN * 128, Q_SLAB = BQ * 128;
   static constexpr int STAGE_BYTES = 2 * Q_BYTES;  // Q, dO
   static constexpr int STATS_BYTES = 8 * 2 * 2 * BQ * 4;  // each consumer warp's lse_log2 and delta, two tiles
-  static constexpr int STAGES =
-      std::min(4, (SMEM_BLOCK_MAX - 1024 - 2 * KV_BYTES - 256 - STATS_BYTES) / STAGE_BYTES);
-  static constexpr int SMEM = 1024 + 2 * KV_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES) + STATS_BYTES;
+  // ADD_DQ: two buffers of a tile's dS^T (bf16) and one 64 x 64 dQ part (fp32) per warpgroup
+  static constexpr int DS_BYTES = BN * BQ * 2, DQ_BYTES = BQ * 64 * 4;
+  static constexpr int FIXED = 1024 + 2 * KV_BYTES + (ADD_DQ ? 2 * DS_BYTES + 2 * DQ_BYTES : 0) + STATS_BYTES;
+  static constexpr int STAGES = std::min(4, (SMEM_BLOCK_MAX - FIXED - 256) / STAGE_BYTES);  // ADD_DQ: 2 at D 128
+  static constexpr int SMEM = FIXED + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES + 4);
 };
 
 struct AttnBwdTmaArgs {
@@ -6434,21 +6447,34 @@ struct AttnBwdTmaArgs {
   AttnLayout ldk, ldv;
   int Sq, Sk, heads, group;  // heads: query heads per batch entry
   float scale, scale_log2;
+  int nq = 0;              // ADD_DQ: query tiles (64) a head
+  float* dq_sum = nullptr;  // ADD_DQ: (B * H, nq, D / 64, a 64 x 64 part in fragment order), zero at launch
 };
 
-template <int D, bool CAUSAL>
+// Adds `bytes` of floats from shared memory into global memory through the copy engine; one bulk group.
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      "cp.async.bulk.commit_group;" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+
+template <int D, bool CAUSAL, bool ADD_DQ>
 __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     attention_bwd_dkv_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                                  const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
                                  AttnBwdTmaArgs p) {
 #ifdef WG_ENABLED
-  using S = AttnBwdTmaShape<D>;
+  using S = AttnBwdTmaShape<D, ADD_DQ>;
   constexpr int BN = S::BN, BQ = S::BQ, STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t k_s = (smem_addr(smem_raw) + 1023) & ~1023u, v_s = k_s + S::KV_BYTES, st_s = v_s + S::KV_BYTES;
+  const uint32_t k_s = (smem_addr(smem_raw) + 1023) & ~1023u, v_s = k_s + S::KV_BYTES, ds_s = v_s + S::KV_BYTES;
+  const uint32_t dq_s = ds_s + (ADD_DQ ? 2 * S::DS_BYTES : 0), st_s = dq_s + (ADD_DQ ? 2 * S::DQ_BYTES : 0);
   // stage st: Q at st_s + st * STAGE_BYTES, dO after it; the barriers; the consumers' statistics
   const uint32_t kv_full = st_s + STAGES * S::STAGE_BYTES, full = kv_full + 8, empty = full + 8 * STAGES;
-  float* stats = reinterpret_cast<float*>(smem_raw + (empty + 8 * STAGES - smem_addr(smem_raw)));
+  const uint32_t dq_full = empty + 8 * STAGES, dq_empty = dq_full + 16;  // ADD_DQ: one each per dQ buffer
+  float* stats = reinterpret_cast<float*>(smem_raw + (dq_empty + 16 - smem_addr(smem_raw)));
   const int kvhead = blockIdx.y, b = kvhead / (p.heads / p.group), hk = kvhead % (p.heads / p.group);
   const int k0 = blockIdx.x * BN, offset = p.Sk - p.Sq;
   // Causal: query q reaches key k0 only if q >= k0 - offset.
@@ -6460,6 +6486,10 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       mbar_init(full + 8 * st, 1);
       mbar_init(empty + 8 * st, 8);  // one arrival per consumer warp
     }
+    for (int w = 0; ADD_DQ && w < 2; ++w) {
+      mbar_init(dq_full + 8 * w, 4);   // the warpgroup's warps
+      mbar_init(dq_empty + 8 * w, 1);  // its writer
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -6468,7 +6498,20 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   // Registers as in attention_fwd_tma_kernel, but 24 / 240: dK and dV take 128 a thread at D 128.
   if (warp < 4) {  // producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-    if (threadIdx.x > 0 || tiles == 0) return;
+    if (tiles == 0 || lane > 0 || warp > (ADD_DQ ? 2 : 0)) return;
+    if (ADD_DQ && warp > 0) {  // warp 1 + w, one thread: warpgroup w's dQ parts added into the sums
+      const int w = warp - 1;
+      for (int i = 0; i < tiles; ++i) {
+        const int h = hk * p.group + i / per_head, qt = qstart / BQ + i % per_head;
+        const int64_t part = ((int64_t)(b * p.heads + h) * p.nq + qt) * (D / 64) + (D == 128 ? w : 0);
+        mbar_wait(dq_full + 8 * w, i & 1);
+        bulk_add_f32(p.dq_sum + part * (BQ * 64), dq_s + w * S::DQ_BYTES, S::DQ_BYTES);
+        bulk_wait_read<0>();
+        mbar_arrive(dq_empty + 8 * w);
+      }
+      bulk_wait_all();
+      return;
+    }
     mbar_expect_bytes(kv_full, 2 * S::KV_BYTES);
     for (int c = 0; c < D / 64; ++c) {
       tma_load_4d(k_s + c * S::KV_SLAB, &map_k, 64 * c, k0, hk, b, kv_full);
@@ -6492,7 +6535,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   // key0 = k0 + 64 wg + 16 (warp % 4) + g and key0 + 8 (rows), queries 8j + 2t, +1 of the tile (columns).
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, key0 = k0 + 64 * wg + 16 * (warp % 4) + g;
   const uint32_t ks = k_s + wg * 64 * 128, vs = v_s + wg * 64 * 128;
-  float s[BQ / 2], dp[BQ / 2], dk[D / 2], dv[D / 2];
+  float s[BQ / 2], dp[BQ / 2], dk[D / 2], dv[D / 2], dq[32];
   uint32_t pf[BQ / 16][4], dsf[BQ / 16][4];  // P^T and dS^T as A operands, one k16 step of queries each
   // Tile i's lse_log2 and delta (BQ each): a warp's columns span all of them, too many registers for
   // each thread to load its own. So each warp loads the next tile's a tile ahead, four a lane, and
@@ -6509,6 +6552,35 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     }
   };
   if (tiles > 0) load_stats(0);
+  // ADD_DQ: this warpgroup's dQ part (landed) into its buffer for its writer, 16 bytes a thread in turn
+  // (the sums keep this order; the finish kernel puts each value in its place).
+  int dq_staged = 0;
+  auto stage_dq = [&]() {
+    mbar_wait(dq_empty + 8 * wg, (dq_staged++ & 1) ^ 1);
+    const uint32_t buf = dq_s + wg * S::DQ_BYTES + (threadIdx.x - 128 - 128 * wg) * 16;
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(buf + c * 128 * 16), "f"(dq[4 * c]),
+                   "f"(dq[4 * c + 1]), "f"(dq[4 * c + 2]), "f"(dq[4 * c + 3])
+                   : "memory");
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(dq_full + 8 * wg);
+  };
+  // ADD_DQ at D 128: warpgroup w's dQ of tile i - 1 (dS^T buffer (i - 1) % 2, K's columns 64 w ..)
+  auto issue_dq_of = [&](uint32_t dss) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_bf16<1, 1, 64>(dq, smem_desc(dss + kk * 2048, S::DS_BYTES, 1024),
+                           smem_desc(k_s + wg * S::KV_SLAB + kk * 2048, S::KV_SLAB, 1024), kk > 0);
+  };
+  if (ADD_DQ && D == 128) {  // buffer 1 zeroed: tile 0 issues a dQ product too, thrown away (a wgmma
+    // under a branch would serialize every wgmma of the kernel)
+    for (int o = (threadIdx.x - 128) * 16; o < S::DS_BYTES; o += 256 * 16)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(ds_s + S::DS_BYTES + o), "r"(0) : "memory");
+    fence_proxy_async();
+    named_sync(3, 256);
+  }
   // Ping-pong: the warpgroups take turns issuing products (named barrier 1 + wg: my turn), so one's
   // elementwise work runs while the other's products keep the tensor cores busy; warpgroup 0 goes
   // first and warpgroup 1 keeps its last turn (no one is left to take it).
@@ -6528,7 +6600,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   }
   for (int i = 0; i < tiles; ++i) {
     const int st = i % STAGES, q0 = qstart + i % per_head * BQ;
-    const uint32_t qs = st_s + st * S::STAGE_BYTES, dos = qs + S::Q_BYTES;
+    const uint32_t qs = st_s + st * S::STAGE_BYTES, dos = qs + S::Q_BYTES, dss = ds_s + (i & 1) * S::DS_BYTES;
     // Buffer i % 2 was last read in tile i - 2, before the warp's __syncwarp in tile i - 1.
     float* ts = warp_stats + (i & 1) * 2 * BQ;
 #pragma unroll
@@ -6547,10 +6619,12 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     wgmma_commit();
     your_turn();
     if (S::OVERLAP && i > 0) {
-      wgmma_wait<1>();  // the previous tile's dV and dK have landed: its stage goes back
+      wgmma_wait<1>();  // the previous tile's dV and dK (and dQ) have landed: its stage goes back
       if (lane == 0) mbar_arrive(empty + 8 * ((i - 1) % STAGES));
     }
     wgmma_wait<0>();
+    // (accumulators read while a wgmma is in flight would serialize them all)
+    if (ADD_DQ && S::OVERLAP && i > 0) stage_dq();
     const bool masked = q0 + BQ > p.Sq || k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + offset);
 #pragma unroll
     for (int j = 0; j < BQ / 8; ++j) {  // this thread's queries, columns 8j + 2t and + 1
@@ -6575,6 +6649,23 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
         pf[kk][e] = pack_bf16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
         dsf[kk][e] = pack_bf16x2(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
       }
+    if constexpr (ADD_DQ) {
+      // D 128: buffer i % 2 was last read by both warpgroups' dQ of tile i - 2, issued in tile i - 1.
+      if (D == 128 && i >= 2) named_sync(5 + (1 - wg), 256);
+      // dS^T into buffer i % 2: rows of keys, 64 queries each (128 bytes), 16-byte pieces swizzled as
+      // the copy engine lays out an M-major operand (piece c of row r at c ^ (r % 8)); dsf[kk][e] holds
+      // key row g + 8 (e & 1), queries 16 kk + 8 (e >> 1) + 2t and + 1.
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 64 * wg + 16 * (warp % 4) + g + 8 * (e & 1), c = 2 * kk + (e >> 1);
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(dss + r * 128 + ((c ^ g) << 4) + 4 * t), "r"(dsf[kk][e])
+                       : "memory");
+        }
+      fence_proxy_async();
+      if (D == 64) named_sync(4 + wg, 128);  // the warpgroup's own dS^T, read below
+    }
     my_turn();
     wgmma_fence();
 #pragma unroll
@@ -6582,20 +6673,74 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       wgmma_bf16_ra<1, D>(dv, pf[kk], smem_desc(dos + kk * 2048, S::Q_SLAB, 1024), i > 0 || kk > 0);
       wgmma_bf16_ra<1, D>(dk, dsf[kk], smem_desc(qs + kk * 2048, S::Q_SLAB, 1024), i > 0 || kk > 0);
     }
+    if constexpr (ADD_DQ && D == 128) {
+      issue_dq_of(ds_s + ((i + 1) & 1) * S::DS_BYTES);  // tile i - 1's (both dS^T were written before this turn)
+    } else if constexpr (ADD_DQ) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)  // D 64: over the warpgroup's own 64 keys
+        wgmma_bf16<1, 1, 64>(dq, smem_desc(dss + wg * 8192 + kk * 2048, S::DS_BYTES, 1024),
+                             smem_desc(ks + kk * 2048, S::KV_SLAB, 1024), kk > 0);
+    }
     wgmma_commit();
     your_turn();
     if (!S::OVERLAP) {
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(empty + 8 * st);
+      if (ADD_DQ && i > 0) stage_dq();
+      if (ADD_DQ && i >= 1 && i + 1 < tiles) named_arrive(5 + wg, 256);  // my dQ of tile i - 1 has landed
     }
   }
+  if (ADD_DQ && D == 128 && tiles > 0) {  // the last tile's dQ, once both warpgroups wrote its dS^T
+    named_sync(3, 256);
+    wgmma_fence();
+    issue_dq_of(ds_s + ((tiles - 1) & 1) * S::DS_BYTES);
+    wgmma_commit();
+    wgmma_wait<0>();
+    stage_dq();
+  }
   wgmma_wait<0>();
-  if (S::OVERLAP && tiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((tiles - 1) % STAGES));
+  if (S::OVERLAP && tiles > 0) {
+    if (lane == 0) mbar_arrive(empty + 8 * ((tiles - 1) % STAGES));
+    if (ADD_DQ) stage_dq();
+  }
   store_rows(attn_rows(p.dk, p.ldk, kvhead), as_fragments<D>(dk), key0, p.Sk, p.scale, p.scale);
   store_rows(attn_rows(p.dv, p.ldv, kvhead), as_fragments<D>(dv), key0, p.Sk, 1.f, 1.f);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel
 #endif
+}
+
+// dq (bf16, times the scale) from ADD_DQ's sums: a block per 64 x 64 part, through shared memory so
+// that each row goes out in 16-byte pieces. Value e of thread tid's piece c is its dQ fragment's
+// 4c + e: row 16 (tid / 32) + tid % 32 / 4 + 8 (e / 2), column 8c + 2 (tid % 4) + e % 2.
+template <int D>
+__global__ void __launch_bounds__(128) attention_bwd_dq_finish_kernel(const float* dq_sum, __nv_bfloat16* dq,
+                                                                      AttnLayout ldq, int Sq, int nq, float scale) {
+  __shared__ float tile[64][65];
+  const int64_t part = blockIdx.x;  // (query head, tile, 64 columns)
+  const int slab = (int)(part % (D / 64)), qt = (int)(part / (D / 64) % nq), bh = (int)(part / (D / 64) / nq);
+  const int tid = threadIdx.x, t = tid % 4, r = 16 * (tid / 32) + tid % 32 / 4;
+  const float4* sum = reinterpret_cast<const float4*>(dq_sum + part * 64 * 64) + tid;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const float4 v = sum[c * 128];
+    tile[r][8 * c + 2 * t] = v.x;
+    tile[r][8 * c + 2 * t + 1] = v.y;
+    tile[r + 8][8 * c + 2 * t] = v.z;
+    tile[r + 8][8 * c + 2 * t + 1] = v.w;
+  }
+  __syncthreads();
+  const AttnRows<__nv_bfloat16> out = attn_rows(dq, ldq, bh);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int row = 16 * k + tid / 8, seg = tid % 8, q = 64 * qt + row;
+    if (q >= Sq) continue;
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      w[e] = pack_bf16x2(tile[row][8 * seg + 2 * e] * scale, tile[row][8 * seg + 2 * e + 1] * scale);
+    *reinterpret_cast<uint4*>(out.at(q) + 64 * slab + 8 * seg) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 // dQ of the bf16 backward on Hopper: the forward's structure again. A block owns 128 queries of one
@@ -6604,12 +6749,12 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
 // and dS = P (dP - delta) in registers (one lse_log2 and delta a row, read once), dQ += dS K with dS as
 // the A operand and K read N-major; the next tile's S and dP are issued before this tile's dQ product
 // is waited for. Every dQ row is this block's alone: deterministic.
-// Recomputing S and dP here takes two products a tile that the dK/dV kernel has done already
-// (FlashAttention-3 adds each tile's dS K into fp32 sums instead: five products where these kernels
-// take seven). Kept deterministic, the key blocks must add in a fixed order, each waiting for its turn.
-// Built that way (dS^T through shared memory, each block's part added in its turn by the copy engine
-// from a producer thread), it won only at head size 128 from 8k queries, by 2-9%, and lost at head
-// size 64 and at short lengths, where the turns and the final bf16 pass cost more than the two products.
+// Recomputing S and dP here takes two products a tile that the dK/dV kernel has done already; the
+// dK/dV kernel's ADD_DQ (deterministic=False) adds each tile's dS K into fp32 sums instead. Kept
+// deterministic, the key blocks must add in a fixed order, each waiting for its turn. Built that way
+// (each block's part added in its turn by the copy engine from a producer thread), it won only at head
+// size 128 from 8k queries, by 2-9%, and lost at head size 64 and at short lengths, where the turns cost
+// more than the two products.
 template <int D>
 struct AttnDqTmaShape {
   static constexpr int BM = 128, BN = 64, THREADS = 384;
@@ -6790,13 +6935,19 @@ static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   return true;
 }
 
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool ADD_DQ>
 static void attention_bwd_dkv_tma_launch(const CUtensorMap (&maps)[4], const AttnBwdTmaArgs& p, int kv_heads,
                                          cudaStream_t s) {
-  using S = AttnBwdTmaShape<D>;
-  raise_smem_limit<attention_bwd_dkv_tma_kernel<D, CAUSAL>>(S::SMEM);
-  launch_pdl(attention_bwd_dkv_tma_kernel<D, CAUSAL>, dim3(ceil_div(p.Sk, S::BN), kv_heads), dim3(S::THREADS),
-             S::SMEM, s, maps[0], maps[1], maps[2], maps[3], p);
+  using S = AttnBwdTmaShape<D, ADD_DQ>;
+  raise_smem_limit<attention_bwd_dkv_tma_kernel<D, CAUSAL, ADD_DQ>>(S::SMEM);
+  launch_pdl(attention_bwd_dkv_tma_kernel<D, CAUSAL, ADD_DQ>, dim3(ceil_div(p.Sk, S::BN), kv_heads),
+             dim3(S::THREADS), S::SMEM, s, maps[0], maps[1], maps[2], maps[3], p);
+}
+
+// Floats of the fp32 dQ sums the Hopper backward adds into with deterministic = false (0 where that
+// never runs: other head sizes).
+int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D) {
+  return D == 64 || D == 128 ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
 }
 
 template <int D, bool CAUSAL>
@@ -6807,13 +6958,29 @@ static void attention_bwd_dq_tma_launch(const CUtensorMap (&maps)[4], const Attn
              maps[0], maps[1], maps[2], maps[3], p);
 }
 
+// dq, its fp32 sums of attention_bwd_dkv_tma_kernel<..., ADD_DQ> in dq_sum (attention_bwd_dq_sum_floats).
+template <int D>
+static void attention_bwd_add_dq(const CUtensorMap (&maps)[4], AttnBwdTmaArgs p, bool causal, __nv_bfloat16* dq,
+                                 const AttnLayout& ldq, int BH, int kv_heads, cudaStream_t s) {
+  p.nq = ceil_div(p.Sq, 64);
+  cudaMemsetAsync(p.dq_sum, 0, (size_t)attention_bwd_dq_sum_floats(BH, p.Sq, D) * sizeof(float), s);
+  (causal ? attention_bwd_dkv_tma_launch<D, true, true> : attention_bwd_dkv_tma_launch<D, false, true>)(maps, p,
+                                                                                                       kv_heads, s);
+  check_launch("attention_bwd_dkv_tma (dQ added)");
+  attention_bwd_dq_finish_kernel<D><<<(unsigned)((int64_t)BH * p.nq * (D / 64)), 128, 0, s>>>(p.dq_sum, dq, ldq, p.Sq,
+                                                                                             p.nq, p.scale);
+  check_launch("attention_bwd_dq_finish");
+}
+
 // The bf16 backward on attention_bwd_dkv_tma_kernel and attention_bwd_dq_tma_kernel where they apply
 // (as for the forward: sm_90a, head size 64 or 128, operands the copy engine can address; at most
 // 65535 query heads); false: they did not, and attention_bwd_kernel runs. delta is computed already.
+// dq_sum (or nullptr): attention_bwd_dq_sum_floats floats, dQ added across key blocks in one kernel
+// (not deterministic; where dq's rows are 16-byte aligned for the finish kernel's stores).
 static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                               const __nv_bfloat16* dout, const float* lse_log2, const float* delta, __nv_bfloat16* dq,
                               __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH, int group, int Sq,
-                              int Sk, int D, bool causal, float scale, cudaStream_t s) {
+                              int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
   if (!attention_wgmma_enabled.load() || !hopper_wgmma() || (D != 64 && D != 128) || BH > 65535) return false;
   const int batch = BH / l.q.heads;
   CUtensorMap kv[4], qo[4];  // boxes of 64 queries and 128 keys (dK, dV); 128 queries and 64 keys (dQ)
@@ -6825,8 +6992,16 @@ static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   const float scale_log2 = scale * 1.4426950408889634f;
   const AttnBwdTmaArgs pkv{lse_log2, delta, dk, dv, l.dk, l.dv, Sq, Sk, l.q.heads, group, scale, scale_log2};
   const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2};
-  const auto dkv = causal ? (D == 64 ? attention_bwd_dkv_tma_launch<64, true> : attention_bwd_dkv_tma_launch<128, true>)
-                          : (D == 64 ? attention_bwd_dkv_tma_launch<64, false> : attention_bwd_dkv_tma_launch<128, false>);
+  if (dq_sum && aligned16(dq) && l.dq.ss % 8 == 0 && l.dq.sh % 8 == 0 && l.dq.sb % 8 == 0) {
+    AttnBwdTmaArgs p = pkv;
+    p.dq_sum = dq_sum;
+    (D == 64 ? attention_bwd_add_dq<64> : attention_bwd_add_dq<128>)(kv, p, causal, dq, l.dq, BH, BH / group, s);
+    return true;
+  }
+  const auto dkv =
+      causal ? (D == 64 ? attention_bwd_dkv_tma_launch<64, true, false> : attention_bwd_dkv_tma_launch<128, true, false>)
+             : (D == 64 ? attention_bwd_dkv_tma_launch<64, false, false>
+                        : attention_bwd_dkv_tma_launch<128, false, false>);
   const auto dqk = causal ? (D == 64 ? attention_bwd_dq_tma_launch<64, true> : attention_bwd_dq_tma_launch<128, true>)
                           : (D == 64 ? attention_bwd_dq_tma_launch<64, false> : attention_bwd_dq_tma_launch<128, false>);
   dkv(kv, pkv, BH / group, s);
@@ -6898,7 +7073,7 @@ void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 template <class T>
 static void attention_bwd(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse_log2,
                           float* delta, T* dq, T* dk, T* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
-                          int D, bool causal, float scale, bool precise, cudaStream_t s) {
+                          int D, bool causal, float scale, bool precise, float* dq_sum, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_bwd_fused");
   const int64_t rows = (int64_t)BH * Sq;
@@ -6910,23 +7085,29 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.ldout = l.dout; p.ldq = l.dq; p.ldk = l.dk; p.ldv = l.dv;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, s)) return;
+    if (attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, dq_sum,
+                          s))
+      return;
   }
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_bwd_dispatch<decltype(ops)>(p, BH, s); });
 }
 
-// delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads).
+// delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads). bf16 dq_sum: nullptr
+// (deterministic), or attention_bwd_dq_sum_floats floats for dQ added across key blocks where the Hopper
+// kernels run (faster at long sequences; dq's last bits then vary from run to run).
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
                          const float* dout, const float* lse_log2, float* delta, float* dq, float* dk,
                          float* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal,
                          float scale, bool precise, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise, s);
+  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise,
+                nullptr, s);
 }
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, s);
+                         int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
+  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, dq_sum,
+                s);
 }
 
 // ------------------------------------------------------------------------------------------------

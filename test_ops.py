@@ -3402,11 +3402,13 @@ def packed_qkv(B, S, H, Hkv, D, dtype=torch.float32):
     return [t.view(B, S, -1, D).transpose(1, 2) for t in parts]
 
 
-def attention_recording_layout(impl, seen, **kw):
+def attention_recording_layout(impl, seen, ours_kw=None, **kw):
     """ops.attention(q, k, v, **kw) that notes, for our fused op, whether out came back in (B, S, H, D)
-    memory (the heads side by side, which the next projection reads without a copy)."""
+    memory (the heads side by side, which the next projection reads without a copy). ours_kw: more
+    arguments for our op alone."""
     def f(ops, q, k, v):
-        out = ops.attention(q, k, v, **kw, **ATTN_IMPLS.get(impl, {}))
+        ours = (ours_kw or {}) if ops is kernels else {}
+        out = ops.attention(q, k, v, **kw, **ATTN_IMPLS.get(impl, {}), **ours)
         if ops is kernels:
             seen["out_bshd"] = out.transpose(1, 2).is_contiguous()
         return out
@@ -3605,8 +3607,9 @@ def attention_wgmma(on):
 
 
 def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False,
-                     wgmma=True):
-    # wgmma=False: head size 64 on Hopper multiplies with mma.sync too (kernels.set_attention_wgmma)
+                     wgmma=True, deterministic=True):
+    # wgmma=False: head size 64 on Hopper multiplies with mma.sync too (kernels.set_attention_wgmma);
+    # deterministic=False: on Hopper (D 64, 128) the backward adds dQ across key blocks
     def qkv(S, heads, m=1):
         # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
         return (rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)).bfloat16()
@@ -3618,7 +3621,8 @@ def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_
     dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
     seen = {}
     with attention_wgmma(wgmma):
-        compare_bf16(attention_recording_layout("fused-bf16", seen, causal=causal, scale=scale), D, tol=tol,
+        compare_bf16(attention_recording_layout("fused-bf16", seen, None if deterministic else
+                                                {"deterministic": False}, causal=causal, scale=scale), D, tol=tol,
                      hopper=False, dy=dy, twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v)
     assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
 
@@ -3676,6 +3680,19 @@ ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
     (2, 3, 1000, 1000, 64, _C, dict(wgmma=False)),
     (2, 8, 17, 17, 64, _C, dict(kv_heads=2, wgmma=False)),
     (2, 3, 1, 2048, 64, _C, dict(mag=30, wgmma=False)),
+    # dQ added across key blocks (deterministic=False; other head sizes and GPUs ignore it)
+    (2, 3, 17, 17, 64, _C, dict(deterministic=False)),
+    (2, 3, 1000, 1000, 64, _C, dict(deterministic=False)),
+    (2, 3, 1000, 1000, 128, _C, dict(deterministic=False)),
+    (1, 2, 2048, 2048, 128, False, dict(deterministic=False)),
+    (1, 2, 200, 333, 128, _C, dict(deterministic=False)),
+    (1, 2, 130, 384, 64, _C, dict(deterministic=False)),
+    (2, 3, 130, 1, 128, False, dict(deterministic=False)),
+    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=2, mag=30, deterministic=False)),
+    (1, 8, 129, 129, 128, _C, dict(kv_heads=2, bshd=True, deterministic=False)),
+    (2, 8, 777, 777, 128, _C, dict(kv_heads=2, packed=True, deterministic=False)),
+    (2, 3, 300, 300, 64, False, dict(scale=-0.3, deterministic=False)),
+    (2, 3, 100, 100, 96, _C, dict(deterministic=False)),
 ]
 for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
     _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
@@ -3740,6 +3757,37 @@ for _B, _H, _S, _D, _causal, _kv in ((4, 8, 2048, 64, False, None), (4, 8, 2048,
                                      (2, 8, 1000, 128, True, 2), (1, 3, 1500, 96, False, None)):
     add(f"attention/fused-bf16/bwd_deterministic_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal
         + f"_kv_heads{_kv}" * bool(_kv), t_attention_bf16_deterministic, _B, _H, _S, _D, _causal, _kv)
+
+
+def t_attention_bf16_add_dq(B, H, S, D, causal, kv_heads=None):
+    # deterministic=False on Hopper: one kernel adds dQ across key blocks (its finish kernel writes dq)
+    # and the dQ kernel does not run; dk and dv are the deterministic kernel's bit for bit, dq agrees
+    # with the deterministic one's to bf16 rounding (the fp32 sums' order differs).
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("the Hopper backward needs compute capability 9.0")
+    Hkv = kv_heads or H
+    q, k, v = (rand(B, h, S, D).bfloat16().requires_grad_() for h in (H, Hkv, Hkv))
+    dy = rand(B, H, S, D).bfloat16()
+    det = torch.autograd.grad(kernels.attention(q, k, v, causal=causal), (q, k, v), dy)
+    fast = []
+    names = launched_kernels(lambda: fast.extend(torch.autograd.grad(
+        kernels.attention(q, k, v, causal=causal, deterministic=False), (q, k, v), dy)))
+    if not names:
+        raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
+    ran = {n.split("<")[0].split()[-1] for n in names if "attention_bwd" in n}
+    assert ran == {"attention_bwd_dkv_tma_kernel", "attention_bwd_dq_finish_kernel"}, f"backward ran {sorted(ran)}"
+    for name, i in (("dk", 1), ("dv", 2)):
+        assert torch.equal(det[i], fast[i]), \
+            f"{name} differs from the deterministic path's by {(det[i] - fast[i]).float().abs().max().item():.2e}"
+    err = ((det[0] - fast[0]).float().abs().max() / det[0].float().abs().max()).item()
+    assert err < 2e-2, f"dq: max |deterministic - added| / max |dq| = {err:.2e}"
+    return f"dk, dv bitwise equal; dq max diff / max {err:.1e}; ran {sorted(ran)}"
+
+
+for _B, _H, _S, _D, _causal, _kv in ((2, 4, 1000, 64, True, None), (2, 4, 777, 128, False, None),
+                                     (1, 8, 1500, 128, True, 2)):
+    add(f"attention/fused-bf16/add_dq_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal + f"_kv_heads{_kv}" * bool(_kv),
+        t_attention_bf16_add_dq, _B, _H, _S, _D, _causal, _kv)
 
 
 def misaligned_bf16(*shape):
@@ -3892,9 +3940,10 @@ def opcheck_cases(dt):
               ("matmul_batched", k.matmul, (_leaf(2, 33, 17, dtype=dt), _leaf(2, 17, 9, dtype=dt)), {}),
               ("matmul_backward", k.matmul_backward, (plain(2, 33, 9), plain(2, 33, 17), plain(2, 17, 9)), {}),
               ("attention_causal_gqa", k.attention, (q, kk, v), {"causal": True}),
+              ("attention_added_dq", k.attention, (q, kk, v), {"causal": True, "deterministic": False}),
               ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None), {}),
               ("attention_fused_backward", k.attention_fused_backward,
-               (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True), {}),
+               (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True, True), {}),
               ("attention_kv_len", k.attention, (pq[:, :, :1], pk, pv),
                {"causal": True, "kv_len": torch.tensor([9], device=DEV)}),
               ("gemv", k.gemv, (plain(19, 37), plain(37), plain(19)), {}),
@@ -3914,7 +3963,7 @@ def opcheck_cases(dt):
     pq3, pk3, pv3 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in packed.split([4 * 64, 2 * 64, 2 * 64], -1))
     out3, lse3 = k.attention_fused(pq3, pk3, pv3, True, 0.125, True, None)
     cases.append(("attention_fused_backward_packed", k.attention_fused_backward_packed,
-                  (pq3, pk3, pv3, out3, lse3, plain(2, 4, 17, 64), True, 0.125, True), {}))
+                  (pq3, pk3, pv3, out3, lse3, plain(2, 4, 17, 64), True, 0.125, True, True), {}))
     if dt == torch.float32:  # the mHC ops and tiled attention take float32 only; static and per-token coefficients
         xs, ys = _leaf(2, 3, 4, 37), _leaf(2, 3, 37)
         tiled_qkv = (plain(2, 4, 9, 40), plain(2, 2, 11, 40), plain(2, 2, 11, 40))
@@ -5222,10 +5271,12 @@ def bench_attention_bf16(rows):
           "alignment; a mask where it differs from is_causal); SDPA-FA2 = the same restricted to its "
           "FlashAttention-2 backend (none where that takes no mask: decode)")
     # on Hopper ours runs the forward and backward kernels of the Hopper design (D 64 and 128); "ours
-    # mma.sync" is the same call with kernels.set_attention_wgmma(False), the kernels other GPUs run
+    # mma.sync" is the same call with kernels.set_attention_wgmma(False), the kernels other GPUs run;
+    # "ours, dQ added" is fwd+bwd with deterministic=False (dQ added across key blocks, as SDPA's cuDNN
+    # backward does)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "ours mma.sync ms",
-            "SDPA/ours", "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
+            "ours, dQ added ms", "SDPA/ours", "SDPA/ours, dQ added", "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
     print(md_row(cols))
     print(md_row(["---"] * len(cols)))
 
@@ -5236,14 +5287,16 @@ def bench_attention_bf16(rows):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             return sdpa(q, k, v, kv_len)
     fns = {"sdpa": sdpa, "sdpa-fa2": sdpa_fa2,
-           "ours": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, kv_len=kv_len)}
+           "ours": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, kv_len=kv_len),
+           "ours-added": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, deterministic=False)}
     for B, H, Sq, Sk, D, causal, passes in ATTN_BF16_BENCH:
         q, dout = (rand(B, H, Sq, D).bfloat16() for _ in range(2))
         k, v = (rand(B, H, Sk, D).bfloat16() for _ in range(2))
         kv_len = torch.tensor([Sk - 1], device=DEV)
         for pas in passes:
-            ms, outs = time_attention(fns if pas != "decode" else {n: fns[n] for n in ("sdpa", "ours")}, pas, q, k,
-                                      v, dout, kv_len)
+            names = ("sdpa", "sdpa-fa2", "ours") + (("ours-added",) if pas == "fwd+bwd" else ())
+            ms, outs = time_attention({n: fns[n] for n in (names if pas != "decode" else ("sdpa", "ours"))}, pas, q,
+                                      k, v, dout, kv_len)
             mma = None
             if hopper and D in (64, 128):
                 with attention_wgmma(False):
@@ -5255,15 +5308,17 @@ def bench_attention_bf16(rows):
                 flops = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0) * (3.5 if pas == "fwd+bwd" else 1.0)
                 rate, unit = flops / (ms["ours"] * 1e-3) / 1e12, "TFLOP/s"
             ratio = ms["sdpa"] / ms["ours"]
-            fa2 = ms.get("sdpa-fa2")
+            fa2, added = ms.get("sdpa-fa2"), ms.get("ours-added")
             rows.append(dict(op="attention bf16", shape=f"B{B} H{H} Sq{Sq} Sk{Sk} D{D}", causal=causal,
                              **{"pass": pas}, sdpa_ms=ms["sdpa"], sdpa_fa2_ms=fa2, ours_ms=ms["ours"],
-                             ours_mma_sync_ms=mma, sdpa_over_ours=ratio,
+                             ours_mma_sync_ms=mma, ours_added_ms=added, sdpa_over_ours=ratio,
+                             sdpa_over_ours_added=added and ms["sdpa"] / added,
                              sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
                              unit=unit, check_ok=ok, check=text))
             print(md_row([str(B), str(H), str(Sq), str(Sk), str(D), str(causal), pas, f"{ms['sdpa']:.4f}",
                           fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", fmt(mma, ".4f") if mma else "-",
-                          f"{ratio:.2f}x",
+                          fmt(added, ".4f") if added else "-", f"{ratio:.2f}x",
+                          f"{ms['sdpa'] / added:.2f}x" if added else "-",
                           f"{fa2 / ms['ours']:.2f}x" if fa2 else "-", f"{rate:.1f} {unit}", text]), flush=True)
 
 
