@@ -5113,7 +5113,8 @@ STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 //
 // On Hopper, bf16 at head sizes 64 and 128 runs the FlashAttention-3 design instead (copy-engine loads,
 // warp specialization, wgmma for every product): attention_fwd_tma_kernel forward,
-// attention_bwd_dkv_tma_kernel and attention_bwd_dq_tma_kernel backward (see there).
+// attention_bwd_dkv_tma_kernel and attention_bwd_dq_tma_kernel backward, or with deterministic=False
+// attention_bwd_dkv_tma_kernel adding dQ across key blocks and attention_bwd_dq_finish_kernel (see there).
 //
 // The kernels are written once over an operand policy (AttnTf32, AttnBf16 below): its element type,
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
@@ -6418,11 +6419,11 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 // (bf16, the M-major layout wgmma reads) and computes a 64 x 64 part of the tile's dQ = dS K: at D 128
 // 64 columns over all 128 keys, issued a tile later with the next dV and dK products so that neither
 // warpgroup waits for the other's dS^T; at D 64 all 64 columns over its own 64 keys. The part goes to
-// a shared-memory buffer, and a thread of the producer warpgroup has the copy engine add it into fp32
-// sums in global memory (cp.reduce.async.bulk) while the consumers go on; attention_bwd_dq_finish_kernel
-// then writes dq in bf16. The sums are added in whatever order the blocks get there, so dq's last bits
-// may differ from run to run (dK and dV stay bit for bit the deterministic ones), as in cuDNN's and
-// FlashAttention-3's default backward.
+// a shared-memory buffer, and a producer thread per consumer warpgroup has the copy engine add it into
+// fp32 sums in global memory (cp.reduce.async.bulk) while the consumers go on;
+// attention_bwd_dq_finish_kernel then writes dq in bf16. The sums are added in whatever order the
+// blocks get there, so dq's last bits may differ from run to run (dK and dV stay bit for bit the
+// deterministic ones), as in cuDNN's and FlashAttention-3's default backward.
 template <int D, bool ADD_DQ = false>
 struct AttnBwdTmaShape {
   static constexpr int BN = 128, BQ = 64, THREADS = 384;
@@ -6650,8 +6651,11 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
         dsf[kk][e] = pack_bf16x2(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
       }
     if constexpr (ADD_DQ) {
-      // D 128: buffer i % 2 was last read by both warpgroups' dQ of tile i - 2, issued in tile i - 1.
-      if (D == 128 && i >= 2) named_sync(5 + (1 - wg), 256);
+      // D 128: buffer i % 2 was last read by both warpgroups' dQ of tile i - 2 (at i = 1: the thrown-away
+      // one), issued in tile i - 1. Warpgroup 0's has landed before its first turn of tile i, which
+      // warpgroup 1's first turn waits for; warpgroup 1's landing is signalled on barrier 6. (The other
+      // way round would not hold: warpgroup 0 could arrive twice before warpgroup 1 waits.)
+      if (D == 128 && wg == 0 && i >= 1) named_sync(6, 256);
       // dS^T into buffer i % 2: rows of keys, 64 queries each (128 bytes), 16-byte pieces swizzled as
       // the copy engine lays out an M-major operand (piece c of row r at c ^ (r % 8)); dsf[kk][e] holds
       // key row g + 8 (e & 1), queries 16 kk + 8 (e >> 1) + 2t and + 1.
@@ -6687,7 +6691,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(empty + 8 * st);
       if (ADD_DQ && i > 0) stage_dq();
-      if (ADD_DQ && i >= 1 && i + 1 < tiles) named_arrive(5 + wg, 256);  // my dQ of tile i - 1 has landed
+      if (ADD_DQ && wg == 1 && i + 1 < tiles) named_arrive(6, 256);  // my dQ of tile i - 1 has landed
     }
   }
   if (ADD_DQ && D == 128 && tiles > 0) {  // the last tile's dQ, once both warpgroups wrote its dS^T
@@ -6944,10 +6948,11 @@ static void attention_bwd_dkv_tma_launch(const CUtensorMap (&maps)[4], const Att
              dim3(S::THREADS), S::SMEM, s, maps[0], maps[1], maps[2], maps[3], p);
 }
 
-// Floats of the fp32 dQ sums the Hopper backward adds into with deterministic = false (0 where that
-// never runs: other head sizes).
+// Floats of the fp32 dQ sums the Hopper backward adds into with deterministic = false (0 where the
+// Hopper backward does not run: other head sizes and GPUs).
 int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D) {
-  return D == 64 || D == 128 ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
+  const bool runs = (D == 64 || D == 128) && attention_wgmma_enabled.load() && hopper_wgmma();
+  return runs ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
 }
 
 template <int D, bool CAUSAL>
