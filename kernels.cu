@@ -6968,7 +6968,7 @@ template <int D>
 static void attention_bwd_add_dq(const CUtensorMap (&maps)[4], AttnBwdTmaArgs p, bool causal, __nv_bfloat16* dq,
                                  const AttnLayout& ldq, int BH, int kv_heads, cudaStream_t s) {
   p.nq = ceil_div(p.Sq, 64);
-  cudaMemsetAsync(p.dq_sum, 0, (size_t)attention_bwd_dq_sum_floats(BH, p.Sq, D) * sizeof(float), s);
+  cudaMemsetAsync(p.dq_sum, 0, (size_t)BH * p.nq * 64 * D * sizeof(float), s);
   (causal ? attention_bwd_dkv_tma_launch<D, true, true> : attention_bwd_dkv_tma_launch<D, false, true>)(maps, p,
                                                                                                        kv_heads, s);
   check_launch("attention_bwd_dkv_tma (dQ added)");
@@ -6988,21 +6988,22 @@ static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
                               int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
   if (!attention_wgmma_enabled.load() || !hopper_wgmma() || (D != 64 && D != 128) || BH > 65535) return false;
   const int batch = BH / l.q.heads;
-  CUtensorMap kv[4], qo[4];  // boxes of 64 queries and 128 keys (dK, dV); 128 queries and 64 keys (dQ)
+  CUtensorMap kv[4];  // boxes of 64 queries and 128 keys (dK, dV)
   if (!attn_tile_map(kv[0], q, l.q, batch, Sq, D, 64) || !attn_tile_map(kv[1], k, l.k, batch, Sk, D, 128) ||
-      !attn_tile_map(kv[2], v, l.v, batch, Sk, D, 128) || !attn_tile_map(kv[3], dout, l.dout, batch, Sq, D, 64) ||
-      !attn_tile_map(qo[0], q, l.q, batch, Sq, D, 128) || !attn_tile_map(qo[1], k, l.k, batch, Sk, D, 64) ||
-      !attn_tile_map(qo[2], v, l.v, batch, Sk, D, 64) || !attn_tile_map(qo[3], dout, l.dout, batch, Sq, D, 128))
+      !attn_tile_map(kv[2], v, l.v, batch, Sk, D, 128) || !attn_tile_map(kv[3], dout, l.dout, batch, Sq, D, 64))
     return false;
   const float scale_log2 = scale * 1.4426950408889634f;
-  const AttnBwdTmaArgs pkv{lse_log2, delta, dk, dv, l.dk, l.dv, Sq, Sk, l.q.heads, group, scale, scale_log2};
-  const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2};
+  AttnBwdTmaArgs pkv{lse_log2, delta, dk, dv, l.dk, l.dv, Sq, Sk, l.q.heads, group, scale, scale_log2};
   if (dq_sum && aligned16(dq) && l.dq.ss % 8 == 0 && l.dq.sh % 8 == 0 && l.dq.sb % 8 == 0) {
-    AttnBwdTmaArgs p = pkv;
-    p.dq_sum = dq_sum;
-    (D == 64 ? attention_bwd_add_dq<64> : attention_bwd_add_dq<128>)(kv, p, causal, dq, l.dq, BH, BH / group, s);
+    pkv.dq_sum = dq_sum;
+    (D == 64 ? attention_bwd_add_dq<64> : attention_bwd_add_dq<128>)(kv, pkv, causal, dq, l.dq, BH, BH / group, s);
     return true;
   }
+  CUtensorMap qo[4];  // 128 queries and 64 keys (dQ), encoded only where the dQ kernel runs
+  if (!attn_tile_map(qo[0], q, l.q, batch, Sq, D, 128) || !attn_tile_map(qo[1], k, l.k, batch, Sk, D, 64) ||
+      !attn_tile_map(qo[2], v, l.v, batch, Sk, D, 64) || !attn_tile_map(qo[3], dout, l.dout, batch, Sq, D, 128))
+    return false;
+  const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2};
   const auto dkv =
       causal ? (D == 64 ? attention_bwd_dkv_tma_launch<64, true, false> : attention_bwd_dkv_tma_launch<128, true, false>)
              : (D == 64 ? attention_bwd_dkv_tma_launch<64, false, false>
