@@ -6553,6 +6553,11 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     }
   };
   if (tiles > 0) load_stats(0);
+  // The next tile's are loaded at the top of a tile. With ADD_DQ at D 128 the registers run short:
+  // the loaded values are spilled as they land, and the spill store kept the warp from its first turn
+  // for the load's whole latency. There they are loaded during the wait on the second turn's products
+  // instead (which slows the other kernels).
+  constexpr bool LOAD_STATS_LATE = ADD_DQ && !S::OVERLAP;
   // ADD_DQ: this warpgroup's dQ part (landed) into its buffer for its writer, 16 bytes a thread in turn
   // (the sums keep this order; the finish kernel puts each value in its place).
   int dq_staged = 0;
@@ -6606,7 +6611,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     float* ts = warp_stats + (i & 1) * 2 * BQ;
 #pragma unroll
     for (int c = 0; c < 4; ++c) ts[32 * c + lane] = next_stats[c];
-    if (i + 1 < tiles) load_stats(i + 1);
+    if (!LOAD_STATS_LATE && i + 1 < tiles) load_stats(i + 1);
     __syncwarp();
     mbar_wait(full + 8 * st, (i / STAGES) & 1);
     my_turn();
@@ -6687,6 +6692,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     }
     wgmma_commit();
     your_turn();
+    if (LOAD_STATS_LATE && i + 1 < tiles) load_stats(i + 1);
     if (!S::OVERLAP) {
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(empty + 8 * st);
