@@ -2242,9 +2242,11 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // (swizzled like the operands, so the stores are free of bank conflicts) and one thread hands each
 // piece to the copy engine (a TMA store, clipped at the matrix edges), then the warpgroup goes on to
 // its next tile while the store drains. Two buffers per warpgroup: a piece waits only for the store
-// two pieces back. Stores straight from registers write 16 bytes per row per instruction and keep the
-// tensor cores idle for as long (a third of the time of a K = 384 tile); they remain for fp32 outputs
-// (split-K partials) and outputs a tensor map cannot address.
+// two pieces back. The tile is packed to bf16 pairs in registers first; at BN 256 with 12 or more K
+// tiles (and A K-major) it is written out only after the next tile's first products are issued, so
+// those run under the stores. Stores straight from registers write 16 bytes per row per instruction
+// and keep the tensor cores idle for as long (a third of the time of a K = 384 tile); they remain for
+// fp32 outputs (split-K partials) and outputs a tensor map cannot address.
 //
 // Split-K: an output of few tiles with a long K (a weight gradient: 1152 x 384 over 16384 tokens is
 // 18 tiles for 132 SMs) is cut along K; each split writes its fp32 partial tile to a workspace, and
@@ -2520,6 +2522,10 @@ __global__ void __launch_bounds__(384, 1)
                        const __grid_constant__ CUtensorMap map_c, Bf16MatmulArgs p) {
 #ifdef WG_ENABLED
   constexpr int STAGE_BYTES = bf_stage_bytes(BN), STAGES = bf_stages(BN);
+  // Whether a tile's stores may wait for the next tile's first stage (see `held` below): at BN 256 only,
+  // where the tiles are costliest to store and the two tiles' registers fit (the producer warpgroup's
+  // handed over), and not with TA, whose producer warpgroup keeps its registers for A's row sums.
+  constexpr bool OVERLAP = BN == 256 && !TA;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t base = smem_addr(smem), out_base = base + STAGES * STAGE_BYTES;
@@ -2532,6 +2538,7 @@ __global__ void __launch_bounds__(384, 1)
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
+    if (OVERLAP) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (rowsum && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
       bf16_a_rowsums<STAGE_BYTES, STAGES>(p, base, full, empty, tiles_m, tiles_n, units);
     } else if (threadIdx.x == 0) {
@@ -2559,6 +2566,7 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   } else {  // consumers
+    if (OVERLAP) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int half = wg - 1;  // rows 64 * half .. of the block's tile
     // One stage: 4 wgmma (k16 each) into the accumulators, committed as one group. A unit's first
     // stage is issued before its loop, so the loop can keep one group in flight while it issues the
@@ -2587,6 +2595,38 @@ __global__ void __launch_bounds__(384, 1)
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp = threadIdx.x % 128 / 32;
     const bool leader = threadIdx.x % 128 == 0;  // issues this warpgroup's epilogue stores
     int pieces = 0;                              // epilogue pieces this warpgroup has stored
+    // The copy-engine path packs a finished tile into bf16 pairs (out[2j + h]: column group j, row half h).
+    // With `overlap` it stores them only once the next tile's first stage is issued, so the tensor cores
+    // work through the stores. Measured on an H100, that paid at 12 K tiles (K = 768) and more and cost
+    // about 3% at 6 (K = 384), where loads and stores rather than the products bound the tile.
+    const bool overlap = OVERLAP && p.ktiles >= 12;
+    uint32_t out[BN / 4];
+    bool held = false;  // out holds unit `prev`, not yet stored
+    Bf16Unit prev{};
+    // Piece q: columns 64q .. 64q + 63 of the warpgroup's 64 x BN, 128-byte rows whose 16-byte chunks
+    // sit at (chunk ^ row % 8), the layout map_c's swizzle reads. stmatrix stores four 8 x 8 matrices a
+    // warp from the C fragments as they are (lane (g, t) holds row g, columns 2t, 2t + 1 of each), lane l
+    // naming row l % 8 of matrix l / 8: a quarter of the store instructions of one st.shared a pair.
+    auto store_held = [&]() {
+#pragma unroll
+      for (int q = 0; q < BN / 64; ++q, ++pieces) {
+        const uint32_t buf = out_base + (2 * half + pieces % 2) * BF_SLAB;
+        if (leader) bulk_wait_read<1>();  // the store two pieces back has read this buffer
+        named_sync(1 + half, 128);
+#pragma unroll
+        for (int jj = 0; jj < 8; jj += 2) {
+          const uint32_t* r = out + 2 * (8 * q + jj);
+          const int m = lane / 8, row = 16 * warp + lane % 8 + 8 * (m % 2), chunk = jj + m / 2;
+          const uint32_t dst = buf + row * 128 + ((chunk ^ (row % 8)) << 4);
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(r[0]),
+                       "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+        }
+        fence_proxy_async();
+        named_sync(1 + half, 128);
+        if (leader) tma_store(&map_c, buf, prev.tile_n * BN + 64 * q, prev.tile_m * BF_BM + half * 64, prev.bz);
+      }
+      held = false;
+    };
     // This warpgroup's copy of the tile's bias: read from global memory before the main loop (thread i:
     // columns i and 128 + i), so the load's latency hides behind the products; read in the epilogue,
     // it stalled every piece on a global load.
@@ -2604,6 +2644,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       if (nk > 0) {
         issue_stage(0);
+        if (held) store_held();  // the previous tile goes out while this one's first products run
         for (int i = 1; i < nk; ++i) {
           issue_stage(i);
           wgmma_wait<1>();
@@ -2613,16 +2654,16 @@ __global__ void __launch_bounds__(384, 1)
         release_stage(nk - 1);
         it += nk;
       } else {  // K == 0: C = bias
+        if (held) store_held();
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
       }
 
-      // The previous tile's epilogue has read bias_s: the copy-engine path ends each piece on a barrier
-      // after its reads; the register path needs one.
-      if (!p.c_tma) named_sync(1 + half, 128);
+      // Every thread of the warpgroup has read the previous tile's bias_s: the copy-engine path passed
+      // store_held's barriers after its packing, the register path ends each tile on one.
       bias_s[tid] = bias_v[0];
       if (tid + 128 < BN) bias_s[tid + 128] = bias_v[1];
-      if (!p.c_tma) named_sync(1 + half, 128);  // the copy-engine path's first piece begins with one
+      named_sync(1 + half, 128);
       // alpha * acc + bias for the pair at column group j, row half h (column n_tile + 8j + 2t).
       auto result = [&](int j, int h) {
         float o[2];
@@ -2632,34 +2673,17 @@ __global__ void __launch_bounds__(384, 1)
         return make_float2(o[0], o[1]);
       };
       if (p.c_tma) {
-        // Piece q: columns 64q .. 64q + 63 of the warpgroup's 64 x BN, 128-byte rows whose 16-byte
-        // chunks sit at (chunk ^ row % 8), the layout map_c's swizzle reads. stmatrix stores four 8 x 8
-        // matrices a warp from the C fragments as they are (lane (g, t) holds row g, columns 2t, 2t + 1
-        // of each), lane l naming row l % 8 of matrix l / 8: a quarter of the store instructions of one
-        // st.shared a pair, which the tensor cores wait on at short K.
 #pragma unroll
-        for (int q = 0; q < BN / 64; ++q, ++pieces) {
-          const uint32_t buf = out_base + (2 * half + pieces % 2) * BF_SLAB;
-          if (leader) bulk_wait_read<1>();  // the store two pieces back has read this buffer
-          named_sync(1 + half, 128);
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-          for (int jj = 0; jj < 8; jj += 2) {
-            uint32_t r[4];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-              const float2 o = result(8 * q + jj + m / 2, m % 2);
-              const __nv_bfloat162 v = __floats2bfloat162_rn(o.x, o.y);
-              r[m] = *reinterpret_cast<const uint32_t*>(&v);
-            }
-            const int m = lane / 8, row = 16 * warp + lane % 8 + 8 * (m % 2), chunk = jj + m / 2;
-            const uint32_t dst = buf + row * 128 + ((chunk ^ (row % 8)) << 4);
-            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(r[0]),
-                         "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+          for (int h = 0; h < 2; ++h) {
+            const float2 o = result(j, h);
+            const __nv_bfloat162 v = __floats2bfloat162_rn(o.x, o.y);
+            out[2 * j + h] = *reinterpret_cast<const uint32_t*>(&v);
           }
-          fence_proxy_async();
-          named_sync(1 + half, 128);
-          if (leader) tma_store(&map_c, buf, n_tile + 64 * q, m_tile, w.bz);
-        }
+        held = true;
+        prev = w;
+        if (!overlap) store_held();
         continue;
       }
       const int64_t c0 = w.split * p.split_stride + w.bz * p.sc;
@@ -2689,7 +2713,9 @@ __global__ void __launch_bounds__(384, 1)
             }
           }
         }
+      named_sync(1 + half, 128);  // every thread has read bias_s before the next tile writes it
     }
+    if (held) store_held();
     if (leader) bulk_wait_all();  // shared memory stays until the last store has read it
   }
 #else

@@ -2489,6 +2489,10 @@ add("matmul_bf16/1000x200x1536_aT", t_matmul_bf16, 1000, 200, 1536, a_t=True)
 # more tiles than SMs: each persistent block walks several tiles (and batch entries), its stage ring
 # (4 stages, 5 K steps a tile) wrapping in the middle of a tile
 add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
+# 256-wide tiles (2 rounds against 3 at 192) over 13 K tiles, 184 of them: the blocks with a second tile store
+# their first while the second's first products run, across the batch entries; the last row and column of
+# tiles clipped (2900 and 1000)
+add("matmul_bf16/2x2900x800x1000", t_matmul_bf16, 2900, 800, 1000, batch=2)
 # split-K (few tiles, long K): 8 splits of 2 tiles, the lower one 2 rows tall, the last split shorter
 # (2 of 65 K tiles); a batch of M-major A split 5 ways (300x2048x200 above splits 4 ways)
 add("matmul_bf16/130x4100x72", t_matmul_bf16, 130, 4100, 72)
@@ -2502,12 +2506,14 @@ add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=T
 # only the first adds, over 5 splits of 3000 tokens; (2, 200) x 1100 -> 4200, 198 tiles unsplit, has
 # each block walk several tiles (its stage ring wrapping inside one, its row sums restarting); one
 # token, no tokens, and one output (M = 1, A copied into padded rows). in_features = 0 has no product
-# and sums the columns on their own.
+# and sums the columns on their own. (4, 1425) x 800 -> 1000: 180 tiles 256 wide, 48 blocks with two, which
+# store the first, with its bias, while the second's first products run.
 for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
                              ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True), ((8, 1024), 256, 3072, True),
                              ((8, 1024), 256, 1031, True), ((2, 1500), 520, 130, True), ((2, 200), 1100, 4200, True),
                              ((1,), 40, 3, True), ((0,), 32, 64, True), ((3, 7), 24, 1, True),
-                             ((3, 5), 0, 64, True)):  # in_features = 0: out = bias
+                             ((3, 5), 0, 64, True),  # in_features = 0: out = bias
+                             ((4, 1425), 800, 1000, True)):
     add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
         bias=_bias)
 
