@@ -2653,8 +2653,7 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_wait<0>();
         release_stage(nk - 1);
         it += nk;
-      } else {  // K == 0: C = bias
-        if (held) store_held();
+      } else {  // K == 0: C = bias (no tile is held: that takes 12 or more K tiles)
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
       }
@@ -6980,11 +6979,15 @@ static void attention_bwd_dkv_tma_launch(const CUtensorMap (&maps)[4], const Att
              dim3(S::THREADS), S::SMEM, s, maps[0], maps[1], maps[2], maps[3], p);
 }
 
-// Floats of the fp32 dQ sums the Hopper backward adds into with deterministic = false (0 where the
-// Hopper backward does not run: other head sizes and GPUs).
+// Whether the Hopper backward (attention_bwd_tma) may run: sm_90a, head size 64 or 128, at most 65535 query
+// heads. It still needs operands the copy engine can address.
+static bool attention_bwd_hopper(int BH, int D) {
+  return attention_wgmma_enabled.load() && hopper_wgmma() && (D == 64 || D == 128) && BH <= 65535;
+}
+
+// Floats of the fp32 dQ sums the Hopper backward adds into with deterministic = false (0 where it does not run).
 int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D) {
-  const bool runs = (D == 64 || D == 128) && attention_wgmma_enabled.load() && hopper_wgmma();
-  return runs ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
+  return attention_bwd_hopper(BH, D) ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
 }
 
 template <int D, bool CAUSAL>
@@ -7010,15 +7013,15 @@ static void attention_bwd_add_dq(const CUtensorMap (&maps)[4], AttnBwdTmaArgs p,
 }
 
 // The bf16 backward on attention_bwd_dkv_tma_kernel and attention_bwd_dq_tma_kernel where they apply
-// (as for the forward: sm_90a, head size 64 or 128, operands the copy engine can address; at most
-// 65535 query heads); false: they did not, and attention_bwd_kernel runs. delta is computed already.
+// (attention_bwd_hopper, and operands the copy engine can address); false: they did not, and
+// attention_bwd_kernel runs. delta is computed already.
 // dq_sum (or nullptr): attention_bwd_dq_sum_floats floats, dQ added across key blocks in one kernel
 // (not deterministic; where dq's rows are 16-byte aligned for the finish kernel's stores).
 static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                               const __nv_bfloat16* dout, const float* lse_log2, const float* delta, __nv_bfloat16* dq,
                               __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH, int group, int Sq,
                               int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
-  if (!attention_wgmma_enabled.load() || !hopper_wgmma() || (D != 64 && D != 128) || BH > 65535) return false;
+  if (!attention_bwd_hopper(BH, D)) return false;
   const int batch = BH / l.q.heads;
   CUtensorMap kv[4];  // boxes of 64 queries and 128 keys (dK, dV)
   if (!attn_tile_map(kv[0], q, l.q, batch, Sq, D, 64) || !attn_tile_map(kv[1], k, l.k, batch, Sk, D, 128) ||

@@ -3627,8 +3627,8 @@ def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_
     dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
     seen = {}
     with attention_wgmma(wgmma):
-        compare_bf16(attention_recording_layout("fused-bf16", seen, None if deterministic else
-                                                {"deterministic": False}, causal=causal, scale=scale), D, tol=tol,
+        compare_bf16(attention_recording_layout("fused-bf16", seen, {"deterministic": deterministic},
+                                                causal=causal, scale=scale), D, tol=tol,
                      hopper=False, dy=dy, twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v)
     assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
 
