@@ -5501,11 +5501,11 @@ def bench_megakernel(rows, steps=100):
                          timeline=by_step, head_us=head))
 
 
-def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, n_layer=4, steps=3):
+def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, dtype="fp32", n_layer=4, steps=3):
     """Device time of each kernel of an eager training step (forward, backward, AdamW) of a GPT with this
     residual on the cuda op set, per sublayer: {kernel name: us}, read by torch.profiler over `steps` steps."""
     cfg = types.SimpleNamespace(**{**train.DEFAULTS, "weight_decay": 0.0})
-    ops = train.cuda_op_set(kernels, n_embd // n_head)
+    ops = train.cuda_op_set(kernels, n_embd // n_head, dtype)
     model = train.GPT(data.INCREMENT_VOCAB, block_size, n_embd, n_head, n_layer, 0, ops, residual=variant).to(DEV)
     opt = train.make_optimizer(model, cfg, True, False)
     x = torch.randint(0, data.INCREMENT_VOCAB, (batch_size, block_size + 1), device=DEV)
@@ -5526,31 +5526,39 @@ def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, n_layer=4,
 
 def bench_mhc_profile(rows):
     """Where mhc-dynamic's extra training time goes, kernel by kernel: an eager step of a 4-layer model at the sweep's
-    shape (256 wide, 32 x 128 tokens) and at 768 wide (16 x 256 tokens), each kernel's device time a sublayer, the
-    mHC kernels by name and the rest as one line against the baseline's (then its largest differences, kernel by
-    kernel), beside the 15% of the baseline's step that a cost of 1.15x allows. The model's first hc_pre (no mix
-    before it) and last stream_mix (its exit) count as an eighth each."""
+    shape (256 wide, 32 x 128 tokens) and at 768 wide (16 x 256 tokens; fp32 and bf16), each kernel's device time a
+    sublayer, the mHC kernels by name and the rest as one line against the baseline's (then its largest differences,
+    kernel by kernel), beside the 15% of the baseline's step that a cost of 1.15x allows. The model's first hc_pre
+    (no mix before it) and last stream_mix (its exit) count as an eighth each. Each mHC kernel's time is also given
+    in passes, the time to read or write the fp32 streams once at the copy rate measured here: set beside the
+    reads and writes a kernel's data flow needs, they show how near that rate it runs."""
     def short(name, width=56):  # a kernel's name without its arguments and PyTorch's namespaces
         return re.sub(r"^void |at::native::|\(anonymous namespace\)::|\(.*$", "", name)[:width]
 
-    for n_embd, n_head, block_size, batch_size in ((256, 4, 128, 32), (768, 8, 256, 16)):
-        base = mhc_step_kernels("baseline", n_embd, n_head, block_size, batch_size)
-        dyn = mhc_step_kernels("mhc-dynamic", n_embd, n_head, block_size, batch_size)
+    bw = inference.copy_bandwidth(DEV)
+    for n_embd, n_head, block_size, batch_size, dtype in ((256, 4, 128, 32, "fp32"), (768, 8, 256, 16, "fp32"),
+                                                          (768, 8, 256, 16, "bf16")):
+        base = mhc_step_kernels("baseline", n_embd, n_head, block_size, batch_size, dtype)
+        dyn = mhc_step_kernels("mhc-dynamic", n_embd, n_head, block_size, batch_size, dtype)
         ours = {k: v for k, v in dyn.items() if re.search(r"hc_|stream_|sinkhorn", k)}
         rest = sum(v for k, v in dyn.items() if k not in ours) - sum(base.values())
         b, d = sum(base.values()), sum(dyn.values())
-        print(f"\nmhc-dynamic, {batch_size * block_size} tokens x {n_embd} wide, 4 streams: eager training step, "
-              f"kernel time a sublayer: baseline {b:.1f} us, mhc-dynamic {d:.1f} us ({d / b:.2f}x); "
-              f"extra {d - b:.1f} us where 1.15x allows {0.15 * b:.1f}")
+        pass_us = batch_size * block_size * 4 * n_embd * 4 / bw * 1e6  # the streams: (tokens, 4, n_embd) fp32
+        print(f"\nmhc-dynamic, {batch_size * block_size} tokens x {n_embd} wide, 4 streams, {dtype}: eager training "
+              f"step, kernel time a sublayer: baseline {b:.1f} us, mhc-dynamic {d:.1f} us ({d / b:.2f}x); "
+              f"extra {d - b:.1f} us where 1.15x allows {0.15 * b:.1f}; a pass over the streams: {pass_us:.1f} us "
+              f"at the copy rate ({bw / 1e9:,.0f} GB/s)")
         for name, us in sorted(ours.items(), key=lambda kv: -kv[1]):
-            print(f"  {short(name):<58} {us:>7.1f}")
-            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel=short(name), us=us))
+            print(f"  {short(name):<58} {us:>7.1f} {us / pass_us:>5.1f} passes")
+            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", dtype=dtype, kernel=short(name), us=us,
+                             passes=us / pass_us))
         print(f"  {'the other kernels, against the baseline':<58} {rest:>+7.1f}; the largest differences:")
         others = (set(base) | set(dyn)) - set(ours)
         diffs = sorted(((dyn.get(k, 0.0) - base.get(k, 0.0), k) for k in others), key=lambda t: -abs(t[0]))
         for diff, name in diffs[:5]:
             print(f"    {short(name, 72):<72} {diff:>+7.1f}")
-        rows.append(dict(op="mhc_profile", shape=f"{n_embd}", kernel="other", us=rest, baseline_us=b, mhc_us=d))
+        rows.append(dict(op="mhc_profile", shape=f"{n_embd}", dtype=dtype, kernel="other", us=rest, baseline_us=b,
+                         mhc_us=d))
 
 
 def bench_main(json_path):
