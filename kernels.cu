@@ -7003,7 +7003,7 @@ template <int D>
 static void attention_bwd_add_dq(const CUtensorMap (&maps)[4], AttnBwdTmaArgs p, bool causal, __nv_bfloat16* dq,
                                  const AttnLayout& ldq, int BH, int kv_heads, cudaStream_t s) {
   p.nq = ceil_div(p.Sq, 64);
-  cudaMemsetAsync(p.dq_sum, 0, (size_t)BH * p.nq * 64 * D * sizeof(float), s);
+  cudaMemsetAsync(p.dq_sum, 0, attention_bwd_dq_sum_floats(BH, p.Sq, D) * sizeof(float), s);
   (causal ? attention_bwd_dkv_tma_launch<D, true, true> : attention_bwd_dkv_tma_launch<D, false, true>)(maps, p,
                                                                                                        kv_heads, s);
   check_launch("attention_bwd_dkv_tma (dQ added)");
