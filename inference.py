@@ -23,6 +23,7 @@ import collections
 import contextlib
 import copy
 import functools
+import math
 import os
 import statistics
 import sys
@@ -169,9 +170,19 @@ class KVCache:
         self.pos.zero_()
 
 
+def context_std(n_embd):
+    """The std of a random model's block matrices (train.GPT's init_std): 3 / sqrt(n_embd), where GPT-2 draws
+    0.02. At 0.02 the blocks barely move the residual stream, the token's own embedding decides the tied
+    head's logits, and the model repeats its input token; a decode that ignored its context would match
+    one that reads it. At 3 / sqrt(n_embd) the blocks' outputs, which depend on every earlier token, decide
+    the next one: the text varies and two prompts that differ in one character soon part."""
+    return 3.0 / math.sqrt(n_embd)
+
+
 def random_model(kind, seed, cfg, tok):
     mlp = (lambda: MoE(cfg.n_embd, cfg.n_expert, cfg.top_k, cfg.arch)) if kind == "moe" else None
-    return train.model_from_config(cfg, tok.vocab_size, train.TORCH_OPS, seed=seed, mlp=mlp)
+    return train.model_from_config(cfg, tok.vocab_size, train.TORCH_OPS, seed=seed, mlp=mlp,
+                                   init_std=context_std(cfg.n_embd))
 
 
 def checkpoint_model(cfg):

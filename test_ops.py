@@ -6,6 +6,7 @@
     python test_ops.py --sanitize               # every GPU case under compute-sanitizer's four tools
     python test_ops.py --bench [--json PATH]    # speed against PyTorch (needs a GPU and the build)
     python test_ops.py --bench --only attention_bf16   # one bench table (names as in --only)
+    python test_ops.py --mutants                # plant known faults: each must fail the cases that guard it
 
 Each case prints one line. A numeric check reads `label max|ours - ref|/tolerance`, where a
 tolerance `a+r|ref|` allows a + r * |ref| per element. References run in float64 where that
@@ -13,6 +14,7 @@ sharpens the check, so the error shown is ours alone. The data.py tests run here
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import hashlib
@@ -234,6 +236,61 @@ def run_tests(only, gpu_only=False, shard=(0, 1), skip=frozenset()):
         print(f"no case name contains {only!r}")
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
     return 1 if counts["FAIL"] or not cases else 0
+
+
+# --mutants: a test proves something only if it can fail. Each mutant plants one fault (a no-op cache
+# write, a slide that keeps one token, greedy in place of sampling, ...) and names the cases that must
+# catch it; the run checks that each of them passes on the real code and fails with the fault planted.
+
+MUTANTS = []  # (name, plant: a context manager factory, names of the cases that must catch it)
+
+
+def mutant(name, *catchers):
+    """Registers the decorated generator function, which plants a fault while it is suspended, as mutant
+    `name`, caught by every case in catchers."""
+    def register(fn):
+        MUTANTS.append((name, contextlib.contextmanager(fn), catchers))
+        return fn
+    return register
+
+
+def case_named(name):
+    found = [c for c in CASES if c[0] == name]
+    assert len(found) == 1, f"--mutants: {len(found)} cases named {name!r}"
+    return found[0]
+
+
+def run_mutant(name, plant, catchers, clean):
+    """'caught by ...', 'NOT CAUGHT (...)' or 'skipped (...)' for one mutant; clean caches each catcher's
+    verdict on the real code, run first: a case that fails there would catch any fault."""
+    verdicts = []
+    for case in map(case_named, catchers):
+        if case[0] not in clean:
+            clean[case[0]] = run_case(*case) if not case[2] or (HAS_CUDA and kernels) else ("SKIP", "no GPU build")
+        status, detail = clean[case[0]]
+        if status != "PASS":
+            return ("skipped" if status == "SKIP" else "NOT CAUGHT") + f" ({case[0]} {status.lower()}s on the real " \
+                   f"code: {detail[:160]})"
+        with plant():
+            verdicts.append((case[0],) + run_case(*case))
+    missed = [n for n, status, _ in verdicts if status != "FAIL"]
+    if missed:
+        return f"NOT CAUGHT (passed with the fault: {', '.join(missed)})"
+    first = one_line(verdicts[0][2].rsplit("  ", 1)[-1])[:140]
+    return f"caught by {', '.join(n for n, _, _ in verdicts)}: {first}"
+
+
+def run_mutants(only):
+    chosen = [m for m in MUTANTS if only in m[0]]
+    print(f"{len(chosen)} mutants" + (f" whose name contains {only!r}" if only else "") +
+          ("" if HAS_CUDA and kernels else "; those caught by GPU cases are skipped (no CUDA device or no build)"))
+    clean, counts = {}, collections.Counter()
+    for name, plant, catchers in chosen:
+        verdict = run_mutant(name, plant, catchers, clean)
+        counts[verdict.split(" ")[0]] += 1
+        print(f"mutant {name}: {verdict}", flush=True)
+    print(f"{counts['caught']} caught, {counts['NOT']} not caught, {counts['skipped']} skipped")
+    return 1 if counts["NOT"] or not chosen else 0
 
 # -----------------------------------------------------------------------------
 # --sanitize: every GPU case under compute-sanitizer's four tools, then what each tool reported, split
@@ -5604,6 +5661,8 @@ if __name__ == "__main__":
     parser.add_argument("--only", default="", metavar="SUBSTR",
                         help="run the cases (or bench ops) whose name contains this")
     parser.add_argument("--bench", action="store_true", help="time every op against PyTorch instead of testing")
+    parser.add_argument("--mutants", action="store_true",
+                        help="plant each known fault and check that the cases which guard against it fail")
     parser.add_argument("--json", metavar="PATH", help="with --bench: also write the rows as a JSON list")
     parser.add_argument("--gpu_only", action="store_true", help="run only the GPU cases (as under compute-sanitizer)")
     parser.add_argument("--shard", default="0/1", metavar="K/N",
@@ -5637,4 +5696,6 @@ if __name__ == "__main__":
         if not shutil.which("compute-sanitizer"):
             parser.error("--sanitize needs compute-sanitizer (CUDA toolkit) on the PATH")
         sys.exit(sanitize(tools, args.shards, args.only, args.log_dir, args.filter == "ours"))
+    if args.mutants:
+        sys.exit(run_mutants(args.only))
     sys.exit(bench_main(args.json) if args.bench else run_tests(args.only, args.gpu_only, shard, skip))

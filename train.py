@@ -474,7 +474,7 @@ class GPT(nn.Module):
     # backward, so both accumulation paths of each op set are exercised.
 
     def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, seed, ops,
-                 mlp=None, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0):
+                 mlp=None, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0, init_std=0.02):
         super().__init__()
         n_kv_head = kv_heads(arch, n_head, n_kv_head)
         self.block_size = block_size
@@ -502,8 +502,10 @@ class GPT(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if is_weight_matrix(name, p):
-                    # GPT-2: scale the projections into the residual stream by 1/sqrt(number of them).
-                    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj_w") else 0.02
+                    # GPT-2: std 0.02, the projections into the residual stream by 1/sqrt(number of them).
+                    # init_std sets the blocks' matrices apart from the embeddings (inference.py's demo).
+                    std = 0.02 if name in ("wte", "wpe") else init_std
+                    std = std / math.sqrt(2 * n_layer) if name.endswith("proj_w") else std
                     p.normal_(0.0, std, generator=g)
 
     def forward(self, idx, targets=None, cache=None):
