@@ -23,6 +23,7 @@ import collections
 import contextlib
 import copy
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -51,9 +52,11 @@ OPTIONS = dict(
     block_size=(256, "context length; the KV cache holds this many positions"),
     n_expert=(8, "experts of the MoE model"),
     top_k=(2, "experts per token"),
-    models=("dense,moe", "which models to run: dense, moe or both, comma-separated"),
+    models=("dense,moe,trained", "which models to decode, comma-separated: dense and moe (random weights, one model a "
+                                 "seed) and trained (the --ckpt checkpoint, where its file exists)"),
     seeds=("0,1,2,3,4", "random-weight seeds, one generation per seed and path, comma-separated"),
-    ckpt=(None, "a train.py checkpoint instead of random weights: its config, vocabulary and weights (dense)"),
+    ckpt=("out/ckpt_torch.pt", "the train.py checkpoint of the trained model: its config, vocabulary and weights "
+                               "(dense); given on the command line, it is the only model decoded"),
     prompt=("Dorothy lived in the midst of the great Kansas prairies", "the text to continue"),
     max_new_tokens=(200, "tokens generated per run"),
     temperature=(0.0, "0: greedy argmax; > 0: sample from softmax(logits / temperature)"),
@@ -71,6 +74,7 @@ OPTIONS = dict(
 )
 DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # the random-weight vocabulary: 95 printable ASCII
+MODEL_KINDS = ("dense", "moe", "trained")
 
 
 def fail(msg):
@@ -82,8 +86,8 @@ def parse_config(argv):
         "inference.py", "Decode with the GPT of train.py on both op sets and compare them.", OPTIONS))
     cfg.given = sorted(given)  # the keys the command line set
     cfg.models = [m.strip() for m in cfg.models.split(",") if m.strip()]
-    if not cfg.models or any(m not in ("dense", "moe") for m in cfg.models):
-        fail(f"--models must be dense, moe or dense,moe, got {','.join(cfg.models)!r}")
+    if not cfg.models or any(m not in MODEL_KINDS for m in cfg.models) or len(set(cfg.models)) < len(cfg.models):
+        fail(f"--models must be some of {','.join(MODEL_KINDS)}, comma-separated, got {','.join(cfg.models)!r}")
     try:
         cfg.seeds = [int(s) for s in cfg.seeds.split(",")]
     except ValueError:
@@ -101,9 +105,11 @@ def parse_config(argv):
     cfg.dtypes = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
     if not cfg.dtypes or any(d not in train.DTYPES for d in cfg.dtypes) or len(set(cfg.dtypes)) < len(cfg.dtypes):
         fail(f"--dtype must be fp32, bf16 or fp32,bf16, got {cfg.dtype!r}")
-    if cfg.ckpt is not None and "moe" in cfg.models:
-        cfg.models = ["dense"]
-        print("note: --ckpt holds a dense model: running --models=dense")
+    cfg.ckpt = os.path.expanduser(cfg.ckpt)
+    if "ckpt" in cfg.given and cfg.models != ["trained"]:
+        if "models" in cfg.given:
+            print("note: --ckpt given: decoding its trained model only")
+        cfg.models = ["trained"]
     return cfg
 
 
@@ -200,6 +206,37 @@ def checkpoint_model(cfg):
     except RuntimeError as e:
         fail(f"--ckpt={cfg.ckpt}: its weights do not fit the model its config describes ({data.one_line(e)})")
     return model, tok, c
+
+
+CKPT_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")  # what a checkpoint decides
+
+
+def model_specs(cfg):
+    """The models to decode, in order: each with its label, tokenizer, shape (CKPT_SHAPE's keys), seeds
+    and make(seed), which builds it on the CPU; and notes to print."""
+    specs, notes = [], []
+    printable = CharTokenizer.from_dict({"chars": PRINTABLE})
+    for kind in cfg.models:
+        if kind != "trained":
+            specs.append(SimpleNamespace(label=kind, tok=printable, shape=cfg, seeds=cfg.seeds,
+                                         make=functools.partial(random_model, kind, cfg=cfg, tok=printable)))
+            continue
+        if "ckpt" not in cfg.given and not os.path.exists(cfg.ckpt):
+            notes.append(f"note: no trained model: {cfg.ckpt} does not exist (python train.py writes it)")
+            continue
+        model, tok, c = checkpoint_model(cfg)
+        ignored = [f"--{k}={getattr(cfg, k)}" for k in CKPT_SHAPE if k in cfg.given and getattr(cfg, k) != getattr(c, k)]
+        if ignored:
+            notes.append(f"note: --ckpt={cfg.ckpt} brings its own model ("
+                         + ", ".join(f"{k}={getattr(c, k)}" for k in CKPT_SHAPE) + f"); ignoring {', '.join(ignored)}")
+        specs.append(SimpleNamespace(label="trained", tok=tok, shape=c, seeds=[None],
+                                     make=lambda seed, model=model: copy.deepcopy(model)))
+    return specs, notes
+
+
+def describe(shape):
+    return (f"{shape.arch}, {shape.n_layer} layers, {shape.n_embd} wide, {shape.n_head} heads ({shape.n_kv_head} K/V), "
+            f"context {shape.block_size}")
 
 
 def kv_cache(model, device):
@@ -308,6 +345,7 @@ class Decoder:
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # the last token, input of the next step
         self.tokens = torch.zeros(n_new, dtype=torch.long, device=dev)  # generated tokens
         self.margins = torch.zeros(n_new, device=dev)  # top-1 minus top-2 logit at each step
+        self.logits = torch.zeros(n_new, model.wte.shape[0], device=dev)  # each step's, in fp32: what the op sets differ by
         self.step = torch.zeros(1, dtype=torch.long, device=dev)  # index of the next generated token
         self.temperature = temperature
         self.k = min(sample_top_k or model.wte.shape[0], model.wte.shape[0])
@@ -327,6 +365,7 @@ class Decoder:
             # gather, not idx[choice]: indexing with a tensor scalar reads it on the host (no graph)
             nxt, margin = idx.gather(0, choice)[0], (vals[0] - vals[1]) * self.temperature
         self.tokens.index_copy_(0, self.step, nxt.view(1))
+        self.logits.index_copy_(0, self.step, logits.view(1, -1).float())
         self.margins.index_copy_(0, self.step, margin.view(1).float())
         self.tok.copy_(nxt.view(1, 1))
         self.step += 1
@@ -362,11 +401,16 @@ class Decoder:
         self.graph.replay()
 
 
+def slide_keep(capacity):
+    """The tokens kept when the cache is full: the newest half of the context, prefilled again."""
+    return capacity // 2
+
+
 def generate(dec, prompt_ids, n_new):
     """prompt_ids (T,) int64 on the device. Returns (prefill seconds, decode seconds). When the cache is
-    full, the newest half of the context is prefilled again and decoding goes on from there."""
+    full, the newest slide_keep(capacity) tokens are prefilled again and decoding goes on from there."""
     capacity = dec.cache.capacity
-    keep = capacity // 2
+    keep = slide_keep(capacity)
     dec.step.zero_()
     data.sync(prompt_ids.device)
     t0 = time.perf_counter()
@@ -416,6 +460,7 @@ def run_path(model, ops, mode, prompt_ids, cfg, uniforms):
     return {
         "tokens": dec.tokens.tolist(),
         "margins": dec.margins.tolist(),
+        "logits": dec.logits.cpu(),  # kept out of inference.json: report() compares them
         "prefill_tok_s": len(prompt_ids) / t_prefill,
         "decode_tok_s": (cfg.max_new_tokens - 1) / t_decode if cfg.max_new_tokens > 1 else None,
     }
@@ -427,8 +472,9 @@ def first_difference(a, b):
 
 # -----------------------------------------------------------------------------
 
-def choose_paths(cfg):
-    """[(op set name, ops, mode)], mode eager, graph or megakernel (the cuda op set's), and notes to print."""
+def choose_paths(cfg, specs):
+    """For each model spec, [(op set name, ops, mode)], mode eager, graph or megakernel (the cuda op set's);
+    and notes to print."""
     dev = torch.device(cfg.device)
     modes = ["eager", "graph"] if dev.type == "cuda" and cfg.cuda_graph else ["eager"]
     names = ["torch", "cuda"] if cfg.backend == "both" else [cfg.backend]
@@ -445,18 +491,20 @@ def choose_paths(cfg):
             kernels.set_pdl(cfg.pdl)
             if not cfg.pdl:
                 notes.append("note: --pdl=false: our kernels are launched the ordinary way")
-    paths = []
-    for name in names:
-        ops = train.TORCH_OPS
-        if name == "cuda":
-            head = cfg.n_embd // cfg.n_head
-            if head not in kernels.FUSED_HEAD_SIZES:
-                fail(f"head size {head} (n_embd / n_head): the cuda path decodes with the fused attention, which "
-                     f"supports head sizes {kernels.FUSED_HEAD_SIZES}")
-            ops = train.cuda_op_set(kernels, head)
-        paths += [(name, ops, m) for m in modes]
-        if name == "cuda" and cfg.megakernel and "graph" in modes:
-            paths.append((name, ops, "megakernel"))
+    paths = {}
+    for spec in specs:
+        paths[spec.label] = []
+        for name in names:
+            ops = train.TORCH_OPS
+            if name == "cuda":
+                head = spec.shape.n_embd // spec.shape.n_head
+                if head not in kernels.FUSED_HEAD_SIZES:
+                    fail(f"{spec.label} model: head size {head} (n_embd / n_head): the cuda path decodes with the fused "
+                         f"attention, which supports head sizes {kernels.FUSED_HEAD_SIZES}")
+                ops = train.cuda_op_set(kernels, head)
+            paths[spec.label] += [(name, ops, m) for m in modes]
+            if name == "cuda" and cfg.megakernel and "graph" in modes:
+                paths[spec.label].append((name, ops, "megakernel"))
     return paths, notes
 
 
@@ -579,57 +627,45 @@ def patched(kernels=None, device_type="cuda"):
             setattr(F, name, original)
 
 
-CKPT_SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "block_size")  # what a checkpoint decides
-
-
 def main(argv):
     cfg = parse_config(argv)
     dev = torch.device(cfg.device)
-    if cfg.ckpt is not None:
-        base_model, tok, c = checkpoint_model(cfg)
-        ignored = [f"--{k}={getattr(cfg, k)}" for k in CKPT_SHAPE
-                   if k in cfg.given and getattr(cfg, k) != getattr(c, k)]
-        if ignored:
-            shape = ", ".join(f"{k}={getattr(c, k)}" for k in CKPT_SHAPE)
-            print(f"note: --ckpt={cfg.ckpt} brings its own model ({shape}); ignoring {', '.join(ignored)}")
-        for key in CKPT_SHAPE:
-            setattr(cfg, key, getattr(c, key))
-        cfg.seeds = [None]
-    else:
-        base_model, tok = None, CharTokenizer.from_dict({"chars": PRINTABLE})
-    try:
-        prompt = tok.encode(cfg.prompt)
-    except ValueError as e:
-        fail(f"--prompt: {e}")
-    if not prompt:
-        fail("--prompt is empty; give at least one character")
-    if len(prompt) >= cfg.block_size:
-        fail(f"--prompt has {len(prompt)} characters, the context holds {cfg.block_size}: shorten it")
-    if cfg.temperature > 0 and (cfg.sample_top_k or tok.vocab_size) > 128:
-        fail(f"sampling over all {tok.vocab_size} tokens: top-k takes at most 128; pass --sample_top_k=128 or less")
-    paths, notes = choose_paths(cfg)
-    for note in notes:
+    specs, notes = model_specs(cfg)
+    if not specs:
+        fail(f"no model to decode: --models={','.join(cfg.models)} and {cfg.ckpt} does not exist")
+    for spec in specs:
+        try:
+            spec.prompt = spec.tok.encode(cfg.prompt)
+        except ValueError as e:
+            fail(f"--prompt, for the {spec.label} model's vocabulary: {e}")
+        if not spec.prompt:
+            fail("--prompt is empty; give at least one character")
+        if len(spec.prompt) >= spec.shape.block_size:
+            fail(f"--prompt has {len(spec.prompt)} characters, the {spec.label} model's context holds "
+                 f"{spec.shape.block_size}: shorten it")
+        if cfg.temperature > 0 and (cfg.sample_top_k or spec.tok.vocab_size) > 128:
+            fail(f"sampling over all {spec.tok.vocab_size} tokens of the {spec.label} model: top-k takes at most 128; "
+                 f"pass --sample_top_k=128 or less")
+    paths, path_notes = choose_paths(cfg, specs)
+    for note in notes + path_notes:
         print(note)
     hw = data.device_name(dev)
     sampling = "greedy" if cfg.temperature == 0 else \
         f"temperature {cfg.temperature}, top-k {cfg.sample_top_k or 'all'}"
     bw = copy_bandwidth(dev) if dev.type == "cuda" else None
     print(f"device: {hw}" + (f", device-to-device copy {bw / 1e9:,.0f} GB/s" if bw else "")
-          + f" | {cfg.arch}, {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads ({cfg.n_kv_head} K/V),"
-          + f" context {cfg.block_size}"
-          + f" | {sampling}"
-          + f" | {cfg.max_new_tokens} new tokens; when the context fills, the newest {cfg.block_size // 2} tokens are"
-          + " prefilled again")
-    if cfg.ckpt is None:
-        print("note: random weights (one model a seed), so the text is noise; --ckpt=out/ckpt_torch.pt, which "
-              "python train.py writes, decodes a trained model")
-    prompt_ids = torch.tensor(prompt, dtype=torch.long, device=dev)
+          + f" | {sampling} | {cfg.max_new_tokens} new tokens; when the context fills, its newest half is prefilled"
+          + " again")
+    if any(spec.label != "trained" for spec in specs):
+        print(f"note: dense and moe have random weights (one model a seed; blocks drawn at std "
+              f"{context_std(cfg.n_embd):.3g}, inference.context_std), so their text is noise that depends on the "
+              f"context; the trained model is {cfg.ckpt}, which python train.py writes")
     results = {"device": hw, "copy_bytes_per_s": bw, "config": vars(cfg), "models": {}}
     data.make_out_dir(cfg.out_dir, fail, "inference.json")
     path = os.path.join(cfg.out_dir, "inference.json")
     with data.out_dir_lock(cfg.out_dir, "inference.py", fail):
         try:
-            decode_all(cfg, paths, base_model, tok, prompt_ids, results)
+            decode_all(cfg, specs, paths, dev, results)
         except KeyboardInterrupt:  # keep what was measured: the finished models and the unfinished one's runs
             results["interrupted"] = True
             data.write_json(path, results)
@@ -639,28 +675,29 @@ def main(argv):
     print(f"\nwrote {path}")
 
 
-def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
-    """Every model kind, dtype and seed on every path, each model's report into results["models"] as it
-    ends; the runs of the one in progress stay in results["unfinished"] until then."""
+def decode_all(cfg, specs, paths, dev, results):
+    """Every model, dtype and seed on every path, each model's report into results["models"] as it ends;
+    the runs of the one in progress stay in results["unfinished"] until then."""
     uniforms = torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(1234))
-    dev, bw = prompt_ids.device, results["copy_bytes_per_s"]
-    for kind in cfg.models:
+    bw = results["copy_bytes_per_s"]
+    for spec in specs:
+        prompt_ids = torch.tensor(spec.prompt, dtype=torch.long, device=dev)
         for dtype in cfg.dtypes:
-            label = kind if len(cfg.dtypes) == 1 else f"{kind} {dtype}"
-            runs = []
+            label = spec.label if len(cfg.dtypes) == 1 else f"{spec.label} {dtype}"
+            runs, logits = [], {}
             results["unfinished"] = {"model": label, "runs": runs}
-            for seed in cfg.seeds:
-                model = copy.deepcopy(base_model) if cfg.ckpt else random_model(kind, seed, cfg, tok)
-                model = with_dtype(model.to(dev), dtype).eval()
+            for seed in spec.seeds:
+                model = with_dtype(spec.make(seed).to(dev), dtype).eval()
                 nbytes = weight_bytes_per_token(model)
                 cache_bytes = kv_cache(model, "meta").nbytes
-                why_not = megakernel_why_not(model) if any(p[2] == "megakernel" for p in paths) else None
-                for name, ops, mode in paths:
+                why_not = megakernel_why_not(model) if any(p[2] == "megakernel" for p in paths[spec.label]) else None
+                for name, ops, mode in paths[spec.label]:
                     if mode == "megakernel" and why_not:
-                        if seed == cfg.seeds[0]:
+                        if seed == spec.seeds[0]:
                             print(f"note: {label}: no megakernel row: {why_not}")
                         continue
                     r = run_path(model, ops, mode, prompt_ids, cfg, uniforms)
+                    logits[name, mode, seed] = r.pop("logits")
                     r.update(op_set=name, mode=mode, seed=seed)
                     runs.append(r)
                     print(f"{label} | seed {seed} | {name:<5} {r['mode']:<10} | prefill {r['prefill_tok_s']:>9,.0f} "
@@ -668,10 +705,10 @@ def decode_all(cfg, paths, base_model, tok, prompt_ids, results):
                 del model
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-            results["models"][label] = report(label, runs, nbytes, cache_bytes, bw, tok, cfg)
+            results["models"][label] = report(label, spec, runs, logits, nbytes, cache_bytes, bw, cfg)
             del results["unfinished"]
         if len(cfg.dtypes) == 2:
-            results["models"][f"{kind} bf16 / fp32"] = dtype_speedups(kind, results["models"])
+            results["models"][f"{spec.label} bf16 / fp32"] = dtype_speedups(spec.label, results["models"])
 
 
 def dtype_speedups(kind, models):
@@ -683,13 +720,55 @@ def dtype_speedups(kind, models):
     return ratios
 
 
-def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
-    """Print the speed table (medians over seeds), the speedups, exact match and the text; return a summary."""
+NEAR_TIE = 10  # a greedy pick is a near tie when its top-1/top-2 margin is under 10x what the op sets' logits differ by
+
+
+def compare_runs(ts, cs, logits):
+    """Torch's and our runs of the same seeds in one mode, seed by seed: the first new token where they
+    differ (None if none), and at each step before it and at it (the context still the same) the
+    largest logit difference between the two and torch's top-1 minus top-2 margin."""
+    out = []
+    for t, c in zip(ts, cs, strict=True):
+        i = first_difference(t["tokens"], c["tokens"])
+        n = len(t["tokens"]) if i is None else i + 1
+        diff = (logits["torch", t["mode"], t["seed"]][:n] - logits["cuda", c["mode"], c["seed"]][:n]).abs().amax(-1)
+        out.append({"seed": t["seed"], "first_difference": i, "tokens": len(t["tokens"]), "logit_diff": diff.tolist(),
+                    "margin_torch": t["margins"][:n], "margin_cuda": c["margins"][:n]})
+    return out
+
+
+def match_line(mode, seeds):
+    """The exact-match line of one mode, backed by margins: how many equal picks were no near tie."""
+    same = sum(s["tokens"] if s["first_difference"] is None else s["first_difference"] for s in seeds)
+    total = sum(s["tokens"] for s in seeds)
+    worst = max(max(s["logit_diff"]) for s in seeds)
+    margins = [m for s in seeds for m in s["margin_torch"][:len(s["logit_diff"]) - (s["first_difference"] is not None)]]
+    decided = sum(m > NEAR_TIE * worst for m in margins)
+    line = (f"exact match ({mode}): {same}/{total} tokens equal over {len(seeds)} seed(s); logits differ by at most "
+            f"{worst:.1e}, and {decided} of the {same} equal picks won by over {NEAR_TIE}x that"
+            + (f" (smallest margin {min(margins):.1e})" if margins else ""))
+    for s in seeds:
+        if (i := s["first_difference"]) is not None:
+            tie = "a near tie" if s["margin_torch"][i] <= NEAR_TIE * worst else "NOT a near tie"
+            line += (f"; seed {s['seed']}: first difference at new token {i}, top-1 minus top-2 logit there "
+                     f"{s['margin_torch'][i]:.2e} (torch), {s['margin_cuda'][i]:.2e} (cuda): {tie}")
+    return line, {"equal_prefix_tokens": same, "tokens": total, "max_logit_diff": worst, "not_near_tie": decided,
+                  "near_tie_factor": NEAR_TIE, "seeds": seeds}
+
+
+def longest_run(tokens):
+    return max(len(list(g)) for _, g in itertools.groupby(tokens)) if tokens else 0
+
+
+def report(label, spec, runs, logits, nbytes, cache_bytes, bw, cfg):
+    """Print the speed table (medians over seeds), the speedups, exact match with its margins and the text;
+    return a summary."""
     rows = {}
     for r in runs:
         rows.setdefault((r["op_set"], r["mode"]), []).append(r)
-    print(f"\n{kind}: {nbytes / 1e6:,.0f} MB of weights read per decoded token; KV cache {cache_bytes / 1e6:,.1f} MB "
-          f"({cfg.n_kv_head} of {cfg.n_head} heads, {cfg.block_size} positions); medians over {len(cfg.seeds)} seed(s)")
+    shape = spec.shape
+    print(f"\n{label} ({describe(shape)}): {nbytes / 1e6:,.0f} MB of weights read per decoded token; KV cache "
+          f"{cache_bytes / 1e6:,.1f} MB; medians over {len(spec.seeds)} seed(s)")
     print(f"{'op set':<7} {'mode':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>8} {'of copy bw':>11}")
     speed = {}
     for (name, mode), rs in rows.items():
@@ -699,7 +778,8 @@ def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
         frac = f"{dec * nbytes / bw:.0%}" if dec and bw else "n/a"
         speed[f"{name} {mode}"] = {"prefill_tok_s": pre, "decode_tok_s": dec, "GB_s": gbs}
         print(f"{name:<7} {mode:<10} {pre:>14,.0f} {dec or 0:>13,.0f} {gbs or 0:>8,.0f} {frac:>11}")
-    summary = {"weight_bytes_per_token": nbytes, "kv_cache_bytes": cache_bytes, "speed": speed, "match": {}}
+    summary = {"shape": {k: getattr(shape, k) for k in CKPT_SHAPE}, "weight_bytes_per_token": nbytes,
+               "kv_cache_bytes": cache_bytes, "speed": speed, "match": {}}
     d = {k: v["decode_tok_s"] for k, v in speed.items()}
     for ours, theirs in (("cuda eager", "torch eager"), ("cuda graph", "torch graph"), ("cuda graph", "torch eager"),
                          ("cuda megakernel", "torch graph"), ("cuda megakernel", "cuda graph")):
@@ -709,23 +789,14 @@ def report(kind, runs, nbytes, cache_bytes, bw, tok, cfg):
     # exact match: our path against the PyTorch path in the same mode (the megakernel: graphed), seed by seed
     for mode in ("eager", "graph", "megakernel"):
         ts, cs = rows.get(("torch", "graph" if mode == "megakernel" else mode)), rows.get(("cuda", mode))
-        if not ts or not cs:
-            continue
-        same, total, notes = 0, 0, []
-        for t, c in zip(ts, cs):
-            i = first_difference(t["tokens"], c["tokens"])
-            n = len(t["tokens"])
-            same += n if i is None else i
-            total += n
-            if i is not None:
-                notes.append(f"seed {t['seed']}: first difference at new token {i}, top-1 minus top-2 logit there "
-                             f"{t['margins'][i]:.2e} (torch), {c['margins'][i]:.2e} (cuda)")
-        summary["match"][mode] = {"equal_prefix_tokens": same, "tokens": total, "notes": notes}
-        print(f"exact match ({mode}): {same}/{total} tokens ({same / total:.1%}) equal over {len(ts)} seed(s)"
-              + ("" if not notes else "; " + "; ".join(notes)))
+        if ts and cs:
+            line, summary["match"][mode] = match_line(mode, compare_runs(ts, cs, logits))
+            print(line)
     best = rows.get(("cuda", "graph")) or rows.get(("cuda", "eager")) or next(iter(rows.values()))
-    print(f"--- {kind}, seed {best[0]['seed']}, {best[0]['op_set']} {best[0]['mode']} ---\n"
-          f"{cfg.prompt}|{tok.decode(best[0]['tokens'])}\n")
+    toks = best[0]["tokens"]
+    print(f"--- {label}" + (f", seed {best[0]['seed']}" if best[0]["seed"] is not None else "")
+          + f", {best[0]['op_set']} {best[0]['mode']}: {len(set(toks))} distinct tokens, longest run of one "
+          f"{longest_run(toks)} ---\n{cfg.prompt}|{spec.tok.decode(toks)}\n")
     return summary
 
 

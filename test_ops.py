@@ -1362,13 +1362,16 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
 # inference.py: the KV cache, the MoE feed-forward and the command line, on the CPU at tiny sizes
 
 _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=4",
-             "--seeds=0", "--max_new_tokens=12", "--prompt=Oz"]
+             "--seeds=0", "--max_new_tokens=12", "--prompt=Oz", "--models=dense,moe"]
 
 
-def _decoder_gpt(n_expert=0, device="cpu", n_embd=32, arch="gpt"):
-    # llama: its default grouping, 1 K/V head for the 2 query heads
+def _decoder_gpt(n_expert=0, device="cpu", n_embd=32, arch="gpt", seed=0):
+    # llama: its default grouping, 1 K/V head for the 2 query heads. Drawn as inference.py draws its random
+    # models, so that the next token depends on the context: a model that repeats its input token passes
+    # a cache, slide or sampling test with the feature broken.
     mlp = (lambda: inference.MoE(n_embd, n_expert, 2, arch)) if n_expert else None
-    return train.GPT(95, 24, n_embd, 2, 2, 0, train.TORCH_OPS, mlp=mlp, arch=arch).to(device).eval()
+    return train.GPT(95, 24, n_embd, 2, 2, seed, train.TORCH_OPS, mlp=mlp, arch=arch,
+                     init_std=inference.context_std(n_embd)).to(device).eval()
 
 
 def _decode_mode(graphed):  # inference.Decoder's mode
@@ -1384,6 +1387,22 @@ def _greedy_without_cache(model, prompt, n_new):
     return ids[len(prompt):]
 
 
+def _decode(model, prompt, n_new, temperature=0.0, top_k=0, uniforms=None):
+    dec = inference.Decoder(model, n_new, temperature, top_k, torch.rand(n_new) if uniforms is None else uniforms,
+                            mode="eager")
+    with torch.no_grad():
+        inference.generate(dec, torch.tensor(prompt, device=model.wte.device), n_new)
+    return dec
+
+
+def _assert_depends_on_context(model, prompt, toks):
+    """The test model's tokens vary and follow the whole context: a prompt that differs in its first token
+    continues differently, and no token repeats more than 3 times in a row."""
+    other = _greedy_without_cache(model, [(prompt[0] + 1) % 95] + prompt[1:], len(toks))
+    assert other != toks, f"changing the prompt's first token changed nothing: {toks}"
+    assert inference.longest_run(toks) <= 3, f"a token repeats {inference.longest_run(toks)} times: {toks}"
+
+
 def inference_cache_matches_full_forward():
     # the cached decode (prefill, then one token a step) picks the tokens a full forward of the whole
     # context picks at every step, for the dense and the MoE feed-forward, gpt and llama (RoPE at the
@@ -1392,61 +1411,114 @@ def inference_cache_matches_full_forward():
         for n_expert in (0, 4):
             model = _decoder_gpt(n_expert, arch=arch)
             prompt, n_new = [5, 17, 42], 15  # 3 + 15 < 24: no slide
-            dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), mode="eager")
-            with torch.no_grad():
-                inference.generate(dec, torch.tensor(prompt), n_new)
+            dec = _decode(model, prompt, n_new)
             ref = _greedy_without_cache(model, prompt, n_new)
             assert dec.tokens.tolist() == ref, f"{arch}, n_expert={n_expert}: cache {dec.tokens.tolist()} vs full {ref}"
+            _assert_depends_on_context(model, prompt, ref)
             assert (dec.margins >= 0).all(), "top-1 minus top-2 margin must be >= 0"
     assert dec.cache.k.shape[2] == 1, f"llama's cache holds {dec.cache.k.shape[2]} K/V heads, expected 1"
     return "gpt and llama, dense and MoE: 15 cached tokens equal the full-context argmax"
 
 
+@mutant("kv_write_does_nothing", "inference/cache_matches_full_forward")
+def _kv_write_does_nothing():
+    with unittest.mock.patch.object(train.TORCH_OPS, "kv_write", lambda *args: None):
+        yield
+
+
 def inference_slides_when_full():
     # past the context, the newest half is prefilled again: the run goes on and equals a full forward
-    # over that window
+    # over that window. The prompt's 3 tokens and the first 21 new ones fill the 24 positions; new token
+    # 21 is the last the full cache gives, so 22 is the first after the slide, predicted from the newest
+    # 12 of the 25 tokens so far; from there each token sees the window grow from those 12.
     for arch in train.ARCHS:
-        model, n_new = _decoder_gpt(arch=arch), 30
-        prompt = [1, 2, 3]
-        dec = inference.Decoder(model, n_new, 0.0, 0, torch.rand(n_new), mode="eager")
-        with torch.no_grad():
-            inference.generate(dec, torch.tensor(prompt), n_new)
-        toks = dec.tokens.tolist()
-        assert toks[:21] == _greedy_without_cache(model, prompt, 21), f"{arch}: tokens before the slide differ"
-        # token 21 is the first after the slide: 24 tokens in context, the newest 12 prefilled again
-        window = (prompt + toks)[3 + 21 - 12:3 + 21]
-        assert toks[21] == _greedy_without_cache(model, window, 1)[0], f"{arch}: first token after the slide differs"
-    return f"gpt and llama: {n_new} tokens through a context of 24"
+        model, n_new, prompt = _decoder_gpt(arch=arch), 30, [1, 2, 3]
+        toks = _decode(model, prompt, n_new).tokens.tolist()
+        assert toks[:22] == _greedy_without_cache(model, prompt, 22), f"{arch}: tokens before the slide differ"
+        context = prompt + toks
+        for i in range(22, n_new):
+            want = _greedy_without_cache(model, context[3 + 22 - 12:3 + i], 1)[0]
+            assert toks[i] == want, f"{arch}: new token {i} is {toks[i]}, a full forward over its window gives {want}"
+    return f"gpt and llama: {n_new} tokens through a context of 24; tokens 22-{n_new - 1} over the slid window"
+
+
+@mutant("slide_keeps_one_token", "inference/slides_when_full")
+def _slide_keeps_one_token():
+    with unittest.mock.patch.object(inference, "slide_keep", lambda capacity: 1):
+        yield
+
+
+def _sample_without_cache(model, prompt, uniforms, temperature, k):
+    """Sampling written out: each token drawn from softmax(logits / temperature) over the k largest logits of
+    a full forward, by inverse CDF at its uniform draw."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for u in uniforms.tolist():
+            logits = model(torch.tensor([ids]))[0][0, -1].double() / temperature
+            top = torch.sort(logits, descending=True, stable=True)
+            cdf = torch.softmax(top.values[:k], -1).cumsum(0)
+            ids.append(int(top.indices[min(int((cdf < u).sum()), k - 1)]))
+    return ids[len(prompt):]
 
 
 def inference_sampling_is_seeded():
-    model, n_new = _decoder_gpt(), 10
-    runs = []
-    for _ in range(2):
-        dec = inference.Decoder(model, n_new, 0.8, 5, torch.rand(n_new, generator=torch.Generator().manual_seed(3)),
-                                mode="eager")
-        with torch.no_grad():
-            inference.generate(dec, torch.tensor([4, 5]), n_new)
-        runs.append(dec.tokens.tolist())
-    assert runs[0] == runs[1], f"same draws, different tokens: {runs}"
-    return "temperature 0.8, top-5: same uniforms, same tokens"
+    # sampling with a temperature and top-k draws, at each step, the token that the written-out sampler draws
+    # from a full forward with the same uniform; greedy decoding would pick other tokens
+    model, n_new, prompt = _decoder_gpt(), 16, [4, 5]
+    uniforms = torch.rand(n_new, generator=torch.Generator().manual_seed(3))
+    toks = _decode(model, prompt, n_new, 0.8, 5, uniforms).tokens.tolist()
+    want = _sample_without_cache(model, prompt, uniforms, 0.8, 5)
+    assert toks == want, f"sampled {toks}, the written-out sampler draws {want}"
+    greedy = _greedy_without_cache(model, prompt, n_new)
+    differ = sum(a != b for a, b in zip(toks, greedy))
+    assert differ >= n_new // 4, f"only {differ} of {n_new} sampled tokens differ from greedy: {toks}"
+    return f"temperature 0.8, top-5: {n_new} tokens as drawn by hand, {differ} of them not the argmax"
+
+
+@mutant("greedy_instead_of_sampling", "inference/sampling_is_seeded")
+def _greedy_instead_of_sampling():
+    real = inference.Decoder.__init__
+
+    def greedy(self, model, n_new, temperature, *args, **kwargs):
+        real(self, model, n_new, 0.0, *args, **kwargs)
+    with unittest.mock.patch.object(inference.Decoder, "__init__", greedy):
+        yield
 
 
 def inference_moe_weights_sum_to_one():
-    for arch in train.ARCHS:
-        moe = _decoder_gpt(4, arch=arch).blocks[0].mlp
-        x = torch.randn(7, 32)
+    for arch in train.ARCHS:  # in float64, so that any difference is the routing's, not rounding's
+        moe = _decoder_gpt(4, arch=arch).blocks[0].mlp.double()
+        x = torch.randn(7, 32, dtype=torch.float64)
         with torch.no_grad():
             probs = torch.softmax(F.linear(x, moe.router_w), -1)
             top_p, top_i = torch.topk(probs, 2)
             w = top_p / top_p.sum(-1, keepdim=True)
-            assert torch.allclose(w.sum(-1), torch.ones(7)), "renormalised weights do not sum to 1"
+            assert torch.allclose(w.sum(-1), torch.ones(7, dtype=torch.float64)), "renormalised weights do not sum to 1"
             ref = torch.stack([sum(w[t, s] * moe_expert(moe, int(top_i[t, s]), x[t]) for s in range(2))
                                for t in range(7)])
             many = moe(x, train.TORCH_OPS)  # all tokens at once: grouped by expert
             one = torch.stack([moe(x[t:t + 1], train.TORCH_OPS)[0] for t in range(7)])  # one token: expert GEMVs
-        check(f"{arch}_grouped", many, ref, 1e-6)
-        check(f"{arch}_one_token", one, ref, 1e-6)
+        check(f"{arch}_grouped", many, ref, 1e-12)
+        check(f"{arch}_one_token", one, ref, 1e-12)
+
+
+@mutant("moe_drops_an_expert", "inference/moe_weights_sum_to_one")
+def _moe_drops_an_expert():
+    real = inference.MoE.params
+
+    def last_expert_zero(self, name, expert=None):  # the last expert's weights read as zeros: its output is 0
+        w, b = real(self, name, expert)
+        last = self.router_w.shape[0] - 1
+        if expert is None:
+            w, b = w.clone(), None if b is None else b.clone()
+            w[last] = 0
+            if b is not None:
+                b[last] = 0
+        elif expert == last:
+            w, b = torch.zeros_like(w), None if b is None else torch.zeros_like(b)
+        return w, b
+    with unittest.mock.patch.object(inference.MoE, "params", last_expert_zero):
+        yield
 
 
 def moe_expert(moe, e, x):
@@ -1466,9 +1538,9 @@ def inference_cli_cpu():
         p = _inference_run(*_INF_TINY, f"--out_dir={tmp}")
         _train_check_ok(p, "inference.py on CPU")
         assert "PyTorch op set only" in p.stdout, p.stdout
-        assert "note: random weights" in p.stdout, p.stdout
+        assert "note: dense and moe have random weights" in p.stdout, p.stdout
         for kind in ("dense", "moe"):
-            assert f"--- {kind}, seed 0, torch eager ---" in p.stdout, p.stdout
+            assert f"--- {kind}, seed 0, torch eager: " in p.stdout, p.stdout
         with open(os.path.join(tmp, "inference.json")) as f:
             assert set(json.load(f)["models"]) == {"dense", "moe"}
         p = _inference_run(*_INF_TINY, "--arch=llama", f"--out_dir={tmp}")
@@ -1488,6 +1560,53 @@ def inference_cli_cpu():
         assert res["dense bf16"]["kv_cache_bytes"] * 2 == res["dense fp32"]["kv_cache_bytes"], res
         assert res["dense bf16"]["weight_bytes_per_token"] * 2 == res["dense fp32"]["weight_bytes_per_token"], res
     return "gpt and llama, dense and MoE, fp32 and bf16 generate on the PyTorch op set; inference.json written"
+
+
+def inference_trained_row():
+    # where out/ckpt_torch.pt exists, a plain run decodes it after the random models, with its own shape and
+    # vocabulary; where it does not, a note says how to get it
+    with tempfile.TemporaryDirectory() as tmp:
+        p = _train_run(*_train_tiny_args(tmp, "--max_iters=3"))
+        _train_check_ok(p, "train.py for a checkpoint")
+        tiny = [a for a in _INF_TINY if not a.startswith("--models")] + ["--models=dense,trained", "--prompt=the"]
+        p = subprocess.run([sys.executable, os.path.join(HERE, "inference.py"), *tiny], cwd=tmp, capture_output=True,
+                           text=True, timeout=300)
+        _train_check_ok(p, "inference.py with out/ckpt_torch.pt")
+        assert "--- trained, torch eager: " in p.stdout and "--- dense, seed 0" in p.stdout, p.stdout
+        assert "trained (gpt, 1 layers, 32 wide, 2 heads (2 K/V), context 16)" in p.stdout, p.stdout
+        with open(os.path.join(tmp, "out", "inference.json")) as f:
+            assert set(json.load(f)["models"]) == {"dense", "trained"}
+        os.remove(os.path.join(tmp, "out", "ckpt_torch.pt"))
+        p = subprocess.run([sys.executable, os.path.join(HERE, "inference.py"), *tiny], cwd=tmp, capture_output=True,
+                           text=True, timeout=300)
+        _train_check_ok(p, "inference.py without out/ckpt_torch.pt")
+        assert "note: no trained model: out/ckpt_torch.pt does not exist (python train.py writes it)" in p.stdout, \
+            p.stdout
+    return "the checkpoint decoded after the random model; without it, a note"
+
+
+def inference_match_margins():
+    # the exact-match line counts the equal picks won by more than NEAR_TIE times the largest logit
+    # difference, and calls a first difference a near tie only when its margin is within that
+    logits = {("torch", "graph", 0): torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.99, 0.0], [0.0, 2.0, 1.995]])}
+    logits["cuda", "graph", 0] = logits["torch", "graph", 0] + torch.tensor([[1e-3, 0, 0], [0, 0, 0], [0, 0, 2e-3]])
+    run = lambda name, toks, margins: {"op_set": name, "mode": "graph", "seed": 0, "tokens": toks, "margins": margins}
+    for cuda_toks, near in (([0, 0, 2], True), ([1, 0, 2], False)):
+        seeds = inference.compare_runs([run("torch", [0, 0, 1], [2.0, 0.01, 0.005])],
+                                       [run("cuda", cuda_toks, [2.001, 0.01, 0.003])], logits)
+        line, summary = inference.match_line("graph", seeds)
+        i = inference.first_difference([0, 0, 1], cuda_toks)
+        assert summary["equal_prefix_tokens"] == i, (i, summary)
+        assert math.isclose(summary["max_logit_diff"], 2e-3 if near else 1e-3, rel_tol=1e-4), summary
+        assert summary["not_near_tie"] == (1 if near else 0), summary  # 2.0 > 10 x diff; 0.01 is not
+        assert ("(cuda): a near tie" in line) == near and ("(cuda): NOT a near tie" in line) == (not near), line
+    return one_line(line)[:150]
+
+
+@mutant("every_pick_a_near_tie", "inference/match_margins")
+def _every_pick_a_near_tie():
+    with unittest.mock.patch.object(inference, "NEAR_TIE", 1e9):
+        yield
 
 
 def _expect_inference_error(args, *words):
@@ -1517,7 +1636,7 @@ def inference_bad_inputs():
         p = _inference_run("--device=cpu", f"--ckpt={good}", "--max_new_tokens=10", "--prompt=the", "--n_layer=5",
                            f"--out_dir={tmp}")
         _train_check_ok(p, "inference.py --ckpt")
-        assert "--- dense, seed None, torch eager ---" in p.stdout, p.stdout
+        assert "--- trained, torch eager: " in p.stdout, p.stdout
         assert "ignoring --n_layer=5" in p.stdout and "n_layer=1" in p.stdout, p.stdout  # the checkpoint's shape
         assert "random weights" not in p.stdout, p.stdout
         raw = open(good, "rb").read()
@@ -1676,7 +1795,8 @@ def inference_gpu_patched_compiled_gpt():
 
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
             inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
-            inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes):
+            inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes, inference_trained_row,
+            inference_match_margins):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
