@@ -195,6 +195,14 @@ def torch_expert_gemv(weight, x, bias, experts):
     return y if bias is None else y + bias[experts]
 
 
+def torch_topk(x, k):
+    """The k largest of the last dim, largest first, as kernels.topk orders them: equal values by lower index,
+    NaN above every number. torch.topk leaves the order of ties open, so a router that meets a tie (common
+    in bf16) could pick other experts on the two op sets; a stable sort settles it."""
+    values, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], idx[..., :k]
+
+
 def torch_kv_write(k_cache, v_cache, positions, k, v):
     """Writes k and v (B, H, T, D) into the caches (B, H, S, D) at positions (T,) along dim 2, in place."""
     k_cache.index_copy_(2, positions, k)
@@ -284,7 +292,7 @@ TORCH_OPS = SimpleNamespace(
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
     expert_gemv=torch_expert_gemv,
     kv_write=torch_kv_write,
-    topk=lambda x, k: torch.topk(x, k),
+    topk=torch_topk,
     sinkhorn=mhc.sinkhorn_torch,
     hc_project=mhc.hc_project_torch, hc_coeffs=mhc.hc_coeffs_torch, hc_pre=mhc.hc_pre_torch,  # mhc-dynamic's
     hc_mix_pre=mhc.hc_mix_pre_torch,
