@@ -16,12 +16,14 @@ sharpens the check, so the error shown is ours alone. The data.py tests run here
 import argparse
 import collections
 import contextlib
+import fcntl
 import functools
 import hashlib
 import http.server
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -827,9 +829,162 @@ def data_get_batch():
     return f"batches ({B}, {T}) int64, shifted, seeded, split over ranks"
 
 
+# out_dir_lock under contention. The runs are forked from this process, so a fault planted here reaches them,
+# and events order their steps so that the interleaving that gave two holders before happens in every round.
+
+_FORK = multiprocessing.get_context("fork")
+
+
+def _lock_contender(out_dir, mine, other, start, results):
+    """One run taking out_dir's lock once start is set. Once it holds the lock, before its pid is written
+    (data.lock_taken), it waits until the other run has tried: failed, or got that far itself. Puts
+    ("held", pid) or ("refused", message) into results."""
+    def pause(path):
+        mine.set()
+        other.wait(10)
+
+    def fail(msg):
+        mine.set()
+        raise SystemExit(msg)
+
+    data.lock_taken = pause  # this forked process only
+    start.wait(10)
+    try:
+        with data.out_dir_lock(out_dir, "train.py", fail):
+            results.put(("held", os.getpid()))
+    except SystemExit as e:
+        results.put(("refused", str(e)))
+
+
+def _lock_race(out_dir, dead_pid=None):
+    """One race of two runs for out_dir's lock: the verdicts of both. The second run starts while the first
+    holds the lock and has not written its pid; given dead_pid, the lock file holds that process id (one that
+    has ended) and both start at once."""
+    lock, stale = os.path.join(out_dir, ".train.lock"), dead_pid is not None
+    first, second, go, results = _FORK.Event(), _FORK.Event(), _FORK.Event(), _FORK.SimpleQueue()
+    if stale:
+        with open(lock, "w") as f:
+            f.write(str(dead_pid))
+    runs = [_FORK.Process(target=_lock_contender, args=(out_dir, first, second, go, results)),
+            _FORK.Process(target=_lock_contender, args=(out_dir, second, first, go if stale else first, results))]
+    for p in runs:
+        p.start()
+    go.set()
+    for p in runs:
+        p.join(20)
+    hung = [p.pid for p in runs if p.is_alive()]
+    for p in runs:
+        p.kill()
+        p.join()
+    assert not hung, f"processes {hung} did not finish"
+    assert all(p.exitcode == 0 for p in runs), f"exit codes {[p.exitcode for p in runs]}"
+    verdicts = [results.get() for _ in runs]
+    assert not os.path.exists(lock), f"the lock file outlived both runs ({verdicts})"
+    return verdicts
+
+
+def data_out_dir_lock_races(rounds=50):
+    with tempfile.TemporaryDirectory() as tmp:
+        ended = _FORK.Process(target=lambda: None)
+        ended.start()
+        ended.join()
+        for dead_pid in (None, ended.pid):  # ended.pid: reaped, no process has that id now
+            for r in range(rounds):
+                verdicts = _lock_race(tmp, dead_pid)
+                held = [v for v in verdicts if v[0] == "held"]
+                assert len(held) == 1, f"{'stale ' * bool(dead_pid)}race {r + 1}: {len(held)} holders: {verdicts}"
+                refused = next(msg for kind, msg in verdicts if kind == "refused")
+                assert f"--out_dir={tmp} is in use by another train.py run" in refused, refused
+    return f"{rounds}/{rounds} races: one holder; {rounds}/{rounds} over a dead run's lock: one holder"
+
+
+def data_out_dir_lock_replaced_file():
+    # A run that opened the lock file just before its holder ended and unlinked it, with a third run's new
+    # file at the path by the time it locks, holds a file no other run will open: it must lock the new one.
+    with tempfile.TemporaryDirectory() as tmp:
+        lock, real_flock = os.path.join(tmp, ".train.lock"), fcntl.flock
+
+        def replaced_first(fd, op):
+            if not replaced_first.done:
+                replaced_first.done = True
+                os.remove(lock)
+                open(lock, "w").close()
+            real_flock(fd, op)
+        replaced_first.done = False
+
+        with unittest.mock.patch.object(fcntl, "flock", replaced_first), data.out_dir_lock(tmp, "train.py", sys.exit):
+            with open(lock) as f:
+                assert f.read() == str(os.getpid()), "the file at the path is not the holder's"
+            try:
+                with data.out_dir_lock(tmp, "train.py", sys.exit):  # another open file: flock refuses it too
+                    raise AssertionError("a second run took the lock while the first held it")
+            except SystemExit as e:
+                assert f"process {os.getpid()}" in str(e), str(e)
+    return "locked the file now at the path; a second try refused"
+
+
+@mutant("out_dir_lock_keeps_an_unlinked_file", "data/out_dir_lock_replaced_file")
+def _lock_keeps_unlinked_file():
+    """out_dir_lock without its check that the file it locked is still the one at the path."""
+    with unittest.mock.patch.object(os.path, "samestat", lambda a, b: True):
+        yield
+
+
+@contextlib.contextmanager
+def _planted_lock(lock):
+    """out_dir_lock replaced by lock where train.py and the tests call it."""
+    with unittest.mock.patch.object(data, "out_dir_lock", lock), unittest.mock.patch.object(train, "out_dir_lock", lock):
+        yield
+
+
+@mutant("out_dir_lock_create_then_write", "data/out_dir_lock_races")
+def _lock_create_then_write():
+    """The lock as it was: the file created empty with O_EXCL and the pid written after, and a file naming no
+    live process removed and created again. A run reading the empty file in between took the lock too."""
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    @contextlib.contextmanager
+    def create_then_write(out_dir, script, fail):
+        path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                break
+            except FileExistsError:
+                try:
+                    with open(path) as f:
+                        pid = int(f.read().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and pid != os.getpid() and alive(pid):
+                    fail(f"--out_dir={out_dir} is in use by another {script} run (process {pid}); wait for it "
+                         f"to end or pass another --out_dir")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        data.lock_taken(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    with _planted_lock(create_then_write):
+        yield
+
+
 for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download_and_cache,
             data_offline_error, data_http_404, data_data_path, data_cache_cleaned, data_bad_files, data_real_book,
-            data_tokenizer, data_split, data_get_batch):
+            data_tokenizer, data_split, data_get_batch, data_out_dir_lock_races,
+            data_out_dir_lock_replaced_file):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -1219,25 +1374,65 @@ def train_llama_odd_heads_note():
     assert cfg.n_kv_head == 2 and not out.getvalue(), (cfg.n_kv_head, out.getvalue())
 
 
+def _lock_holder(out_dir, held):
+    """A run (forked from this process) that holds out_dir's lock until it is killed."""
+    with data.out_dir_lock(out_dir, "train.py", sys.exit):
+        held.set()
+        time.sleep(60)
+
+
 def train_out_dir_lock():
-    # a second run into a folder a live run holds fails with one line; a lock whose process is gone is
-    # taken over, and a run that ends leaves none behind
+    # a second run into a folder a live run holds fails with one line naming it; the file of a run that was
+    # killed blocks nothing; a run that ends leaves no lock behind, and the next main() in this process runs
     with tempfile.TemporaryDirectory() as tmp:
         args = _train_tiny_args(tmp, "--max_iters=0")
-        lock = os.path.join(tmp, "out", ".train.lock")
-        os.makedirs(os.path.dirname(lock))
-        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        out = os.path.join(tmp, "out")
+        lock = os.path.join(out, ".train.lock")
+        os.makedirs(out)
+        held = _FORK.Event()
+        holder = _FORK.Process(target=_lock_holder, args=(out, held))
+        holder.start()
         try:
-            with open(lock, "w") as f:
-                f.write(str(holder.pid))
+            assert held.wait(30), "the holder did not take the lock"
             _train_fails("a held out_dir", ["in use by another train.py run", f"process {holder.pid}"], *args)
         finally:
-            holder.kill()
-            holder.wait()
-        code, out = _train_main(*args)
-        assert code == 0, f"exit {code} with a stale lock:\n{out[-1500:]}"
-        assert not os.path.exists(lock), "the run left its lock behind"
-    return "held: refused; stale: taken over; released at the end"
+            holder.kill()  # SIGKILL: its lock file stays, naming it
+            holder.join()
+        with open(lock) as f:
+            assert f.read() == str(holder.pid), "the holder's pid is not in its lock file"
+        for run in ("after a killed holder", "again in this process"):
+            code, log = _train_main(*args)
+            assert code == 0, f"{run}: exit {code}:\n{log[-1500:]}"
+            assert not os.path.exists(lock), f"{run}: the run left its lock behind"
+    return "held: refused, naming the holder; a killed holder's file: taken; released at the end"
+
+
+@mutant("out_dir_lock_holds_nothing", "train/out_dir_lock")
+def _lock_holds_nothing():
+    with _planted_lock(lambda out_dir, script, fail: contextlib.nullcontext()):
+        yield
+
+
+@mutant("out_dir_lock_blocked_by_a_dead_runs_file", "train/out_dir_lock")
+def _lock_blocked_by_file():
+    """A lock file that exists refuses the run, whether or not its process lives."""
+    @contextlib.contextmanager
+    def exclusive_create(out_dir, script, fail):
+        path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            with open(path) as f:
+                fail(f"--out_dir={out_dir} is in use by another {script} run (process {f.read()})")
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            yield
+        finally:
+            os.remove(path)
+
+    with _planted_lock(exclusive_create):
+        yield
 
 
 def _torchrun(*args, nproc=2, timeout=180):
