@@ -155,14 +155,20 @@ def split_data(ids: torch.Tensor, val_fraction=0.1):
     return ids[:n_train], ids[n_train:]
 
 
-def read_text_splits(data_path, fail):
-    """The tokenizer of the training text and its (train, validation) token ids; fail(msg) if it can't."""
+def read_text_splits(data_path, block_size, fail):
+    """The tokenizer of the training text and its (train, validation) token ids; fail(msg) if it can't, or if
+    a split holds no window of block_size + 1 tokens (get_batch would fail in training or, later, in evaluation)."""
     try:
         text = load_text(data_path)
         tok = CharTokenizer(text)
         train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
     except (OSError, ValueError, RuntimeError) as e:
         fail(str(e))
+    for name, part in (("training", train_ids), ("validation", val_ids)):
+        if len(part) <= block_size:
+            source = f"--data_path={data_path}" if data_path is not None else "the book"
+            fail(f"the {name} split of {source} has {len(part)} tokens, not more than --block_size={block_size}; "
+                 f"use a longer text or a smaller --block_size")
     return tok, train_ids, val_ids
 
 

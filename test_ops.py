@@ -2338,6 +2338,36 @@ def train_mhc_sweep_cpu():
     return f"{len(cells)} cells, rerun skipped them all; a bf16 rerun refused"
 
 
+def train_short_validation_split():
+    """A validation split no longer than the context ends train.py and the book sweep (--preset=mhc-text) in one
+    line before anything trains, not in a traceback from the first evaluation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = os.path.join(tmp, "short.txt"), os.path.join(tmp, "out")
+        with open(path, "w") as f:
+            f.write("the tin woodman and the lion " * 10)  # 290 characters: 29 for validation
+        words = ("validation split", f"--data_path={path}", "29 tokens", "--block_size=32")
+        sweep = ["--preset=mhc-text", "--device=cpu", "--sweep_depths=1", "--sweep_variants=baseline", "--n_embd=16",
+                 "--n_head=2", "--batch_size=2", "--max_iters=2", "--log_interval=1", "--eval_iters=1", "--plot=false"]
+        for what, args in (("mhc-text", sweep), ("train.py", [*_TRAIN_TINY, "--max_iters=2"])):
+            code, log = _train_main(*args, "--block_size=32", f"--data_path={path}", f"--out_dir={out}")
+            assert isinstance(code, str) and code.startswith("train.py: error: ") and "\n" not in code, \
+                f"{what}: expected one error line, got exit {code!r}\n{log[-1500:]}"
+            assert all(w in code for w in words), f"{what}: {[w for w in words if w not in code]} not in: {code}"
+            began = [s for s in ("mHC sweep on", "training, batch", "op sets:", "iter 1") if s in log]
+            assert not began and os.listdir(out) == [], f"{what}: training began: {began} {os.listdir(out)}"
+    return "mhc-text and train.py: one line before training"
+
+
+@mutant("split_shorter_than_context_unchecked", "train/short_validation_split")
+def _split_lengths_unchecked():
+    """data.read_text_splits without its check of the splits' lengths against --block_size."""
+    real = data.read_text_splits
+    unchecked = lambda data_path, block_size, fail: real(data_path, 0, fail)  # noqa: E731
+    with unittest.mock.patch.object(train, "read_text_splits", unchecked), \
+            unittest.mock.patch.object(mhc, "read_text_splits", unchecked):
+        yield
+
+
 def train_mhc_sweep_diverging_cell():
     """A cell whose loss turns NaN stops at the next log point and is marked; a rerun with other settings
     is refused rather than mixed into the same results.json."""
@@ -2384,7 +2414,7 @@ def train_residual_option():
 add("data/call_timer_cuda", data_call_timer, "cuda")
 for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast,
             mhc_doubly_stochastic_after_step, train_variants_few_steps, train_mhc_sweep_cpu,
-            train_mhc_sweep_diverging_cell, train_residual_option):
+            train_short_validation_split, train_mhc_sweep_diverging_cell, train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
