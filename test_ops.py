@@ -1023,9 +1023,9 @@ def _train_load_ckpt(path):
 
 def train_cpu_checkpoint_and_resume():
     with tempfile.TemporaryDirectory() as tmp:
-        data = _train_text_file(tmp)
+        text = _train_text_file(tmp)
         out = os.path.join(tmp, "out")
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=6")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out}", "--max_iters=6")  # the script itself
         _train_check_ok(p, "train.py --device=cpu")
         assert "PyTorch op set only" in p.stdout, f"no torch-only note in:\n{p.stdout}"
         assert "iter 6/6" in p.stdout and "val" in p.stdout, f"no log/eval lines in:\n{p.stdout}"
@@ -1037,20 +1037,38 @@ def train_cpu_checkpoint_and_resume():
         assert os.path.isfile(os.path.join(out, "results.json")), "no results.json"
         assert not [f for f in os.listdir(out) if ".tmp" in f], f"temp files left in {os.listdir(out)}"
 
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=8", "--resume=true")
-        _train_check_ok(p, "train.py --resume=true")
-        assert "resuming from iteration 6" in p.stdout, f"no resume line in:\n{p.stdout}"
+        # The resume and the run it is compared with in this process, where --mutants reaches them.
+        log = _train_main_ok(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out}", "--max_iters=8", "--resume=true")
+        assert "resuming from iteration 6" in log, f"no resume line in:\n{log}"
         resumed = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
         assert resumed["iter"] == 8 and len(resumed["train_loss"]) == 8, (resumed["iter"], len(resumed["train_loss"]))
         assert resumed["train_loss"][:6] == ck["train_loss"], "resume rewrote the loss history"
 
         # Weights, optimizer state and batch order all restored: 6 + 2 steps equal 8 steps in one go.
         out8 = os.path.join(tmp, "out8")
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out8}", "--max_iters=8")
-        _train_check_ok(p, "train.py --max_iters=8")
+        _train_main_ok(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out8}", "--max_iters=8")
         straight = _train_load_ckpt(os.path.join(out8, "ckpt_torch.pt"))
         worst = max(abs(a - b) for a, b in zip(straight["train_loss"], resumed["train_loss"]))
-        assert worst < 1e-5, f"resumed losses differ from an uninterrupted run by {worst}"
+        assert worst < 1e-5, f"resumed losses differ from an uninterrupted run by {worst:.2e}"
+    return f"6 + 2 resumed steps against 8 in one go: max |loss diff| {worst:.1e}"
+
+
+@mutant("resume_skips_optimizer_state", "train/cpu_checkpoint_and_resume")
+def _resume_without_optimizer_state():
+    """--resume=true restores the weights and the batches, but AdamW starts afresh (no moments, step 0)."""
+    with unittest.mock.patch.object(torch.optim.Optimizer, "load_state_dict", lambda self, state_dict: None):
+        yield
+
+
+@mutant("resume_skips_batch_rng_state", "train/cpu_checkpoint_and_resume")
+def _resume_without_batch_rng():
+    """--resume=true restores the weights and the optimizer, but draws the batches from the seed again."""
+    real = data.load_checkpoint
+
+    def load(path, cfg, tok, model, opt, batch_gen, fail):
+        return real(path, cfg, tok, model, opt, torch.Generator(), fail)  # the state goes to a throwaway
+    with unittest.mock.patch.object(train, "load_checkpoint", load):
+        yield
 
 
 def train_rejects_unknown_key():
