@@ -12,6 +12,7 @@ The synthetic incrementing-token task of the mHC depth sweep lives here too (inc
 import contextlib
 import datetime
 import difflib
+import fcntl
 import hashlib
 import json
 import math
@@ -154,14 +155,20 @@ def split_data(ids: torch.Tensor, val_fraction=0.1):
     return ids[:n_train], ids[n_train:]
 
 
-def read_text_splits(data_path, fail):
-    """The tokenizer of the training text and its (train, validation) token ids; fail(msg) if it can't."""
+def read_text_splits(data_path, block_size, fail):
+    """The tokenizer of the training text and its (train, validation) token ids; fail(msg) if it can't, or if
+    a split holds no window of block_size + 1 tokens (get_batch would fail in training or, later, in evaluation)."""
     try:
         text = load_text(data_path)
         tok = CharTokenizer(text)
         train_ids, val_ids = split_data(torch.tensor(tok.encode(text), dtype=torch.long))
     except (OSError, ValueError, RuntimeError) as e:
         fail(str(e))
+    for name, part in (("training", train_ids), ("validation", val_ids)):
+        if len(part) <= block_size:
+            source = f"--data_path={data_path}" if data_path is not None else "the book"
+            fail(f"the {name} split of {source} has {len(part)} tokens, not more than --block_size={block_size}; "
+                 f"use a longer text or a smaller --block_size")
     return tok, train_ids, val_ids
 
 
@@ -588,45 +595,42 @@ def make_out_dir(out_dir, fail, holds):
         fail(f"--out_dir={out_dir} is not writable")
 
 
+def lock_taken(path):
+    """Called by out_dir_lock between taking the lock and writing the process id into it: a seam where the
+    tests pause a run to let another one try."""
+
+
 @contextlib.contextmanager
 def out_dir_lock(out_dir, script, fail):
-    """Holds out_dir for this run of `script` (out_dir/.<script>.lock, holding the process id) until the
-    block ends: a second run of the same script into the same folder would overwrite this one's
-    checkpoints and results, so it fails(msg) instead while this process lives. A lock left by a process
-    that is gone is taken over."""
+    """Holds out_dir for this run of `script` until the block ends: a second run of the same script into the
+    same folder would overwrite this one's checkpoints and results, so it fails(msg) instead. The hold is an
+    flock on out_dir/.<script>.lock, which the kernel drops when the process dies, so a file left by a killed
+    run blocks nothing; the process id written into it is only for the message."""
     path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
     while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    pid = int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and process_alive(pid):
-                fail(f"--out_dir={out_dir} is in use by another {script} run (process {pid}); wait for it to end "
-                     f"or pass another --out_dir")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)  # its process is gone (or it is this one's, from an earlier main() in-process)
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip()  # empty if the holder has not written it yet
+            os.close(fd)
+            fail(f"--out_dir={out_dir} is in use by another {script} run{f' (process {pid})' if pid else ''}; "
+                 f"wait for it to end or pass another --out_dir")
+        # A run that ends unlinks the file before it lets go, so the lock taken may be on a file no longer
+        # at path (opened just before): then open path again.
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)
     try:
+        lock_taken(path)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-
-
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    return True
+            os.remove(path)  # before the unlock: a run that opened the file meanwhile sees it gone and retries
+        os.close(fd)
 
 
 def read_checkpoint(path):

@@ -410,7 +410,7 @@ def sweep_task(cfg, device, trainer):
     if cfg.sweep == "increment":
         return SimpleNamespace(vocab_size=INCREMENT_VOCAB, splits=None,
                                batch=lambda B, g: increment_batch(B, cfg.block_size, g, device))
-    tok, train_ids, val_ids = read_text_splits(cfg.data_path, trainer.fail)
+    tok, train_ids, val_ids = read_text_splits(cfg.data_path, cfg.block_size, trainer.fail)
     train_ids, val_ids = train_ids.to(device), val_ids.to(device)
     return SimpleNamespace(vocab_size=tok.vocab_size, splits={"train": train_ids, "val": val_ids},
                            batch=lambda B, g: get_batch(train_ids, B, cfg.block_size, g, device))

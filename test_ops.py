@@ -16,12 +16,14 @@ sharpens the check, so the error shown is ours alone. The data.py tests run here
 import argparse
 import collections
 import contextlib
+import fcntl
 import functools
 import hashlib
 import http.server
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -826,9 +828,162 @@ def data_get_batch():
     return f"batches ({B}, {T}) int64, shifted, seeded, split over ranks"
 
 
+# out_dir_lock under contention. The runs are forked from this process, so a fault planted here reaches them,
+# and events order their steps so that the interleaving that gave two holders before happens in every round.
+
+_FORK = multiprocessing.get_context("fork")
+
+
+def _lock_contender(out_dir, mine, other, start, results):
+    """One run taking out_dir's lock once start is set. Once it holds the lock, before its pid is written
+    (data.lock_taken), it waits until the other run has tried: failed, or got that far itself. Puts
+    ("held", pid) or ("refused", message) into results."""
+    def pause(path):
+        mine.set()
+        other.wait(10)
+
+    def fail(msg):
+        mine.set()
+        raise SystemExit(msg)
+
+    data.lock_taken = pause  # this forked process only
+    start.wait(10)
+    try:
+        with data.out_dir_lock(out_dir, "train.py", fail):
+            results.put(("held", os.getpid()))
+    except SystemExit as e:
+        results.put(("refused", str(e)))
+
+
+def _lock_race(out_dir, dead_pid=None):
+    """One race of two runs for out_dir's lock: the verdicts of both. The second run starts while the first
+    holds the lock and has not written its pid; given dead_pid, the lock file holds that process id (one that
+    has ended) and both start at once."""
+    lock, stale = os.path.join(out_dir, ".train.lock"), dead_pid is not None
+    first, second, go, results = _FORK.Event(), _FORK.Event(), _FORK.Event(), _FORK.SimpleQueue()
+    if stale:
+        with open(lock, "w") as f:
+            f.write(str(dead_pid))
+    runs = [_FORK.Process(target=_lock_contender, args=(out_dir, first, second, go, results)),
+            _FORK.Process(target=_lock_contender, args=(out_dir, second, first, go if stale else first, results))]
+    for p in runs:
+        p.start()
+    go.set()
+    for p in runs:
+        p.join(20)
+    hung = [p.pid for p in runs if p.is_alive()]
+    for p in runs:
+        p.kill()
+        p.join()
+    assert not hung, f"processes {hung} did not finish"
+    assert all(p.exitcode == 0 for p in runs), f"exit codes {[p.exitcode for p in runs]}"
+    verdicts = [results.get() for _ in runs]
+    assert not os.path.exists(lock), f"the lock file outlived both runs ({verdicts})"
+    return verdicts
+
+
+def data_out_dir_lock_races(rounds=50):
+    with tempfile.TemporaryDirectory() as tmp:
+        ended = _FORK.Process(target=lambda: None)
+        ended.start()
+        ended.join()
+        for dead_pid in (None, ended.pid):  # ended.pid: reaped, no process has that id now
+            for r in range(rounds):
+                verdicts = _lock_race(tmp, dead_pid)
+                held = [v for v in verdicts if v[0] == "held"]
+                assert len(held) == 1, f"{'stale ' * bool(dead_pid)}race {r + 1}: {len(held)} holders: {verdicts}"
+                refused = next(msg for kind, msg in verdicts if kind == "refused")
+                assert f"--out_dir={tmp} is in use by another train.py run" in refused, refused
+    return f"{rounds}/{rounds} races: one holder; {rounds}/{rounds} over a dead run's lock: one holder"
+
+
+def data_out_dir_lock_replaced_file():
+    # A run that opened the lock file just before its holder ended and unlinked it, with a third run's new
+    # file at the path by the time it locks, holds a file no other run will open: it must lock the new one.
+    with tempfile.TemporaryDirectory() as tmp:
+        lock, real_flock = os.path.join(tmp, ".train.lock"), fcntl.flock
+
+        def replaced_first(fd, op):
+            if not replaced_first.done:
+                replaced_first.done = True
+                os.remove(lock)
+                open(lock, "w").close()
+            real_flock(fd, op)
+        replaced_first.done = False
+
+        with unittest.mock.patch.object(fcntl, "flock", replaced_first), data.out_dir_lock(tmp, "train.py", sys.exit):
+            with open(lock) as f:
+                assert f.read() == str(os.getpid()), "the file at the path is not the holder's"
+            try:
+                with data.out_dir_lock(tmp, "train.py", sys.exit):  # another open file: flock refuses it too
+                    raise AssertionError("a second run took the lock while the first held it")
+            except SystemExit as e:
+                assert f"process {os.getpid()}" in str(e), str(e)
+    return "locked the file now at the path; a second try refused"
+
+
+@mutant("out_dir_lock_keeps_an_unlinked_file", "data/out_dir_lock_replaced_file")
+def _lock_keeps_unlinked_file():
+    """out_dir_lock without its check that the file it locked is still the one at the path."""
+    with unittest.mock.patch.object(os.path, "samestat", lambda a, b: True):
+        yield
+
+
+@contextlib.contextmanager
+def _planted_lock(lock):
+    """out_dir_lock replaced by lock where train.py and the tests call it."""
+    with unittest.mock.patch.object(data, "out_dir_lock", lock), unittest.mock.patch.object(train, "out_dir_lock", lock):
+        yield
+
+
+@mutant("out_dir_lock_create_then_write", "data/out_dir_lock_races")
+def _lock_create_then_write():
+    """The lock as it was: the file created empty with O_EXCL and the pid written after, and a file naming no
+    live process removed and created again. A run reading the empty file in between took the lock too."""
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    @contextlib.contextmanager
+    def create_then_write(out_dir, script, fail):
+        path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                break
+            except FileExistsError:
+                try:
+                    with open(path) as f:
+                        pid = int(f.read().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and pid != os.getpid() and alive(pid):
+                    fail(f"--out_dir={out_dir} is in use by another {script} run (process {pid}); wait for it "
+                         f"to end or pass another --out_dir")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        data.lock_taken(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    with _planted_lock(create_then_write):
+        yield
+
+
 for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download_and_cache,
             data_offline_error, data_http_404, data_data_path, data_cache_cleaned, data_bad_files, data_real_book,
-            data_tokenizer, data_split, data_get_batch):
+            data_tokenizer, data_split, data_get_batch, data_out_dir_lock_races,
+            data_out_dir_lock_replaced_file):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -867,9 +1022,9 @@ def _train_load_ckpt(path):
 
 def train_cpu_checkpoint_and_resume():
     with tempfile.TemporaryDirectory() as tmp:
-        data = _train_text_file(tmp)
+        text = _train_text_file(tmp)
         out = os.path.join(tmp, "out")
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=6")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out}", "--max_iters=6")  # the script itself
         _train_check_ok(p, "train.py --device=cpu")
         assert "PyTorch op set only" in p.stdout, f"no torch-only note in:\n{p.stdout}"
         assert "iter 6/6" in p.stdout and "val" in p.stdout, f"no log/eval lines in:\n{p.stdout}"
@@ -881,20 +1036,38 @@ def train_cpu_checkpoint_and_resume():
         assert os.path.isfile(os.path.join(out, "results.json")), "no results.json"
         assert not [f for f in os.listdir(out) if ".tmp" in f], f"temp files left in {os.listdir(out)}"
 
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=8", "--resume=true")
-        _train_check_ok(p, "train.py --resume=true")
-        assert "resuming from iteration 6" in p.stdout, f"no resume line in:\n{p.stdout}"
+        # The resume and the run it is compared with in this process, where --mutants reaches them.
+        log = _train_main_ok(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out}", "--max_iters=8", "--resume=true")
+        assert "resuming from iteration 6" in log, f"no resume line in:\n{log}"
         resumed = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
         assert resumed["iter"] == 8 and len(resumed["train_loss"]) == 8, (resumed["iter"], len(resumed["train_loss"]))
         assert resumed["train_loss"][:6] == ck["train_loss"], "resume rewrote the loss history"
 
         # Weights, optimizer state and batch order all restored: 6 + 2 steps equal 8 steps in one go.
         out8 = os.path.join(tmp, "out8")
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out8}", "--max_iters=8")
-        _train_check_ok(p, "train.py --max_iters=8")
+        _train_main_ok(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out8}", "--max_iters=8")
         straight = _train_load_ckpt(os.path.join(out8, "ckpt_torch.pt"))
         worst = max(abs(a - b) for a, b in zip(straight["train_loss"], resumed["train_loss"]))
-        assert worst < 1e-5, f"resumed losses differ from an uninterrupted run by {worst}"
+        assert worst < 1e-5, f"resumed losses differ from an uninterrupted run by {worst:.2e}"
+    return f"6 + 2 resumed steps against 8 in one go: max |loss diff| {worst:.1e}"
+
+
+@mutant("resume_skips_optimizer_state", "train/cpu_checkpoint_and_resume")
+def _resume_without_optimizer_state():
+    """--resume=true restores the weights and the batches, but AdamW starts afresh (no moments, step 0)."""
+    with unittest.mock.patch.object(torch.optim.Optimizer, "load_state_dict", lambda self, state_dict: None):
+        yield
+
+
+@mutant("resume_skips_batch_rng_state", "train/cpu_checkpoint_and_resume")
+def _resume_without_batch_rng():
+    """--resume=true restores the weights and the optimizer, but draws the batches from the seed again."""
+    real = data.load_checkpoint
+
+    def load(path, cfg, tok, model, opt, batch_gen, fail):
+        return real(path, cfg, tok, model, opt, torch.Generator(), fail)  # the state goes to a throwaway
+    with unittest.mock.patch.object(train, "load_checkpoint", load):
+        yield
 
 
 def train_rejects_unknown_key():
@@ -1218,25 +1391,65 @@ def train_llama_odd_heads_note():
     assert cfg.n_kv_head == 2 and not out.getvalue(), (cfg.n_kv_head, out.getvalue())
 
 
+def _lock_holder(out_dir, held):
+    """A run (forked from this process) that holds out_dir's lock until it is killed."""
+    with data.out_dir_lock(out_dir, "train.py", sys.exit):
+        held.set()
+        time.sleep(60)
+
+
 def train_out_dir_lock():
-    # a second run into a folder a live run holds fails with one line; a lock whose process is gone is
-    # taken over, and a run that ends leaves none behind
+    # a second run into a folder a live run holds fails with one line naming it; the file of a run that was
+    # killed blocks nothing; a run that ends leaves no lock behind, and the next main() in this process runs
     with tempfile.TemporaryDirectory() as tmp:
         args = _train_tiny_args(tmp, "--max_iters=0")
-        lock = os.path.join(tmp, "out", ".train.lock")
-        os.makedirs(os.path.dirname(lock))
-        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        out = os.path.join(tmp, "out")
+        lock = os.path.join(out, ".train.lock")
+        os.makedirs(out)
+        held = _FORK.Event()
+        holder = _FORK.Process(target=_lock_holder, args=(out, held))
+        holder.start()
         try:
-            with open(lock, "w") as f:
-                f.write(str(holder.pid))
+            assert held.wait(30), "the holder did not take the lock"
             _train_fails("a held out_dir", ["in use by another train.py run", f"process {holder.pid}"], *args)
         finally:
-            holder.kill()
-            holder.wait()
-        code, out = _train_main(*args)
-        assert code == 0, f"exit {code} with a stale lock:\n{out[-1500:]}"
-        assert not os.path.exists(lock), "the run left its lock behind"
-    return "held: refused; stale: taken over; released at the end"
+            holder.kill()  # SIGKILL: its lock file stays, naming it
+            holder.join()
+        with open(lock) as f:
+            assert f.read() == str(holder.pid), "the holder's pid is not in its lock file"
+        for run in ("after a killed holder", "again in this process"):
+            code, log = _train_main(*args)
+            assert code == 0, f"{run}: exit {code}:\n{log[-1500:]}"
+            assert not os.path.exists(lock), f"{run}: the run left its lock behind"
+    return "held: refused, naming the holder; a killed holder's file: taken; released at the end"
+
+
+@mutant("out_dir_lock_holds_nothing", "train/out_dir_lock")
+def _lock_holds_nothing():
+    with _planted_lock(lambda out_dir, script, fail: contextlib.nullcontext()):
+        yield
+
+
+@mutant("out_dir_lock_blocked_by_a_dead_runs_file", "train/out_dir_lock")
+def _lock_blocked_by_file():
+    """A lock file that exists refuses the run, whether or not its process lives."""
+    @contextlib.contextmanager
+    def exclusive_create(out_dir, script, fail):
+        path = os.path.join(out_dir, f".{script.removesuffix('.py')}.lock")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            with open(path) as f:
+                fail(f"--out_dir={out_dir} is in use by another {script} run (process {f.read()})")
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            yield
+        finally:
+            os.remove(path)
+
+    with _planted_lock(exclusive_create):
+        yield
 
 
 def _torchrun(*args, nproc=2, timeout=180):
@@ -2277,6 +2490,36 @@ def train_mhc_sweep_cpu():
     return f"{len(cells)} cells, rerun skipped them all; a bf16 rerun refused"
 
 
+def train_short_validation_split():
+    """A validation split no longer than the context ends train.py and the book sweep (--preset=mhc-text) in one
+    line before anything trains, not in a traceback from the first evaluation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = os.path.join(tmp, "short.txt"), os.path.join(tmp, "out")
+        with open(path, "w") as f:
+            f.write("the tin woodman and the lion " * 10)  # 290 characters: 29 for validation
+        words = ("validation split", f"--data_path={path}", "29 tokens", "--block_size=32")
+        sweep = ["--preset=mhc-text", "--device=cpu", "--sweep_depths=1", "--sweep_variants=baseline", "--n_embd=16",
+                 "--n_head=2", "--batch_size=2", "--max_iters=2", "--log_interval=1", "--eval_iters=1", "--plot=false"]
+        for what, args in (("mhc-text", sweep), ("train.py", [*_TRAIN_TINY, "--max_iters=2"])):
+            code, log = _train_main(*args, "--block_size=32", f"--data_path={path}", f"--out_dir={out}")
+            assert isinstance(code, str) and code.startswith("train.py: error: ") and "\n" not in code, \
+                f"{what}: expected one error line, got exit {code!r}\n{log[-1500:]}"
+            assert all(w in code for w in words), f"{what}: {[w for w in words if w not in code]} not in: {code}"
+            began = [s for s in ("mHC sweep on", "training, batch", "op sets:", "iter 1") if s in log]
+            assert not began and os.listdir(out) == [], f"{what}: training began: {began} {os.listdir(out)}"
+    return "mhc-text and train.py: one line before training"
+
+
+@mutant("split_shorter_than_context_unchecked", "train/short_validation_split")
+def _split_lengths_unchecked():
+    """data.read_text_splits without its check of the splits' lengths against --block_size."""
+    real = data.read_text_splits
+    unchecked = lambda data_path, block_size, fail: real(data_path, 0, fail)  # noqa: E731
+    with unittest.mock.patch.object(train, "read_text_splits", unchecked), \
+            unittest.mock.patch.object(mhc, "read_text_splits", unchecked):
+        yield
+
+
 def train_mhc_sweep_diverging_cell():
     """A cell whose loss turns NaN stops at the next log point and is marked; a rerun with other settings
     is refused rather than mixed into the same results.json."""
@@ -2323,7 +2566,7 @@ def train_residual_option():
 add("data/call_timer_cuda", data_call_timer, "cuda")
 for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast,
             mhc_doubly_stochastic_after_step, train_variants_few_steps, train_mhc_sweep_cpu,
-            train_mhc_sweep_diverging_cell, train_residual_option):
+            train_short_validation_split, train_mhc_sweep_diverging_cell, train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------

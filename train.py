@@ -958,11 +958,7 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
         fail(f"{', '.join(found)} already exists and a fresh run would replace it; pass --resume=true to "
              f"continue it, --overwrite=true to start over, or another --out_dir")
 
-    tok, train_ids, val_ids = read_text_splits(cfg.data_path, fail)
-    for name, part in (("training", train_ids), ("validation", val_ids)):
-        if len(part) <= cfg.block_size:
-            fail(f"the {name} split has {len(part)} tokens, not more than block_size={cfg.block_size}; "
-                 f"use a longer text or a smaller --block_size")
+    tok, train_ids, val_ids = read_text_splits(cfg.data_path, cfg.block_size, fail)
     # The token ids live on the device, so get_batch cuts batches there: no host-to-device copy per step.
     train_ids, val_ids = train_ids.to(cfg.device), val_ids.to(cfg.device)
     n_params = sum(p.numel() for p in model_from_config(cfg, tok.vocab_size, TORCH_OPS).parameters())
