@@ -262,28 +262,34 @@ def case_named(name):
 
 def run_mutant(name, plant, catchers, clean):
     """'caught by ...', 'NOT CAUGHT (...)' or 'skipped (...)' for one mutant; clean caches each catcher's
-    verdict on the real code, run first: a case that fails there would catch any fault."""
-    verdicts = []
+    verdict on the real code, run first: a case that fails there would catch any fault. A catcher that
+    skips there (a GPU case without a GPU) is named and left out; the others must catch the fault."""
+    verdicts, skipped = [], []
     for case in map(case_named, catchers):
         if case[0] not in clean:
             clean[case[0]] = run_case(*case) if not case[2] or (HAS_CUDA and kernels) else ("SKIP", "no GPU build")
         status, detail = clean[case[0]]
+        if status == "SKIP":
+            skipped.append((case[0], detail[:80]))
+            continue
         if status != "PASS":
-            return ("skipped" if status == "SKIP" else "NOT CAUGHT") + f" ({case[0]} {status.lower()}s on the real " \
-                   f"code: {detail[:160]})"
+            return f"NOT CAUGHT ({case[0]} {status.lower()}s on the real code: {detail[:160]})"
         with plant():
             verdicts.append((case[0],) + run_case(*case))
+    skips = f"{', '.join(n for n, _ in skipped)} skip on the real code: {skipped[0][1]}" if skipped else ""
+    if not verdicts:
+        return f"skipped ({skips})"
     missed = [n for n, status, _ in verdicts if status != "FAIL"]
     if missed:
         return f"NOT CAUGHT (passed with the fault: {', '.join(missed)})"
     first = one_line(verdicts[0][2].rsplit("  ", 1)[-1])[:140]
-    return f"caught by {', '.join(n for n, _, _ in verdicts)}: {first}"
+    return f"caught by {', '.join(n for n, _, _ in verdicts)}: {first}" + (f" ({skips})" if skips else "")
 
 
 def run_mutants(only):
     chosen = [m for m in MUTANTS if only in m[0]]
     print(f"{len(chosen)} mutants" + (f" whose name contains {only!r}" if only else "") +
-          ("" if HAS_CUDA and kernels else "; those caught by GPU cases are skipped (no CUDA device or no build)"))
+          ("" if HAS_CUDA and kernels else "; GPU cases among the catchers are skipped (no CUDA device or no build)"))
     clean, counts = {}, collections.Counter()
     for name, plant, catchers in chosen:
         verdict = run_mutant(name, plant, catchers, clean)
