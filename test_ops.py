@@ -1870,6 +1870,15 @@ def _route_fault(name, when, ours):
         yield
 
 
+@mutant("patched_routes_to_pytorch", "inference/patched_routes", "inference/patched_calls", "readme/patched_example",
+        "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls")
+def _mutant_patched_routes_to_pytorch():
+    real = inference._functional_routes
+    with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: {
+            name: lambda *a, **kw: NotImplemented for name in real(*args)}):
+        yield
+
+
 def _autocast_of(t):
     return torch.is_autocast_enabled(t.device.type)
 
@@ -1917,8 +1926,30 @@ for _name, _route, _when, _ours in ROUTE_FAULTS:
         functools.partial(_route_fault, _route, _when, _ours))
 
 
+# Our forward kernel of each function inference.patched keeps on ours in a compiled model (the loss stays
+# PyTorch's), as the profiler names it: ours are in the global namespace (kernels.cu), PyTorch's in
+# at::native, whose elementwise_kernel shares our name.
+PATCHED_KERNELS = {"embedding": "embedding_fwd_kernel", "layer_norm": "layernorm_fwd_kernel",
+                   "linear": r"(matmul\w*|gemv)_kernel", "gelu": "elementwise_kernel<ActFwd<Gelu",
+                   "scaled_dot_product_attention": r"attention_fwd\w*_kernel"}
+
+
+def our_launches(fn, functions):
+    """Runs fn() under the profiler; asserts that for each of the functions our forward kernel was launched
+    (PyTorch's computing the same values would pass a check of values alone). Returns how many launches of
+    kernels.cu's kernels were seen."""
+    names = launched_kernels(fn)
+    if not names:  # not even PyTorch's own: the profiler saw nothing (e.g. under compute-sanitizer)
+        raise Skip("the profiler recorded no CUDA kernel, so the route taken cannot be read from their names")
+    ours = set(our_kernel_names())
+    mine = [(m.group(1), n) for n in names if (m := re.match(r"(?:void )?(\w+)[<(]", n)) and m.group(1) in ours]
+    missing = [f for f in functions if not any(re.match(rf"(?:void )?{PATCHED_KERNELS[f]}", n) for _, n in mine)]
+    assert not missing, f"no kernel of ours ran for {missing}; ours that ran: {sorted({k for k, _ in mine})}"
+    return len(mine)
+
+
 def readme_patched_example():
-    # the README's example of our ops in another model runs as printed (its code block, executed)
+    # the README's example of our ops in another model runs as printed (its code block, executed), on our kernels
     if UNDER_SANITIZER:
         raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
     text = open(os.path.join(HERE, "README.md")).read()
@@ -1926,11 +1957,14 @@ def readme_patched_example():
     code = "    import torch" + block.split("\n\n", 1)[0]
     code = "\n".join(line[4:] for line in code.splitlines())
     out = io.StringIO()
+    # the loss is compiled: PyTorch's (an ignored target cannot be looked for in a traced graph); the bf16
+    # products are ours on Hopper only
+    functions = ("embedding", "layer_norm", "gelu") + ("linear",) * (torch.cuda.get_device_capability() == (9, 0))
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        launches = our_launches(lambda: exec(compile(code, "README.md", "exec"), {}), functions)
     loss = float(out.getvalue().split()[0])
     assert math.isfinite(loss) and loss < math.log(96) + 1, out.getvalue()
-    return f"printed {one_line(out.getvalue())[:120]}"
+    return f"printed {one_line(out.getvalue())[:120]}; {launches} launches of our kernels"
 
 
 def inference_gpu_patched_compiled_gpt():
@@ -1942,7 +1976,8 @@ def inference_gpu_patched_compiled_gpt():
     steps, losses = 10, {}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 48, (8, 33), generator=g).to(DEV) for _ in range(steps)]
-    for ours in (False, True):
+
+    def train(ours):
         torch.manual_seed(0)
         model = _FunctionalGPT().to(DEV)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -1956,8 +1991,13 @@ def inference_gpu_patched_compiled_gpt():
                 opt.step()
                 losses[ours].append(loss.item())
         torch._dynamo.reset()
+    train(False)
+    # the loss is compiled: PyTorch's (an ignored target cannot be looked for in a traced graph)
+    launches = our_launches(lambda: train(True), ("embedding", "layer_norm", "linear", "gelu",
+                                                  "scaled_dot_product_attention"))
     check("losses", torch.tensor(losses[True]), torch.tensor(losses[False]), 1e-4)
-    return f"{steps} steps compiled whole on our ops; loss {losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
+    return f"{steps} steps compiled whole on our ops ({launches} launches of our kernels); loss " \
+        f"{losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
 
 
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
