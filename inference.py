@@ -522,62 +522,102 @@ def tracing(*tensors):
 
 
 def _functional_routes(kernels, device_type):
-    """name -> torch.nn.functional.<name> on our kernels, or NotImplemented for arguments they do not take."""
-    def ours(*tensors):  # GPU tensors in float32 or bfloat16 (None: an absent optional one)
-        return all(t is None or (t.device.type == device_type and t.dtype in FLOAT_DTYPES) for t in tensors)
+    """name -> torch.nn.functional.<name> on our kernels, or NotImplemented where PyTorch's would give another
+    dtype, shape or error (then PyTorch's runs). Our ops follow bf16 autocast as PyTorch's do (bindings.cpp,
+    autocast); under another autocast dtype every call is PyTorch's (our kernels have no float16 path)."""
+    def autocast():
+        return torch.is_autocast_enabled(device_type)
+
+    def ours(*tensors):  # tensors on one GPU in float32 or bfloat16 (None: an absent optional one)
+        given = [t for t in tensors if t is not None]
+        if not given or (autocast() and torch.get_autocast_dtype(device_type) != torch.bfloat16):
+            return False
+        return all(torch.is_tensor(t) and t.device.type == device_type and t.device == given[0].device
+                   and t.dtype in FLOAT_DTYPES for t in given)
+
+    def one_dtype(*tensors):  # outside autocast PyTorch's ops raise on mixed dtypes; ours may not
+        given = [t for t in tensors if t is not None]
+        return all(t.dtype == given[0].dtype for t in given)
+
+    # our bf16 products run on Hopper's wgmma alone (kernels.cu, matmul_bf16); elsewhere PyTorch's
+    bf16_products = device_type != "cuda" or (torch.cuda.is_available()
+                                              and torch.cuda.get_device_capability() == (9, 0))
 
     def linear(input, weight, bias=None):
-        ok = ours(input, weight, bias) and weight.dim() == 2
+        # Under autocast PyTorch casts all three to bf16; ours casts the input and rounds an fp32 (master)
+        # weight with its bias, which must then share the weight's dtype. PyTorch also broadcasts a bias.
+        ok = (ours(input, weight, bias) and input.dim() >= 1 and weight.dim() == 2
+              and input.shape[-1] == weight.shape[1] and (bias is None or bias.shape == weight.shape[:1])
+              and (one_dtype(weight, bias) if autocast() else one_dtype(input, weight, bias))
+              and (bf16_products or (input.dtype == torch.float32 and not autocast())))
         return kernels.linear(input, weight, bias) if ok else NotImplemented
 
-    def norm_ok(input, normalized_shape, *params):  # the last dim, its parameters all given, in input's dtype
-        return (ours(input) and tuple(normalized_shape) == input.shape[-1:]
-                and all(p is not None and ours(p) and p.dtype == input.dtype for p in params))
+    def norm_ok(input, normalized_shape, *params):  # the last dim, its parameters all given, one dtype
+        return (ours(input, *params) and input.dim() >= 1 and isinstance(normalized_shape, (tuple, list))
+                and tuple(normalized_shape) == input.shape[-1:] and one_dtype(input, *params)
+                and all(p is not None and p.shape == input.shape[-1:] for p in params))
+
+    def norm_dtype():  # autocast runs PyTorch's norms in float32, so they write float32
+        return torch.float32 if autocast() else None
 
     def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         ok = norm_ok(input, normalized_shape, weight, bias)
-        return kernels.layernorm(input, weight, bias, eps) if ok else NotImplemented
+        return kernels.layernorm(input, weight, bias, eps, out_dtype=norm_dtype()) if ok else NotImplemented
 
     def rms_norm(input, normalized_shape, weight=None, eps=None):
         eps = torch.finfo(torch.float32).eps if eps is None else eps  # as F.rms_norm, which computes in float32
-        return kernels.rmsnorm(input, weight, eps) if norm_ok(input, normalized_shape, weight) else NotImplemented
+        ok = norm_ok(input, normalized_shape, weight)
+        return kernels.rmsnorm(input, weight, eps, out_dtype=norm_dtype()) if ok else NotImplemented
 
     def gelu(input, approximate="none"):
-        return kernels.gelu(input, approximate=approximate) if ours(input) else NotImplemented
+        ok = ours(input) and approximate in ("none", "tanh")
+        return kernels.gelu(input, approximate=approximate) if ok else NotImplemented
 
     def silu(input, inplace=False):
         return kernels.silu(input) if ours(input) and not inplace else NotImplemented
 
     def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                   sparse=False):
-        if (ours(weight) and input.device.type == device_type and input.dtype == torch.long and weight.dim() == 2
+        if (ours(weight) and input.device == weight.device and input.dtype == torch.long and weight.dim() == 2
                 and padding_idx is None and max_norm is None and not scale_grad_by_freq and not sparse):
             return kernels.embedding(input, weight)
         return NotImplemented
 
     def softmax(input, dim=None, _stacklevel=3, dtype=None):
-        ok = ours(input) and dim in (-1, input.dim() - 1) and dtype in (None,) + FLOAT_DTYPES
+        # PyTorch casts the input to dtype first: to bfloat16 that rounds it, which ours would not
+        ok = (ours(input) and input.dim() >= 1 and dim in (-1, input.dim() - 1)
+              and dtype in (None, input.dtype, torch.float32))
         return kernels.softmax(input, out_dtype=dtype) if ok else NotImplemented
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
-        fused = query.shape[-1] in kernels.FUSED_HEAD_SIZES
-        # SDPA's causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk
-        if (ours(query, key, value) and query.dim() == 4 and attn_mask is None and dropout_p == 0.0
-                and (not is_causal or query.shape[-2] == key.shape[-2])
-                and (enable_gqa or query.shape[1] == key.shape[1]) and (fused or query.dtype == torch.float32)):
+        # Ours takes q (B, H, Sq, D) and k, v (B, H_kv, Sk, D), query head h reading key head h // (H / H_kv) as
+        # SDPA's enable_gqa does. SDPA also broadcasts batch and head dims and lets v's head size differ; its
+        # causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk.
+        if not (ours(query, key, value) and query.dim() == key.dim() == 4 and attn_mask is None and dropout_p == 0.0):
+            return NotImplemented
+        (B, H, Sq, D), (Bk, Hkv, Sk, Dk) = query.shape, key.shape
+        fused = D in kernels.FUSED_HEAD_SIZES
+        if (value.shape == key.shape and (Bk, Dk) == (B, D) and query.numel() > 0 and key.numel() > 0
+                and (H == Hkv or (enable_gqa and H % Hkv == 0)) and (not is_causal or Sq == Sk)
+                and (autocast() or (one_dtype(query, key, value) and (fused or query.dtype == torch.float32)))):
             return kernels.attention(query, key, value, causal=is_causal, scale=scale,
                                      mode="fused" if fused else "tiled")
         return NotImplemented
 
     def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                       reduction="mean", label_smoothing=0.0):
-        # An ignored target must be looked for in the data: eagerly only (a traced graph cannot branch on it).
-        if (ours(input) and input.dim() == 2 and target.dim() == 1 and weight is None and size_average is None
-                and reduce is None and reduction == "mean" and label_smoothing == 0.0
-                and not tracing(input, target) and not bool((target == ignore_index).any())):
-            return kernels.cross_entropy(input, target)
-        return NotImplemented
+        # An ignored or out-of-range target must be looked for in the data: eagerly only (a traced graph cannot
+        # branch on it). PyTorch's mean over no rows is NaN, where ours raises.
+        if not (ours(input) and input.dim() == 2 and input.shape[0] > 0 and torch.is_tensor(target)
+                and target.dtype == torch.long and target.shape == input.shape[:1] and target.device == input.device
+                and weight is None and size_average is None and reduce is None and reduction == "mean"
+                and label_smoothing == 0.0 and not tracing(input, target)):
+            return NotImplemented
+        if bool(((target == ignore_index) | (target < 0) | (target >= input.shape[1])).any()):
+            return NotImplemented
+        loss = kernels.cross_entropy(input, target)  # float32, as PyTorch's under autocast; else the logits' dtype
+        return loss if autocast() else loss.to(input.dtype)
 
     return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, cross_entropy,
                                     scaled_dot_product_attention)}
@@ -586,14 +626,16 @@ def _functional_routes(kernels, device_type):
 @contextlib.contextmanager
 def patched(kernels=None, device_type="cuda"):
     """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
-    scaled_dot_product_attention and cross_entropy run on our kernels wherever a call's arguments are ones
-    they support (GPU tensors in float32 or bfloat16, and none of: an attention mask or dropout, SDPA's
-    causal mask with Sq != Sk, an embedding's padding_idx or max_norm, a loss's weights, reduction other
-    than the mean, label smoothing or an ignored target hit), and on PyTorch's own otherwise. Yields a
-    Counter of the eager calls by (name, "ours" or "torch"). A model under torch.compile traces our ops
-    whole, at static shapes (dynamic=False: the ops' meta versions are C++ functions of concrete sizes);
-    cross_entropy then stays PyTorch's (finding an ignored target would read the data). Under bf16
-    autocast our norms write bf16, the next product's input, where PyTorch's write float32.
+    scaled_dot_product_attention and cross_entropy run on our kernels wherever they compute what PyTorch's
+    would (its dtype and shape, values within the op's tolerance), and on PyTorch's own otherwise: where
+    PyTorch's would raise, or broadcast, or take what ours do not (float16 or float64, mixed dtypes outside
+    bf16 autocast, float16 autocast, bf16 products off Hopper, an attention mask or dropout, v's own head
+    size, SDPA's causal mask with Sq != Sk, an embedding's padding_idx or max_norm, softmax to bf16 from
+    fp32, a loss's weights, a reduction other than the mean, label smoothing, an empty batch, an ignored or
+    out-of-range target). Yields a Counter of the eager calls by (name, "ours" or "torch"). A model under
+    torch.compile traces our ops whole, at static shapes (dynamic=False: the ops' meta versions are C++
+    functions of concrete sizes); cross_entropy then stays PyTorch's (finding an ignored target would read
+    the data).
 
         with inference.patched() as counts:
             model = torch.compile(model, fullgraph=True)

@@ -263,28 +263,34 @@ def case_named(name):
 
 def run_mutant(name, plant, catchers, clean):
     """'caught by ...', 'NOT CAUGHT (...)' or 'skipped (...)' for one mutant; clean caches each catcher's
-    verdict on the real code, run first: a case that fails there would catch any fault."""
-    verdicts = []
+    verdict on the real code, run first: a case that fails there would catch any fault. A catcher that
+    skips there (a GPU case without a GPU) is named and left out; the others must catch the fault."""
+    verdicts, skipped = [], []
     for case in map(case_named, catchers):
         if case[0] not in clean:
             clean[case[0]] = run_case(*case) if not case[2] or (HAS_CUDA and kernels) else ("SKIP", "no GPU build")
         status, detail = clean[case[0]]
+        if status == "SKIP":
+            skipped.append((case[0], detail[:80]))
+            continue
         if status != "PASS":
-            return ("skipped" if status == "SKIP" else "NOT CAUGHT") + f" ({case[0]} {status.lower()}s on the real " \
-                   f"code: {detail[:160]})"
+            return f"NOT CAUGHT ({case[0]} {status.lower()}s on the real code: {detail[:160]})"
         with plant():
             verdicts.append((case[0],) + run_case(*case))
+    skips = f"{', '.join(n for n, _ in skipped)} skip on the real code: {skipped[0][1]}" if skipped else ""
+    if not verdicts:
+        return f"skipped ({skips})"
     missed = [n for n, status, _ in verdicts if status != "FAIL"]
     if missed:
         return f"NOT CAUGHT (passed with the fault: {', '.join(missed)})"
     first = one_line(verdicts[0][2].rsplit("  ", 1)[-1])[:140]
-    return f"caught by {', '.join(n for n, _, _ in verdicts)}: {first}"
+    return f"caught by {', '.join(n for n, _, _ in verdicts)}: {first}" + (f" ({skips})" if skips else "")
 
 
 def run_mutants(only):
     chosen = [m for m in MUTANTS if only in m[0]]
     print(f"{len(chosen)} mutants" + (f" whose name contains {only!r}" if only else "") +
-          ("" if HAS_CUDA and kernels else "; those caught by GPU cases are skipped (no CUDA device or no build)"))
+          ("" if HAS_CUDA and kernels else "; GPU cases among the catchers are skipped (no CUDA device or no build)"))
     clean, counts = {}, collections.Counter()
     for name, plant, catchers in chosen:
         verdict = run_mutant(name, plant, catchers, clean)
@@ -1927,22 +1933,71 @@ def inference_option_typos():
 # the drop-in, inference.patched: torch.nn.functional's calls on our ops
 
 def _fake_kernels(calls):
-    """Our ops' names over PyTorch's ATen ops (not torch.nn.functional, which patched() replaces), each
-    call recorded: what inference.patched routes can be checked on the CPU."""
+    """Our ops' names over PyTorch's ATen ops (not torch.nn.functional, which patched() replaces), each call
+    recorded, with our ops' dtype rules and input checks (bindings.cpp) and their bf16 autocast: what
+    inference.patched routes can be checked on the CPU, a call routed wrongly showing a dtype, value or error
+    of ours where PyTorch's differ (a bf16 input's fp32 weight taken, a float32 loss from bf16 logits)."""
+    aten, f32, bf16, fused = torch.ops.aten, torch.float32, torch.bfloat16, (32,)
+
     def op(name, fn):
-        return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
+        def call(*args, **kwargs):
+            calls.append(name)
+            cast = torch.is_autocast_enabled("cpu")  # our ops' own autocast kernels, as on CUDA
+            with torch.autocast("cpu", enabled=False):
+                return fn(cast, *args, **kwargs)
+        return call
+
+    def need(ok, why):
+        if not ok:
+            raise RuntimeError(f"our op would raise: {why}")
+
+    def linear(cast, x, w, b=None):
+        x = x.to(bf16) if cast else x  # a bf16 x takes an fp32 (master) weight and bias, rounded to bf16
+        need(w.dtype in (x.dtype, f32) and (b is None or (b.dtype == w.dtype and b.shape == w.shape[:1])), "linear")
+        return aten.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+    def norm(f, x, w, b, eps, out_dtype, cast):  # fp32 arithmetic, written in out_dtype (autocast: bf16)
+        need(w.dtype == x.dtype and (b is None or b.dtype == x.dtype), "norm")
+        return f(x.float(), [x.shape[-1]], w.float(), *([] if b is None else [b.float()]), eps).to(
+            out_dtype or (bf16 if cast else x.dtype))
+
+    def softmax(cast, x, out_dtype=None):
+        return aten._softmax(x.float(), -1, False).to(out_dtype or (f32 if cast else x.dtype))
+
+    def attention(cast, q, k, v, causal=False, scale=None, mode="fused"):
+        # its causal mask aligns the queries to the last keys; under autocast it returns bf16
+        need((q.dtype == k.dtype == v.dtype or cast) and k.shape == v.shape and q.shape[0] == k.shape[0]
+             and q.shape[3] == k.shape[3] and q.shape[1] % k.shape[1] == 0, "attention")
+        need(mode == "tiled" or q.shape[-1] in fused, "attention: fused head size")
+        need(mode == "fused" or q.dtype == f32 or cast, "attention: tiled takes float32")
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]) if causal else None
+        out = aten.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask, scale=scale,
+                                                enable_gqa=q.shape[1] != k.shape[1])
+        return out.to(bf16 if cast else q.dtype)
+
+    def cross_entropy(cast, x, t):  # float32 from either dtype; NaN for a target out of range
+        need(x.shape[0] > 0 and x.shape[1] > 0 and t.dtype == torch.long, "cross_entropy")
+        bad = ((t < 0) | (t >= x.shape[1])).any()
+        return aten.cross_entropy_loss(x.float(), t.clamp(0, x.shape[1] - 1)) + (math.nan if bad else 0.0)
+
+    def gelu(cast, x, approximate="none"):
+        if approximate not in ("none", "tanh"):
+            raise ValueError("our gelu: approximate must be 'none' or 'tanh'")
+        return aten.gelu(x.float(), approximate=approximate).to(x.dtype)
+
     return types.SimpleNamespace(
-        FUSED_HEAD_SIZES=(32,),
-        linear=op("linear", lambda x, w, b=None: torch.ops.aten.linear(x, w, b)),
-        layernorm=op("layernorm", lambda x, w, b, eps: torch.ops.aten.layer_norm(x, [x.shape[-1]], w, b, eps)),
-        rmsnorm=op("rmsnorm", lambda x, w, eps: torch.ops.aten.rms_norm(x, [x.shape[-1]], w, eps)),
-        gelu=op("gelu", lambda x, approximate: torch.ops.aten.gelu(x, approximate=approximate)),
-        silu=op("silu", torch.ops.aten.silu),
-        embedding=op("embedding", lambda idx, w: torch.ops.aten.embedding(w, idx)),
-        softmax=op("softmax", lambda x, out_dtype=None: torch.ops.aten.softmax(x, -1, out_dtype)),
-        attention=op("attention", lambda q, k, v, causal, scale, mode: torch.ops.aten.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale)),
-        cross_entropy=op("cross_entropy", lambda x, t: torch.ops.aten.cross_entropy_loss(x, t)))
+        FUSED_HEAD_SIZES=fused,
+        linear=op("linear", linear),
+        layernorm=op("layernorm", lambda cast, x, w, b, eps, out_dtype=None: norm(
+            aten.layer_norm, x, w, b, eps, out_dtype, cast)),
+        rmsnorm=op("rmsnorm", lambda cast, x, w, eps, out_dtype=None: norm(
+            aten.rms_norm, x, w, None, eps, out_dtype, cast)),
+        gelu=op("gelu", gelu),
+        silu=op("silu", lambda cast, x: aten.silu(x.float()).to(x.dtype)),
+        embedding=op("embedding", lambda cast, idx, w: aten.embedding(w, idx)),
+        softmax=op("softmax", softmax),
+        attention=op("attention", attention),
+        cross_entropy=op("cross_entropy", cross_entropy))
 
 
 def inference_patched_routes():
@@ -1986,8 +2041,270 @@ def inference_patched_routes():
     return f"{total} calls: {len(calls)} on our ops, {total - len(calls)} on PyTorch's; same loss"
 
 
+def _patched_calls(dev):
+    """The calls inference.patched must route right, as (label, route: "ours" or "torch", autocast dtype or None,
+    device type it runs on or None for any, call): calls our ops take, and calls left to PyTorch's because
+    ours would give another dtype, shape, value or error. Tensors are drawn once: a call runs twice on the
+    same inputs, patched and not. CPU autocast leaves a bf16 norm or softmax in bf16 where CUDA's writes
+    float32 (its lists differ): those run on CUDA only; an out-of-range target asserts on the device, so it
+    runs on the CPU only."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+
+    def r(*shape, dtype=f32):
+        return torch.randn(*shape, device=dev).to(dtype)
+    x, w, b, g, c = r(6, 64), r(48, 64), r(48), r(64), r(64)
+    xb, wb, bb, gb, cb = (u.to(bf16) for u in (x, w, b, g, c))
+    xt = r(64, 6).t()  # a transposed view, not contiguous
+    q, k, v, k2, v2, k3 = r(2, 4, 5, 32), r(2, 4, 5, 32), r(2, 4, 5, 32), r(2, 2, 5, 32), r(2, 2, 5, 32), r(2, 3, 5, 32)
+    qb, kb, vb = (u.to(bf16) for u in (q, k, v))
+    q48, k48, v48, v16 = r(2, 4, 5, 48), r(2, 4, 5, 48), r(2, 4, 5, 48), r(2, 4, 5, 16)  # 48: not fused, tiled
+    qs, ks, vs = (u.view(2, 5, 4, 32).transpose(1, 2) for u in r(2, 5, 3 * 128).split(128, -1))  # heads of one view
+    idx, table = torch.randint(0, 48, (2, 5), device=dev), r(48, 64)
+    logits, t = r(6, 48), torch.randint(0, 48, (6,), device=dev)
+    t_ignored, t_out = t.clone(), t.clone()
+    t_ignored[2], t_out[3] = -100, 48
+    return [
+        ("linear fp32", "ours", None, None, lambda: F.linear(x, w, b)),
+        ("linear bf16", "ours", None, None, lambda: F.linear(xb, wb, bb)),
+        ("linear 1-D input", "ours", None, None, lambda: F.linear(x[0], w, b)),
+        ("linear transposed input", "ours", None, None, lambda: F.linear(xt, w, b)),
+        ("linear bf16 input, fp32 weight", "torch", None, None, lambda: F.linear(xb, w, b)),
+        ("linear fp32 input, bf16 weight", "torch", None, None, lambda: F.linear(x, wb, bb)),
+        ("linear bf16 bias, fp32 weight", "torch", None, None, lambda: F.linear(x, w, bb)),
+        ("linear broadcast bias", "torch", None, None, lambda: F.linear(x, w, b[:1])),
+        ("linear float64", "torch", None, None, lambda: F.linear(x.double(), w.double())),
+        ("linear fp32, autocast", "ours", bf16, None, lambda: F.linear(x, w, b)),
+        ("linear bf16 input, fp32 weight, autocast", "ours", bf16, None, lambda: F.linear(xb, w, b)),
+        ("linear bf16 weight, fp32 bias, autocast", "torch", bf16, None, lambda: F.linear(x, wb, b)),
+        ("linear fp32, float16 autocast", "torch", f16, None, lambda: F.linear(x, w, b)),
+        ("layer_norm fp32", "ours", None, None, lambda: F.layer_norm(x, (64,), g, c)),
+        ("layer_norm bf16", "ours", None, None, lambda: F.layer_norm(xb, (64,), gb, cb)),
+        ("layer_norm transposed input", "ours", None, None, lambda: F.layer_norm(xt, (64,), g, c)),
+        ("layer_norm 1-D input", "ours", None, None, lambda: F.layer_norm(x[0], [64], g, c, 1e-3)),
+        ("layer_norm no weights", "torch", None, None, lambda: F.layer_norm(x, (64,))),
+        ("layer_norm bf16 input, fp32 weights", "torch", None, None, lambda: F.layer_norm(xb, (64,), g, c)),
+        ("layer_norm over two dims", "torch", None, None,
+         lambda: F.layer_norm(x.view(2, 3, 64), (3, 64), g.expand(3, 64), c.expand(3, 64))),
+        ("layer_norm int shape", "torch", None, None, lambda: F.layer_norm(x, 64, g, c)),
+        ("layer_norm fp32, autocast", "ours", bf16, None, lambda: F.layer_norm(x, (64,), g, c)),
+        ("layer_norm bf16, autocast", "ours", bf16, "cuda", lambda: F.layer_norm(xb, (64,), gb, cb)),
+        ("rms_norm fp32, default eps", "ours", None, None, lambda: F.rms_norm(x * 3e-4, (64,), g)),  # x^2 ~ eps
+        ("rms_norm bf16", "ours", None, None, lambda: F.rms_norm(xb, (64,), gb, 1e-6)),
+        ("rms_norm no weight", "torch", None, None, lambda: F.rms_norm(x, (64,))),
+        ("rms_norm fp32 input, bf16 weight", "torch", None, None, lambda: F.rms_norm(x, (64,), gb)),
+        ("rms_norm fp32, autocast", "ours", bf16, None, lambda: F.rms_norm(x, (64,), g)),
+        ("rms_norm bf16, autocast", "ours", bf16, "cuda", lambda: F.rms_norm(xb, (64,), gb)),
+        ("gelu fp32 tanh", "ours", None, None, lambda: F.gelu(x, approximate="tanh")),
+        ("gelu bf16", "ours", None, None, lambda: F.gelu(xb)),
+        ("gelu unknown approximate", "torch", None, None, lambda: F.gelu(x, approximate="exact")),
+        ("silu bf16", "ours", None, None, lambda: F.silu(xb)),
+        ("silu in place", "torch", None, None, lambda: F.silu(x.clone(), inplace=True)),
+        ("embedding fp32", "ours", None, None, lambda: F.embedding(idx, table)),
+        ("embedding bf16", "ours", None, None, lambda: F.embedding(idx, table.to(bf16))),
+        ("embedding int32 indices", "torch", None, None, lambda: F.embedding(idx.int(), table)),
+        ("embedding padding_idx", "torch", None, None, lambda: F.embedding(idx, table, padding_idx=0)),
+        ("softmax last dim", "ours", None, None, lambda: F.softmax(x, -1)),
+        ("softmax 1-D", "ours", None, None, lambda: F.softmax(x[0], 0)),
+        ("softmax bf16 to fp32", "ours", None, None, lambda: F.softmax(xb, -1, dtype=f32)),
+        ("softmax fp32 to bf16", "torch", None, None, lambda: F.softmax(x, -1, dtype=bf16)),
+        ("softmax first dim", "torch", None, None, lambda: F.softmax(x, 0)),
+        ("softmax of a scalar", "torch", None, None, lambda: F.softmax(x[0, 0], -1)),
+        ("softmax fp32, autocast", "ours", bf16, None, lambda: F.softmax(x, -1)),
+        ("softmax bf16, autocast", "ours", bf16, "cuda", lambda: F.softmax(xb, -1)),
+        ("sdpa fp32", "ours", None, None, lambda: F.scaled_dot_product_attention(q, k, v)),
+        ("sdpa bf16 causal", "ours", None, None, lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)),
+        ("sdpa head size 48", "ours", None, None, lambda: F.scaled_dot_product_attention(q48, k48, v48)),
+        ("sdpa grouped heads", "ours", None, None, lambda: F.scaled_dot_product_attention(q, k2, v2, enable_gqa=True)),
+        ("sdpa scale", "ours", None, None, lambda: F.scaled_dot_product_attention(q, k, v, scale=0.3)),
+        ("sdpa heads as strided views", "ours", None, None, lambda: F.scaled_dot_product_attention(qs, ks, vs)),
+        ("sdpa v's own head size", "torch", None, None, lambda: F.scaled_dot_product_attention(q, k, v16)),
+        ("sdpa k, v broadcast over the batch", "torch", None, None,
+         lambda: F.scaled_dot_product_attention(q, k[:1], v[:1])),
+        ("sdpa one k, v head broadcast", "torch", None, None,
+         lambda: F.scaled_dot_product_attention(q, k[:, :1], v[:, :1])),
+        ("sdpa causal, Sq != Sk", "torch", None, None,
+         lambda: F.scaled_dot_product_attention(q[:, :, :3], k, v, is_causal=True)),
+        ("sdpa heads not dividing", "torch", None, None,
+         lambda: F.scaled_dot_product_attention(q, k3, k3, enable_gqa=True)),
+        ("sdpa mixed dtypes", "torch", None, None, lambda: F.scaled_dot_product_attention(q, kb, v)),
+        ("sdpa bf16 head size 48", "torch", None, None,
+         lambda: F.scaled_dot_product_attention(q48.to(bf16), k48.to(bf16), v48.to(bf16))),
+        ("sdpa mask", "torch", None, None,
+         lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool, device=dev))),
+        ("sdpa no keys", "torch", None, None, lambda: F.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0])),
+        ("sdpa 3-D", "torch", None, None, lambda: F.scaled_dot_product_attention(q[0], k[0], v[0])),
+        ("sdpa fp32, autocast", "ours", bf16, None, lambda: F.scaled_dot_product_attention(q, k, v)),
+        ("sdpa mixed dtypes, autocast", "ours", bf16, None, lambda: F.scaled_dot_product_attention(q, kb, v)),
+        ("cross_entropy fp32", "ours", None, None, lambda: F.cross_entropy(logits, t)),
+        ("cross_entropy bf16", "ours", None, None, lambda: F.cross_entropy(logits.to(bf16), t)),
+        ("cross_entropy bf16, autocast", "ours", bf16, None, lambda: F.cross_entropy(logits.to(bf16), t)),
+        ("cross_entropy empty batch", "torch", None, None, lambda: F.cross_entropy(logits[:0], t[:0])),
+        ("cross_entropy ignored target", "torch", None, None, lambda: F.cross_entropy(logits, t_ignored)),
+        ("cross_entropy target out of range", "torch", None, "cpu", lambda: F.cross_entropy(logits, t_out)),
+        ("cross_entropy int32 targets", "torch", None, None, lambda: F.cross_entropy(logits, t.int())),
+        ("cross_entropy class probabilities", "torch", None, None,
+         lambda: F.cross_entropy(logits, torch.softmax(logits, -1))),
+        ("cross_entropy label smoothing", "torch", None, None, lambda: F.cross_entropy(logits, t, label_smoothing=0.1)),
+        ("cross_entropy sum", "torch", None, None, lambda: F.cross_entropy(logits, t, reduction="sum")),
+    ]
+
+
+# Ours against PyTorch's result, not float64 (the cases print the largest err/tol by dtype). fp32: sums of 64
+# unit-normal terms round near 1e-6 on either side, so 1e-5 leaves 10x and still fails single-pass TF32
+# (~1e-3); bf16: outputs rounded on both sides after arithmetic that differs below an ulp (bf16 P in
+# attention, PyTorch's bf16 log-softmax in its loss) differ by an ulp (2^-8 of the value): 4 ulps and 1e-2.
+# Other dtypes are PyTorch's on both sides: exact.
+PATCHED_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2**-6)}
+
+
+def run_patched_calls(kernels, dev):
+    """_patched_calls(dev) under inference.patched(kernels): each call's route must be the one wanted, and
+    its result PyTorch's dtype and shape with values within PATCHED_TOL, or the exception type PyTorch's
+    raises. Returns a summary: the calls by route and the largest error over tolerance by dtype."""
+    def outcome(call, autocast):
+        with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            try:
+                return call()
+            except Exception as e:
+                return e
+    calls = [row for row in _patched_calls(dev) if row[3] in (None, dev.type)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's own, about mixed dtypes
+        refs = [outcome(call, ac) for _, _, ac, _, call in calls]
+        with inference.patched(kernels, device_type=dev.type) as counts:  # counts before and after each call
+            runs = [(counts.copy(), outcome(call, ac), counts.copy()) for _, _, ac, _, call in calls]
+    worst, raised, routes = collections.defaultdict(float), 0, collections.Counter()
+    for (label, want, *_), ref, (before, got, after) in zip(calls, refs, runs, strict=True):
+        taken = [way for (_, way), n in (after - before).items() for _ in range(n)]
+        assert taken, f"{label}: the route raised {type(got).__name__} ({one_line(got)[:100]}), expected {want}"
+        assert taken == [want], f"{label}: routed to {taken}, expected {want}"
+        routes[want] += 1
+        if isinstance(ref, Exception) or isinstance(got, Exception):
+            assert type(got) is type(ref), f"{label}: {type(got).__name__} ({one_line(got)[:100]}) where " \
+                f"PyTorch's gives {type(ref).__name__} ({one_line(ref)[:100]})"
+            raised += 1
+            continue
+        assert (got.dtype, got.shape) == (ref.dtype, ref.shape), \
+            f"{label}: {got.dtype} {tuple(got.shape)} where PyTorch's gives {ref.dtype} {tuple(ref.shape)}"
+        atol, rtol = PATCHED_TOL.get(ref.dtype, (0.0, 0.0))
+        got, ref, dtype = got.detach().double(), ref.detach().double(), ref.dtype
+        err = torch.where(got.isnan() & ref.isnan(), 0.0, (got - ref).abs())  # NaN where one side alone is
+        tol = atol + rtol * ref.abs().nan_to_num(0.0)
+        assert (err <= tol).all(), f"{label}: max|ours - PyTorch's| {err.max().item():.2e} > {atol}+{rtol:.0e}|ref|"
+        if atol and err.numel():
+            worst[dtype] = max(worst[dtype], (err / tol).max().item())
+    return (f"{len(calls)} calls: {routes['ours']} on our ops, {routes['torch']} on PyTorch's ({raised} raising as "
+            f"PyTorch's do); max err/tol " + ", ".join(f"{str(d)[6:]} {e:.2f}" for d, e in worst.items()))
+
+
+def inference_patched_calls():
+    # every call of _patched_calls on the CPU, our ops as _fake_kernels (our dtype rules and checks on ATen)
+    return run_patched_calls(_fake_kernels([]), torch.device("cpu"))
+
+
+def inference_gpu_patched_calls():
+    # the same calls on CUDA tensors and our kernels: routes, dtypes, shapes, values, errors against PyTorch's
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("the table's bf16 products are ours on Hopper's wgmma alone (compute capability 9.0)")
+    return run_patched_calls(kernels, torch.device(DEV))
+
+
+# Planted faults in inference.patched's routes: patched() asks _functional_routes for them when entered.
+
+def _route_fault(name, when, ours):
+    """A mutant's plant: patched()'s route for torch.nn.functional.<name> sends the calls where when(*args,
+    **kwargs) holds to ours(kernels, *args, **kwargs), our op, whatever its arguments."""
+    real = inference._functional_routes
+
+    def routes(kernels, device_type):
+        r = real(kernels, device_type)
+        decide = r[name]
+        r[name] = lambda *a, **kw: ours(kernels, *a, **kw) if when(*a, **kw) else decide(*a, **kw)
+        return r
+    with unittest.mock.patch.object(inference, "_functional_routes", routes):
+        yield
+
+
+@mutant("patched_routes_to_pytorch", "inference/patched_routes", "inference/patched_calls", "readme/patched_example",
+        "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls")
+def _mutant_patched_routes_to_pytorch():
+    real = inference._functional_routes
+    with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: {
+            name: lambda *a, **kw: NotImplemented for name in real(*args)}):
+        yield
+
+
+def _autocast_of(t):
+    return torch.is_autocast_enabled(t.device.type)
+
+
+def _our_sdpa(kernels, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return kernels.attention(q, k, v, causal=is_causal, scale=scale,
+                             mode="fused" if q.shape[-1] in kernels.FUSED_HEAD_SIZES else "tiled")
+
+
+def _our_linear(kernels, x, w, b=None):
+    return kernels.linear(x, w, b)
+
+
+def _our_cross_entropy(kernels, x, t, **kwargs):
+    return kernels.cross_entropy(x, t)
+
+
+# (mutant, route, the calls it sends to our op, our op's call): each undoes one of the routes' refusals
+ROUTE_FAULTS = [
+    ("patched_sdpa_value_head_size", "scaled_dot_product_attention",
+     lambda q, k, v, **kw: v.shape[-1] != k.shape[-1], _our_sdpa),
+    ("patched_sdpa_batch_broadcast", "scaled_dot_product_attention",
+     lambda q, k, v, **kw: k.shape[0] != q.shape[0], _our_sdpa),
+    ("patched_sdpa_mixed_dtypes", "scaled_dot_product_attention",
+     lambda q, k, v, **kw: q.dtype != k.dtype and not _autocast_of(q), _our_sdpa),
+    ("patched_linear_mixed_dtypes", "linear", lambda x, w, b=None: x.dtype != w.dtype and not _autocast_of(x),
+     _our_linear),
+    ("patched_linear_bias_broadcast", "linear", lambda x, w, b=None: b is not None and b.shape != w.shape[:1],
+     _our_linear),
+    ("patched_float16_autocast", "linear",
+     lambda x, w, b=None: _autocast_of(x) and torch.get_autocast_dtype(x.device.type) == torch.float16, _our_linear),
+    ("patched_norm_bf16_under_autocast", "layer_norm", lambda x, *a, **kw: _autocast_of(x),
+     lambda kernels, x, shape, w=None, b=None, eps=1e-5: kernels.layernorm(x, w, b, eps)),
+    ("patched_softmax_to_bf16", "softmax", lambda x, dim=None, _stacklevel=3, dtype=None: dtype == torch.bfloat16,
+     lambda kernels, x, dim=None, _stacklevel=3, dtype=None: kernels.softmax(x, out_dtype=dtype)),
+    ("patched_cross_entropy_fp32_loss", "cross_entropy",
+     lambda x, t, **kw: x.dtype == torch.bfloat16 and not kw and len(x) > 0 and not _autocast_of(x),
+     _our_cross_entropy),
+    ("patched_cross_entropy_empty_batch", "cross_entropy", lambda x, t, **kw: len(x) == 0, _our_cross_entropy),
+    ("patched_cross_entropy_target_range", "cross_entropy",
+     lambda x, t, **kw: t.dtype == torch.long and bool((t >= x.shape[-1]).any()), _our_cross_entropy),
+]
+for _name, _route, _when, _ours in ROUTE_FAULTS:
+    mutant(_name, "inference/patched_calls", "inference/gpu_patched_calls")(
+        functools.partial(_route_fault, _route, _when, _ours))
+
+
+# Our forward kernel of each function inference.patched keeps on ours in a compiled model (the loss stays
+# PyTorch's), as the profiler names it: ours are in the global namespace (kernels.cu), PyTorch's in
+# at::native, whose elementwise_kernel shares our name.
+PATCHED_KERNELS = {"embedding": "embedding_fwd_kernel", "layer_norm": "layernorm_fwd_kernel",
+                   "linear": r"(matmul\w*|gemv)_kernel", "gelu": "elementwise_kernel<ActFwd<Gelu",
+                   "scaled_dot_product_attention": r"attention_fwd\w*_kernel"}
+
+
+def our_launches(fn, functions):
+    """Runs fn() under the profiler; asserts that for each of the functions our forward kernel was launched
+    (PyTorch's computing the same values would pass a check of values alone). Returns how many launches of
+    kernels.cu's kernels were seen."""
+    names = launched_kernels(fn)
+    if not names:  # not even PyTorch's own: the profiler saw nothing (e.g. under compute-sanitizer)
+        raise Skip("the profiler recorded no CUDA kernel, so the route taken cannot be read from their names")
+    ours = set(our_kernel_names())
+    mine = [(m.group(1), n) for n in names if (m := re.match(r"(?:void )?(\w+)[<(]", n)) and m.group(1) in ours]
+    missing = [f for f in functions if not any(re.match(rf"(?:void )?{PATCHED_KERNELS[f]}", n) for _, n in mine)]
+    assert not missing, f"no kernel of ours ran for {missing}; ours that ran: {sorted({k for k, _ in mine})}"
+    return len(mine)
+
+
 def readme_patched_example():
-    # the README's example of our ops in another model runs as printed (its code block, executed)
+    # the README's example of our ops in another model runs as printed (its code block, executed), on our kernels
     if UNDER_SANITIZER:
         raise Skip("under compute-sanitizer: Inductor compiling outlasts a sweep")
     text = open(os.path.join(HERE, "README.md")).read()
@@ -1995,11 +2312,14 @@ def readme_patched_example():
     code = "    import torch" + block.split("\n\n", 1)[0]
     code = "\n".join(line[4:] for line in code.splitlines())
     out = io.StringIO()
+    # the loss is compiled: PyTorch's (an ignored target cannot be looked for in a traced graph); the bf16
+    # products are ours on Hopper only
+    functions = ("embedding", "layer_norm", "gelu") + ("linear",) * (torch.cuda.get_device_capability() == (9, 0))
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
+        launches = our_launches(lambda: exec(compile(code, "README.md", "exec"), {}), functions)
     loss = float(out.getvalue().split()[0])
     assert math.isfinite(loss) and loss < math.log(96) + 1, out.getvalue()
-    return f"printed {one_line(out.getvalue())[:120]}"
+    return f"printed {one_line(out.getvalue())[:120]}; {launches} launches of our kernels"
 
 
 def inference_gpu_patched_compiled_gpt():
@@ -2011,7 +2331,8 @@ def inference_gpu_patched_compiled_gpt():
     steps, losses = 10, {}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 48, (8, 33), generator=g).to(DEV) for _ in range(steps)]
-    for ours in (False, True):
+
+    def train(ours):
         torch.manual_seed(0)
         model = _FunctionalGPT().to(DEV)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -2025,14 +2346,19 @@ def inference_gpu_patched_compiled_gpt():
                 opt.step()
                 losses[ours].append(loss.item())
         torch._dynamo.reset()
+    train(False)
+    # the loss is compiled: PyTorch's (an ignored target cannot be looked for in a traced graph)
+    launches = our_launches(lambda: train(True), ("embedding", "layer_norm", "linear", "gelu",
+                                                  "scaled_dot_product_attention"))
     check("losses", torch.tensor(losses[True]), torch.tensor(losses[False]), 1e-4)
-    return f"{steps} steps compiled whole on our ops; loss {losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
+    return f"{steps} steps compiled whole on our ops ({launches} launches of our kernels); loss " \
+        f"{losses[True][0]:.4f} -> {losses[True][-1]:.4f}"
 
 
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
             inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
             inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes, inference_trained_row,
-            inference_match_margins):
+            inference_match_margins, inference_patched_calls):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
@@ -5069,6 +5395,7 @@ add("train/gpu_bf16_op_sets_close_mhc-dynamic", train_gpu_bf16_op_sets_close, "g
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
 add("inference/gpu_patched_compiled_gpt", inference_gpu_patched_compiled_gpt)
+add("inference/gpu_patched_calls", inference_gpu_patched_calls)
 add("readme/patched_example", readme_patched_example)
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
                          ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16"),
