@@ -3139,11 +3139,16 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const
     y[(int64_t)s * N + row] = from_float<T>(expert_ok ? acc + (bias ? to_float(bias[e * N + row]) : 0.f) : NAN);
 }
 
+// grid.y runs over the vectors and stops at 65535: more take further launches, each on its slice of x,
+// y and experts (one launch at decoding's sizes).
 template <bool VEC, int KSPLIT, class T>
 static void gemv_launch(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts,
                         int64_t E, IndexErrorBox* box, cudaStream_t s) {
-  dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), S);
-  launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x, bias, y, N, K, experts, E, box);
+  for (int s0 = 0; s0 < S; s0 += 65535) {
+    const dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), std::min(S - s0, 65535));
+    launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x + (int64_t)s0 * K, bias,
+               y + (int64_t)s0 * N, N, K, experts ? experts + s0 : nullptr, E, box);
+  }
 }
 
 // y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.

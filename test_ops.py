@@ -76,6 +76,13 @@ def under_tool(normal, shorter):
     return shorter if UNDER_SANITIZER else normal
 
 
+def past_grid_limit():
+    """Skips a case whose launches go past a grid dimension's 65535 blocks (grid.y, grid.z) under a sanitizer:
+    it checks every one of their millions of blocks (the same kernels run at ordinary sizes there)."""
+    if UNDER_SANITIZER:
+        raise Skip("past a grid dimension's 65535 blocks: millions of blocks, too slow under a sanitizer")
+
+
 if UNDER_SANITIZER:
     # synccheck reports barrier errors inside cuDNN's bf16 attention backward, whose call then fails and
     # leaves the CUDA context broken for every later case of the process; the bf16 training cases, whose
@@ -2950,6 +2957,18 @@ for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 
                                (4, 37, 1001, [3, 3, 1], True)):
     add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
         _E, _N, _K, _ex, _bias)
+
+
+def t_expert_gemv_many_rows(S, E=4, N=37, K=64):
+    # grid.y runs over the rows of x and stops at 65535: S = 2 * 65535 + 3 takes three launches, the last of 3
+    # rows, each on its slice of x, y and experts (one launch of S rows failed: invalid configuration argument)
+    past_grid_limit()
+    e = torch.randint(0, E, (S,), device=DEV)
+    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(S, K),
+            b=rand(E, N), e=e)
+
+
+add("expert_gemv/131073_rows_past_grid_y", t_expert_gemv_many_rows, 131073)
 
 # -----------------------------------------------------------------------------
 # bf16 row ops: bf16 activations in and out, fp32 arithmetic inside (mixed-precision training feeds the
