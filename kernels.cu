@@ -66,6 +66,15 @@ static void check_launch(const char* what) {
 
 static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
+// A grid.x of `blocks`, or an error naming `what`: grid.x takes up to 2^31 - 1 blocks (grid.y and z only
+// 65535, which is why long dimensions go on x).
+static unsigned grid_x(int64_t blocks, const char* what) {
+  if (blocks > INT_MAX)
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) +
+                                " blocks exceed the grid's limit of 2^31 - 1");
+  return (unsigned)blocks;
+}
+
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 constexpr int kMaxDevices = 64;
@@ -5693,7 +5702,8 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
 // each writes its rows' output and lse_log2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
 template <class Ops, int MT>
-__global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
+__global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p,
+                                                                     int kv_heads) {
   using T = typename Ops::T;
   constexpr int D = Ops::D, LD = Ops::LD, BM = 64 * MT;  // BM rows a block
   constexpr int STAGES = attn_stages<Ops>(BM, 128);
@@ -5701,13 +5711,15 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
   pdl_begin();
   T* Qs = reinterpret_cast<T*>(attn_smem_base<Ops>(attn_smem));
   T* KVs = Qs + BM * LD;  // stage st: K rows at KVs + st * 128 * LD, V rows 64 * LD further
-  const int kvh = blockIdx.x, split = blockIdx.z;
+  // x: (K/V head, row block y) with the heads fastest (attention_fwd_launch)
+  const int kvh = blockIdx.x % kv_heads, y = blockIdx.x / kv_heads, row_blocks = gridDim.x / kv_heads;
+  const int split = blockIdx.z;
   const int R = p.group * p.Sq;  // rows per K/V head
   // Heaviest causal tiles (the last queries) first, so the light ones fill the last wave: when the
   // heads' rows split into whole tiles, y runs over the group's heads fastest, then tiles backwards.
-  const int y = blockIdx.y, head_tiles = p.Sq / BM;
+  const int head_tiles = p.Sq / BM;
   const int r0 = p.Sq % BM == 0 ? (y % p.group) * p.Sq + (head_tiles - 1 - y / p.group) * BM
-                                : (gridDim.y - 1 - y) * BM;
+                                : (row_blocks - 1 - y) * BM;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const AttnGroupRows<const T> q = attn_group_rows(p.q, p.lq, kvh * p.group, p.Sq);
   const AttnRows<const T> k = attn_rows(p.k, p.lk, kvh), v = attn_rows(p.v, p.lv, kvh);
@@ -5792,7 +5804,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
 
   // Without splits straight into out and lse_log2; with them into this split's slice of the workspace.
   // A split past the valid keys writes lse_log2 = -inf: weight 0 in the merge.
-  const int64_t rows_total = (int64_t)gridDim.x * R;
+  const int64_t rows_total = (int64_t)kv_heads * R;
   float* lse_log2 = (gridDim.z == 1 ? p.lse_log2 : p.part_lse_log2 + split * rows_total) + (int64_t)kvh * R;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -6071,16 +6083,18 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
 // One launch for both backward halves: blocks y < kv_blocks compute dK/dV for a key block, the
 // rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
 // fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
-// x runs over the query heads; with grouped K/V heads only the first BH / group x have a dK/dV block.
+// bh runs over the query heads; with grouped K/V heads only the first BH / group have a dK/dV block.
 template <class Ops, int BQ, int BK, int STAGES>
-__global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int kv_blocks) {
+__global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int BH,
+                                                                     int kv_blocks) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
   unsigned char* smem = attn_smem_base<Ops>(attn_smem);
-  const int y = blockIdx.y;
+  // x: (query head bh, block y) with the heads fastest (attention_bwd_dispatch)
+  const int bh = blockIdx.x % BH, y = blockIdx.x / BH, blocks_y = gridDim.x / BH;
   if (y < kv_blocks) {
-    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, smem, blockIdx.x, y);
+    if (bh < BH / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, smem, bh, y);
   } else {
-    attention_bwd_dq<Ops, BK, STAGES>(p, smem, blockIdx.x, gridDim.y - 1 - y);
+    attention_bwd_dq<Ops, BK, STAGES>(p, smem, bh, blocks_y - 1 - y);
   }
 }
 
@@ -6096,14 +6110,17 @@ static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale
   return p;
 }
 
-// Grid: (K/V heads, row blocks of 64 * MT, splits). Rows that fit one block of 64 (decoding) take
-// MT = 1: the kernel is then bound by reading K and V, and more blocks fit on an SM.
+// Grid: (K/V heads x row blocks of 64 * MT, splits), the heads and row blocks folded into x, heads
+// fastest (the order of a 2-D grid's blocks): grid.y would stop at 65535 row blocks, 4.2M rows. Rows
+// that fit one block of 64 (decoding) take MT = 1: the kernel is then bound by reading K and V, and
+// more blocks fit on an SM.
 template <class Ops, int MT>
 static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
   const size_t smem = attn_smem_bytes<Ops>(64 * MT + attn_stages<Ops>(64 * MT, 128) * 128);
-  const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
+  const int64_t blocks = (int64_t)kv_heads * ceil_div((int64_t)p.group * p.Sq, 64 * MT);
+  const dim3 grid(grid_x(blocks, "attention_fwd_fused"), 1, splits);
   raise_smem_limit<attention_fwd_kernel<Ops, MT>>(smem);
-  launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p);
+  launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p, kv_heads);
 }
 template <class Ops>
 static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
@@ -6134,7 +6151,10 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
   constexpr size_t smem = std::max(smem_kv, smem_q);
   raise_smem_limit<attention_bwd_kernel<Ops, BQ, BK, STAGES>>(smem);
-  attention_bwd_kernel<Ops, BQ, BK, STAGES><<<dim3(BH, kv_blocks + q_blocks), ATTN_THREADS, smem, s>>>(p, kv_blocks);
+  // (query heads x blocks) folded into x as in attention_fwd_launch: a grid.y of kv_blocks + q_blocks
+  // stopped at 65535, 4.2M keys (or 2.1M keys and queries each)
+  const unsigned grid = grid_x((int64_t)BH * (kv_blocks + q_blocks), "attention_bwd_fused");
+  attention_bwd_kernel<Ops, BQ, BK, STAGES><<<grid, ATTN_THREADS, smem, s>>>(p, BH, kv_blocks);
   check_launch("attention_bwd");
 }
 

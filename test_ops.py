@@ -3588,6 +3588,35 @@ for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
     add(_name, t_attention, _impl, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
 
 
+def t_attention_long(dtype, H, Hkv, Sq, Sk, D, causal, rel):
+    """Attention past the 65535 blocks a grid.y takes: the mma.sync kernels' forward has a block for every 64
+    query rows of a K/V head (128 in bf16 at D <= 64), their backward one for every 64 keys and every 64
+    queries of a head, and both fold these blocks with the heads into grid.x (a grid.y of them failed:
+    invalid configuration argument). Outputs and gradients that sum millions of terms are far from unit
+    scale, so each is held to `rel` of its own largest magnitude: an fp32 sum's rounding stays near 1e-5 of
+    it, bf16's near 4e-3, and a block that misses or misplaces its rows is off by all of it."""
+    past_grid_limit()
+    q, k, v, dy = rand(1, H, Sq, D), rand(1, Hkv, Sk, D), rand(1, Hkv, Sk, D), rand(1, H, Sq, D)
+    ours_in = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = kernels.attention(*ours_in, causal=causal)
+    ours = (out, *torch.autograd.grad(out, ours_in, dy.to(dtype)))
+    ref_in = [t.detach().double().requires_grad_() for t in ours_in]
+    ref = REF.attention(*ref_in, causal=causal)
+    refs = (ref, *torch.autograd.grad(ref, ref_in, dy.to(dtype).double()))
+    for label, a, r in zip(("out", "dq", "dk", "dv"), ours, refs, strict=True):
+        check(label, a, r, rel * r.abs().max().item())
+
+
+# fp32, 2 query heads a K/V head: 4.2M rows of whole 64-row tiles (the forward's heaviest-first order over
+# the group); 4.2M keys, causal, in the backward; bf16 at D = 32 (mma.sync, 128 rows a forward block): 8.4M
+# rows of a ragged last tile forward, 4.2M queries backward
+for _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel in ((torch.float32, 2, 1, 2097152, 96, 32, False, 1e-3),
+                                                     (torch.float32, 2, 1, 65, 4194305, 32, True, 1e-3),
+                                                     (BF16, 2, 1, 4194305, 64, 32, False, 2e-2)):
+    add(f"attention/fused-{'bf16' if _dt == BF16 else 'fp32'}/long_h{_H}kv{_Hkv}_q{_Sq}k{_Sk}_d{_D}"
+        + "_causal" * _causal + "_past_grid_y", t_attention_long, _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel)
+
+
 def t_attention_misaligned(impl):
     # q, k, v and dout each start 4 bytes into an allocation: the fused kernels' 16-byte copies
     # (cp.async) must not see that, nor may the tiled path's matmuls. `seen` holds each one's address
