@@ -511,7 +511,8 @@ __global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, i
   pos[t] = t;
 }
 
-// One chunk of sorted positions (blockIdx.x), one tile of columns (blockIdx.y, one unit per thread).
+// One chunk of sorted positions (blockIdx.x), one unit of columns a thread in the column tiles blockIdx.y,
+// blockIdx.y + gridDim.y, ... (grid.y stops at 65535 tiles, 16.8M units).
 // For each run of equal keys in the chunk, the sum of its dout rows in order goes to dweight (the run
 // lies inside the chunk), to part[chunk][0] (the run began in an earlier chunk) or to part[chunk][1]
 // (the run begins here and goes on into the next chunk).
@@ -529,27 +530,29 @@ __global__ void __launch_bounds__(256) embedding_bwd_chunk_kernel(const unsigned
     if (i >= 1 && i <= n) row[i - 1] = pos[p];
   }
   __syncthreads();
-  const int u = blockIdx.y * blockDim.x + threadIdx.x;
-  if (u * VEC >= C) return;
-  for (int a = 0; a < n;) {
-    const unsigned k = key[a + 1];
-    int b = a + 1;
-    while (b < n && key[b + 1] == k) ++b;
-    if (k < V) {
-      float acc[VEC] = {};
+  const int64_t step = (int64_t)gridDim.y * blockDim.x;
+  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
+    const int u = (int)uu;  // VEC = 4 only where C % 4 == 0
+    for (int a = 0; a < n;) {
+      const unsigned k = key[a + 1];
+      int b = a + 1;
+      while (b < n && key[b + 1] == k) ++b;
+      if (k < V) {
+        float acc[VEC] = {};
 #pragma unroll 8
-      for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
-        float v[VEC];
-        load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
+        for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
+          float v[VEC];
+          load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+        }
+        float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
+                     : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
+                                                 : dweight + (int64_t)k * C;
+        store_unit<VEC>(dst, u, C, acc);
       }
-      float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
-                   : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
-                                               : dweight + (int64_t)k * C;
-      store_unit<VEC>(dst, u, C, acc);
+      a = b;
     }
-    a = b;
   }
 }
 
@@ -570,18 +573,20 @@ __global__ void __launch_bounds__(256) embedding_bwd_runs_kernel(const unsigned*
     else hi = mid;
   }
   const int last = (lo - 1) / EMB_CHUNK;  // the last chunk the run reaches
-  const int u = blockIdx.y * blockDim.x + threadIdx.x;
-  if (u * VEC >= C) return;
-  float acc[VEC];
-  load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
+  const int64_t step = (int64_t)gridDim.y * blockDim.x;
+  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
+    const int u = (int)uu;  // column tiles as in embedding_bwd_chunk_kernel
+    float acc[VEC];
+    load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
 #pragma unroll 4
-  for (int j = c + 1; j <= last; ++j) {
-    float v[VEC];
-    load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
+    for (int j = c + 1; j <= last; ++j) {
+      float v[VEC];
+      load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+      for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+    }
+    store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
   }
-  store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
 }
 
 // The backward's workspace, carved into: sort keys and positions (in and out), the chunk pieces, and
@@ -639,7 +644,8 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
     throw std::runtime_error(std::string("embedding_bwd: sort failed: ") + cudaGetErrorString(err));
   const bool vec = C % 4 == 0 && aligned16(dout) && aligned16(dweight);
   const int units = vec ? C / 4 : C;
-  const dim3 block(embedding_block(units).x), grid(ceil_div(T, EMB_CHUNK), ceil_div(units, block.x));
+  const dim3 block(embedding_block(units).x);
+  const dim3 grid(ceil_div(T, EMB_CHUNK), std::min(ceil_div(units, block.x), 65535));  // grid.y limit
   if (vec) {
     embedding_bwd_chunk_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
                                                           (unsigned)V, C);

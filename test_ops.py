@@ -2820,6 +2820,17 @@ for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((
     add(f"embedding/{'x'.join(map(str, _idx_shape))}_of_{_V}x{_C}", t_embedding, _idx_shape, _V, _C)
 
 
+def t_embedding_wide(idx_shape, V, C):
+    # The backward's column tiles (256 units) run over grid.y, which stops at 65535: an odd C (one-wide
+    # loads) of 16777217 makes 65537 tiles, which the blocks walk a grid apart (one launch of them all
+    # failed). 40 indices of 3 make runs that cross the chunks of 32, so both backward kernels walk them.
+    past_grid_limit()
+    t_embedding(idx_shape, V, C)
+
+
+add("embedding/40_of_3x16777217_column_tiles_past_grid_y", t_embedding_wide, (40,), 3, 16777217)
+
+
 def t_embedding_deterministic(n, V, C, run=None):
     # Two backward passes give bitwise the same weight gradient. The backward sorts the indices and
     # cuts the sorted list into chunks of 32: few distinct indices make runs that span many chunks;
