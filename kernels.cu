@@ -2821,14 +2821,17 @@ size_t matmul_workspace_floats(int batch, int M, int N, int K) {
 // batch stride (0 when x is one matrix broadcast over the batch).
 static int64_t matmul_pack(const float* x, float* out, int batch, int R, int K, int64_t rs, int64_t ks, int64_t bs,
                            cudaStream_t s) {
-  const int ktiles = ceil_div(K, WG_BK);
-  const int64_t out_bs = bs == 0 ? 0 : (int64_t)ceil_div(R, 128) * ktiles * WG_TILE;
+  const int ktiles = ceil_div(K, WG_BK), rtiles = ceil_div(R, 128);
+  const int64_t out_bs = bs == 0 ? 0 : (int64_t)rtiles * ktiles * WG_TILE;
   const int copies = bs == 0 ? 1 : batch;
-  for (int z0 = 0; z0 < copies; z0 += 65535) {  // grid.z limit
-    PackArgs p{x + z0 * bs, out + z0 * out_bs, R, K, ktiles, rs, ks, bs, out_bs};
-    matmul_pack_kernel<<<dim3(ktiles, ceil_div(R, 128), std::min(copies - z0, 65535)), 256, 0, s>>>(p);
-    check_launch("matmul_pack");
-  }
+  for (int z0 = 0; z0 < copies; z0 += 65535)      // grid.z limit
+    for (int t0 = 0; t0 < rtiles; t0 += 65535) {  // grid.y limit: 8.4M rows
+      PackArgs p{x + z0 * bs + (int64_t)t0 * 128 * rs, out + z0 * out_bs + (int64_t)t0 * ktiles * WG_TILE,
+                 R - t0 * 128, K, ktiles, rs, ks, bs, out_bs};
+      const dim3 grid(ktiles, std::min(rtiles - t0, 65535), std::min(copies - z0, 65535));
+      matmul_pack_kernel<<<grid, 256, 0, s>>>(p);
+      check_launch("matmul_pack");
+    }
   return out_bs;
 }
 

@@ -2430,6 +2430,22 @@ add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: op
     mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
 
 
+def t_matmul_tall(M, K, N):
+    # Hopper's pack pass runs over 128-row tiles on grid.y, which stops at 65535 (8.4M rows): M = 65537 * 128
+    # + 1 rows are packed in two launches, of 65535 tiles and of 3, the last of one row (one launch of them
+    # all failed; elsewhere the mma.sync kernel runs, rows on grid.x). Checked in slices of rows, so the
+    # float64 reference stays small.
+    past_grid_limit()
+    a, b = rand(M, K), rand(K, N)
+    c = kernels.matmul(a, b)
+    for r0 in range(0, M, 1 << 20):
+        check(f"rows_{r0}", c[r0:r0 + (1 << 20)], a[r0:r0 + (1 << 20)].double() @ b.double(), mm_tol(K))
+    return f"{(M + (1 << 20) - 1) >> 20} slices of rows"
+
+
+add("matmul/8388737x128x128_pack_rows_past_grid_y", t_matmul_tall, 8388737, 128, 128)
+
+
 def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
     # +-inf and NaN operands give what an fp32 product gives: +-inf where infinite terms of one sign meet
     # finite ones, NaN for inf * 0, inf - inf or a NaN term (3xTF32 alone gives NaN wherever an inf reaches).
