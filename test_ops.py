@@ -150,18 +150,33 @@ def check(label, ours, ref, tol):
     CHECKS.append(f"{label} {err:.1e}/{tol_text}")
 
 
+def check_nonfinite(label, ours, ref, tol):
+    """ours is NaN, +inf and -inf exactly where ref is, and within tol of it everywhere else (check)."""
+    assert ours.shape == ref.shape, f"{label}: shape {tuple(ours.shape)}, reference {tuple(ref.shape)}"
+    ours, ref = ours.detach().double(), ref.detach().double().to(ours.device)
+    for what, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        if not torch.equal(f(ours), f(ref)):
+            at = tuple(torch.nonzero(f(ours) != f(ref))[0].tolist())
+            raise AssertionError(f"{label}: {what} at {f(ours).sum().item()} elements, the reference at "
+                                 f"{f(ref).sum().item()}; first differing at {at}: ours {ours[at].item():.6g}, "
+                                 f"reference {ref[at].item():.6g}")
+    finite = ref.isfinite()
+    check(label, ours[finite], ref[finite], tol)
+
+
 def outputs(out):
     """An op's result as a tuple of (label, tensor): ('out', out), or ('out0', ..), ('out1', ..) for a tuple."""
     return (("out", out),) if torch.is_tensor(out) else tuple((f"out{i}", t) for i, t in enumerate(out))
 
 
-def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
+def compare(f, tol, grad_tol=None, dy=None, unreached=(), nonfinite=False, **inputs):
     """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies; f may return a tuple, each
     output checked. Given grad_tol (one for all, or by input name), one dy per output (random unless
     given) goes back through both autograds and every float input's gradient is checked too; unreached names
     the inputs the loss does not depend on (an unused output's): their gradient must be zeros or none. Float32
     inputs and dy reach our op as they are (same memory, same strides and offset); the reference gets
-    float64 copies."""
+    float64 copies. nonfinite: NaN and inf are expected, each where the reference has them (check_nonfinite)."""
+    check_of = check_nonfinite if nonfinite else check
     def leaves(dtype):
         return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None)
                 if t is not None and t.is_floating_point() else t for n, t in inputs.items()}
@@ -169,7 +184,7 @@ def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
     outs, refs = outputs(f(kernels, **ours_in)), outputs(f(REF, **ref_in))
     for (label, out), (_, ref) in zip(outs, refs, strict=True):
         assert out.dtype == torch.float32, f"{label} dtype {out.dtype}, expected float32"
-        check(label, out, ref, tol)
+        check_of(label, out, ref, tol)
     if grad_tol is None:
         return
     # drawn by shape: an output's memory layout (attention's is (B, S, H, D)) must not change it
@@ -189,7 +204,7 @@ def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
             ref_grad = torch.zeros_like(ref_in[n])
         assert t.grad is not None, f"no gradient reached {n}"
         assert ref_grad is not None, f"no gradient reached {n} in the reference"
-        check("d" + n, t.grad, ref_grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
+        check_of("d" + n, t.grad, ref_grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
 
 
 def run_case(name, fn, gpu):
@@ -2270,6 +2285,18 @@ def ref_embedding():
     check("dw", torch.autograd.grad(ours, w, dy)[0], torch.autograd.grad(twin, w, dy)[0], 1e-15)
 
 
+def ref_check_nonfinite():
+    # the NaN and inf cases' checker fails on every way of getting them wrong, and passes the right ones
+    nan, inf = float("nan"), float("inf")
+    ref = torch.tensor([1.0, nan, inf, -inf])
+    check_nonfinite("same", ref.clone(), ref, 0.0)
+    for fault, ours in (("NaN moved", [nan, 1.0, inf, -inf]), ("NaN as a number", [1.0, 0.0, inf, -inf]),
+                        ("inf as NaN", [1.0, nan, nan, -inf]), ("inf's sign", [1.0, nan, -inf, -inf]),
+                        ("a finite value off", [1.5, nan, inf, -inf])):
+        raised_message(AssertionError, lambda: check_nonfinite(fault, torch.tensor(ours), ref, 0.1), f" for {fault}")
+    return "fails on a NaN or inf moved, lost or changed and on a finite value off"
+
+
 SANITIZER_LOG = """========= COMPUTE-SANITIZER
 embedding/x                                    PASS  out 0
 ========= Uninitialized __global__ memory read of size 2 bytes
@@ -2364,6 +2391,7 @@ add("ref/topk_order", ref_topk_order, gpu=False)
 add("ref/causal_alignment", ref_causal_alignment, gpu=False)
 add("ref/join_last", ref_join_last, gpu=False)
 add("ref/embedding", ref_embedding, gpu=False)
+add("ref/check_nonfinite", ref_check_nonfinite, gpu=False)
 add("sanitize/summary_of_logs", sanitizer_summary_of_logs, gpu=False)
 add("sanitize/resume", sanitizer_resume, gpu=False)
 add("sanitize/left_out", sanitizer_left_out, gpu=False)
@@ -2462,12 +2490,7 @@ def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
     bias_t = rand(N) if bias else None
     ours = (kernels.linear(a, b.transpose(-1, -2), bias_t) if linear else kernels.matmul(a, b)).double().cpu()
     ref = a.double().cpu() @ b.double().cpu() + (bias_t.double().cpu() if bias else 0.0)
-    for what, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        assert torch.equal(f(ours), f(ref)), (f"{what} at {f(ours).sum().item()} outputs, fp32 has "
-                                              f"{f(ref).sum().item()}; first differing at "
-                                              f"{tuple(torch.nonzero(f(ours) != f(ref))[0].tolist())}")
-    finite = ref.isfinite()
-    check("finite", ours[finite], ref[finite], mm_tol(M, K, N))
+    check_nonfinite("out", ours, ref, mm_tol(M, K, N))
     return f"{int(ref.isnan().sum())} NaN, {int(ref.isposinf().sum())} +inf, {int(ref.isneginf().sum())} -inf as fp32's"
 
 
@@ -2881,6 +2904,76 @@ def t_cross_entropy(N, V, scale=1.0):
 
 for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (1, 50304, 1), (37, 50304, 1), (37, 65, 30)):
     add(f"cross_entropy/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy, _N, _V, _scale)
+
+
+# NaN and inf pass through as PyTorch passes them on (as its fp64 twin does): a row holding a NaN or +inf, or
+# all -inf, normalizes to NaN, except that RMSNorm's rstd becomes 0 at an inf, which leaves the row 0 with NaN
+# where the inf was; softmax gives 0 where -inf meets finite values and NaN where +inf or NaN is; cross-entropy
+# a NaN loss and NaN row gradients for such rows, +inf for a target at -inf. The checks hold every NaN and
+# inf to the twin's positions and the rest to the usual tolerances.
+def nonfinite_rows(R, C):
+    """R x C unit normals (R >= 6, C >= 3) but for a NaN in row 0, +inf in row 1, -inf in row 2, +inf and -inf
+    in row 3, and row 4 all -inf."""
+    nan, inf = float("nan"), float("inf")
+    x = rand(R, C)
+    x[0, C // 2], x[1, 0], x[2, C - 1], x[3, 1], x[3, 2] = nan, inf, -inf, inf, -inf
+    x[4] = -inf
+    return x
+
+
+def t_norm_nonfinite(kind, R, C):
+    sum_tol = LN_GRAD_TOL * max(1.0, (R / 1000) ** 0.5)  # as in t_layernorm
+    if kind == "layernorm":
+        compare(lambda ops, x, w, b: ops.layernorm(x, w, b), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol, b=sum_tol),
+                nonfinite=True, x=nonfinite_rows(R, C), w=rand(C), b=rand(C))
+    else:
+        compare(lambda ops, x, w: ops.rmsnorm(x, w), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol), nonfinite=True,
+                x=nonfinite_rows(R, C), w=rand(C))
+
+
+def t_softmax_nonfinite(R, C):
+    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, nonfinite=True, x=nonfinite_rows(R, C))
+
+
+def t_cross_entropy_nonfinite(kind, N, V):
+    """kind 'nan_inf': nonfinite_rows' logits, a NaN loss; 'neg_inf_off_target': -inf in every row, never at
+    the target, a finite loss; 'neg_inf_at_target': also row 0's target at -inf (an infinite loss) and row 1
+    -inf but at its target (a zero loss and zero gradient for that row)."""
+    targets = torch.randint(0, V, (N,), device=DEV)
+    inf = float("inf")
+    if kind == "nan_inf":
+        logits = nonfinite_rows(N, V)
+    else:
+        logits = rand(N, V)
+        logits[torch.arange(N, device=DEV), (targets + 1) % V] = -inf
+        if kind == "neg_inf_at_target":
+            logits[0, targets[0]] = -inf
+            logits[1] = -inf
+            logits[1, targets[1]] = 0.5
+    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL, nonfinite=True,
+            logits=logits, targets=targets)
+
+
+for _R, _C in ((37, 768), (8, 65536)):  # 65536: rows past the register cache, and the norms' separate column sums
+    for _kind in ("layernorm", "rmsnorm"):
+        add(f"{_kind}/nonfinite_{_R}x{_C}", t_norm_nonfinite, _kind, _R, _C)
+for _R, _C in ((37, 17), (8, 50304)):
+    add(f"softmax/nonfinite_{_R}x{_C}", t_softmax_nonfinite, _R, _C)
+for _kind, _V in (("nan_inf", 65), ("nan_inf", 50304), ("neg_inf_off_target", 65), ("neg_inf_at_target", 65)):
+    add(f"cross_entropy/nonfinite_{_kind}_37x{_V}", t_cross_entropy_nonfinite, _kind, 37, _V)
+
+
+@mutant("nonfinite_swallowed", "layernorm/nonfinite_37x768", "rmsnorm/nonfinite_37x768", "softmax/nonfinite_37x17",
+        "cross_entropy/nonfinite_nan_inf_37x65", "cross_entropy/nonfinite_neg_inf_at_target_37x65")
+def _nonfinite_swallowed():
+    """The row ops' outputs with NaN and inf turned into numbers, as a kernel that clamped or skipped them would
+    give."""
+    with contextlib.ExitStack() as stack:
+        for name in ("layernorm", "rmsnorm", "softmax", "cross_entropy"):
+            op = getattr(kernels, name)
+            stack.enter_context(unittest.mock.patch.object(
+                kernels, name, lambda *args, _op=op, **kw: torch.nan_to_num(_op(*args, **kw))))
+        yield
 
 
 def t_gemv(N, K, bias=False, x_step=1):
