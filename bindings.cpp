@@ -598,7 +598,8 @@ static void check_matmul(const Tensor& a, const Tensor& b) {
           " and ", b.sizes());
   REQUIRE(a.size(-1) == b.size(-2), op, ": inner dims must match, got a ", a.sizes(), " and b ", b.sizes());
   if (a.dim() == 3)
-    REQUIRE(a.size(0) == b.size(0), op, ": batch sizes must match, got ", a.size(0), " and ", b.size(0));
+    REQUIRE(a.size(0) == b.size(0), op, ": a and b must have the same batch size (dim 0), got a ", a.sizes(),
+            " and b ", b.sizes());
 }
 
 // 2-D a and b as a batch of one.

@@ -66,6 +66,15 @@ static void check_launch(const char* what) {
 
 static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
+// A grid.x of `blocks`, or an error naming `what`: grid.x takes up to 2^31 - 1 blocks (grid.y and z only
+// 65535, which is why long dimensions go on x).
+static unsigned grid_x(int64_t blocks, const char* what) {
+  if (blocks > INT_MAX)
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(blocks) +
+                                " blocks exceed the grid's limit of 2^31 - 1");
+  return (unsigned)blocks;
+}
+
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 constexpr int kMaxDevices = 64;
@@ -502,7 +511,8 @@ __global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, i
   pos[t] = t;
 }
 
-// One chunk of sorted positions (blockIdx.x), one tile of columns (blockIdx.y, one unit per thread).
+// One chunk of sorted positions (blockIdx.x), one unit of columns a thread in the column tiles blockIdx.y,
+// blockIdx.y + gridDim.y, ... (grid.y stops at 65535 tiles, 16.8M units).
 // For each run of equal keys in the chunk, the sum of its dout rows in order goes to dweight (the run
 // lies inside the chunk), to part[chunk][0] (the run began in an earlier chunk) or to part[chunk][1]
 // (the run begins here and goes on into the next chunk).
@@ -520,27 +530,29 @@ __global__ void __launch_bounds__(256) embedding_bwd_chunk_kernel(const unsigned
     if (i >= 1 && i <= n) row[i - 1] = pos[p];
   }
   __syncthreads();
-  const int u = blockIdx.y * blockDim.x + threadIdx.x;
-  if (u * VEC >= C) return;
-  for (int a = 0; a < n;) {
-    const unsigned k = key[a + 1];
-    int b = a + 1;
-    while (b < n && key[b + 1] == k) ++b;
-    if (k < V) {
-      float acc[VEC] = {};
+  const int64_t step = (int64_t)gridDim.y * blockDim.x;
+  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
+    const int u = (int)uu;  // VEC = 4 only where C % 4 == 0
+    for (int a = 0; a < n;) {
+      const unsigned k = key[a + 1];
+      int b = a + 1;
+      while (b < n && key[b + 1] == k) ++b;
+      if (k < V) {
+        float acc[VEC] = {};
 #pragma unroll 8
-      for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
-        float v[VEC];
-        load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
+        for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
+          float v[VEC];
+          load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+        }
+        float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
+                     : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
+                                                 : dweight + (int64_t)k * C;
+        store_unit<VEC>(dst, u, C, acc);
       }
-      float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
-                   : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
-                                               : dweight + (int64_t)k * C;
-      store_unit<VEC>(dst, u, C, acc);
+      a = b;
     }
-    a = b;
   }
 }
 
@@ -561,18 +573,20 @@ __global__ void __launch_bounds__(256) embedding_bwd_runs_kernel(const unsigned*
     else hi = mid;
   }
   const int last = (lo - 1) / EMB_CHUNK;  // the last chunk the run reaches
-  const int u = blockIdx.y * blockDim.x + threadIdx.x;
-  if (u * VEC >= C) return;
-  float acc[VEC];
-  load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
+  const int64_t step = (int64_t)gridDim.y * blockDim.x;
+  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
+    const int u = (int)uu;  // column tiles as in embedding_bwd_chunk_kernel
+    float acc[VEC];
+    load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
 #pragma unroll 4
-  for (int j = c + 1; j <= last; ++j) {
-    float v[VEC];
-    load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
+    for (int j = c + 1; j <= last; ++j) {
+      float v[VEC];
+      load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+      for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+    }
+    store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
   }
-  store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
 }
 
 // The backward's workspace, carved into: sort keys and positions (in and out), the chunk pieces, and
@@ -630,7 +644,8 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
     throw std::runtime_error(std::string("embedding_bwd: sort failed: ") + cudaGetErrorString(err));
   const bool vec = C % 4 == 0 && aligned16(dout) && aligned16(dweight);
   const int units = vec ? C / 4 : C;
-  const dim3 block(embedding_block(units).x), grid(ceil_div(T, EMB_CHUNK), ceil_div(units, block.x));
+  const dim3 block(embedding_block(units).x);
+  const dim3 grid(ceil_div(T, EMB_CHUNK), std::min(ceil_div(units, block.x), 65535));  // grid.y limit
   if (vec) {
     embedding_bwd_chunk_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
                                                           (unsigned)V, C);
@@ -2806,14 +2821,17 @@ size_t matmul_workspace_floats(int batch, int M, int N, int K) {
 // batch stride (0 when x is one matrix broadcast over the batch).
 static int64_t matmul_pack(const float* x, float* out, int batch, int R, int K, int64_t rs, int64_t ks, int64_t bs,
                            cudaStream_t s) {
-  const int ktiles = ceil_div(K, WG_BK);
-  const int64_t out_bs = bs == 0 ? 0 : (int64_t)ceil_div(R, 128) * ktiles * WG_TILE;
+  const int ktiles = ceil_div(K, WG_BK), rtiles = ceil_div(R, 128);
+  const int64_t out_bs = bs == 0 ? 0 : (int64_t)rtiles * ktiles * WG_TILE;
   const int copies = bs == 0 ? 1 : batch;
-  for (int z0 = 0; z0 < copies; z0 += 65535) {  // grid.z limit
-    PackArgs p{x + z0 * bs, out + z0 * out_bs, R, K, ktiles, rs, ks, bs, out_bs};
-    matmul_pack_kernel<<<dim3(ktiles, ceil_div(R, 128), std::min(copies - z0, 65535)), 256, 0, s>>>(p);
-    check_launch("matmul_pack");
-  }
+  for (int z0 = 0; z0 < copies; z0 += 65535)      // grid.z limit
+    for (int t0 = 0; t0 < rtiles; t0 += 65535) {  // grid.y limit: 8.4M rows
+      PackArgs p{x + z0 * bs + (int64_t)t0 * 128 * rs, out + z0 * out_bs + (int64_t)t0 * ktiles * WG_TILE,
+                 R - t0 * 128, K, ktiles, rs, ks, bs, out_bs};
+      const dim3 grid(ktiles, std::min(rtiles - t0, 65535), std::min(copies - z0, 65535));
+      matmul_pack_kernel<<<grid, 256, 0, s>>>(p);
+      check_launch("matmul_pack");
+    }
   return out_bs;
 }
 
@@ -3139,11 +3157,16 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const
     y[(int64_t)s * N + row] = from_float<T>(expert_ok ? acc + (bias ? to_float(bias[e * N + row]) : 0.f) : NAN);
 }
 
+// grid.y runs over the vectors and stops at 65535: more take further launches, each on its slice of x,
+// y and experts (one launch at decoding's sizes).
 template <bool VEC, int KSPLIT, class T>
 static void gemv_launch(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts,
                         int64_t E, IndexErrorBox* box, cudaStream_t s) {
-  dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), S);
-  launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x, bias, y, N, K, experts, E, box);
+  for (int s0 = 0; s0 < S; s0 += 65535) {
+    const dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), std::min(S - s0, 65535));
+    launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x + (int64_t)s0 * K, bias,
+               y + (int64_t)s0 * N, N, K, experts ? experts + s0 : nullptr, E, box);
+  }
 }
 
 // y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
@@ -5688,7 +5711,8 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
 // each writes its rows' output and lse_log2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
 template <class Ops, int MT>
-__global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p) {
+__global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p,
+                                                                     int kv_heads) {
   using T = typename Ops::T;
   constexpr int D = Ops::D, LD = Ops::LD, BM = 64 * MT;  // BM rows a block
   constexpr int STAGES = attn_stages<Ops>(BM, 128);
@@ -5696,13 +5720,15 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
   pdl_begin();
   T* Qs = reinterpret_cast<T*>(attn_smem_base<Ops>(attn_smem));
   T* KVs = Qs + BM * LD;  // stage st: K rows at KVs + st * 128 * LD, V rows 64 * LD further
-  const int kvh = blockIdx.x, split = blockIdx.z;
+  // x: (K/V head, row block y) with the heads fastest (attention_fwd_launch)
+  const int kvh = blockIdx.x % kv_heads, y = blockIdx.x / kv_heads, row_blocks = gridDim.x / kv_heads;
+  const int split = blockIdx.z;
   const int R = p.group * p.Sq;  // rows per K/V head
   // Heaviest causal tiles (the last queries) first, so the light ones fill the last wave: when the
   // heads' rows split into whole tiles, y runs over the group's heads fastest, then tiles backwards.
-  const int y = blockIdx.y, head_tiles = p.Sq / BM;
+  const int head_tiles = p.Sq / BM;
   const int r0 = p.Sq % BM == 0 ? (y % p.group) * p.Sq + (head_tiles - 1 - y / p.group) * BM
-                                : (gridDim.y - 1 - y) * BM;
+                                : (row_blocks - 1 - y) * BM;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const AttnGroupRows<const T> q = attn_group_rows(p.q, p.lq, kvh * p.group, p.Sq);
   const AttnRows<const T> k = attn_rows(p.k, p.lk, kvh), v = attn_rows(p.v, p.lv, kvh);
@@ -5787,7 +5813,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
 
   // Without splits straight into out and lse_log2; with them into this split's slice of the workspace.
   // A split past the valid keys writes lse_log2 = -inf: weight 0 in the merge.
-  const int64_t rows_total = (int64_t)gridDim.x * R;
+  const int64_t rows_total = (int64_t)kv_heads * R;
   float* lse_log2 = (gridDim.z == 1 ? p.lse_log2 : p.part_lse_log2 + split * rows_total) + (int64_t)kvh * R;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -6066,16 +6092,18 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
 // One launch for both backward halves: blocks y < kv_blocks compute dK/dV for a key block, the
 // rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
 // fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
-// x runs over the query heads; with grouped K/V heads only the first BH / group x have a dK/dV block.
+// bh runs over the query heads; with grouped K/V heads only the first BH / group have a dK/dV block.
 template <class Ops, int BQ, int BK, int STAGES>
-__global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int kv_blocks) {
+__global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int BH,
+                                                                     int kv_blocks) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
   unsigned char* smem = attn_smem_base<Ops>(attn_smem);
-  const int y = blockIdx.y;
+  // x: (query head bh, block y) with the heads fastest (attention_bwd_dispatch)
+  const int bh = blockIdx.x % BH, y = blockIdx.x / BH, blocks_y = gridDim.x / BH;
   if (y < kv_blocks) {
-    if ((int)blockIdx.x < (int)gridDim.x / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, smem, blockIdx.x, y);
+    if (bh < BH / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, smem, bh, y);
   } else {
-    attention_bwd_dq<Ops, BK, STAGES>(p, smem, blockIdx.x, gridDim.y - 1 - y);
+    attention_bwd_dq<Ops, BK, STAGES>(p, smem, bh, blocks_y - 1 - y);
   }
 }
 
@@ -6091,14 +6119,17 @@ static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale
   return p;
 }
 
-// Grid: (K/V heads, row blocks of 64 * MT, splits). Rows that fit one block of 64 (decoding) take
-// MT = 1: the kernel is then bound by reading K and V, and more blocks fit on an SM.
+// Grid: (K/V heads x row blocks of 64 * MT, splits), the heads and row blocks folded into x, heads
+// fastest (the order of a 2-D grid's blocks): grid.y would stop at 65535 row blocks, 4.2M rows. Rows
+// that fit one block of 64 (decoding) take MT = 1: the kernel is then bound by reading K and V, and
+// more blocks fit on an SM.
 template <class Ops, int MT>
 static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
   const size_t smem = attn_smem_bytes<Ops>(64 * MT + attn_stages<Ops>(64 * MT, 128) * 128);
-  const dim3 grid(kv_heads, ceil_div((int64_t)p.group * p.Sq, 64 * MT), splits);
+  const int64_t blocks = (int64_t)kv_heads * ceil_div((int64_t)p.group * p.Sq, 64 * MT);
+  const dim3 grid(grid_x(blocks, "attention_fwd_fused"), 1, splits);
   raise_smem_limit<attention_fwd_kernel<Ops, MT>>(smem);
-  launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p);
+  launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p, kv_heads);
 }
 template <class Ops>
 static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
@@ -6129,7 +6160,10 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
   constexpr size_t smem = std::max(smem_kv, smem_q);
   raise_smem_limit<attention_bwd_kernel<Ops, BQ, BK, STAGES>>(smem);
-  attention_bwd_kernel<Ops, BQ, BK, STAGES><<<dim3(BH, kv_blocks + q_blocks), ATTN_THREADS, smem, s>>>(p, kv_blocks);
+  // (query heads x blocks) folded into x as in attention_fwd_launch: a grid.y of kv_blocks + q_blocks
+  // stopped at 65535, 4.2M keys (or 2.1M keys and queries each)
+  const unsigned grid = grid_x((int64_t)BH * (kv_blocks + q_blocks), "attention_bwd_fused");
+  attention_bwd_kernel<Ops, BQ, BK, STAGES><<<grid, ATTN_THREADS, smem, s>>>(p, BH, kv_blocks);
   check_launch("attention_bwd");
 }
 

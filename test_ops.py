@@ -78,6 +78,13 @@ def under_tool(normal, shorter):
     return shorter if UNDER_SANITIZER else normal
 
 
+def past_grid_limit():
+    """Skips a case whose launches go past a grid dimension's 65535 blocks (grid.y, grid.z) under a sanitizer:
+    it checks every one of their millions of blocks (the same kernels run at ordinary sizes there)."""
+    if UNDER_SANITIZER:
+        raise Skip("past a grid dimension's 65535 blocks: millions of blocks, too slow under a sanitizer")
+
+
 if UNDER_SANITIZER:
     # synccheck reports barrier errors inside cuDNN's bf16 attention backward, whose call then fails and
     # leaves the CUDA context broken for every later case of the process; the bf16 training cases, whose
@@ -144,18 +151,33 @@ def check(label, ours, ref, tol):
     CHECKS.append(f"{label} {err:.1e}/{tol_text}")
 
 
+def check_nonfinite(label, ours, ref, tol):
+    """ours is NaN, +inf and -inf exactly where ref is, and within tol of it everywhere else (check)."""
+    assert ours.shape == ref.shape, f"{label}: shape {tuple(ours.shape)}, reference {tuple(ref.shape)}"
+    ours, ref = ours.detach().double(), ref.detach().double().to(ours.device)
+    for what, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        if not torch.equal(f(ours), f(ref)):
+            at = tuple(torch.nonzero(f(ours) != f(ref))[0].tolist())
+            raise AssertionError(f"{label}: {what} at {f(ours).sum().item()} elements, the reference at "
+                                 f"{f(ref).sum().item()}; first differing at {at}: ours {ours[at].item():.6g}, "
+                                 f"reference {ref[at].item():.6g}")
+    finite = ref.isfinite()
+    check(label, ours[finite], ref[finite], tol)
+
+
 def outputs(out):
     """An op's result as a tuple of (label, tensor): ('out', out), or ('out0', ..), ('out1', ..) for a tuple."""
     return (("out", out),) if torch.is_tensor(out) else tuple((f"out{i}", t) for i, t in enumerate(out))
 
 
-def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
+def compare(f, tol, grad_tol=None, dy=None, unreached=(), nonfinite=False, **inputs):
     """f(kernels, **inputs) in fp32 against f(REF, **inputs) on float64 copies; f may return a tuple, each
     output checked. Given grad_tol (one for all, or by input name), one dy per output (random unless
     given) goes back through both autograds and every float input's gradient is checked too; unreached names
     the inputs the loss does not depend on (an unused output's): their gradient must be zeros or none. Float32
     inputs and dy reach our op as they are (same memory, same strides and offset); the reference gets
-    float64 copies."""
+    float64 copies. nonfinite: NaN and inf are expected, each where the reference has them (check_nonfinite)."""
+    check_of = check_nonfinite if nonfinite else check
     def leaves(dtype):
         return {n: t.detach().to(dtype).requires_grad_(grad_tol is not None)
                 if t is not None and t.is_floating_point() else t for n, t in inputs.items()}
@@ -163,7 +185,7 @@ def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
     outs, refs = outputs(f(kernels, **ours_in)), outputs(f(REF, **ref_in))
     for (label, out), (_, ref) in zip(outs, refs, strict=True):
         assert out.dtype == torch.float32, f"{label} dtype {out.dtype}, expected float32"
-        check(label, out, ref, tol)
+        check_of(label, out, ref, tol)
     if grad_tol is None:
         return
     # drawn by shape: an output's memory layout (attention's is (B, S, H, D)) must not change it
@@ -183,7 +205,7 @@ def compare(f, tol, grad_tol=None, dy=None, unreached=(), **inputs):
             ref_grad = torch.zeros_like(ref_in[n])
         assert t.grad is not None, f"no gradient reached {n}"
         assert ref_grad is not None, f"no gradient reached {n} in the reference"
-        check("d" + n, t.grad, ref_grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
+        check_of("d" + n, t.grad, ref_grad, grad_tol[n] if isinstance(grad_tol, dict) else grad_tol)
 
 
 def run_case(name, fn, gpu):
@@ -2999,6 +3021,18 @@ def ref_embedding():
     check("dw", torch.autograd.grad(ours, w, dy)[0], torch.autograd.grad(twin, w, dy)[0], 1e-15)
 
 
+def ref_check_nonfinite():
+    # the NaN and inf cases' checker fails on every way of getting them wrong, and passes the right ones
+    nan, inf = float("nan"), float("inf")
+    ref = torch.tensor([1.0, nan, inf, -inf])
+    check_nonfinite("same", ref.clone(), ref, 0.0)
+    for fault, ours in (("NaN moved", [nan, 1.0, inf, -inf]), ("NaN as a number", [1.0, 0.0, inf, -inf]),
+                        ("inf as NaN", [1.0, nan, nan, -inf]), ("inf's sign", [1.0, nan, -inf, -inf]),
+                        ("a finite value off", [1.5, nan, inf, -inf])):
+        raised_message(AssertionError, lambda: check_nonfinite(fault, torch.tensor(ours), ref, 0.1), f" for {fault}")
+    return "fails on a NaN or inf moved, lost or changed and on a finite value off"
+
+
 SANITIZER_LOG = """========= COMPUTE-SANITIZER
 embedding/x                                    PASS  out 0
 ========= Uninitialized __global__ memory read of size 2 bytes
@@ -3093,6 +3127,7 @@ add("ref/topk_order", ref_topk_order, gpu=False)
 add("ref/causal_alignment", ref_causal_alignment, gpu=False)
 add("ref/join_last", ref_join_last, gpu=False)
 add("ref/embedding", ref_embedding, gpu=False)
+add("ref/check_nonfinite", ref_check_nonfinite, gpu=False)
 add("sanitize/summary_of_logs", sanitizer_summary_of_logs, gpu=False)
 add("sanitize/resume", sanitizer_resume, gpu=False)
 add("sanitize/left_out", sanitizer_left_out, gpu=False)
@@ -3159,6 +3194,22 @@ add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: op
     mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
 
 
+def t_matmul_tall(M, K, N):
+    # Hopper's pack pass runs over 128-row tiles on grid.y, which stops at 65535 (8.4M rows): M = 65537 * 128
+    # + 1 rows are packed in two launches, of 65535 tiles and of 3, the last of one row (one launch of them
+    # all failed; elsewhere the mma.sync kernel runs, rows on grid.x). Checked in slices of rows, so the
+    # float64 reference stays small.
+    past_grid_limit()
+    a, b = rand(M, K), rand(K, N)
+    c = kernels.matmul(a, b)
+    for r0 in range(0, M, 1 << 20):
+        check(f"rows_{r0}", c[r0:r0 + (1 << 20)], a[r0:r0 + (1 << 20)].double() @ b.double(), mm_tol(K))
+    return f"{(M + (1 << 20) - 1) >> 20} slices of rows"
+
+
+add("matmul/8388737x128x128_pack_rows_past_grid_y", t_matmul_tall, 8388737, 128, 128)
+
+
 def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
     # +-inf and NaN operands give what an fp32 product gives: +-inf where infinite terms of one sign meet
     # finite ones, NaN for inf * 0, inf - inf or a NaN term (3xTF32 alone gives NaN wherever an inf reaches).
@@ -3175,12 +3226,7 @@ def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
     bias_t = rand(N) if bias else None
     ours = (kernels.linear(a, b.transpose(-1, -2), bias_t) if linear else kernels.matmul(a, b)).double().cpu()
     ref = a.double().cpu() @ b.double().cpu() + (bias_t.double().cpu() if bias else 0.0)
-    for what, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        assert torch.equal(f(ours), f(ref)), (f"{what} at {f(ours).sum().item()} outputs, fp32 has "
-                                              f"{f(ref).sum().item()}; first differing at "
-                                              f"{tuple(torch.nonzero(f(ours) != f(ref))[0].tolist())}")
-    finite = ref.isfinite()
-    check("finite", ours[finite], ref[finite], mm_tol(M, K, N))
+    check_nonfinite("out", ours, ref, mm_tol(M, K, N))
     return f"{int(ref.isnan().sum())} NaN, {int(ref.isposinf().sum())} +inf, {int(ref.isneginf().sum())} -inf as fp32's"
 
 
@@ -3549,6 +3595,17 @@ for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((
     add(f"embedding/{'x'.join(map(str, _idx_shape))}_of_{_V}x{_C}", t_embedding, _idx_shape, _V, _C)
 
 
+def t_embedding_wide(idx_shape, V, C):
+    # The backward's column tiles (256 units) run over grid.y, which stops at 65535: an odd C (one-wide
+    # loads) of 16777217 makes 65537 tiles, which the blocks walk a grid apart (one launch of them all
+    # failed). 40 indices of 3 make runs that cross the chunks of 32, so both backward kernels walk them.
+    past_grid_limit()
+    t_embedding(idx_shape, V, C)
+
+
+add("embedding/40_of_3x16777217_column_tiles_past_grid_y", t_embedding_wide, (40,), 3, 16777217)
+
+
 def t_embedding_deterministic(n, V, C, run=None):
     # Two backward passes give bitwise the same weight gradient. The backward sorts the indices and
     # cuts the sorted list into chunks of 32: few distinct indices make runs that span many chunks;
@@ -3583,6 +3640,76 @@ def t_cross_entropy(N, V, scale=1.0):
 
 for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (1, 50304, 1), (37, 50304, 1), (37, 65, 30)):
     add(f"cross_entropy/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy, _N, _V, _scale)
+
+
+# NaN and inf pass through as PyTorch passes them on (as its fp64 twin does): a row holding a NaN or +inf, or
+# all -inf, normalizes to NaN, except that RMSNorm's rstd becomes 0 at an inf, which leaves the row 0 with NaN
+# where the inf was; softmax gives 0 where -inf meets finite values and NaN where +inf or NaN is; cross-entropy
+# a NaN loss and NaN row gradients for such rows, +inf for a target at -inf. The checks hold every NaN and
+# inf to the twin's positions and the rest to the usual tolerances.
+def nonfinite_rows(R, C):
+    """R x C unit normals (R >= 6, C >= 3) but for a NaN in row 0, +inf in row 1, -inf in row 2, +inf and -inf
+    in row 3, and row 4 all -inf."""
+    nan, inf = float("nan"), float("inf")
+    x = rand(R, C)
+    x[0, C // 2], x[1, 0], x[2, C - 1], x[3, 1], x[3, 2] = nan, inf, -inf, inf, -inf
+    x[4] = -inf
+    return x
+
+
+def t_norm_nonfinite(kind, R, C):
+    sum_tol = LN_GRAD_TOL * max(1.0, (R / 1000) ** 0.5)  # as in t_layernorm
+    if kind == "layernorm":
+        compare(lambda ops, x, w, b: ops.layernorm(x, w, b), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol, b=sum_tol),
+                nonfinite=True, x=nonfinite_rows(R, C), w=rand(C), b=rand(C))
+    else:
+        compare(lambda ops, x, w: ops.rmsnorm(x, w), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol), nonfinite=True,
+                x=nonfinite_rows(R, C), w=rand(C))
+
+
+def t_softmax_nonfinite(R, C):
+    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, nonfinite=True, x=nonfinite_rows(R, C))
+
+
+def t_cross_entropy_nonfinite(kind, N, V):
+    """kind 'nan_inf': nonfinite_rows' logits, a NaN loss; 'neg_inf_off_target': -inf in every row, never at
+    the target, a finite loss; 'neg_inf_at_target': also row 0's target at -inf (an infinite loss) and row 1
+    -inf but at its target (a zero loss and zero gradient for that row)."""
+    targets = torch.randint(0, V, (N,), device=DEV)
+    inf = float("inf")
+    if kind == "nan_inf":
+        logits = nonfinite_rows(N, V)
+    else:
+        logits = rand(N, V)
+        logits[torch.arange(N, device=DEV), (targets + 1) % V] = -inf
+        if kind == "neg_inf_at_target":
+            logits[0, targets[0]] = -inf
+            logits[1] = -inf
+            logits[1, targets[1]] = 0.5
+    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL, nonfinite=True,
+            logits=logits, targets=targets)
+
+
+for _R, _C in ((37, 768), (8, 65536)):  # 65536: rows past the register cache, and the norms' separate column sums
+    for _kind in ("layernorm", "rmsnorm"):
+        add(f"{_kind}/nonfinite_{_R}x{_C}", t_norm_nonfinite, _kind, _R, _C)
+for _R, _C in ((37, 17), (8, 50304)):
+    add(f"softmax/nonfinite_{_R}x{_C}", t_softmax_nonfinite, _R, _C)
+for _kind, _V in (("nan_inf", 65), ("nan_inf", 50304), ("neg_inf_off_target", 65), ("neg_inf_at_target", 65)):
+    add(f"cross_entropy/nonfinite_{_kind}_37x{_V}", t_cross_entropy_nonfinite, _kind, 37, _V)
+
+
+@mutant("nonfinite_swallowed", "layernorm/nonfinite_37x768", "rmsnorm/nonfinite_37x768", "softmax/nonfinite_37x17",
+        "cross_entropy/nonfinite_nan_inf_37x65", "cross_entropy/nonfinite_neg_inf_at_target_37x65")
+def _nonfinite_swallowed():
+    """The row ops' outputs with NaN and inf turned into numbers, as a kernel that clamped or skipped them would
+    give."""
+    with contextlib.ExitStack() as stack:
+        for name in ("layernorm", "rmsnorm", "softmax", "cross_entropy"):
+            op = getattr(kernels, name)
+            stack.enter_context(unittest.mock.patch.object(
+                kernels, name, lambda *args, _op=op, **kw: torch.nan_to_num(_op(*args, **kw))))
+        yield
 
 
 def t_gemv(N, K, bias=False, x_step=1):
@@ -3686,6 +3813,18 @@ for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 
                                (4, 37, 1001, [3, 3, 1], True)):
     add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
         _E, _N, _K, _ex, _bias)
+
+
+def t_expert_gemv_many_rows(S, E=4, N=37, K=64):
+    # grid.y runs over the rows of x and stops at 65535: S = 2 * 65535 + 3 takes three launches, the last of 3
+    # rows, each on its slice of x, y and experts (one launch of S rows failed: invalid configuration argument)
+    past_grid_limit()
+    e = torch.randint(0, E, (S,), device=DEV)
+    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(S, K),
+            b=rand(E, N), e=e)
+
+
+add("expert_gemv/131073_rows_past_grid_y", t_expert_gemv_many_rows, 131073)
 
 # -----------------------------------------------------------------------------
 # bf16 row ops: bf16 activations in and out, fp32 arithmetic inside (mixed-precision training feeds the
@@ -4303,6 +4442,35 @@ for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
     _name = f"attention/{_impl}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
     _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
     add(_name, t_attention, _impl, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def t_attention_long(dtype, H, Hkv, Sq, Sk, D, causal, rel):
+    """Attention past the 65535 blocks a grid.y takes: the mma.sync kernels' forward has a block for every 64
+    query rows of a K/V head (128 in bf16 at D <= 64), their backward one for every 64 keys and every 64
+    queries of a head, and both fold these blocks with the heads into grid.x (a grid.y of them failed:
+    invalid configuration argument). Outputs and gradients that sum millions of terms are far from unit
+    scale, so each is held to `rel` of its own largest magnitude: an fp32 sum's rounding stays near 1e-5 of
+    it, bf16's near 4e-3, and a block that misses or misplaces its rows is off by all of it."""
+    past_grid_limit()
+    q, k, v, dy = rand(1, H, Sq, D), rand(1, Hkv, Sk, D), rand(1, Hkv, Sk, D), rand(1, H, Sq, D)
+    ours_in = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = kernels.attention(*ours_in, causal=causal)
+    ours = (out, *torch.autograd.grad(out, ours_in, dy.to(dtype)))
+    ref_in = [t.detach().double().requires_grad_() for t in ours_in]
+    ref = REF.attention(*ref_in, causal=causal)
+    refs = (ref, *torch.autograd.grad(ref, ref_in, dy.to(dtype).double()))
+    for label, a, r in zip(("out", "dq", "dk", "dv"), ours, refs, strict=True):
+        check(label, a, r, rel * r.abs().max().item())
+
+
+# fp32, 2 query heads a K/V head: 4.2M rows of whole 64-row tiles (the forward's heaviest-first order over
+# the group); 4.2M keys, causal, in the backward; bf16 at D = 32 (mma.sync, 128 rows a forward block): 8.4M
+# rows of a ragged last tile forward, 4.2M queries backward
+for _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel in ((torch.float32, 2, 1, 2097152, 96, 32, False, 1e-3),
+                                                     (torch.float32, 2, 1, 65, 4194305, 32, True, 1e-3),
+                                                     (BF16, 2, 1, 4194305, 64, 32, False, 2e-2)):
+    add(f"attention/fused-{'bf16' if _dt == BF16 else 'fp32'}/long_h{_H}kv{_Hkv}_q{_Sq}k{_Sk}_d{_D}"
+        + "_causal" * _causal + "_past_grid_y", t_attention_long, _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel)
 
 
 def t_attention_misaligned(impl):
@@ -5629,6 +5797,69 @@ BAD_CASES = [  # name, exception, call, words its message must hold
     ("expert_gemv_bf16_float32_bias", RuntimeError,
      lambda: kernels.expert_gemv(rand(2, 8, 4).bfloat16(), rand(1, 4).bfloat16(), rand(2, 8),
                                  torch.zeros(1, dtype=torch.long, device=DEV)), ("expert_gemv", "bias")),
+    # embedding and cross_entropy: int64 indices on the GPU, a 2-D weight and logits, one target a row (also
+    # through autograd, where a weight or the logits require grad)
+    ("embedding_int32_idx", RuntimeError, lambda: kernels.embedding(_pos(3, 1).int(), rand(5, 8)),
+     ("embedding", "idx", "int64")),
+    ("embedding_float_idx_weight_requires_grad", RuntimeError,
+     lambda: kernels.embedding(rand(2), rand(5, 8).requires_grad_()), ("embedding", "idx", "int64")),
+    ("embedding_cpu_idx", RuntimeError, lambda: kernels.embedding(torch.tensor([3, 1]), rand(5, 8)),
+     ("embedding", "idx", "CUDA")),
+    ("embedding_cpu_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), torch.randn(5, 8)),
+     ("embedding", "weight", "CUDA")),
+    ("embedding_1d_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(8)),
+     ("embedding", "weight", "2-D")),
+    ("embedding_3d_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(2, 5, 8)),
+     ("embedding", "weight", "2-D")),
+    ("embedding_float64_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(5, 8).double()),
+     ("embedding", "weight", "float32")),
+    ("cross_entropy_int32_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2, 3).int()),
+     ("cross_entropy", "targets", "int64")),
+    ("cross_entropy_float_targets_logits_requires_grad", RuntimeError,
+     lambda: kernels.cross_entropy(rand(4, 7).requires_grad_(), rand(4)), ("cross_entropy", "targets", "int64")),
+    ("cross_entropy_cpu_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), torch.tensor([0, 1, 2, 3])),
+     ("cross_entropy", "targets", "CUDA")),
+    ("cross_entropy_cpu_logits", RuntimeError, lambda: kernels.cross_entropy(torch.randn(4, 7), _pos(0, 1, 2, 3)),
+     ("cross_entropy", "logits", "CUDA")),
+    ("cross_entropy_float64_logits", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7).double(), _pos(0, 1, 2, 3)),
+     ("cross_entropy", "logits", "float32")),
+    ("cross_entropy_3d_logits", RuntimeError, lambda: kernels.cross_entropy(rand(2, 4, 7), _pos(0, 1)),
+     ("cross_entropy", "logits", "2-D")),
+    ("cross_entropy_2d_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2, 3).view(4, 1)),
+     ("cross_entropy", "targets", "shape")),
+    ("cross_entropy_N_mismatch", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2)),
+     ("cross_entropy", "targets", "shape")),
+    ("cross_entropy_N_mismatch_logits_requires_grad", RuntimeError,
+     lambda: kernels.cross_entropy(rand(4, 7).requires_grad_(), _pos(0, 1, 2, 3, 4)), ("cross_entropy", "targets")),
+    # string arguments: only the values the op knows
+    ("gelu_approximate_exact", ValueError, lambda: kernels.gelu(rand(4, 8), approximate="exact"),
+     ("gelu", "approximate", "exact")),
+    ("gelu_approximate_Tanh_x_requires_grad", ValueError,
+     lambda: kernels.gelu(rand(4, 8).requires_grad_(), approximate="Tanh"), ("gelu", "approximate", "Tanh")),
+    ("attention_mode_flash", ValueError, lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), mode="flash"),
+     ("attention", "mode", "flash")),
+    ("attention_precision_fp16", ValueError,
+     lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), precision="fp16"), ("attention", "precision", "fp16")),
+    # kv_len: one int64 on q's GPU, fused mode, no gradient
+    ("attention_kv_len_int32", RuntimeError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5).int()),
+     ("attention", "kv_len", "int64")),
+    ("attention_kv_len_cpu", RuntimeError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True,
+                               kv_len=torch.tensor([5])), ("attention", "kv_len", "CUDA")),
+    ("attention_kv_len_two_elements", RuntimeError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5, 6)),
+     ("attention", "kv_len", "1-element")),
+    ("attention_kv_len_tiled", ValueError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, mode="tiled",
+                               kv_len=_pos(5)), ("attention", "kv_len", "fused")),
+    ("attention_kv_len_q_requires_grad", RuntimeError,
+     lambda: kernels.attention(rand(1, 2, 1, 32).requires_grad_(), *_qkv((1, 2, 9, 32), (1, 2, 9, 32)), causal=True,
+                               kv_len=_pos(5)), ("attention", "kv_len", "no_grad")),
+    # shapes: a 3-D matmul's batches, gemv's one vector
+    ("matmul_3d_batch_mismatch", RuntimeError, lambda: kernels.matmul(rand(2, 4, 8), rand(3, 8, 5)),
+     ("matmul", "a", "b", "batch")),
+    ("gemv_2d_x", RuntimeError, lambda: kernels.gemv(rand(8, 4), rand(1, 4)), ("gemv", "x", "shape")),
 ]
 for _name, _exc, _call, _words in BAD_CASES:
     add("bad/" + _name, expect_error, _exc, _call, *_words)
