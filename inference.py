@@ -557,7 +557,7 @@ def _functional_routes(kernels, device_type):
                 and tuple(normalized_shape) == input.shape[-1:] and one_dtype(input, *params)
                 and all(p is not None and p.shape == input.shape[-1:] for p in params))
 
-    def norm_dtype():  # autocast runs PyTorch's norms in float32, so they write float32
+    def norm_dtype():  # autocast runs PyTorch's layer_norm in float32, so it writes float32
         return torch.float32 if autocast() else None
 
     def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -567,7 +567,8 @@ def _functional_routes(kernels, device_type):
     def rms_norm(input, normalized_shape, weight=None, eps=None):
         eps = torch.finfo(torch.float32).eps if eps is None else eps  # as F.rms_norm, which computes in float32
         ok = norm_ok(input, normalized_shape, weight)
-        return kernels.rmsnorm(input, weight, eps, out_dtype=norm_dtype()) if ok else NotImplemented
+        # rms_norm is on none of autocast's lists: PyTorch's writes the input's dtype, where ours would write bf16
+        return kernels.rmsnorm(input, weight, eps, out_dtype=input.dtype) if ok else NotImplemented
 
     def gelu(input, approximate="none"):
         ok = ours(input) and approximate in ("none", "tanh")

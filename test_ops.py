@@ -3662,9 +3662,15 @@ def t_norm_nonfinite(kind, R, C):
     if kind == "layernorm":
         compare(lambda ops, x, w, b: ops.layernorm(x, w, b), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol, b=sum_tol),
                 nonfinite=True, x=nonfinite_rows(R, C), w=rand(C), b=rand(C))
-    else:
-        compare(lambda ops, x, w: ops.rmsnorm(x, w), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol), nonfinite=True,
-                x=nonfinite_rows(R, C), w=rand(C))
+    else:  # against the formula: PyTorch's CUDA rms_norm turns a row holding inf into NaN throughout
+        compare(lambda ops, x, w: ops.rmsnorm(x, w) if ops is kernels else rmsnorm_formula(x, w), LN_TOL,
+                dict(x=LN_GRAD_TOL, w=sum_tol), nonfinite=True, x=nonfinite_rows(R, C), w=rand(C))
+
+
+def rmsnorm_formula(x, w, eps=train.LN_EPS):
+    """RMSNorm as its formula reads: a row holding inf gives its finite entries 0 (their rstd is 0) and the inf
+    NaN, as ours and PyTorch's CPU rms_norm do."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def t_softmax_nonfinite(R, C):
