@@ -2299,8 +2299,9 @@ ROUTE_FAULTS = [
      lambda x, t, **kw: t.dtype == torch.long and bool((t >= x.shape[-1]).any()), _our_cross_entropy),
 ]
 for _name, _route, _when, _ours in ROUTE_FAULTS:
-    mutant(_name, "inference/patched_calls", "inference/gpu_patched_calls")(
-        functools.partial(_route_fault, _route, _when, _ours))
+    # the out-of-range target's call runs on the CPU only (on CUDA PyTorch's own kernel asserts on the device)
+    _gpu = () if _name == "patched_cross_entropy_target_range" else ("inference/gpu_patched_calls",)
+    mutant(_name, "inference/patched_calls", *_gpu)(functools.partial(_route_fault, _route, _when, _ours))
 
 
 # Our forward kernel of each function inference.patched keeps on ours in a compiled model (the loss stays
