@@ -675,7 +675,8 @@ def main(argv):
     dev = torch.device(cfg.device)
     specs, notes = model_specs(cfg)
     if not specs:
-        fail(f"no model to decode: --models={','.join(cfg.models)} and {cfg.ckpt} does not exist")
+        fail(f"no model to decode: --models={','.join(cfg.models)} and {cfg.ckpt} does not exist (python train.py "
+             "writes it)")
     for spec in specs:
         try:
             spec.prompt = spec.tok.encode(cfg.prompt)
