@@ -564,14 +564,51 @@ class StopRequest:
 # checkpoint files (train.py writes them, train.py and inference.py read them) and the out_dir lock
 
 def weights_sha256(state_dict):
-    """sha256 over every tensor's name, dtype, shape and bytes. torch.load does not check the CRCs of
-    the zip it reads, so without this a checkpoint with flipped bytes in its weights loads silently."""
+    """sha256 over every tensor's name, dtype, shape and bytes: the only checksum of checkpoints written before
+    checkpoint_digests, still checked when one is read."""
     h = hashlib.sha256()
     for name, t in state_dict.items():
         t = t.detach().cpu().contiguous()
         h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def tree_sha256(obj):
+    """sha256 of nested dicts, lists and tuples of tensors (dtype, shape, bytes) and plain values, walked in order:
+    the same before torch.save and after torch.load. torch.load does not check the CRCs of the zip it reads, so
+    without it a checkpoint with flipped bytes loads silently."""
+    h = hashlib.sha256()
+
+    def feed(o):
+        if torch.is_tensor(o):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T {t.dtype} {tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(o, dict):
+            h.update(f"D {len(o)};".encode())
+            for k, v in o.items():
+                feed(k)
+                feed(v)
+        elif isinstance(o, (list, tuple)):
+            h.update(f"L {len(o)};".encode())
+            for v in o:
+                feed(v)
+        else:
+            h.update(f"{type(o).__name__} {o!r};".encode())
+    feed(obj)
+    return h.hexdigest()
+
+
+def checkpoint_digests(ckpt):
+    """tree_sha256 of each part of a checkpoint (every key but the digests), so that a resume checks everything
+    it restores (weights, optimizer state, batch generator, iteration, history) and names the part that is not
+    as written."""
+    return {k: tree_sha256(v) for k, v in ckpt.items() if k not in ("sha256", "model_sha256")}
+
+
+CKPT_PARTS = {"model": "weights", "optimizer": "optimizer state", "batch_rng": "batch generator state",
+              "iter": "iteration", "train_loss": "loss history", "evals": "evaluations"}  # for messages
 
 
 def all_finite(tensors):
@@ -634,7 +671,7 @@ def out_dir_lock(out_dir, script, fail):
 
 
 def read_checkpoint(path):
-    """The dict of a checkpoint written by train.py, its weights verified against their checksum. Raises
+    """The dict of a checkpoint written by train.py, every part verified against its checksum. Raises
     ValueError with one line that says what is wrong with the file (train.py and inference.py print it)."""
     def bad(what):
         raise ValueError(what)
@@ -653,10 +690,19 @@ def read_checkpoint(path):
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in CKPT_KEYS) or not isinstance(ckpt["model"], dict):
         have = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         bad(f"not a train.py checkpoint (expected the keys {', '.join(CKPT_KEYS)}; found {have})")
-    if "model_sha256" not in ckpt:
-        print(f"note: {path} has no weights checksum (written by an older train.py); its weights are not verified")
-    elif weights_sha256(ckpt["model"]) != ckpt["model_sha256"]:
-        bad("the weights are corrupted (their sha256 differs from the one stored when the file was written)")
+    stored, mismatch = ckpt.get("sha256"), "differs from the one stored when the file was written"
+    if isinstance(stored, dict):
+        now = checkpoint_digests(ckpt)
+        damaged = [CKPT_PARTS.get(k, k) for k in sorted(now.keys() | stored.keys()) if now.get(k) != stored.get(k)]
+        if damaged:
+            bad(f"the file is corrupted: the sha256 of its {' and '.join(damaged)} {mismatch}")
+    elif "model_sha256" in ckpt:  # train.py before whole-checkpoint checksums: the weights' only
+        if weights_sha256(ckpt["model"]) != ckpt["model_sha256"]:
+            bad(f"the file is corrupted: the sha256 of its weights {mismatch}")
+        print(f"note: {path} predates whole-checkpoint checksums: its weights are verified, its optimizer state, "
+              f"batch generator and history are not")
+    else:
+        print(f"note: {path} has no checksum (written by an older train.py); nothing in it is verified")
     if not all_finite(ckpt["model"].values()):
         bad("its weights hold NaN or inf")
     return ckpt
@@ -713,12 +759,12 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
 
 
 def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals):
-    state = model.state_dict()
     ckpt = {
         "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
-        "model": state, "model_sha256": weights_sha256(state), "optimizer": opt.state_dict(),
+        "model": model.state_dict(), "optimizer": opt.state_dict(),
         "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
     }
+    ckpt["sha256"] = checkpoint_digests(ckpt)
     atomic_write(path, lambda f: torch.save(ckpt, f))
 
 

@@ -1282,6 +1282,16 @@ def _flip_weight_bytes(blob):
     return blob[:start] + b"\xff" * 8 + blob[start + 8:]
 
 
+def _flip_optimizer_bytes(blob):
+    """blob (a checkpoint) with 64 bytes of AdamW's first moment (exp_avg) of the first parameter XORed with 1:
+    finite values a little off, which a resume would take silently without a checksum over the optimizer state."""
+    exp_avg = torch.load(io.BytesIO(blob), weights_only=True)["optimizer"]["state"][0]["exp_avg"]
+    raw = exp_avg.contiguous().view(torch.uint8).numpy().tobytes()
+    at = blob.find(raw)  # torch.save stores each tensor's bytes as they are (uncompressed) in the zip
+    assert at > 0 and blob.find(raw, at + 1) < 0 and len(raw) >= 64, "exp_avg's bytes not found once"
+    return blob[:at] + bytes(b ^ 1 for b in blob[at:at + 64]) + blob[at + 64:]
+
+
 def train_bad_checkpoints():
     with tempfile.TemporaryDirectory() as tmp:
         args = _train_tiny_args(tmp)
@@ -1292,16 +1302,34 @@ def train_bad_checkpoints():
             good = f.read()
         foreign = io.BytesIO()
         torch.save({"weights": torch.ones(3)}, foreign)
+        corrupted = "the file is corrupted: the sha256 of its"
         cases = (("truncated", good[:len(good) // 2], ("truncated",)),
                  ("empty", b"", ("empty",)),
                  ("not torch", bytes(range(256)) * 8, ("not a PyTorch checkpoint",)),
                  ("another torch file", foreign.getvalue(), ("not a train.py checkpoint", "weights")),
-                 ("flipped bytes", _flip_weight_bytes(good), ("weights are corrupted",)))
+                 ("flipped weight bytes", _flip_weight_bytes(good), (f"{corrupted} weights differs",)),
+                 ("flipped optimizer bytes", _flip_optimizer_bytes(good), (f"{corrupted} optimizer state differs",)))
         for what, blob, words in cases:
             with open(ckpt, "wb") as f:
                 f.write(blob)
             _train_fails(what, ("cannot resume from", ckpt, *words), *args, "--max_iters=4", "--resume=true")
-    return ", ".join(c[0] for c in cases) + ": one line each"
+            with open(ckpt, "rb") as f:
+                assert f.read() == blob, f"{what}: the refused resume wrote the file"
+        # a file from before whole-checkpoint checksums (the weights' alone) still resumes, and says what it lacks
+        old = torch.load(io.BytesIO(good), weights_only=True)
+        del old["sha256"]
+        old["model_sha256"] = data.weights_sha256(old["model"])
+        torch.save(old, ckpt)
+        code, out = _train_main(*args, "--max_iters=4", "--resume=true")
+        assert code == 0 and "predates whole-checkpoint checksums" in out, f"exit {code!r}\n{out[-1500:]}"
+    return ", ".join(c[0] for c in cases) + ": one line each; a weights-only checksum resumes with a note"
+
+
+@mutant("checkpoint_checksum_covers_weights_only", "train/bad_checkpoints")
+def _checksum_covers_weights_only():
+    real = data.checkpoint_digests
+    with unittest.mock.patch.object(data, "checkpoint_digests", lambda ckpt: {"model": real(ckpt)["model"]}):
+        yield
 
 
 def train_diverged_run_keeps_checkpoint():
@@ -1864,9 +1892,9 @@ def inference_bad_inputs():
         missing = os.path.join(tmp, "nothere.pt")
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={missing}"], missing))
         # a real checkpoint, then damaged copies of it
-        data = _train_text_file(tmp)
+        text = _train_text_file(tmp)
         out = os.path.join(tmp, "out")
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=3")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out}", "--max_iters=3")
         _train_check_ok(p, "train.py for a checkpoint")
         good = os.path.join(out, "ckpt_torch.pt")
         p = _inference_run("--device=cpu", f"--ckpt={good}", "--max_new_tokens=10", "--prompt=the", "--n_layer=5",
@@ -1882,9 +1910,10 @@ def inference_bad_inputs():
         foreign = os.path.join(tmp, "foreign.pt")
         torch.save({"weights": torch.zeros(3)}, foreign)
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={foreign}"], foreign))
-        other = os.path.join(tmp, "other_config.pt")  # weights intact, config of another model
+        other = os.path.join(tmp, "other_config.pt")  # weights intact, config of another model, checksums to match
         ck = torch.load(good, weights_only=True)
         ck["config"]["n_embd"] *= 2
+        ck["sha256"] = data.checkpoint_digests(ck)
         torch.save(ck, other)
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={other}"], other, "do not fit"))
     return " | ".join(s.replace("inference.py: error: ", "")[:70] for s in seen)
