@@ -715,8 +715,8 @@ RESUME_KEYS = ("resume", "overwrite", "max_iters")
 
 
 def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
-    """Restore model, optimizer and batch generator in place; return (iteration, train losses, evals).
-    Whatever is wrong with the file ends the run with one line that names it."""
+    """Restore model, optimizer and batch generator in place; return (iteration, train losses, evals, timing of
+    the sessions so far). Whatever is wrong with the file ends the run with one line that names it."""
     def bad(what):
         fail(f"cannot resume from {path}: {what}")
 
@@ -755,14 +755,18 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
     if changed:
         print(f"note: {path} was trained with {', '.join(f'{k}={saved[k]}' for k in changed)}; this run uses "
               f"{', '.join(f'{k}={getattr(cfg, k)}' for k in changed)} (the command line's values)")
-    return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"])
+    return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"]), ckpt.get("timing", NO_TIMING)
 
 
-def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals):
+NO_TIMING = {"wall_s": 0.0, "timed_s": 0.0, "timed_steps": 0, "timed_tokens": 0}  # files from before "timing"
+
+
+def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals, timing):
+    """timing: the run's wall time and timed steps so far (every session), so that a resume reports the whole run."""
     ckpt = {
         "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
         "model": model.state_dict(), "optimizer": opt.state_dict(),
-        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
+        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals, "timing": timing,
     }
     ckpt["sha256"] = checkpoint_digests(ckpt)
     atomic_write(path, lambda f: torch.save(ckpt, f))

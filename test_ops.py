@@ -1317,7 +1317,7 @@ def train_bad_checkpoints():
                 assert f.read() == blob, f"{what}: the refused resume wrote the file"
         # a file from before whole-checkpoint checksums (the weights' alone) still resumes, and says what it lacks
         old = torch.load(io.BytesIO(good), weights_only=True)
-        del old["sha256"]
+        del old["sha256"], old["timing"]
         old["model_sha256"] = data.weights_sha256(old["model"])
         torch.save(old, ckpt)
         code, out = _train_main(*args, "--max_iters=4", "--resume=true")
@@ -1396,6 +1396,33 @@ def train_interrupt_saves_checkpoint():
         code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
         assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
     return f"Ctrl-C at iteration {k}: checkpoint saved, resumed"
+
+
+def train_resume_nothing_to_train():
+    # a resume with nothing left to train reports the run's figures (wall time, tok/s, timed steps: kept in the
+    # checkpoint), not those of a session that trained nothing
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp, "--max_iters=7", "--timing_warmup=0")  # steps 5..7 timed (warm-up: 4)
+        path = os.path.join(tmp, "out", "results.json")
+        _train_main_ok(*args)
+        with open(path) as f:
+            first = json.load(f)["op_sets"]["torch"]
+        out = _train_main_ok(*args, "--resume=true")
+        assert "nothing to train" in out, out[-1500:]
+        with open(path) as f:
+            again = json.load(f)["op_sets"]["torch"]
+        assert first["timed_iters"] == 3 and again["timed_iters"] == 3, (first["timed_iters"], again["timed_iters"])
+        assert again["tokens_per_s"] == first["tokens_per_s"], (first["tokens_per_s"], again["tokens_per_s"])
+        assert again["wall_s"] >= first["wall_s"] * 0.5, (first["wall_s"], again["wall_s"])  # the first run's, at
+        assert again["final_val_loss"] == first["final_val_loss"] and again["sample"] == first["sample"]  # its save
+    return f"tok/s {again['tokens_per_s']:,.0f} and wall {again['wall_s']:.2f} s kept (first run: {first['wall_s']:.2f} s)"
+
+
+@mutant("resume_forgets_the_runs_timing", "train/resume_nothing_to_train")
+def _resume_forgets_timing():
+    real = data.load_checkpoint
+    with unittest.mock.patch.object(train, "load_checkpoint", lambda *a: real(*a)[:3] + (data.NO_TIMING,)):
+        yield
 
 
 def train_option_typos():
@@ -1618,7 +1645,8 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
-            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_ddp_two_ranks,
+            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_resume_nothing_to_train,
+            train_ddp_two_ranks,
             train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 

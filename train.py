@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mhc
-from data import (BACKENDS, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
+from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
                   check_backend_and_device, cuda_kernels_for, device_name, fmt_seconds, get_batch, import_kernels,
                   load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock, parse_options, plot_losses,
                   print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, start_ranks,
@@ -717,13 +717,24 @@ class OpSetRun:
         self.loss_buf = torch.zeros(max(cfg.max_iters - self.start, 0), device=self.device)
         self.done = self.fetched = self.start
         self.status, self.why, self.stopped_at = "completed", None, None
+        # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
+        # of the timed steps.
+        self.timer, self.t0 = StepTimer(self.device, skip=timing_skip(cfg)), time.perf_counter()
+
+    def timing(self):
+        """The run's wall time and timed steps: the sessions before a resume (self.earlier) and this one."""
+        e, t = self.earlier, self.timer
+        return {"wall_s": e["wall_s"] + time.perf_counter() - self.t0, "timed_s": e["timed_s"] + t.timed_s,
+                "timed_steps": e["timed_steps"] + t.timed_steps,
+                "timed_tokens": e["timed_tokens"] + t.timed_steps * self.tokens_per_step}
 
     def resume(self):
         """With --resume, the checkpoint's weights, optimizer, batch generator and history; says what runs."""
         name, cfg, start = self.ops.name, self.cfg, 0
+        self.earlier = NO_TIMING
         if cfg.resume and os.path.isfile(self.ckpt_path):
-            start, self.train_loss, self.evals = load_checkpoint(self.ckpt_path, cfg, self.tok, self.model, self.opt,
-                                                                 self.batch_gen, fail)
+            start, self.train_loss, self.evals, self.earlier = load_checkpoint(
+                self.ckpt_path, cfg, self.tok, self.model, self.opt, self.batch_gen, fail)
             self.start = self.saved_iter = start
             print(f"{name} | resuming from iteration {start} ({self.ckpt_path})")
         elif cfg.resume:
@@ -785,14 +796,16 @@ class OpSetRun:
     def save(self, evaluated):
         if self.ranks.main:  # the ranks hold the same weights, optimizer state and batch generator
             save_checkpoint(self.ckpt_path, self.cfg, self.tok, self.ops, self.done, self.model, self.opt,
-                            self.batch_gen, self.train_loss, self.evals)
+                            self.batch_gen, self.train_loss, self.evals, self.timing())
         self.saved_iter = self.done
         e = self.evals[-1] if evaluated else None
         what = f"eval: train {e['train']:.4f}, val {e['val']:.4f}" if e else "interrupted"
         print(f"{self.ops.name} | iter {self.done} | {what} | saved {self.ckpt_path}")
 
-    def result(self, wall_s, timer):
-        """The run's record for the report and results.json (the sample from rank 0 only)."""
+    def result(self):
+        """The run's record for the report and results.json (the sample from rank 0 only); its timing is the whole
+        run's, so that a resume with nothing to train reports what the run measured."""
+        timing = self.timing()
         if self.status == "completed" and (not self.evals or self.evals[-1]["iter"] != self.done):
             self.evaluate()  # nothing trained: still report
         if self.status == "diverged":
@@ -807,9 +820,9 @@ class OpSetRun:
             "iters": len(self.train_loss), "trained_iters": len(self.train_loss) - self.start,
             "final_train_loss": evals[-1]["train"] if evals else None,
             "final_val_loss": evals[-1]["val"] if evals else None,
-            "wall_s": wall_s,
-            "tokens_per_s": timer.timed_steps * self.tokens_per_step / timer.timed_s if timer.timed_steps else None,
-            "timed_iters": timer.timed_steps,
+            "wall_s": timing["wall_s"],
+            "tokens_per_s": timing["timed_tokens"] / timing["timed_s"] if timing["timed_steps"] else None,
+            "timed_iters": timing["timed_steps"],
             "train_loss": self.train_loss, "evals": evals,
             "sample": generate(self.model, self.tok, cfg, self.device) if sample else None,
             "ckpt_path": self.ckpt_path,
@@ -819,10 +832,7 @@ class OpSetRun:
 def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
     """Trains one op set from iteration 1 (or its checkpoint) to max_iters; returns OpSetRun.result."""
     run = OpSetRun(ops, cfg, tok, train_ids, val_ids, ranks)
-    # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
-    # of the timed steps.
-    timer = StepTimer(run.device, skip=timing_skip(cfg))
-    t_run = time.perf_counter()
+    timer = run.timer
     with StopRequest(ranks.world) as stop:
         while run.done < cfg.max_iters:
             timer.before_step()
@@ -838,7 +848,7 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
             if run.at_point(log, ev, interrupt, *timer.stop()):
                 break
             timer.start()
-    return run.result(time.perf_counter() - t_run, timer)
+    return run.result()
 
 
 # -----------------------------------------------------------------------------
