@@ -532,26 +532,62 @@ class CallTimer:
         return window
 
 
+# Ctrl-C, and SIGTERM: what `kill`, job schedulers and torchrun's agent send to stop a process. Each script stops
+# on either in the same orderly way: it keeps what it measured and removes its out_dir lock.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised as Python raises KeyboardInterrupt on Ctrl-C (see sigterm_interrupts)."""
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Within it SIGTERM raises Stopped, so the scripts' Ctrl-C handling serves it too; its default action would
+    end the process at once, with nothing saved and the lock file left behind."""
+    def raise_stopped(signum, frame):
+        raise Stopped()
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def signal_of(e):
+    """The signal behind a KeyboardInterrupt: SIGTERM for Stopped, else SIGINT."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def signal_words(signum):
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def signal_exit(signum):
+    """The exit code of a run stopped by signum: the shell's 128 + its number (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + signum
+
+
 class StopRequest:
-    """Ctrl-C while training sets a flag that the loop reads after each step: the step in flight completes,
-    so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside opt.step()
-    or a graph capture could leave the weights half updated). A second Ctrl-C interrupts at once, except
-    under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already (and SIGTERM
-    on its own SIGTERM): there every signal sets the flag, and the agent's SIGKILL is the hard stop."""
+    """Ctrl-C or SIGTERM while training sets `signum`, which the loop reads after each step: the step in flight
+    completes, so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside
+    opt.step() or a graph capture could leave the weights half updated). A second signal interrupts at once,
+    except under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already: there
+    every signal sets the flag, and the agent's SIGKILL, 30 s later, is the hard stop."""
 
     def __init__(self, world=1):  # world: processes torchrun started
-        self.requested = False
-        self.signals = (signal.SIGINT,) if world == 1 else (signal.SIGINT, signal.SIGTERM)
+        self.signum = None  # the first stop signal's number, once one came
         self.once = world == 1
 
     def __enter__(self):
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.signum = self.signum or signum
         if self.once:
             signal.signal(signum, self.previous[signum])
 

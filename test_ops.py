@@ -1362,40 +1362,81 @@ def train_diverged_run_keeps_checkpoint():
     return f"loss {m.group(1)} at iteration {m.group(2)}: stopped, checkpoint of iteration 3 kept, results written"
 
 
+def _signal_when(cmd, pattern, signum, before=None, group=False, env=None, timeout=120):
+    """Runs cmd, and sends it signum once a line of its stdout matches pattern; with group=True to its whole process
+    group, as a terminal's Ctrl-C reaches torchrun and its ranks. before(line) runs first. Returns (proc, the rest
+    of stdout, stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                            start_new_session=group, env=env)
+    watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill())
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if re.search(pattern, line):
+                break
+        else:
+            raise AssertionError(f"no line matched {pattern!r}: exit {proc.wait()}\n{proc.stderr.read()[-1500:]}")
+        if before:
+            before(line)
+        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+        out, err = proc.communicate()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            proc.wait()
+    return proc, out, err
+
+
+def _interrupted_run(out_dir, err, launch):
+    """The iteration of the interrupted run's last line, after checking the line, its checkpoint, results.json and
+    that no lock or temp file is left; and how it said the run stopped."""
+    ckpt = os.path.join(out_dir, "ckpt_torch.pt")
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    m = re.fullmatch(r"train\.py: the torch op set stopped on (.+) after iteration (\d+); saved (\S+) and (\S+); "
+                     rf"resume with: {launch} train\.py (.*) --resume=true", last)
+    assert m and m.group(3) == ckpt and m.group(4) == os.path.join(out_dir, "results.json"), f"last line: {last}"
+    k = int(m.group(2))
+    ck = _train_load_ckpt(ckpt)
+    assert ck["iter"] == k and len(ck["train_loss"]) == k, (k, ck["iter"], len(ck["train_loss"]))
+    with open(os.path.join(out_dir, "results.json")) as f:
+        r = json.load(f)
+    assert r["status"] == "interrupted" and r["op_sets"]["torch"]["stopped_at"] == k, r["op_sets"]["torch"]
+    left = [f for f in os.listdir(out_dir) if ".tmp" in f or f.endswith(".lock")]
+    assert not left, f"left behind: {left}"
+    return k, m.group(1)
+
+
 def train_interrupt_saves_checkpoint():
-    with tempfile.TemporaryDirectory() as tmp:
-        # No evaluation before the interrupt: a checkpoint on disk afterwards comes from the interrupt.
-        args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
-        proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=HERE)
-        watchdog = threading.Timer(120, proc.kill)
-        watchdog.start()
-        try:
-            for line in proc.stdout:
-                if re.search(r"\| iter +\d+/100000 \|", line):  # the training loop is running
-                    break
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate()
-        finally:
-            watchdog.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert proc.returncode == 130 and "Traceback" not in err, f"exit {proc.returncode}\n{err[-2000:]}"
-        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
-        last = err.strip().splitlines()[-1]
-        m = re.fullmatch(r"train\.py: interrupted at iteration (\d+) of the torch op set, saved (\S+); "
-                         r"resume with: python train\.py (.*) --resume=true", last)
-        assert m and m.group(2) == ckpt, f"unexpected last line: {last}"
-        k = int(m.group(1))
-        ck = _train_load_ckpt(ckpt)
-        assert ck["iter"] == k and len(ck["train_loss"]) == k, (k, ck["iter"], len(ck["train_loss"]))
-        assert not [f for f in os.listdir(os.path.join(tmp, "out")) if ".tmp" in f], "temp files left"
-        with open(os.path.join(tmp, "out", "results.json")) as f:
-            assert json.load(f)["status"] == "interrupted", "results.json does not say the run was interrupted"
-        code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
-        assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
-    return f"Ctrl-C at iteration {k}: checkpoint saved, resumed"
+    # Ctrl-C (SIGINT) or SIGTERM mid-run: the step in flight completes, the checkpoint and results.json are written,
+    # the lock file removed; the last line says how to resume, and the exit code is the signal's (130, 143)
+    seen = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with tempfile.TemporaryDirectory() as tmp:
+            # No evaluation before the signal: a checkpoint on disk afterwards comes from the stop.
+            args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
+            proc, _, err = _signal_when([sys.executable, "-u", "train.py", *args], r"\| iter +\d+/100000 \|", signum)
+            assert proc.returncode == 128 + signum and "Traceback" not in err, f"exit {proc.returncode}\n{err[-2000:]}"
+            k, how = _interrupted_run(os.path.join(tmp, "out"), err, "python")
+            assert how == data.signal_words(signum), how
+            code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
+            assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
+            seen.append(f"{signal.Signals(signum).name} at iteration {k}")
+    return ", ".join(seen) + ": checkpoint and results saved, no lock left, resumed"
+
+
+_SIGTERM_KILLS = """
+import contextlib, signal, data
+data.STOP_SIGNALS = (signal.SIGINT,)
+data.sigterm_interrupts = contextlib.nullcontext
+"""
+
+
+@mutant("sigterm_ends_a_run_at_once", "train/interrupt_saves_checkpoint")
+def _sigterm_ends_a_run_at_once():
+    """SIGTERM's default action: the process ends where it is, nothing saved, the lock file left."""
+    with planted_in_subprocesses(_SIGTERM_KILLS):
+        yield
 
 
 def train_resume_nothing_to_train():
@@ -1422,6 +1463,35 @@ def train_resume_nothing_to_train():
 def _resume_forgets_timing():
     real = data.load_checkpoint
     with unittest.mock.patch.object(train, "load_checkpoint", lambda *a: real(*a)[:3] + (data.NO_TIMING,)):
+        yield
+
+
+def train_interrupted_sample():
+    # Ctrl-C during the sample after training: the checkpoint is there, and so are results.json and loss.png,
+    # marked interrupted; exit 130 and the line that says so
+    with tempfile.TemporaryDirectory() as tmp:
+        def interrupted(*a):
+            raise KeyboardInterrupt
+        with unittest.mock.patch.object(train, "generate", interrupted):
+            try:
+                code, out = _train_main(*_train_tiny_args(tmp, "--max_iters=3", "--plot=true"))
+            except KeyboardInterrupt:
+                raise AssertionError("the KeyboardInterrupt of the sample left train.main") from None
+        out_dir = os.path.join(tmp, "out")
+        assert code == 130, f"exit {code!r}\n{out[-1500:]}"
+        assert sorted(os.listdir(out_dir)) == ["ckpt_torch.pt", "loss.png", "results.json"], os.listdir(out_dir)
+        with open(os.path.join(out_dir, "results.json")) as f:
+            r = json.load(f)
+        why = r["op_sets"]["torch"]["stopped_because"]
+        assert r["status"] == "interrupted" and why == "Ctrl-C (SIGINT) during the sample, after training", r
+        assert "the torch op set stopped on Ctrl-C (SIGINT) during the sample" in out, out[-1500:]
+    return why
+
+
+@mutant("sample_interrupt_unhandled", "train/interrupted_sample")
+def _sample_interrupt_unhandled():
+    with unittest.mock.patch.object(train.OpSetRun, "sample",
+                                    lambda self: train.generate(self.model, self.tok, self.cfg, self.device)):
         yield
 
 
@@ -1646,8 +1716,7 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_resume_nothing_to_train,
-            train_ddp_two_ranks,
-            train_ddp_rank_failure, train_inductor_fallbacks):
+            train_interrupted_sample, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -2625,6 +2694,52 @@ def train_mhc_sweep_diverging_cell():
     return "hc at lr 1e4: NaN from step 2, stopped at 3"
 
 
+def train_mhc_sweep_interrupted():
+    """Ctrl-C in the second cell of a sweep: that cell stops after its step and is kept, marked interrupted, beside
+    the finished one; exit 130 with a line that says where and what is kept. The next run skips the finished cell
+    and trains the interrupted one again."""
+    real, calls = train.SWEEP_TRAINER.train_step, []
+
+    def step(*args):  # the real step; Ctrl-C during the second cell's second one
+        calls.append(1)
+        if len(calls) == 8:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+    args = [*_SWEEP_TINY, "--sweep_variants=baseline,mhc", "--plot=false"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "results.json")
+        try:
+            with unittest.mock.patch.object(train.SWEEP_TRAINER, "train_step", step):
+                code, out = _train_main(*args, f"--out_dir={tmp}")
+        except KeyboardInterrupt:
+            raise AssertionError("Ctrl-C in a cell left train.main as a KeyboardInterrupt") from None
+        assert code == 130, f"exit {code!r}\n{out[-1500:]}"
+        assert (f"train.py: interrupted by Ctrl-C (SIGINT) at step 2 of 6 of mhc L2 (its steps so far are kept, marked "
+                f"interrupted; the next run trains it again); {path} holds the 1 finished cell(s)") in out, out[-1500:]
+        with open(path) as f:
+            cells = json.load(f)["cells"]
+        assert cells["baseline/2"]["steps"] == 6 and cells["baseline/2"]["interrupted"] is None, cells["baseline/2"]
+        assert cells["mhc/2"]["steps"] == 2 and cells["mhc/2"]["interrupted"] == "Ctrl-C (SIGINT)", cells["mhc/2"]
+        assert len(cells["mhc/2"]["per_step"]["loss"]) == 2, cells["mhc/2"]["per_step"]
+        out = _train_main_ok(*args, f"--out_dir={tmp}")
+        assert "baseline L2: already in" in out and "mhc L2: interrupted at step 2, training again" in out, out
+        with open(path) as f:
+            cells = json.load(f)["cells"]
+        assert cells["mhc/2"]["steps"] == 6 and cells["mhc/2"]["interrupted"] is None, cells["mhc/2"]
+    return "cell mhc L2 kept at step 2 of 6, marked; the rerun trained it again, skipping baseline"
+
+
+@mutant("sweep_cell_lost_on_ctrl_c", "train/mhc_sweep_interrupted")
+def _sweep_cell_lost_on_ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt in the cell: the cell in flight is lost."""
+    class Unhandled(data.StopRequest):
+        def __enter__(self):
+            self.previous = {}
+            return self
+    with unittest.mock.patch.object(mhc, "StopRequest", Unhandled):
+        yield
+
+
 def train_residual_option():
     with tempfile.TemporaryDirectory() as tmp:
         data_file, out = _train_text_file(tmp), os.path.join(tmp, "out")
@@ -2647,7 +2762,8 @@ def train_residual_option():
 add("data/call_timer_cuda", data_call_timer, "cuda")
 for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast,
             mhc_doubly_stochastic_after_step, train_variants_few_steps, train_mhc_sweep_cpu,
-            train_short_validation_split, train_mhc_sweep_diverging_cell, train_residual_option):
+            train_short_validation_split, train_mhc_sweep_diverging_cell, train_mhc_sweep_interrupted,
+            train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 import warnings
@@ -38,8 +39,8 @@ import mhc
 from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
                   check_backend_and_device, cuda_kernels_for, device_name, fmt_seconds, get_batch, import_kernels,
                   load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock, parse_options, plot_losses,
-                  print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, start_ranks,
-                  write_json)
+                  print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, sigterm_interrupts,
+                  signal_exit, signal_of, signal_words, start_ranks, write_json)
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
@@ -716,7 +717,7 @@ class OpSetRun:
         # Losses stay on the device until a log or eval point: reading each one would sync every step.
         self.loss_buf = torch.zeros(max(cfg.max_iters - self.start, 0), device=self.device)
         self.done = self.fetched = self.start
-        self.status, self.why, self.stopped_at = "completed", None, None
+        self.status, self.why, self.stopped_at, self.signum = "completed", None, None, None
         # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
         # of the timed steps.
         self.timer, self.t0 = StepTimer(self.device, skip=timing_skip(cfg)), time.perf_counter()
@@ -759,7 +760,8 @@ class OpSetRun:
 
     def at_point(self, log, ev, interrupt, seconds, steps):
         """A log, eval or interrupt point after step self.done: read the losses and log, check the weights,
-        evaluate, save. True when the run stops here."""
+        evaluate, save. interrupt: False, or the stop signal's number (True: another rank's). True when the run
+        stops here."""
         done, cfg = self.done, self.cfg
         new = self.ranks.mean_(self.loss_buf[self.fetched - self.start:done - self.start]).tolist()
         self.ops.check_errors()  # the host has waited for the losses: a bad index met on the GPU raises here
@@ -785,7 +787,9 @@ class OpSetRun:
         if ev or interrupt:
             self.save(ev)
         if interrupt:
-            return self.stop("interrupted", f"SIGINT (Ctrl-C) after iteration {done}", done)
+            self.signum = interrupt if interrupt is not True else None
+            how = signal_words(self.signum) if self.signum else "a stop signal to another rank"
+            return self.stop("interrupted", f"{how} after iteration {done}", done)
         return False
 
     def evaluate(self):
@@ -812,8 +816,9 @@ class OpSetRun:
             kept = (f"{self.ckpt_path} still holds iteration {self.saved_iter}" if self.saved_iter is not None
                     else f"no checkpoint written to {self.ckpt_path}")
             print(f"{self.ops.name} | stopped: {self.why}; {kept}")
-        cfg, evals = self.cfg, self.evals
-        sample = self.status == "completed" and self.ranks.main  # not from NaN, nor once asked to stop
+        evals = self.evals
+        # from rank 0, not from NaN, nor once asked to stop; the status may change during it
+        sample = self.sample() if self.status == "completed" and self.ranks.main else None
         return {
             "status": self.status, "stopped_because": self.why, "stopped_at": self.stopped_at,
             "checkpoint_iter": self.saved_iter, "mode": self.mode,
@@ -823,10 +828,19 @@ class OpSetRun:
             "wall_s": timing["wall_s"],
             "tokens_per_s": timing["timed_tokens"] / timing["timed_s"] if timing["timed_steps"] else None,
             "timed_iters": timing["timed_steps"],
-            "train_loss": self.train_loss, "evals": evals,
-            "sample": generate(self.model, self.tok, cfg, self.device) if sample else None,
-            "ckpt_path": self.ckpt_path,
+            "train_loss": self.train_loss, "evals": evals, "sample": sample,
+            "ckpt_path": self.ckpt_path, "signum": self.signum,
         }
+
+    def sample(self):
+        """The trained model's text; None after a Ctrl-C or SIGTERM during it, which stops the run here: training
+        is done and saved, and the report is still written."""
+        try:
+            return generate(self.model, self.tok, self.cfg, self.device)
+        except KeyboardInterrupt as e:
+            self.signum = signal_of(e)
+            self.stop("interrupted", f"{signal_words(self.signum)} during the sample, after training", self.done)
+            return None
 
 
 def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
@@ -840,9 +854,11 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
             timer.after_step()
             log = run.done % cfg.log_interval == 0 or run.done == cfg.max_iters
             ev = run.done % cfg.eval_interval == 0 or run.done == cfg.max_iters
-            # Read once: a Ctrl-C from here on is handled after the next step. Ranks agree on theirs where
+            # Read once: a signal from here on is handled after the next step. Ranks agree on theirs where
             # they all stop anyway, at log and eval points.
-            interrupt = stop.requested if ranks.world == 1 else (log or ev) and ranks.any(stop.requested, run.device)
+            interrupt = stop.signum or False
+            if ranks.world > 1:
+                interrupt = (log or ev) and ranks.any(interrupt, run.device) and (interrupt or True)
             if not (log or ev or interrupt):
                 continue
             if run.at_point(log, ev, interrupt, *timer.stop()):
@@ -894,7 +910,7 @@ def report(runs, cfg):
         # "completed", or the first op set's "diverged" / "interrupted": what follows is what was measured
         "status": next((r["status"] for r in runs.values() if r["status"] != "completed"), "completed"),
         "config": vars(cfg),
-        "op_sets": {name: {k: v for k, v in r.items() if k not in ("train_loss", "evals", "ckpt_path")}
+        "op_sets": {name: {k: v for k, v in r.items() if k not in ("train_loss", "evals", "ckpt_path", "signum")}
                     for name, r in runs.items()},
         "speedup_cuda_over_torch": speedup,
         "max_abs_loss_diff_first_100": diff_100,
@@ -997,17 +1013,19 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
     again = [a for a in argv if not a.startswith(("--resume=", "--overwrite="))] + ["--resume=true"]
     launch = ["python"] if ranks.world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={ranks.world}"]
     if ranks.main:
-        sys.stderr.write(f"train.py: interrupted at iteration {r['stopped_at']} of the {name} op set, saved "
-                         f"{r['ckpt_path']}; resume with: {shlex.join([*launch, 'train.py', *again])}\n")
-    sys.exit(130)  # the shell's code for a run ended by Ctrl-C
+        sys.stderr.write(f"train.py: the {name} op set stopped on {r['stopped_because']}; saved {r['ckpt_path']} and "
+                         f"{os.path.join(cfg.out_dir, 'results.json')}; resume with: "
+                         f"{shlex.join([*launch, 'train.py', *again])}\n")
+    sys.exit(signal_exit(r["signum"] or signal.SIGINT))
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:  # outside the training loop (loading, evaluating, sampling): nothing to save
-        sys.stderr.write("train.py: interrupted\n")
-        sys.exit(130)
+        with sigterm_interrupts():
+            main(sys.argv[1:])
+    except KeyboardInterrupt as e:  # outside the training loop and the sample (loading, building): nothing to save
+        sys.stderr.write(f"train.py: interrupted by {signal_words(signal_of(e))}; checkpoints already written are kept\n")
+        sys.exit(signal_exit(signal_of(e)))
     except RuntimeError as e:  # under torchrun: a collective that another rank left or never joined
         if not lost_other_ranks(e):
             raise
