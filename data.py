@@ -816,9 +816,12 @@ class Ranks:
     """This process's place among torchrun's ranks, and the collectives the training loop needs. A process
     started without torchrun is rank 0 of 1, and its collectives do nothing."""
 
-    def __init__(self, rank=0, world=1):
+    def __init__(self, rank=0, world=1, timeout=None):
         self.rank, self.world = rank, world
         self.main = rank == 0
+        # Stop requests and refusals are agreed over gloo on the host: no wait for the GPU, so the ranks can ask
+        # after every step; and the same code on GPUs and CPUs.
+        self.host_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
 
     def mean_(self, t):
         """t averaged over the ranks, in place."""
@@ -827,12 +830,12 @@ class Ranks:
             t.div_(self.world)
         return t
 
-    def any(self, flag, device):
+    def any(self, flag):
         """Whether flag is set on any rank: every rank then takes the same branch."""
         if self.world == 1:
             return flag
-        t = torch.tensor([float(flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
         return bool(t.item())
 
     def wrap(self, model, graphed):
@@ -874,6 +877,6 @@ def start_ranks(cfg, fail):
                  f"start at most that many processes a node")
         cfg.device = f"cuda:{local}"
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-    return Ranks(rank, world)
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout)
+    return Ranks(rank, world, timeout)

@@ -1439,6 +1439,58 @@ def _sigterm_ends_a_run_at_once():
         yield
 
 
+def train_torchrun_ctrl_c():
+    # Ctrl-C in the terminal of a torchrun run: torchrun and both ranks get SIGINT, and torchrun SIGKILLs the ranks
+    # after its grace period (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s; 10 here). With no log or eval point in sight,
+    # the ranks must agree to stop after a step: rank 0 saves the checkpoint and results.json, and leaves no lock.
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000", "--log_interval=100000",
+                                "--batch_size=2", "--sample_len=0")
+        cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               *args]
+        t0 = time.perf_counter()
+        proc, out, err = _signal_when(cmd, r"\| training eager on cpu", signal.SIGINT, group=True,
+                                      before=lambda line: time.sleep(2),  # well into the loop
+                                      env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"})
+        seconds = time.perf_counter() - t0
+        assert proc.returncode != 0, f"torchrun exited 0:\n{err[-1500:]}"
+        ours = [ln for ln in err.splitlines() if ln.startswith("train.py: ")]
+        assert len(ours) == 1, f"expected rank 0's line alone:\n{err[-3000:]}"
+        k, how = _interrupted_run(os.path.join(tmp, "out"), ours[0],
+                                  re.escape("torchrun --standalone --nproc_per_node=2"))
+    return f"stopped on {how} after iteration {k}, {seconds:.0f} s after the start; checkpoint, results, no lock"
+
+
+@mutant("torchrun_ranks_never_agree_to_stop", "train/torchrun_ctrl_c")
+def _torchrun_ranks_never_agree_to_stop():
+    """As when the ranks only agreed at log and eval points, and none came before torchrun's SIGKILL."""
+    with planted_in_subprocesses("import data\ndata.Ranks.any = lambda self, flag: flag if self.world == 1 else False"):
+        yield
+
+
+def train_torchrun_refusal():
+    # a refused torchrun run (its out_dir holds another run's checkpoint) says so in one line, from rank 0, and
+    # exits non-zero; the other rank stops without a word (torchrun then reports the failed ranks its own way)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
+        os.makedirs(os.path.dirname(ckpt))
+        with open(ckpt, "wb") as f:
+            f.write(b"an earlier run")
+        p = _torchrun(*_train_tiny_args(tmp, "--max_iters=2"), timeout=120)
+        ours = [ln for ln in p.stderr.splitlines() if ln.startswith("train.py: ")]
+        assert p.returncode != 0 and len(ours) == 1, f"exit {p.returncode}, our lines: {ours}\n{p.stderr[-2000:]}"
+        assert ours[0].startswith(f"train.py: error: {ckpt} already exists"), ours[0]
+        assert "op sets:" not in p.stdout, f"training began:\n{p.stdout[-1500:]}"
+    return one_line(ours[0])[:120]
+
+
+@mutant("torchrun_ranks_refuse_alone", "train/torchrun_refusal")
+def _torchrun_ranks_refuse_alone():
+    """Rank 0's refusal not shared: rank 1 goes on alone and fails too, with a message of its own."""
+    with planted_in_subprocesses("import data\ndata.Ranks.any = lambda self, flag: flag"):
+        yield
+
+
 def train_resume_nothing_to_train():
     # a resume with nothing left to train reports the run's figures (wall time, tok/s, timed steps: kept in the
     # checkpoint), not those of a session that trained nothing
@@ -1715,8 +1767,8 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
-            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_resume_nothing_to_train,
-            train_interrupted_sample, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
+            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_torchrun_ctrl_c,
+            train_torchrun_refusal, train_resume_nothing_to_train, train_interrupted_sample, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------

@@ -854,11 +854,12 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
             timer.after_step()
             log = run.done % cfg.log_interval == 0 or run.done == cfg.max_iters
             ev = run.done % cfg.eval_interval == 0 or run.done == cfg.max_iters
-            # Read once: a signal from here on is handled after the next step. Ranks agree on theirs where
-            # they all stop anyway, at log and eval points.
+            # Read once: a signal from here on is handled after the next step. Under torchrun the ranks agree
+            # after every step (on the host, the GPU not waited for), so that all stop after the same one and save
+            # within the grace period torchrun's agent gives before its SIGKILL, however slow a step is.
             interrupt = stop.signum or False
             if ranks.world > 1:
-                interrupt = (log or ev) and ranks.any(interrupt, run.device) and (interrupt or True)
+                interrupt = ranks.any(interrupt) and (interrupt or True)
             if not (log or ev or interrupt):
                 continue
             if run.at_point(log, ev, interrupt, *timer.stop()):
@@ -965,17 +966,34 @@ def run_ranks(cfg, ranks, argv):
         fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {limit} "
              f"streams; use --n_streams<={limit} or --backend=torch")
     cfg.backend = "both" if len(op_sets) == 2 else op_sets[0].name  # what runs, for results.json and checkpoints
-    make_out_dir(cfg.out_dir, fail, "checkpoints, results.json and loss.png")
-    with out_dir_lock(cfg.out_dir, "train.py", fail) if ranks.main else contextlib.nullcontext():
+    with contextlib.ExitStack() as held:
+        # Rank 0 alone holds out_dir and writes there (it saves the checkpoints), so it alone checks it: a refusal
+        # is one line from it, the other ranks told to stop quietly.
+        refusal = None
+        if ranks.main:
+            try:
+                make_out_dir(cfg.out_dir, refuse, "checkpoints, results.json and loss.png")
+                held.enter_context(out_dir_lock(cfg.out_dir, "train.py", refuse))
+                check_checkpoints(cfg, op_sets, refuse)
+            except Refused as e:
+                refusal = str(e)
+        if ranks.any(refusal is not None):
+            fail(refusal) if ranks.main else sys.exit(1)
         return run_in_out_dir(cfg, op_sets, argv, ranks)
 
 
-def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
-    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
-    # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
-    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-    if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
-        return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
+class Refused(Exception):
+    pass
+
+
+def refuse(msg):
+    raise Refused(msg)
+
+
+def check_checkpoints(cfg, op_sets, fail):
+    """fail(msg) where the run would replace the checkpoints of another, or has none to resume."""
+    if cfg.sweep:
+        return  # mhc.load_sweep checks its results.json
     paths = [os.path.join(cfg.out_dir, f"ckpt_{o.name}.pt") for o in op_sets]
     found = [p for p in paths if os.path.exists(p)]
     if cfg.resume and not found:
@@ -984,6 +1002,13 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
         fail(f"{', '.join(found)} already exists and a fresh run would replace it; pass --resume=true to "
              f"continue it, --overwrite=true to start over, or another --out_dir")
 
+
+def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
+    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
+    # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
+    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+    if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
+        return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
     tok, train_ids, val_ids = read_text_splits(cfg.data_path, cfg.block_size, fail)
     # The token ids live on the device, so get_batch cuts batches there: no host-to-device copy per step.
     train_ids, val_ids = train_ids.to(cfg.device), val_ids.to(cfg.device)
