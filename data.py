@@ -668,6 +668,17 @@ def make_out_dir(out_dir, fail, holds):
         fail(f"--out_dir={out_dir} is not writable")
 
 
+def unused_path(folder, name):
+    """folder/name, or where that file exists the first of name_2, name_3, ... that does not: a run's results
+    never replace an earlier run's."""
+    stem, ext = os.path.splitext(name)
+    path, n = os.path.join(folder, name), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(folder, f"{stem}_{n}{ext}")
+    return path
+
+
 def lock_taken(path):
     """Called by out_dir_lock between taking the lock and writing the process id into it: a seam where the
     tests pause a run to let another one try."""

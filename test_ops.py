@@ -1432,7 +1432,7 @@ data.sigterm_interrupts = contextlib.nullcontext
 """
 
 
-@mutant("sigterm_ends_a_run_at_once", "train/interrupt_saves_checkpoint")
+@mutant("sigterm_ends_a_run_at_once", "train/interrupt_saves_checkpoint", "inference/sigterm_keeps_results")
 def _sigterm_ends_a_run_at_once():
     """SIGTERM's default action: the process ends where it is, nothing saved, the lock file left."""
     with planted_in_subprocesses(_SIGTERM_KILLS):
@@ -1956,17 +1956,17 @@ def inference_cli_cpu():
             assert f"--- {kind}, seed 0, torch eager: " in p.stdout, p.stdout
         with open(os.path.join(tmp, "inference.json")) as f:
             assert set(json.load(f)["models"]) == {"dense", "moe"}
-        p = _inference_run(*_INF_TINY, "--arch=llama", f"--out_dir={tmp}")
+        p = _inference_run(*_INF_TINY, "--arch=llama", f"--out_dir={tmp}/llama")
         _train_check_ok(p, "inference.py --arch=llama on CPU")
         assert "llama, 2 layers, 32 wide, 2 heads (1 K/V)" in p.stdout, p.stdout
-        with open(os.path.join(tmp, "inference.json")) as f:
+        with open(os.path.join(tmp, "llama", "inference.json")) as f:
             res = json.load(f)
         # 2 layers x (k, v) x 1 K/V head x 24 positions x head size 16 x 4 bytes
         assert res["models"]["dense"]["kv_cache_bytes"] == 2 * 2 * 1 * 24 * 16 * 4, res["models"]["dense"]
-        p = _inference_run(*_INF_TINY, "--dtype=fp32,bf16", "--models=dense", f"--out_dir={tmp}")
+        p = _inference_run(*_INF_TINY, "--dtype=fp32,bf16", "--models=dense", f"--out_dir={tmp}/bf16")
         _train_check_ok(p, "inference.py --dtype=fp32,bf16 on CPU")
         assert "dense: decode tok/s bf16 / fp32: torch eager" in p.stdout, p.stdout
-        with open(os.path.join(tmp, "inference.json")) as f:
+        with open(os.path.join(tmp, "bf16", "inference.json")) as f:
             res = json.load(f)["models"]
         assert set(res) == {"dense fp32", "dense bf16", "dense bf16 / fp32"}, set(res)
         # bf16: half the bytes of weights and of KV cache
@@ -2088,13 +2088,79 @@ def inference_interrupt_keeps_results():
             except SystemExit as e:
                 code = e.code
         assert code == 130, f"exit {code}:\n{out.getvalue()[-1500:]}"
-        assert f"interrupted; the results so far are in {os.path.join(tmp, 'inference.json')}" in out.getvalue()
+        assert (f"interrupted by Ctrl-C (SIGINT); the results so far are in {os.path.join(tmp, 'inference.json')}"
+                in out.getvalue()), out.getvalue()[-1500:]
         with open(os.path.join(tmp, "inference.json")) as f:
             res = json.load(f)
         assert res["interrupted"] and res["unfinished"]["model"] == "dense", res.keys()
         assert [r["seed"] for r in res["unfinished"]["runs"]] == [0], res["unfinished"]["runs"]
         assert not os.path.exists(os.path.join(tmp, ".inference.lock")), "the lock was left behind"
     return "exit 130; the finished run kept in inference.json"
+
+
+def inference_sigterm_keeps_results():
+    # SIGTERM after the first seed: inference.json already held that seed's run when its line was printed (saved as
+    # each run ends), and after the signal holds what finished; exit 143, one line, no lock left
+    with tempfile.TemporaryDirectory() as tmp:
+        path, seen = os.path.join(tmp, "inference.json"), {}
+
+        def read_file(line):  # what the running process has saved so far
+            with open(path) as f:
+                seen["runs"] = [r["seed"] for r in json.load(f)["unfinished"]["runs"]]
+        cmd = [sys.executable, "-u", "inference.py", *_INF_TINY, "--models=dense",
+               "--seeds=" + ",".join(map(str, range(200))), f"--out_dir={tmp}"]
+        try:
+            proc, _, err = _signal_when(cmd, r"^dense \| seed 0 \|", signal.SIGTERM, before=read_file)
+        except FileNotFoundError:
+            raise AssertionError("no inference.json while the run went on after its first seed") from None
+        assert seen["runs"] == [0], seen
+        assert proc.returncode == 143 and "Traceback" not in err, f"exit {proc.returncode}\n{err[-1500:]}"
+        assert err.strip().splitlines()[-1] == f"inference.py: interrupted by SIGTERM; the results so far are in {path}"
+        with open(path) as f:
+            res = json.load(f)
+        runs = [r["seed"] for r in res["unfinished"]["runs"]]
+        assert res["interrupted"] == "SIGTERM" and runs == list(range(len(runs))) and 1 <= len(runs) < 200, res
+        assert os.listdir(tmp) == ["inference.json"], os.listdir(tmp)
+    return f"seed 0 saved before its line; SIGTERM: exit 143, {len(runs)} seed(s) kept, no lock"
+
+
+@mutant("inference_saves_at_model_ends_only", "inference/sigterm_keeps_results")
+def _inference_saves_at_model_ends_only():
+    """Results written when a model ends, on Ctrl-C or SIGTERM: a run killed before its first model ends keeps none."""
+    with planted_in_subprocesses("""
+import data
+_write = data.write_json
+data.write_json = lambda path, obj: None if "unfinished" in obj and "interrupted" not in obj else _write(path, obj)
+"""):
+        yield
+
+
+def inference_second_run_beside_first():
+    # a second run into the same out_dir keeps the first's results and writes its own beside them, saying where
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = []
+        for models in ("dense", "moe"):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                inference.main([*_INF_TINY, f"--models={models}", f"--out_dir={tmp}"])
+            logs.append(out.getvalue())
+            if models == "dense":
+                with open(os.path.join(tmp, "inference.json"), "rb") as f:
+                    first = f.read()
+        second = os.path.join(tmp, "inference_2.json")
+        assert f"results: {second} ({os.path.join(tmp, 'inference.json')} holds an earlier run's)" in logs[1], logs[1]
+        assert f"wrote {second}" in logs[1], logs[1][-1000:]
+        with open(os.path.join(tmp, "inference.json"), "rb") as f:
+            assert f.read() == first, "the first run's results were replaced"
+        with open(second) as f:
+            assert set(json.load(f)["models"]) == {"moe"}
+    return "inference.json kept, inference_2.json written and named"
+
+
+@mutant("inference_results_replace_earlier", "inference/second_run_beside_first")
+def _inference_results_replace_earlier():
+    with unittest.mock.patch.object(data, "unused_path", lambda folder, name: os.path.join(folder, name)):
+        yield
 
 
 def inference_option_typos():
@@ -2210,7 +2276,7 @@ def inference_gpu_patched_compiled_gpt():
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
             inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
             inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes, inference_trained_row,
-            inference_match_margins):
+            inference_match_margins, inference_sigterm_keeps_results, inference_second_run_beside_first):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
