@@ -333,7 +333,14 @@ def parse_options(argv, options, fail, print_help, presets=None):
         if name and name not in presets:
             fail(f"--preset must be '' or one of {', '.join(presets)}, got {name!r}")
         cfg.update(presets.get(name, {}))
-    return SimpleNamespace(**{**cfg, **given}), list(given)
+    cfg.update(given)
+    for key in PATH_OPTIONS.intersection(cfg):  # the shell leaves the ~ of --data_path=~/book.txt as it is
+        if isinstance(cfg[key], str):
+            cfg[key] = os.path.expanduser(cfg[key])
+    return SimpleNamespace(**cfg), list(given)
+
+
+PATH_OPTIONS = {"data_path", "out_dir", "ckpt"}  # the scripts' options that name files or folders
 
 
 def check_at_least(cfg, low, keys, fail):
@@ -594,6 +601,22 @@ class StopRequest:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def is_out_of_memory(e):
+    """Whether e is an allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in ("out of memory", "can't allocate memory")))
+
+
+def out_of_memory_words(e, device):
+    """'out of memory on DEVICE (tried to allocate SIZE)', from the allocator's long message."""
+    m = re.search(r"tried to allocate (\d+ bytes|[\d.]+ ?[KMGT]i?B)", str(e), re.I)
+    size = m.group(1) if m else None
+    if size and size.endswith(" bytes"):
+        gib = int(size.split()[0]) / 2**30
+        size = f"{gib:,.0f} GiB" if gib >= 10 else f"{gib:.1f} GiB"
+    return f"out of memory on {device}" + (f" (tried to allocate {size})" if size else "")
 
 
 # -----------------------------------------------------------------------------

@@ -105,7 +105,6 @@ def parse_config(argv):
     cfg.dtypes = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
     if not cfg.dtypes or any(d not in train.DTYPES for d in cfg.dtypes) or len(set(cfg.dtypes)) < len(cfg.dtypes):
         fail(f"--dtype must be fp32, bf16 or fp32,bf16, got {cfg.dtype!r}")
-    cfg.ckpt = os.path.expanduser(cfg.ckpt)
     if "ckpt" in cfg.given and cfg.models != ["trained"]:
         if "models" in cfg.given:
             print("note: --ckpt given: decoding its trained model only")
@@ -676,6 +675,12 @@ def main(argv):
             save()
             sys.stderr.write(f"inference.py: interrupted by {results['interrupted']}; the results so far are in {path}\n")
             sys.exit(data.signal_exit(data.signal_of(e)))
+        except RuntimeError as e:  # torch.OutOfMemoryError is one too
+            if not data.is_out_of_memory(e):
+                raise
+            save()
+            fail(f"{data.out_of_memory_words(e, dev)}: the model is too large; pass smaller --n_layer, --n_embd, "
+                 f"--n_expert or --block_size (the results so far are in {path})")
         save()
     print(f"\nwrote {path}")
 

@@ -1547,6 +1547,49 @@ def _sample_interrupt_unhandled():
         yield
 
 
+def train_home_in_paths():
+    # --data_path=~/book.txt and --out_dir=~/runs: the ~ the shell leaves in --key=~/... is the home folder
+    with tempfile.TemporaryDirectory() as tmp:
+        _train_text_file(tmp)
+        with unittest.mock.patch.dict(os.environ, {"HOME": tmp}):
+            code, out = _train_main(*_TRAIN_TINY, "--data_path=~/tiny.txt", "--out_dir=~/runs", "--max_iters=0")
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        assert os.path.isfile(os.path.join(tmp, "runs", "results.json")), os.listdir(tmp)
+    return "~/tiny.txt read, ~/runs written"
+
+
+@mutant("tilde_left_in_paths", "train/home_in_paths")
+def _tilde_left_in_paths():
+    with unittest.mock.patch.object(data, "PATH_OPTIONS", set()):
+        yield
+
+
+def train_out_of_memory():
+    # a model too large for memory, in train.py and in inference.py: one line naming the size options, not a
+    # traceback (a 2^23-wide layer asks the CPU allocator for more than any address space holds: it fails at once)
+    wide = f"--n_embd={2 ** 23}"
+    with tempfile.TemporaryDirectory() as tmp:
+        msg = _train_fails(wide, ("out of memory on cpu", "tried to allocate", "--n_layer", "--n_embd", "--batch_size"),
+                           *_train_tiny_args(tmp, wide, "--n_head=1"))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                inference.main([*_INF_TINY, wide, "--n_head=1", "--models=dense", f"--out_dir={tmp}"])
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        assert isinstance(code, str) and code.startswith("inference.py: error: out of memory on cpu") and \
+            "--n_embd" in code, f"inference.py {wide}: {code!r}\n{out.getvalue()[-1500:]}"
+    return msg[len("train.py: error: "):][:120]
+
+
+@mutant("out_of_memory_traceback", "train/out_of_memory")
+def _out_of_memory_traceback():
+    with unittest.mock.patch.object(train, "is_out_of_memory", lambda e: False), \
+            unittest.mock.patch.object(data, "is_out_of_memory", lambda e: False):
+        yield
+
+
 def train_option_typos():
     # a near miss names the key it is near; a key without its value says how to give one
     _train_fails("--max_iter=3", ["--max_iter", "did you mean --max_iters?"], "--max_iter=3")
@@ -1768,7 +1811,8 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_torchrun_ctrl_c,
-            train_torchrun_refusal, train_resume_nothing_to_train, train_interrupted_sample, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
+            train_torchrun_refusal, train_resume_nothing_to_train, train_interrupted_sample, train_home_in_paths,
+            train_out_of_memory, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------

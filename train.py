@@ -38,9 +38,10 @@ import torch.nn.functional as F
 import mhc
 from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
                   check_backend_and_device, cuda_kernels_for, device_name, fmt_seconds, get_batch, import_kernels,
-                  load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock, parse_options, plot_losses,
-                  print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, sigterm_interrupts,
-                  signal_exit, signal_of, signal_words, start_ranks, write_json)
+                  is_out_of_memory, load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock,
+                  out_of_memory_words, parse_options, plot_losses, print_options, read_text_splits,
+                  register_inductor_fallbacks, save_checkpoint, sigterm_interrupts, signal_exit, signal_of, signal_words,
+                  start_ranks, write_json)
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
@@ -1004,11 +1005,23 @@ def check_checkpoints(cfg, op_sets, fail):
 
 
 def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
-    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
+    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report. A model or
+    batch too large for the device's memory ends it in one line."""
     # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
     warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-    if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
-        return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
+    try:
+        if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
+            return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
+        return train_and_report(cfg, op_sets, argv, ranks)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one too
+        if not is_out_of_memory(e):
+            raise
+        fail(f"{out_of_memory_words(e, cfg.device)}: the model or its batch is too large; pass smaller --n_layer, "
+             f"--n_embd, --batch_size or --block_size (checkpoints already written are kept)")
+
+
+def train_and_report(cfg, op_sets, argv, ranks):
+    """Each op set's run, then the report; exits non-zero if a run diverged or was stopped."""
     tok, train_ids, val_ids = read_text_splits(cfg.data_path, cfg.block_size, fail)
     # The token ids live on the device, so get_batch cuts batches there: no host-to-device copy per step.
     train_ids, val_ids = train_ids.to(cfg.device), val_ids.to(cfg.device)
