@@ -26,6 +26,7 @@ import math
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -2927,6 +2928,84 @@ for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mh
             train_short_validation_split, train_mhc_sweep_diverging_cell, train_mhc_sweep_interrupted,
             train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+# -----------------------------------------------------------------------------
+# the README's commands, run as a newcomer runs them: in order, on a fresh copy of the repo
+
+README_TINY = {  # appended to each README command this test runs: the CPU, tiny sizes, a few steps
+    "train.py": ["--device=cpu", "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=3",
+                 "--batch_size=2", "--block_size=16", "--n_embd=32", "--n_head=2", "--n_layer=1", "--sample_len=10",
+                 "--plot=false", "--sweep_depths=2", "--sweep_variants=baseline,mhc", "--timing_warmup=0"],
+    "inference.py": ["--device=cpu", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=2",
+                     "--top_k=1", "--seeds=0", "--max_new_tokens=8", "--prompt=the"],
+}
+
+
+def readme_commands():
+    """The README's shell commands in order: each line of its indented blocks that starts with pip, python or
+    torchrun, split at &&, as (argv, the line's comment)."""
+    commands = []
+    with open(os.path.join(HERE, "README.md")) as f:
+        for line in f:
+            if re.match(r"    (pip|python|torchrun) ", line):
+                argv, comment = shlex.split(line, comments=True), line.partition(" # ")[2].strip()
+                while argv:
+                    first = argv.index("&&") if "&&" in argv else len(argv)
+                    commands.append((argv[:first], comment))
+                    argv = argv[first + 1:]
+    return commands
+
+
+def readme_commands_in_order():
+    # Every README command that runs on a CPU, run as written plus README_TINY, in the README's order, in a copy of
+    # the repo's tracked files: none may be refused (a collision on out/ was); the others are listed with a reason.
+    with tempfile.TemporaryDirectory() as tmp:
+        clone = os.path.join(tmp, "clone")
+        tracked = subprocess.run(["git", "ls-files"], cwd=HERE, capture_output=True, text=True).stdout.split()
+        for name in tracked or [f for f in os.listdir(HERE) if f.endswith((".py", ".md", ".txt"))]:
+            os.makedirs(os.path.dirname(os.path.join(clone, name)), exist_ok=True)
+            shutil.copy(os.path.join(HERE, name), os.path.join(clone, name))
+        book, extra = os.path.join(HERE, "data_cache", data.CACHE_NAME), []
+        if os.path.isfile(book):  # as the README says to, without network
+            os.makedirs(os.path.join(clone, "data_cache"))
+            shutil.copy(book, os.path.join(clone, "data_cache"))
+        else:
+            extra = [f"--data_path={_train_text_file(tmp)}"]
+        ran, skipped = [], []
+        for argv, comment in readme_commands():
+            line = shlex.join(argv)
+            why = ("installs packages" if argv[0] == "pip" else
+                   "GPU only (says the README)" if "GPU only" in comment else
+                   "the suite this case runs in" if argv[1:] == ["test_ops.py"] else
+                   "builds the extension (minutes)" if "setup.py" in argv and torch.version.cuda else None)
+            if why:
+                skipped.append(f"`{line}`: {why}")
+                continue
+            script = next(a for a in argv if a.endswith(".py"))
+            launch = [sys.executable] if argv[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
+            tiny = README_TINY.get(script, []) + (extra if script == "train.py" else [])
+            p = subprocess.run([*launch, *argv[1:], *tiny], cwd=clone, capture_output=True, text=True, timeout=600)
+            last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+            assert p.returncode == 0, f"README command {len(ran) + len(skipped) + 1}, `{line}`: exit {p.returncode}: " \
+                                      f"{[ln for ln in p.stderr.splitlines() if 'error' in ln][:1] or last}"
+            ran.append(line)
+        assert any("torchrun" in c for c in ran) and len(ran) >= 8, ran
+        results = sorted(f for f in os.listdir(os.path.join(clone, "out")) if f.startswith("inference"))
+        assert results == ["inference.json", "inference_2.json"], results
+    return f"{len(ran)} run in order, none refused; skipped: " + "; ".join(skipped)
+
+
+@mutant("readme_commands_share_out_dir", "readme/commands_in_order")
+def _readme_commands_share_out_dir():
+    """The README's commands as they were: no --out_dir of their own, every run into out/."""
+    real = readme_commands
+    with unittest.mock.patch.object(sys.modules[__name__], "readme_commands",
+                                    lambda: [([a for a in argv if not a.startswith("--out_dir=")], c)
+                                             for argv, c in real()]):
+        yield
+
+
+add("readme/commands_in_order", readme_commands_in_order, gpu=False)
 
 # -----------------------------------------------------------------------------
 # test_ops.py --bench without a GPU (CPU): the advice must fit the machine

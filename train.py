@@ -7,12 +7,12 @@ the speedup. With --dtype=bf16 both run under torch.autocast from fp32 master we
 our bf16 kernels) and agree to bf16 rounding.
 
     python train.py                                   # both op sets, default tiny config
-    python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
+    python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256; out/large
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
     python train.py --dtype=bf16 --compile=true       # mixed precision: autocast vs our bf16 kernels, compiled
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
-    python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
+    python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: one depth)
     torchrun --standalone --nproc_per_node=2 train.py # DistributedDataParallel over 2 GPUs, batch per rank
 
 Every default below can be overridden with --key=value; python train.py --help lists them.
@@ -47,7 +47,7 @@ from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRe
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
 # python train.py --help prints this table.
 PRESETS = {
-    "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64),
+    "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, out_dir="out/large"),
     **mhc.PRESETS,  # the mHC depth sweeps
 }
 OPTIONS = dict(
@@ -77,7 +77,7 @@ OPTIONS = dict(
     dtype=("fp32", "fp32 | bf16: bf16 matmuls, attention and activations from fp32 master weights, fp32 norms' "
                    "statistics, softmax and loss (torch: autocast; cuda: the bf16 kernels, Hopper)"),
     data_path=(None, "UTF-8 text to train on; None: the Wizard of Oz from data_cache/, downloaded once"),
-    out_dir=("out", "folder for checkpoints, results.json and loss.png"),
+    out_dir=("out", "folder for checkpoints, results.json and loss.png (the presets set folders of their own)"),
     preset=("", "'' or " + ", ".join(PRESETS) + ": applied before the other overrides"),
     resume=(False, "continue each op set from out_dir/ckpt_<op set>.pt"),
     overwrite=(False, "let a fresh run replace the checkpoints already in out_dir"),
