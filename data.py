@@ -333,7 +333,14 @@ def parse_options(argv, options, fail, print_help, presets=None):
         if name and name not in presets:
             fail(f"--preset must be '' or one of {', '.join(presets)}, got {name!r}")
         cfg.update(presets.get(name, {}))
-    return SimpleNamespace(**{**cfg, **given}), list(given)
+    cfg.update(given)
+    for key in PATH_OPTIONS.intersection(cfg):  # the shell leaves the ~ of --data_path=~/book.txt as it is
+        if isinstance(cfg[key], str):
+            cfg[key] = os.path.expanduser(cfg[key])
+    return SimpleNamespace(**cfg), list(given)
+
+
+PATH_OPTIONS = {"data_path", "out_dir", "ckpt"}  # the scripts' options that name files or folders
 
 
 def check_at_least(cfg, low, keys, fail):
@@ -532,26 +539,62 @@ class CallTimer:
         return window
 
 
+# Ctrl-C, and SIGTERM: what `kill`, job schedulers and torchrun's agent send to stop a process. Each script stops
+# on either in the same orderly way: it keeps what it measured and removes its out_dir lock.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised as Python raises KeyboardInterrupt on Ctrl-C (see sigterm_interrupts)."""
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Within it SIGTERM raises Stopped, so the scripts' Ctrl-C handling serves it too; its default action would
+    end the process at once, with nothing saved and the lock file left behind."""
+    def raise_stopped(signum, frame):
+        raise Stopped()
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def signal_of(e):
+    """The signal behind a KeyboardInterrupt: SIGTERM for Stopped, else SIGINT."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def signal_words(signum):
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def signal_exit(signum):
+    """The exit code of a run stopped by signum: the shell's 128 + its number (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + signum
+
+
 class StopRequest:
-    """Ctrl-C while training sets a flag that the loop reads after each step: the step in flight completes,
-    so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside opt.step()
-    or a graph capture could leave the weights half updated). A second Ctrl-C interrupts at once, except
-    under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already (and SIGTERM
-    on its own SIGTERM): there every signal sets the flag, and the agent's SIGKILL is the hard stop."""
+    """Ctrl-C or SIGTERM while training sets `signum`, which the loop reads after each step: the step in flight
+    completes, so the checkpoint written next holds a consistent state (a KeyboardInterrupt raised inside
+    opt.step() or a graph capture could leave the weights half updated). A second signal interrupts at once,
+    except under torchrun, whose agent passes the terminal's Ctrl-C on to ranks that have it already: there
+    every signal sets the flag, and the agent's SIGKILL, 30 s later, is the hard stop."""
 
     def __init__(self, world=1):  # world: processes torchrun started
-        self.requested = False
-        self.signals = (signal.SIGINT,) if world == 1 else (signal.SIGINT, signal.SIGTERM)
+        self.signum = None  # the first stop signal's number, once one came
         self.once = world == 1
 
     def __enter__(self):
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.signum = self.signum or signum
         if self.once:
             signal.signal(signum, self.previous[signum])
 
@@ -560,18 +603,71 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def is_out_of_memory(e):
+    """Whether e is an allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in ("out of memory", "can't allocate memory")))
+
+
+def out_of_memory_words(e, device):
+    """'out of memory on DEVICE (tried to allocate SIZE)', from the allocator's long message."""
+    m = re.search(r"tried to allocate (\d+ bytes|[\d.]+ ?[KMGT]i?B)", str(e), re.I)
+    size = m.group(1) if m else None
+    if size and size.endswith(" bytes"):
+        gib = int(size.split()[0]) / 2**30
+        size = f"{gib:,.0f} GiB" if gib >= 10 else f"{gib:.1f} GiB"
+    return f"out of memory on {device}" + (f" (tried to allocate {size})" if size else "")
+
+
 # -----------------------------------------------------------------------------
 # checkpoint files (train.py writes them, train.py and inference.py read them) and the out_dir lock
 
 def weights_sha256(state_dict):
-    """sha256 over every tensor's name, dtype, shape and bytes. torch.load does not check the CRCs of
-    the zip it reads, so without this a checkpoint with flipped bytes in its weights loads silently."""
+    """sha256 over every tensor's name, dtype, shape and bytes: the only checksum of checkpoints written before
+    checkpoint_digests, still checked when one is read."""
     h = hashlib.sha256()
     for name, t in state_dict.items():
         t = t.detach().cpu().contiguous()
         h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def tree_sha256(obj):
+    """sha256 of nested dicts, lists and tuples of tensors (dtype, shape, bytes) and plain values, walked in order:
+    the same before torch.save and after torch.load. torch.load does not check the CRCs of the zip it reads, so
+    without it a checkpoint with flipped bytes loads silently."""
+    h = hashlib.sha256()
+
+    def feed(o):
+        if torch.is_tensor(o):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T {t.dtype} {tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(o, dict):
+            h.update(f"D {len(o)};".encode())
+            for k, v in o.items():
+                feed(k)
+                feed(v)
+        elif isinstance(o, (list, tuple)):
+            h.update(f"L {len(o)};".encode())
+            for v in o:
+                feed(v)
+        else:
+            h.update(f"{type(o).__name__} {o!r};".encode())
+    feed(obj)
+    return h.hexdigest()
+
+
+def checkpoint_digests(ckpt):
+    """tree_sha256 of each part of a checkpoint (every key but the digests), so that a resume checks everything
+    it restores (weights, optimizer state, batch generator, iteration, history) and names the part that is not
+    as written."""
+    return {k: tree_sha256(v) for k, v in ckpt.items() if k not in ("sha256", "model_sha256")}
+
+
+CKPT_PARTS = {"model": "weights", "optimizer": "optimizer state", "batch_rng": "batch generator state",
+              "iter": "iteration", "train_loss": "loss history", "evals": "evaluations"}  # for messages
 
 
 def all_finite(tensors):
@@ -593,6 +689,17 @@ def make_out_dir(out_dir, fail, holds):
         fail(f"--out_dir={out_dir}: cannot create the folder ({e.strerror})")
     if not os.access(out_dir, os.W_OK | os.X_OK):
         fail(f"--out_dir={out_dir} is not writable")
+
+
+def unused_path(folder, name):
+    """folder/name, or where that file exists the first of name_2, name_3, ... that does not: a run's results
+    never replace an earlier run's."""
+    stem, ext = os.path.splitext(name)
+    path, n = os.path.join(folder, name), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(folder, f"{stem}_{n}{ext}")
+    return path
 
 
 def lock_taken(path):
@@ -634,7 +741,7 @@ def out_dir_lock(out_dir, script, fail):
 
 
 def read_checkpoint(path):
-    """The dict of a checkpoint written by train.py, its weights verified against their checksum. Raises
+    """The dict of a checkpoint written by train.py, every part verified against its checksum. Raises
     ValueError with one line that says what is wrong with the file (train.py and inference.py print it)."""
     def bad(what):
         raise ValueError(what)
@@ -653,10 +760,19 @@ def read_checkpoint(path):
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in CKPT_KEYS) or not isinstance(ckpt["model"], dict):
         have = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         bad(f"not a train.py checkpoint (expected the keys {', '.join(CKPT_KEYS)}; found {have})")
-    if "model_sha256" not in ckpt:
-        print(f"note: {path} has no weights checksum (written by an older train.py); its weights are not verified")
-    elif weights_sha256(ckpt["model"]) != ckpt["model_sha256"]:
-        bad("the weights are corrupted (their sha256 differs from the one stored when the file was written)")
+    stored, mismatch = ckpt.get("sha256"), "differs from the one stored when the file was written"
+    if isinstance(stored, dict):
+        now = checkpoint_digests(ckpt)
+        damaged = [CKPT_PARTS.get(k, k) for k in sorted(now.keys() | stored.keys()) if now.get(k) != stored.get(k)]
+        if damaged:
+            bad(f"the file is corrupted: the sha256 of its {' and '.join(damaged)} {mismatch}")
+    elif "model_sha256" in ckpt:  # train.py before whole-checkpoint checksums: the weights' only
+        if weights_sha256(ckpt["model"]) != ckpt["model_sha256"]:
+            bad(f"the file is corrupted: the sha256 of its weights {mismatch}")
+        print(f"note: {path} predates whole-checkpoint checksums: its weights are verified, its optimizer state, "
+              f"batch generator and history are not")
+    else:
+        print(f"note: {path} has no checksum (written by an older train.py); nothing in it is verified")
     if not all_finite(ckpt["model"].values()):
         bad("its weights hold NaN or inf")
     return ckpt
@@ -669,8 +785,8 @@ RESUME_KEYS = ("resume", "overwrite", "max_iters")
 
 
 def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
-    """Restore model, optimizer and batch generator in place; return (iteration, train losses, evals).
-    Whatever is wrong with the file ends the run with one line that names it."""
+    """Restore model, optimizer and batch generator in place; return (iteration, train losses, evals, timing of
+    the sessions so far). Whatever is wrong with the file ends the run with one line that names it."""
     def bad(what):
         fail(f"cannot resume from {path}: {what}")
 
@@ -709,16 +825,20 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
     if changed:
         print(f"note: {path} was trained with {', '.join(f'{k}={saved[k]}' for k in changed)}; this run uses "
               f"{', '.join(f'{k}={getattr(cfg, k)}' for k in changed)} (the command line's values)")
-    return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"])
+    return ckpt["iter"], list(ckpt["train_loss"]), list(ckpt["evals"]), ckpt.get("timing", NO_TIMING)
 
 
-def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals):
-    state = model.state_dict()
+NO_TIMING = {"wall_s": 0.0, "timed_s": 0.0, "timed_steps": 0, "timed_tokens": 0}  # files from before "timing"
+
+
+def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss, evals, timing):
+    """timing: the run's wall time and timed steps so far (every session), so that a resume reports the whole run."""
     ckpt = {
         "config": vars(cfg), "vocab": tok.to_dict(), "op_set": ops.name, "iter": done,
-        "model": state, "model_sha256": weights_sha256(state), "optimizer": opt.state_dict(),
-        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals,
+        "model": model.state_dict(), "optimizer": opt.state_dict(),
+        "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals, "timing": timing,
     }
+    ckpt["sha256"] = checkpoint_digests(ckpt)
     atomic_write(path, lambda f: torch.save(ckpt, f))
 
 
@@ -730,9 +850,12 @@ class Ranks:
     """This process's place among torchrun's ranks, and the collectives the training loop needs. A process
     started without torchrun is rank 0 of 1, and its collectives do nothing."""
 
-    def __init__(self, rank=0, world=1):
+    def __init__(self, rank=0, world=1, timeout=None):
         self.rank, self.world = rank, world
         self.main = rank == 0
+        # Stop requests and refusals are agreed over gloo on the host: no wait for the GPU, so the ranks can ask
+        # after every step; and the same code on GPUs and CPUs.
+        self.host_group = dist.new_group(backend="gloo", timeout=timeout) if world > 1 else None
 
     def mean_(self, t):
         """t averaged over the ranks, in place."""
@@ -741,12 +864,12 @@ class Ranks:
             t.div_(self.world)
         return t
 
-    def any(self, flag, device):
+    def any(self, flag):
         """Whether flag is set on any rank: every rank then takes the same branch."""
         if self.world == 1:
             return flag
-        t = torch.tensor([float(flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
         return bool(t.item())
 
     def wrap(self, model, graphed):
@@ -788,6 +911,6 @@ def start_ranks(cfg, fail):
                  f"start at most that many processes a node")
         cfg.device = f"cuda:{local}"
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-    return Ranks(rank, world)
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout)
+    return Ranks(rank, world, timeout)

@@ -105,7 +105,6 @@ def parse_config(argv):
     cfg.dtypes = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
     if not cfg.dtypes or any(d not in train.DTYPES for d in cfg.dtypes) or len(set(cfg.dtypes)) < len(cfg.dtypes):
         fail(f"--dtype must be fp32, bf16 or fp32,bf16, got {cfg.dtype!r}")
-    cfg.ckpt = os.path.expanduser(cfg.ckpt)
     if "ckpt" in cfg.given and cfg.models != ["trained"]:
         if "models" in cfg.given:
             print("note: --ckpt given: decoding its trained model only")
@@ -706,22 +705,34 @@ def main(argv):
               f"context; the trained model is {cfg.ckpt}, which python train.py writes")
     results = {"device": hw, "copy_bytes_per_s": bw, "config": vars(cfg), "models": {}}
     data.make_out_dir(cfg.out_dir, fail, "inference.json")
-    path = os.path.join(cfg.out_dir, "inference.json")
     with data.out_dir_lock(cfg.out_dir, "inference.py", fail):
-        try:
-            decode_all(cfg, specs, paths, dev, results)
-        except KeyboardInterrupt:  # keep what was measured: the finished models and the unfinished one's runs
-            results["interrupted"] = True
+        # An earlier run's results stay: this run writes beside them, as inference_2.json, inference_3.json, ...
+        first, path = os.path.join(cfg.out_dir, "inference.json"), data.unused_path(cfg.out_dir, "inference.json")
+        print(f"results: {path}" + ("" if path == first else f" ({first} holds an earlier run's)"))
+
+        def save():  # whole or not at all, after every run: a run killed later keeps what it finished
             data.write_json(path, results)
-            sys.stderr.write(f"inference.py: interrupted; the results so far are in {path}\n")
-            sys.exit(130)  # the shell's code for a run ended by Ctrl-C
-        data.write_json(path, results)
+        try:
+            decode_all(cfg, specs, paths, dev, results, save)
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the finished models and the unfinished one's runs
+            results["interrupted"] = data.signal_words(data.signal_of(e))
+            save()
+            sys.stderr.write(f"inference.py: interrupted by {results['interrupted']}; the results so far are in {path}\n")
+            sys.exit(data.signal_exit(data.signal_of(e)))
+        except RuntimeError as e:  # torch.OutOfMemoryError is one too
+            if not data.is_out_of_memory(e):
+                raise
+            save()
+            fail(f"{data.out_of_memory_words(e, dev)}: the model is too large; pass smaller --n_layer, --n_embd, "
+                 f"--n_expert or --block_size (the results so far are in {path})")
+        save()
     print(f"\nwrote {path}")
 
 
-def decode_all(cfg, specs, paths, dev, results):
+def decode_all(cfg, specs, paths, dev, results, save=lambda: None):
     """Every model, dtype and seed on every path, each model's report into results["models"] as it ends;
-    the runs of the one in progress stay in results["unfinished"] until then."""
+    the runs of the one in progress stay in results["unfinished"] until then. save() writes results after
+    each run and each model."""
     uniforms = torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(1234))
     bw = results["copy_bytes_per_s"]
     for spec in specs:
@@ -744,6 +755,7 @@ def decode_all(cfg, specs, paths, dev, results):
                     logits[name, mode, seed] = r.pop("logits")
                     r.update(op_set=name, mode=mode, seed=seed)
                     runs.append(r)
+                    save()  # before the line that says the run is done
                     print(f"{label} | seed {seed} | {name:<5} {r['mode']:<10} | prefill {r['prefill_tok_s']:>9,.0f} "
                           f"tok/s | decode {r['decode_tok_s'] or 0:>8,.0f} tok/s", flush=True)
                 del model
@@ -751,6 +763,7 @@ def decode_all(cfg, specs, paths, dev, results):
                     torch.cuda.empty_cache()
             results["models"][label] = report(label, spec, runs, logits, nbytes, cache_bytes, bw, cfg)
             del results["unfinished"]
+            save()
         if len(cfg.dtypes) == 2:
             results["models"][f"{spec.label} bf16 / fp32"] = dtype_speedups(spec.label, results["models"])
 
@@ -846,7 +859,8 @@ def report(label, spec, runs, logits, nbytes, cache_bytes, bw, cfg):
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:  # before decoding began (building the models, measuring bandwidth): nothing to keep
-        sys.stderr.write("inference.py: interrupted\n")
-        sys.exit(130)
+        with data.sigterm_interrupts():
+            main(sys.argv[1:])
+    except KeyboardInterrupt as e:  # before decoding began (building the models, measuring bandwidth): nothing to keep
+        sys.stderr.write(f"inference.py: interrupted by {data.signal_words(data.signal_of(e))}\n")
+        sys.exit(data.signal_exit(data.signal_of(e)))

@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -18,8 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import (INCREMENT_VOCAB, device_name, fmt_seconds, get_batch, increment_batch, pyplot,
-                  read_text_splits, write_json)
+from data import (INCREMENT_VOCAB, StopRequest, device_name, fmt_seconds, get_batch, increment_batch, pyplot,
+                  read_text_splits, signal_exit, signal_words, write_json)
 
 
 def sinkhorn_torch(logits, iters=20):
@@ -420,9 +421,10 @@ def finite_or_none(v):
     return v if math.isfinite(v) else None  # results.json stays strict JSON
 
 
-def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
+def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer, stop=None):
     """Train one (variant, depth) cell for max_iters steps; return its record for results.json. A cell
-    whose loss or gradients turn NaN/Inf stops at the next log point (diverged_at says where)."""
+    whose loss or gradients turn NaN/Inf stops at the next log point (diverged_at says where); one whose
+    stop (a data.StopRequest) gets a signal stops after the step in flight (interrupted says by what)."""
     device = torch.device(cfg.device)
     on_cuda = device.type == "cuda"
     graphed = on_cuda and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
@@ -439,7 +441,8 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
         loss = timer.time(step, x, y)  # timed alone: the metrics are the sweep's, not a cost of the residual
         hist[it].copy_(sweep_metrics(model, loss))
         done = it + 1
-        if done % cfg.log_interval and done < cfg.max_iters:
+        stopped = stop is not None and stop.signum is not None
+        if done % cfg.log_interval and done < cfg.max_iters and not stopped:
             continue
         dt, n = timer.stop()
         rows += hist[len(rows):done].tolist()
@@ -453,6 +456,8 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
         if diverged_at is not None:
             print(f"  {variant:<11} L{depth:<3} | NaN/Inf from step {diverged_at}: cell stopped at step {done}")
             break
+        if stopped:
+            break
 
     names = SWEEP_METRICS[:3] if variant == "baseline" else SWEEP_METRICS
     per_step = {k: [finite_or_none(r[i]) for r in rows] for i, k in enumerate(names)}
@@ -461,6 +466,7 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
         "variant": variant, "depth": depth, "batch_size": batch_size, "steps": len(rows),
         "op_set": ops.name, "dtype": cfg.dtype, "mode": "graph" if graphed else "eager", "device": device_name(device),
         "diverged_at": diverged_at,
+        "interrupted": signal_words(stop.signum) if stopped and done < cfg.max_iters else None,
         "nonfinite_steps": sum(1 for r in rows if r[2] > 0),
         "final": {k: per_step[k][-1] if k in per_step else None for k in SWEEP_METRICS},
         "max_gain_fwd": max((g for g in per_step.get("gain_fwd", []) if g is not None), default=None),
@@ -469,7 +475,7 @@ def sweep_cell(cfg, ops, task, variant, depth, batch_size, trainer):
         "wall_s": time.perf_counter() - t0,
         "per_step": per_step,
     }
-    if task.splits is not None:  # the book: losses on held-out text, the same windows for every cell
+    if task.splits is not None and not record["interrupted"]:  # the book: held-out text, the same windows each cell
         eval_cfg = SimpleNamespace(**{**vars(cfg), "batch_size": batch_size})
         record["eval"] = {k: finite_or_none(v) for k, v in trainer.estimate_loss(model, task.splits, eval_cfg).items()}
     return record
@@ -504,34 +510,53 @@ def run_sweep(cfg, ops, trainer):
           f"{cfg.max_iters} steps, {cfg.n_embd} wide, {cfg.n_head} heads, context {cfg.block_size}, "
           f"{cfg.n_streams} streams, lr {cfg.lr:g} | {path}")
 
+    def finished(old, batch):  # a cell in results.json that a rerun skips
+        return old is not None and old["batch_size"] == batch and not old.get("interrupted")
+
     # ETA: a cell's time taken as proportional to depth x batch (the same steps and width for all).
-    work_left = sum(d * b for v, d, b in todo if cells.get(cell_key(v, d), {}).get("batch_size") != b)
+    work_left = sum(d * b for v, d, b in todo if not finished(cells.get(cell_key(v, d)), b))
     work_done, t_run = 0, time.perf_counter()
-    for i, (variant, depth, batch) in enumerate(todo, 1):
-        tag = f"[{i}/{len(todo)}] {variant} L{depth}"
-        old = cells.get(cell_key(variant, depth))
-        if old is not None and old["batch_size"] == batch:
-            print(f"{tag}: already in {path}, skipping")
-            continue
-        if old is not None:
-            print(f"{tag}: recorded with batch {old['batch_size']}, training again with batch {batch}")
-        print(f"{tag}: training, batch {batch}", flush=True)
-        cells[cell_key(variant, depth)] = rec = sweep_cell(cfg, ops, task, variant, depth, batch, trainer)
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        results = {"settings": settings, "cells": cells}
-        write_json(path, results)
-        work_done, work_left = work_done + depth * batch, work_left - depth * batch
-        elapsed = time.perf_counter() - t_run
-        print(f"{tag}: done in {fmt_seconds(rec['wall_s'])}, final loss {fmt_float(rec['final']['loss'], '.4f')}"
-              f" | sweep {fmt_seconds(elapsed)} elapsed, eta {fmt_seconds(elapsed / work_done * work_left)}",
-              flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the next cell starts from the same free memory
+    with StopRequest() as stop:  # Ctrl-C or SIGTERM: the cell in flight stops after its step and is saved
+        for i, (variant, depth, batch) in enumerate(todo, 1):
+            tag = f"[{i}/{len(todo)}] {variant} L{depth}"
+            old = cells.get(cell_key(variant, depth))
+            if finished(old, batch):
+                print(f"{tag}: already in {path}, skipping")
+                continue
+            if stop.signum is not None:
+                stop_sweep(stop, "between two cells", cells, path)
+            if old is not None:
+                print(f"{tag}: " + (f"interrupted at step {old['steps']}" if old.get("interrupted") else
+                                    f"recorded with batch {old['batch_size']}") + f", training again with batch {batch}")
+            print(f"{tag}: training, batch {batch}", flush=True)
+            cells[cell_key(variant, depth)] = rec = sweep_cell(cfg, ops, task, variant, depth, batch, trainer, stop)
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            results = {"settings": settings, "cells": cells}
+            write_json(path, results)
+            if rec["interrupted"]:
+                stop_sweep(stop, f"at step {rec['steps']} of {cfg.max_iters} of {variant} L{depth} (its steps so far "
+                                 f"are kept, marked interrupted; the next run trains it again)", cells, path)
+            work_done, work_left = work_done + depth * batch, work_left - depth * batch
+            elapsed = time.perf_counter() - t_run
+            print(f"{tag}: done in {fmt_seconds(rec['wall_s'])}, final loss {fmt_float(rec['final']['loss'], '.4f')}"
+                  f" | sweep {fmt_seconds(elapsed)} elapsed, eta {fmt_seconds(elapsed / work_done * work_left)}",
+                  flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the next cell starts from the same free memory
 
     print()
     print("\n".join(sweep_table(cells)))
     if cfg.plot:
         plot_sweep(cells, cfg.out_dir)
+
+
+def stop_sweep(stop, where, cells, path):
+    """Ends an interrupted sweep: one line that says where, what is kept, and how to go on; the exit code of the
+    signal."""
+    done = sum(1 for c in cells.values() if not c.get("interrupted"))
+    sys.stderr.write(f"train.py: interrupted by {signal_words(stop.signum)} {where}; {path} holds the {done} finished "
+                     f"cell(s); run the same command to train the others\n")
+    sys.exit(signal_exit(stop.signum))
 
 
 def fmt_float(v, spec):
@@ -563,8 +588,9 @@ def sweep_table(cells):
             nan += f" (from step {c['diverged_at']}; stopped at {c['steps']})"
         gains = ["-"] * 4 if c["variant"] == "baseline" else [
             fmt_gain(v) for v in [f[f"gain_{g}"] for g in GAINS] + [c["max_gain_fwd"]]]
-        row = [c["variant"], str(c["depth"]), str(c["batch_size"]), str(c["steps"]), fmt_float(f["loss"], ".4g")]
-        row += [fmt_float(c["eval"]["val"], ".4f")] if text else []
+        steps = str(c["steps"]) + (" (interrupted)" if c.get("interrupted") else "")
+        row = [c["variant"], str(c["depth"]), str(c["batch_size"]), steps, fmt_float(f["loss"], ".4g")]
+        row += [fmt_float(c.get("eval", {}).get("val"), ".4f")] if text else []
         row += gains + [nan, fmt_float(ms, ".1f") if ms else "n/a",
                         f"{ms / base:.2f}x" if ms and base else "n/a"]
         lines.append("| " + " | ".join(row) + " |")

@@ -26,6 +26,7 @@ import math
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1310,6 +1311,16 @@ def _flip_weight_bytes(blob):
     return blob[:start] + b"\xff" * 8 + blob[start + 8:]
 
 
+def _flip_optimizer_bytes(blob):
+    """blob (a checkpoint) with 64 bytes of AdamW's first moment (exp_avg) of the first parameter XORed with 1:
+    finite values a little off, which a resume would take silently without a checksum over the optimizer state."""
+    exp_avg = torch.load(io.BytesIO(blob), weights_only=True)["optimizer"]["state"][0]["exp_avg"]
+    raw = exp_avg.contiguous().view(torch.uint8).numpy().tobytes()
+    at = blob.find(raw)  # torch.save stores each tensor's bytes as they are (uncompressed) in the zip
+    assert at > 0 and blob.find(raw, at + 1) < 0 and len(raw) >= 64, "exp_avg's bytes not found once"
+    return blob[:at] + bytes(b ^ 1 for b in blob[at:at + 64]) + blob[at + 64:]
+
+
 def train_bad_checkpoints():
     with tempfile.TemporaryDirectory() as tmp:
         args = _train_tiny_args(tmp)
@@ -1320,16 +1331,34 @@ def train_bad_checkpoints():
             good = f.read()
         foreign = io.BytesIO()
         torch.save({"weights": torch.ones(3)}, foreign)
+        corrupted = "the file is corrupted: the sha256 of its"
         cases = (("truncated", good[:len(good) // 2], ("truncated",)),
                  ("empty", b"", ("empty",)),
                  ("not torch", bytes(range(256)) * 8, ("not a PyTorch checkpoint",)),
                  ("another torch file", foreign.getvalue(), ("not a train.py checkpoint", "weights")),
-                 ("flipped bytes", _flip_weight_bytes(good), ("weights are corrupted",)))
+                 ("flipped weight bytes", _flip_weight_bytes(good), (f"{corrupted} weights differs",)),
+                 ("flipped optimizer bytes", _flip_optimizer_bytes(good), (f"{corrupted} optimizer state differs",)))
         for what, blob, words in cases:
             with open(ckpt, "wb") as f:
                 f.write(blob)
             _train_fails(what, ("cannot resume from", ckpt, *words), *args, "--max_iters=4", "--resume=true")
-    return ", ".join(c[0] for c in cases) + ": one line each"
+            with open(ckpt, "rb") as f:
+                assert f.read() == blob, f"{what}: the refused resume wrote the file"
+        # a file from before whole-checkpoint checksums (the weights' alone) still resumes, and says what it lacks
+        old = torch.load(io.BytesIO(good), weights_only=True)
+        del old["sha256"], old["timing"]
+        old["model_sha256"] = data.weights_sha256(old["model"])
+        torch.save(old, ckpt)
+        code, out = _train_main(*args, "--max_iters=4", "--resume=true")
+        assert code == 0 and "predates whole-checkpoint checksums" in out, f"exit {code!r}\n{out[-1500:]}"
+    return ", ".join(c[0] for c in cases) + ": one line each; a weights-only checksum resumes with a note"
+
+
+@mutant("checkpoint_checksum_covers_weights_only", "train/bad_checkpoints")
+def _checksum_covers_weights_only():
+    real = data.checkpoint_digests
+    with unittest.mock.patch.object(data, "checkpoint_digests", lambda ckpt: {"model": real(ckpt)["model"]}):
+        yield
 
 
 def train_diverged_run_keeps_checkpoint():
@@ -1362,40 +1391,232 @@ def train_diverged_run_keeps_checkpoint():
     return f"loss {m.group(1)} at iteration {m.group(2)}: stopped, checkpoint of iteration 3 kept, results written"
 
 
+def _signal_when(cmd, pattern, signum, before=None, group=False, env=None, timeout=120):
+    """Runs cmd, and sends it signum once a line of its stdout matches pattern; with group=True to its whole process
+    group, as a terminal's Ctrl-C reaches torchrun and its ranks. before(line) runs first. Returns (proc, the rest
+    of stdout, stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                            start_new_session=group, env=env)
+    watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill())
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if re.search(pattern, line):
+                break
+        else:
+            raise AssertionError(f"no line matched {pattern!r}: exit {proc.wait()}\n{proc.stderr.read()[-1500:]}")
+        if before:
+            before(line)
+        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+        out, err = proc.communicate()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            proc.wait()
+    return proc, out, err
+
+
+def _interrupted_run(out_dir, err, launch):
+    """The iteration of the interrupted run's last line, after checking the line, its checkpoint, results.json and
+    that no lock or temp file is left; and how it said the run stopped."""
+    ckpt = os.path.join(out_dir, "ckpt_torch.pt")
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    m = re.fullmatch(r"train\.py: the torch op set stopped on (.+) after iteration (\d+); saved (\S+) and (\S+); "
+                     rf"resume with: {launch} train\.py (.*) --resume=true", last)
+    assert m and m.group(3) == ckpt and m.group(4) == os.path.join(out_dir, "results.json"), f"last line: {last}"
+    k = int(m.group(2))
+    ck = _train_load_ckpt(ckpt)
+    assert ck["iter"] == k and len(ck["train_loss"]) == k, (k, ck["iter"], len(ck["train_loss"]))
+    with open(os.path.join(out_dir, "results.json")) as f:
+        r = json.load(f)
+    assert r["status"] == "interrupted" and r["op_sets"]["torch"]["stopped_at"] == k, r["op_sets"]["torch"]
+    left = [f for f in os.listdir(out_dir) if ".tmp" in f or f.endswith(".lock")]
+    assert not left, f"left behind: {left}"
+    return k, m.group(1)
+
+
 def train_interrupt_saves_checkpoint():
+    # Ctrl-C (SIGINT) or SIGTERM mid-run: the step in flight completes, the checkpoint and results.json are written,
+    # the lock file removed; the last line says how to resume, and the exit code is the signal's (130, 143)
+    seen = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with tempfile.TemporaryDirectory() as tmp:
+            # No evaluation before the signal: a checkpoint on disk afterwards comes from the stop.
+            args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
+            proc, _, err = _signal_when([sys.executable, "-u", "train.py", *args], r"\| iter +\d+/100000 \|", signum)
+            assert proc.returncode == 128 + signum and "Traceback" not in err, f"exit {proc.returncode}\n{err[-2000:]}"
+            k, how = _interrupted_run(os.path.join(tmp, "out"), err, "python")
+            assert how == data.signal_words(signum), how
+            code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
+            assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
+            seen.append(f"{signal.Signals(signum).name} at iteration {k}")
+    return ", ".join(seen) + ": checkpoint and results saved, no lock left, resumed"
+
+
+_SIGTERM_KILLS = """
+import contextlib, signal, data
+data.STOP_SIGNALS = (signal.SIGINT,)
+data.sigterm_interrupts = contextlib.nullcontext
+"""
+
+
+@mutant("sigterm_ends_a_run_at_once", "train/interrupt_saves_checkpoint", "inference/sigterm_keeps_results")
+def _sigterm_ends_a_run_at_once():
+    """SIGTERM's default action: the process ends where it is, nothing saved, the lock file left."""
+    with planted_in_subprocesses(_SIGTERM_KILLS):
+        yield
+
+
+def train_torchrun_ctrl_c():
+    # Ctrl-C in the terminal of a torchrun run: torchrun and both ranks get SIGINT, and torchrun SIGKILLs the ranks
+    # after its grace period (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s; 10 here). With no log or eval point in sight,
+    # the ranks must agree to stop after a step: rank 0 saves the checkpoint and results.json, and leaves no lock.
     with tempfile.TemporaryDirectory() as tmp:
-        # No evaluation before the interrupt: a checkpoint on disk afterwards comes from the interrupt.
-        args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000")
-        proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=HERE)
-        watchdog = threading.Timer(120, proc.kill)
-        watchdog.start()
-        try:
-            for line in proc.stdout:
-                if re.search(r"\| iter +\d+/100000 \|", line):  # the training loop is running
-                    break
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate()
-        finally:
-            watchdog.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert proc.returncode == 130 and "Traceback" not in err, f"exit {proc.returncode}\n{err[-2000:]}"
+        args = _train_tiny_args(tmp, "--max_iters=100000", "--eval_interval=100000", "--log_interval=100000",
+                                "--batch_size=2", "--sample_len=0")
+        cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               *args]
+        t0 = time.perf_counter()
+        proc, out, err = _signal_when(cmd, r"\| training eager on cpu", signal.SIGINT, group=True,
+                                      before=lambda line: time.sleep(2),  # well into the loop
+                                      env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"})
+        seconds = time.perf_counter() - t0
+        assert proc.returncode != 0, f"torchrun exited 0:\n{err[-1500:]}"
+        ours = [ln for ln in err.splitlines() if ln.startswith("train.py: ")]
+        assert len(ours) == 1, f"expected rank 0's line alone:\n{err[-3000:]}"
+        k, how = _interrupted_run(os.path.join(tmp, "out"), ours[0],
+                                  re.escape("torchrun --standalone --nproc_per_node=2"))
+    return f"stopped on {how} after iteration {k}, {seconds:.0f} s after the start; checkpoint, results, no lock"
+
+
+@mutant("torchrun_ranks_never_agree_to_stop", "train/torchrun_ctrl_c")
+def _torchrun_ranks_never_agree_to_stop():
+    """As when the ranks only agreed at log and eval points, and none came before torchrun's SIGKILL."""
+    with planted_in_subprocesses("import data\ndata.Ranks.any = lambda self, flag: flag if self.world == 1 else False"):
+        yield
+
+
+def train_torchrun_refusal():
+    # a refused torchrun run (its out_dir holds another run's checkpoint) says so in one line, from rank 0, and
+    # exits non-zero; the other rank stops without a word (torchrun then reports the failed ranks its own way)
+    with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "out", "ckpt_torch.pt")
-        last = err.strip().splitlines()[-1]
-        m = re.fullmatch(r"train\.py: interrupted at iteration (\d+) of the torch op set, saved (\S+); "
-                         r"resume with: python train\.py (.*) --resume=true", last)
-        assert m and m.group(2) == ckpt, f"unexpected last line: {last}"
-        k = int(m.group(1))
-        ck = _train_load_ckpt(ckpt)
-        assert ck["iter"] == k and len(ck["train_loss"]) == k, (k, ck["iter"], len(ck["train_loss"]))
-        assert not [f for f in os.listdir(os.path.join(tmp, "out")) if ".tmp" in f], "temp files left"
-        with open(os.path.join(tmp, "out", "results.json")) as f:
-            assert json.load(f)["status"] == "interrupted", "results.json does not say the run was interrupted"
-        code, out = _train_main(*args, f"--max_iters={k + 1}", "--resume=true")
-        assert code == 0 and f"resuming from iteration {k}" in out, f"exit {code!r}\n{out[-1500:]}"
-    return f"Ctrl-C at iteration {k}: checkpoint saved, resumed"
+        os.makedirs(os.path.dirname(ckpt))
+        with open(ckpt, "wb") as f:
+            f.write(b"an earlier run")
+        p = _torchrun(*_train_tiny_args(tmp, "--max_iters=2"), timeout=120)
+        ours = [ln for ln in p.stderr.splitlines() if ln.startswith("train.py: ")]
+        assert p.returncode != 0 and len(ours) == 1, f"exit {p.returncode}, our lines: {ours}\n{p.stderr[-2000:]}"
+        assert ours[0].startswith(f"train.py: error: {ckpt} already exists"), ours[0]
+        assert "op sets:" not in p.stdout, f"training began:\n{p.stdout[-1500:]}"
+    return one_line(ours[0])[:120]
+
+
+@mutant("torchrun_ranks_refuse_alone", "train/torchrun_refusal")
+def _torchrun_ranks_refuse_alone():
+    """Rank 0's refusal not shared: rank 1 goes on alone and fails too, with a message of its own."""
+    with planted_in_subprocesses("import data\ndata.Ranks.any = lambda self, flag: flag"):
+        yield
+
+
+def train_resume_nothing_to_train():
+    # a resume with nothing left to train reports the run's figures (wall time, tok/s, timed steps: kept in the
+    # checkpoint), not those of a session that trained nothing
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _train_tiny_args(tmp, "--max_iters=7", "--timing_warmup=0")  # steps 5..7 timed (warm-up: 4)
+        path = os.path.join(tmp, "out", "results.json")
+        _train_main_ok(*args)
+        with open(path) as f:
+            first = json.load(f)["op_sets"]["torch"]
+        out = _train_main_ok(*args, "--resume=true")
+        assert "nothing to train" in out, out[-1500:]
+        with open(path) as f:
+            again = json.load(f)["op_sets"]["torch"]
+        assert first["timed_iters"] == 3 and again["timed_iters"] == 3, (first["timed_iters"], again["timed_iters"])
+        assert again["tokens_per_s"] == first["tokens_per_s"], (first["tokens_per_s"], again["tokens_per_s"])
+        assert again["wall_s"] >= first["wall_s"] * 0.5, (first["wall_s"], again["wall_s"])  # the first run's, at
+        assert again["final_val_loss"] == first["final_val_loss"] and again["sample"] == first["sample"]  # its save
+    return f"tok/s {again['tokens_per_s']:,.0f} and wall {again['wall_s']:.2f} s kept (first run: {first['wall_s']:.2f} s)"
+
+
+@mutant("resume_forgets_the_runs_timing", "train/resume_nothing_to_train")
+def _resume_forgets_timing():
+    real = data.load_checkpoint
+    with unittest.mock.patch.object(train, "load_checkpoint", lambda *a: real(*a)[:3] + (data.NO_TIMING,)):
+        yield
+
+
+def train_interrupted_sample():
+    # Ctrl-C during the sample after training: the checkpoint is there, and so are results.json and loss.png,
+    # marked interrupted; exit 130 and the line that says so
+    with tempfile.TemporaryDirectory() as tmp:
+        def interrupted(*a):
+            raise KeyboardInterrupt
+        with unittest.mock.patch.object(train, "generate", interrupted):
+            try:
+                code, out = _train_main(*_train_tiny_args(tmp, "--max_iters=3", "--plot=true"))
+            except KeyboardInterrupt:
+                raise AssertionError("the KeyboardInterrupt of the sample left train.main") from None
+        out_dir = os.path.join(tmp, "out")
+        assert code == 130, f"exit {code!r}\n{out[-1500:]}"
+        assert sorted(os.listdir(out_dir)) == ["ckpt_torch.pt", "loss.png", "results.json"], os.listdir(out_dir)
+        with open(os.path.join(out_dir, "results.json")) as f:
+            r = json.load(f)
+        why = r["op_sets"]["torch"]["stopped_because"]
+        assert r["status"] == "interrupted" and why == "Ctrl-C (SIGINT) during the sample, after training", r
+        assert "the torch op set stopped on Ctrl-C (SIGINT) during the sample" in out, out[-1500:]
+    return why
+
+
+@mutant("sample_interrupt_unhandled", "train/interrupted_sample")
+def _sample_interrupt_unhandled():
+    with unittest.mock.patch.object(train.OpSetRun, "sample",
+                                    lambda self: train.generate(self.model, self.tok, self.cfg, self.device)):
+        yield
+
+
+def train_home_in_paths():
+    # --data_path=~/book.txt and --out_dir=~/runs: the ~ the shell leaves in --key=~/... is the home folder
+    with tempfile.TemporaryDirectory() as tmp:
+        _train_text_file(tmp)
+        with unittest.mock.patch.dict(os.environ, {"HOME": tmp}):
+            code, out = _train_main(*_TRAIN_TINY, "--data_path=~/tiny.txt", "--out_dir=~/runs", "--max_iters=0")
+        assert code == 0, f"exit {code!r}\n{out[-1500:]}"
+        assert os.path.isfile(os.path.join(tmp, "runs", "results.json")), os.listdir(tmp)
+    return "~/tiny.txt read, ~/runs written"
+
+
+@mutant("tilde_left_in_paths", "train/home_in_paths")
+def _tilde_left_in_paths():
+    with unittest.mock.patch.object(data, "PATH_OPTIONS", set()):
+        yield
+
+
+def train_out_of_memory():
+    # a model too large for memory, in train.py and in inference.py: one line naming the size options, not a
+    # traceback (a 2^23-wide layer asks the CPU allocator for more than any address space holds: it fails at once)
+    wide = f"--n_embd={2 ** 23}"
+    with tempfile.TemporaryDirectory() as tmp:
+        msg = _train_fails(wide, ("out of memory on cpu", "tried to allocate", "--n_layer", "--n_embd", "--batch_size"),
+                           *_train_tiny_args(tmp, wide, "--n_head=1"))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                inference.main([*_INF_TINY, wide, "--n_head=1", "--models=dense", f"--out_dir={tmp}"])
+                code = 0
+            except SystemExit as e:
+                code = e.code
+        assert isinstance(code, str) and code.startswith("inference.py: error: out of memory on cpu") and \
+            "--n_embd" in code, f"inference.py {wide}: {code!r}\n{out.getvalue()[-1500:]}"
+    return msg[len("train.py: error: "):][:120]
+
+
+@mutant("out_of_memory_traceback", "train/out_of_memory")
+def _out_of_memory_traceback():
+    with unittest.mock.patch.object(train, "is_out_of_memory", lambda e: False), \
+            unittest.mock.patch.object(data, "is_out_of_memory", lambda e: False):
+        yield
 
 
 def train_option_typos():
@@ -1618,8 +1839,9 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_help, train_rejects_bad_values, train_compile_option, train_llama_cpu, train_bf16_cpu,
             train_rejects_bad_paths, train_option_typos, train_llama_odd_heads_note, train_out_dir_lock,
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
-            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_ddp_two_ranks,
-            train_ddp_rank_failure, train_inductor_fallbacks):
+            train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_torchrun_ctrl_c,
+            train_torchrun_refusal, train_resume_nothing_to_train, train_interrupted_sample, train_home_in_paths,
+            train_out_of_memory, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 # -----------------------------------------------------------------------------
@@ -1807,17 +2029,17 @@ def inference_cli_cpu():
             assert f"--- {kind}, seed 0, torch eager: " in p.stdout, p.stdout
         with open(os.path.join(tmp, "inference.json")) as f:
             assert set(json.load(f)["models"]) == {"dense", "moe"}
-        p = _inference_run(*_INF_TINY, "--arch=llama", f"--out_dir={tmp}")
+        p = _inference_run(*_INF_TINY, "--arch=llama", f"--out_dir={tmp}/llama")
         _train_check_ok(p, "inference.py --arch=llama on CPU")
         assert "llama, 2 layers, 32 wide, 2 heads (1 K/V)" in p.stdout, p.stdout
-        with open(os.path.join(tmp, "inference.json")) as f:
+        with open(os.path.join(tmp, "llama", "inference.json")) as f:
             res = json.load(f)
         # 2 layers x (k, v) x 1 K/V head x 24 positions x head size 16 x 4 bytes
         assert res["models"]["dense"]["kv_cache_bytes"] == 2 * 2 * 1 * 24 * 16 * 4, res["models"]["dense"]
-        p = _inference_run(*_INF_TINY, "--dtype=fp32,bf16", "--models=dense", f"--out_dir={tmp}")
+        p = _inference_run(*_INF_TINY, "--dtype=fp32,bf16", "--models=dense", f"--out_dir={tmp}/bf16")
         _train_check_ok(p, "inference.py --dtype=fp32,bf16 on CPU")
         assert "dense: decode tok/s bf16 / fp32: torch eager" in p.stdout, p.stdout
-        with open(os.path.join(tmp, "inference.json")) as f:
+        with open(os.path.join(tmp, "bf16", "inference.json")) as f:
             res = json.load(f)["models"]
         assert set(res) == {"dense fp32", "dense bf16", "dense bf16 / fp32"}, set(res)
         # bf16: half the bytes of weights and of KV cache
@@ -1892,9 +2114,9 @@ def inference_bad_inputs():
         missing = os.path.join(tmp, "nothere.pt")
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={missing}"], missing))
         # a real checkpoint, then damaged copies of it
-        data = _train_text_file(tmp)
+        text = _train_text_file(tmp)
         out = os.path.join(tmp, "out")
-        p = _train_run(*_TRAIN_TINY, f"--data_path={data}", f"--out_dir={out}", "--max_iters=3")
+        p = _train_run(*_TRAIN_TINY, f"--data_path={text}", f"--out_dir={out}", "--max_iters=3")
         _train_check_ok(p, "train.py for a checkpoint")
         good = os.path.join(out, "ckpt_torch.pt")
         p = _inference_run("--device=cpu", f"--ckpt={good}", "--max_new_tokens=10", "--prompt=the", "--n_layer=5",
@@ -1910,9 +2132,10 @@ def inference_bad_inputs():
         foreign = os.path.join(tmp, "foreign.pt")
         torch.save({"weights": torch.zeros(3)}, foreign)
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={foreign}"], foreign))
-        other = os.path.join(tmp, "other_config.pt")  # weights intact, config of another model
+        other = os.path.join(tmp, "other_config.pt")  # weights intact, config of another model, checksums to match
         ck = torch.load(good, weights_only=True)
         ck["config"]["n_embd"] *= 2
+        ck["sha256"] = data.checkpoint_digests(ck)
         torch.save(ck, other)
         seen.append(_expect_inference_error(["--device=cpu", f"--ckpt={other}"], other, "do not fit"))
     return " | ".join(s.replace("inference.py: error: ", "")[:70] for s in seen)
@@ -1938,13 +2161,79 @@ def inference_interrupt_keeps_results():
             except SystemExit as e:
                 code = e.code
         assert code == 130, f"exit {code}:\n{out.getvalue()[-1500:]}"
-        assert f"interrupted; the results so far are in {os.path.join(tmp, 'inference.json')}" in out.getvalue()
+        assert (f"interrupted by Ctrl-C (SIGINT); the results so far are in {os.path.join(tmp, 'inference.json')}"
+                in out.getvalue()), out.getvalue()[-1500:]
         with open(os.path.join(tmp, "inference.json")) as f:
             res = json.load(f)
         assert res["interrupted"] and res["unfinished"]["model"] == "dense", res.keys()
         assert [r["seed"] for r in res["unfinished"]["runs"]] == [0], res["unfinished"]["runs"]
         assert not os.path.exists(os.path.join(tmp, ".inference.lock")), "the lock was left behind"
     return "exit 130; the finished run kept in inference.json"
+
+
+def inference_sigterm_keeps_results():
+    # SIGTERM after the first seed: inference.json already held that seed's run when its line was printed (saved as
+    # each run ends), and after the signal holds what finished; exit 143, one line, no lock left
+    with tempfile.TemporaryDirectory() as tmp:
+        path, seen = os.path.join(tmp, "inference.json"), {}
+
+        def read_file(line):  # what the running process has saved so far
+            with open(path) as f:
+                seen["runs"] = [r["seed"] for r in json.load(f)["unfinished"]["runs"]]
+        cmd = [sys.executable, "-u", "inference.py", *_INF_TINY, "--models=dense",
+               "--seeds=" + ",".join(map(str, range(200))), f"--out_dir={tmp}"]
+        try:
+            proc, _, err = _signal_when(cmd, r"^dense \| seed 0 \|", signal.SIGTERM, before=read_file)
+        except FileNotFoundError:
+            raise AssertionError("no inference.json while the run went on after its first seed") from None
+        assert seen["runs"] == [0], seen
+        assert proc.returncode == 143 and "Traceback" not in err, f"exit {proc.returncode}\n{err[-1500:]}"
+        assert err.strip().splitlines()[-1] == f"inference.py: interrupted by SIGTERM; the results so far are in {path}"
+        with open(path) as f:
+            res = json.load(f)
+        runs = [r["seed"] for r in res["unfinished"]["runs"]]
+        assert res["interrupted"] == "SIGTERM" and runs == list(range(len(runs))) and 1 <= len(runs) < 200, res
+        assert os.listdir(tmp) == ["inference.json"], os.listdir(tmp)
+    return f"seed 0 saved before its line; SIGTERM: exit 143, {len(runs)} seed(s) kept, no lock"
+
+
+@mutant("inference_saves_at_model_ends_only", "inference/sigterm_keeps_results")
+def _inference_saves_at_model_ends_only():
+    """Results written when a model ends, on Ctrl-C or SIGTERM: a run killed before its first model ends keeps none."""
+    with planted_in_subprocesses("""
+import data
+_write = data.write_json
+data.write_json = lambda path, obj: None if "unfinished" in obj and "interrupted" not in obj else _write(path, obj)
+"""):
+        yield
+
+
+def inference_second_run_beside_first():
+    # a second run into the same out_dir keeps the first's results and writes its own beside them, saying where
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = []
+        for models in ("dense", "moe"):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                inference.main([*_INF_TINY, f"--models={models}", f"--out_dir={tmp}"])
+            logs.append(out.getvalue())
+            if models == "dense":
+                with open(os.path.join(tmp, "inference.json"), "rb") as f:
+                    first = f.read()
+        second = os.path.join(tmp, "inference_2.json")
+        assert f"results: {second} ({os.path.join(tmp, 'inference.json')} holds an earlier run's)" in logs[1], logs[1]
+        assert f"wrote {second}" in logs[1], logs[1][-1000:]
+        with open(os.path.join(tmp, "inference.json"), "rb") as f:
+            assert f.read() == first, "the first run's results were replaced"
+        with open(second) as f:
+            assert set(json.load(f)["models"]) == {"moe"}
+    return "inference.json kept, inference_2.json written and named"
+
+
+@mutant("inference_results_replace_earlier", "inference/second_run_beside_first")
+def _inference_results_replace_earlier():
+    with unittest.mock.patch.object(data, "unused_path", lambda folder, name: os.path.join(folder, name)):
+        yield
 
 
 def inference_option_typos():
@@ -2381,7 +2670,8 @@ def inference_gpu_patched_compiled_gpt():
 for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, inference_sampling_is_seeded,
             inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
             inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes, inference_trained_row,
-            inference_match_margins, inference_patched_calls):
+            inference_match_margins, inference_patched_calls, inference_sigterm_keeps_results,
+            inference_second_run_beside_first):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
@@ -2922,6 +3212,52 @@ def train_mhc_sweep_diverging_cell():
     return "hc at lr 1e4: NaN from step 2, stopped at 3"
 
 
+def train_mhc_sweep_interrupted():
+    """Ctrl-C in the second cell of a sweep: that cell stops after its step and is kept, marked interrupted, beside
+    the finished one; exit 130 with a line that says where and what is kept. The next run skips the finished cell
+    and trains the interrupted one again."""
+    real, calls = train.SWEEP_TRAINER.train_step, []
+
+    def step(*args):  # the real step; Ctrl-C during the second cell's second one
+        calls.append(1)
+        if len(calls) == 8:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+    args = [*_SWEEP_TINY, "--sweep_variants=baseline,mhc", "--plot=false"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "results.json")
+        try:
+            with unittest.mock.patch.object(train.SWEEP_TRAINER, "train_step", step):
+                code, out = _train_main(*args, f"--out_dir={tmp}")
+        except KeyboardInterrupt:
+            raise AssertionError("Ctrl-C in a cell left train.main as a KeyboardInterrupt") from None
+        assert code == 130, f"exit {code!r}\n{out[-1500:]}"
+        assert (f"train.py: interrupted by Ctrl-C (SIGINT) at step 2 of 6 of mhc L2 (its steps so far are kept, marked "
+                f"interrupted; the next run trains it again); {path} holds the 1 finished cell(s)") in out, out[-1500:]
+        with open(path) as f:
+            cells = json.load(f)["cells"]
+        assert cells["baseline/2"]["steps"] == 6 and cells["baseline/2"]["interrupted"] is None, cells["baseline/2"]
+        assert cells["mhc/2"]["steps"] == 2 and cells["mhc/2"]["interrupted"] == "Ctrl-C (SIGINT)", cells["mhc/2"]
+        assert len(cells["mhc/2"]["per_step"]["loss"]) == 2, cells["mhc/2"]["per_step"]
+        out = _train_main_ok(*args, f"--out_dir={tmp}")
+        assert "baseline L2: already in" in out and "mhc L2: interrupted at step 2, training again" in out, out
+        with open(path) as f:
+            cells = json.load(f)["cells"]
+        assert cells["mhc/2"]["steps"] == 6 and cells["mhc/2"]["interrupted"] is None, cells["mhc/2"]
+    return "cell mhc L2 kept at step 2 of 6, marked; the rerun trained it again, skipping baseline"
+
+
+@mutant("sweep_cell_lost_on_ctrl_c", "train/mhc_sweep_interrupted")
+def _sweep_cell_lost_on_ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt in the cell: the cell in flight is lost."""
+    class Unhandled(data.StopRequest):
+        def __enter__(self):
+            self.previous = {}
+            return self
+    with unittest.mock.patch.object(mhc, "StopRequest", Unhandled):
+        yield
+
+
 def train_residual_option():
     with tempfile.TemporaryDirectory() as tmp:
         data_file, out = _train_text_file(tmp), os.path.join(tmp, "out")
@@ -2944,8 +3280,87 @@ def train_residual_option():
 add("data/call_timer_cuda", data_call_timer, "cuda")
 for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mhc_twins_fp32_under_autocast,
             mhc_doubly_stochastic_after_step, train_variants_few_steps, train_mhc_sweep_cpu,
-            train_short_validation_split, train_mhc_sweep_diverging_cell, train_residual_option):
+            train_short_validation_split, train_mhc_sweep_diverging_cell, train_mhc_sweep_interrupted,
+            train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+# -----------------------------------------------------------------------------
+# the README's commands, run as a newcomer runs them: in order, on a fresh copy of the repo
+
+README_TINY = {  # appended to each README command this test runs: the CPU, tiny sizes, a few steps
+    "train.py": ["--device=cpu", "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=3",
+                 "--batch_size=2", "--block_size=16", "--n_embd=32", "--n_head=2", "--n_layer=1", "--sample_len=10",
+                 "--plot=false", "--sweep_depths=2", "--sweep_variants=baseline,mhc", "--timing_warmup=0"],
+    "inference.py": ["--device=cpu", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=2",
+                     "--top_k=1", "--seeds=0", "--max_new_tokens=8", "--prompt=the"],
+}
+
+
+def readme_commands():
+    """The README's shell commands in order: each line of its indented blocks that starts with pip, python or
+    torchrun, split at &&, as (argv, the line's comment)."""
+    commands = []
+    with open(os.path.join(HERE, "README.md")) as f:
+        for line in f:
+            if re.match(r"    (pip|python|torchrun) ", line):
+                argv, comment = shlex.split(line, comments=True), line.partition(" # ")[2].strip()
+                while argv:
+                    first = argv.index("&&") if "&&" in argv else len(argv)
+                    commands.append((argv[:first], comment))
+                    argv = argv[first + 1:]
+    return commands
+
+
+def readme_commands_in_order():
+    # Every README command that runs on a CPU, run as written plus README_TINY, in the README's order, in a copy of
+    # the repo's tracked files: none may be refused (a collision on out/ was); the others are listed with a reason.
+    with tempfile.TemporaryDirectory() as tmp:
+        clone = os.path.join(tmp, "clone")
+        tracked = subprocess.run(["git", "ls-files"], cwd=HERE, capture_output=True, text=True).stdout.split()
+        for name in tracked or [f for f in os.listdir(HERE) if f.endswith((".py", ".md", ".txt"))]:
+            os.makedirs(os.path.dirname(os.path.join(clone, name)), exist_ok=True)
+            shutil.copy(os.path.join(HERE, name), os.path.join(clone, name))
+        book, extra = os.path.join(HERE, "data_cache", data.CACHE_NAME), []
+        if os.path.isfile(book):  # as the README says to, without network
+            os.makedirs(os.path.join(clone, "data_cache"))
+            shutil.copy(book, os.path.join(clone, "data_cache"))
+        else:
+            extra = [f"--data_path={_train_text_file(tmp)}"]
+        ran, skipped = [], []
+        for argv, comment in readme_commands():
+            line = shlex.join(argv)
+            why = ("installs packages" if argv[0] == "pip" else
+                   "GPU only (says the README)" if "GPU only" in comment else
+                   "the suite this case runs in" if argv[1:] == ["test_ops.py"] else
+                   "builds the extension (minutes)" if "setup.py" in argv and torch.version.cuda else None)
+            if why:
+                skipped.append(f"`{line}`: {why}")
+                continue
+            script = next(a for a in argv if a.endswith(".py"))
+            launch = [sys.executable] if argv[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
+            tiny = README_TINY.get(script, []) + (extra if script == "train.py" else [])
+            p = subprocess.run([*launch, *argv[1:], *tiny], cwd=clone, capture_output=True, text=True, timeout=600)
+            last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+            assert p.returncode == 0, f"README command {len(ran) + len(skipped) + 1}, `{line}`: exit {p.returncode}: " \
+                                      f"{[ln for ln in p.stderr.splitlines() if 'error' in ln][:1] or last}"
+            ran.append(line)
+        assert any("torchrun" in c for c in ran) and len(ran) >= 8, ran
+        results = sorted(f for f in os.listdir(os.path.join(clone, "out")) if f.startswith("inference"))
+        assert results == ["inference.json", "inference_2.json"], results
+    return f"{len(ran)} run in order, none refused; skipped: " + "; ".join(skipped)
+
+
+@mutant("readme_commands_share_out_dir", "readme/commands_in_order")
+def _readme_commands_share_out_dir():
+    """The README's commands as they were: no --out_dir of their own, every run into out/."""
+    real = readme_commands
+    with unittest.mock.patch.object(sys.modules[__name__], "readme_commands",
+                                    lambda: [([a for a in argv if not a.startswith("--out_dir=")], c)
+                                             for argv, c in real()]):
+        yield
+
+
+add("readme/commands_in_order", readme_commands_in_order, gpu=False)
 
 # -----------------------------------------------------------------------------
 # test_ops.py --bench without a GPU (CPU): the advice must fit the machine

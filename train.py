@@ -7,12 +7,12 @@ the speedup. With --dtype=bf16 both run under torch.autocast from fp32 master we
 our bf16 kernels) and agree to bf16 rounding.
 
     python train.py                                   # both op sets, default tiny config
-    python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256
+    python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256; out/large
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
     python train.py --dtype=bf16 --compile=true       # mixed precision: autocast vs our bf16 kernels, compiled
     python train.py --residual=mhc --n_layer=24       # mHC residual streams (mhc.py) instead of x + F(x)
-    python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: a short one)
+    python train.py --preset=mhc                      # the mHC depth sweep (--preset=mhc-demo: one depth)
     torchrun --standalone --nproc_per_node=2 train.py # DistributedDataParallel over 2 GPUs, batch per rank
 
 Every default below can be overridden with --key=value; python train.py --help lists them.
@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 import warnings
@@ -35,17 +36,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mhc
-from data import (BACKENDS, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
+from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRequest, all_finite, check_at_least,
                   check_backend_and_device, cuda_kernels_for, device_name, fmt_seconds, get_batch, import_kernels,
-                  load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock, parse_options, plot_losses,
-                  print_options, read_text_splits, register_inductor_fallbacks, save_checkpoint, start_ranks,
-                  write_json)
+                  is_out_of_memory, load_checkpoint, lost_other_ranks, make_out_dir, one_line, out_dir_lock,
+                  out_of_memory_words, parse_options, plot_losses, print_options, read_text_splits,
+                  register_inductor_fallbacks, save_checkpoint, sigterm_interrupts, signal_exit, signal_of, signal_words,
+                  start_ranks, write_json)
 
 # -----------------------------------------------------------------------------
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
 # python train.py --help prints this table.
 PRESETS = {
-    "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64),
+    "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, out_dir="out/large"),
     **mhc.PRESETS,  # the mHC depth sweeps
 }
 OPTIONS = dict(
@@ -75,7 +77,7 @@ OPTIONS = dict(
     dtype=("fp32", "fp32 | bf16: bf16 matmuls, attention and activations from fp32 master weights, fp32 norms' "
                    "statistics, softmax and loss (torch: autocast; cuda: the bf16 kernels, Hopper)"),
     data_path=(None, "UTF-8 text to train on; None: the Wizard of Oz from data_cache/, downloaded once"),
-    out_dir=("out", "folder for checkpoints, results.json and loss.png"),
+    out_dir=("out", "folder for checkpoints, results.json and loss.png (the presets set folders of their own)"),
     preset=("", "'' or " + ", ".join(PRESETS) + ": applied before the other overrides"),
     resume=(False, "continue each op set from out_dir/ckpt_<op set>.pt"),
     overwrite=(False, "let a fresh run replace the checkpoints already in out_dir"),
@@ -716,14 +718,25 @@ class OpSetRun:
         # Losses stay on the device until a log or eval point: reading each one would sync every step.
         self.loss_buf = torch.zeros(max(cfg.max_iters - self.start, 0), device=self.device)
         self.done = self.fetched = self.start
-        self.status, self.why, self.stopped_at = "completed", None, None
+        self.status, self.why, self.stopped_at, self.signum = "completed", None, None, None
+        # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
+        # of the timed steps.
+        self.timer, self.t0 = StepTimer(self.device, skip=timing_skip(cfg)), time.perf_counter()
+
+    def timing(self):
+        """The run's wall time and timed steps: the sessions before a resume (self.earlier) and this one."""
+        e, t = self.earlier, self.timer
+        return {"wall_s": e["wall_s"] + time.perf_counter() - self.t0, "timed_s": e["timed_s"] + t.timed_s,
+                "timed_steps": e["timed_steps"] + t.timed_steps,
+                "timed_tokens": e["timed_tokens"] + t.timed_steps * self.tokens_per_step}
 
     def resume(self):
         """With --resume, the checkpoint's weights, optimizer, batch generator and history; says what runs."""
         name, cfg, start = self.ops.name, self.cfg, 0
+        self.earlier = NO_TIMING
         if cfg.resume and os.path.isfile(self.ckpt_path):
-            start, self.train_loss, self.evals = load_checkpoint(self.ckpt_path, cfg, self.tok, self.model, self.opt,
-                                                                 self.batch_gen, fail)
+            start, self.train_loss, self.evals, self.earlier = load_checkpoint(
+                self.ckpt_path, cfg, self.tok, self.model, self.opt, self.batch_gen, fail)
             self.start = self.saved_iter = start
             print(f"{name} | resuming from iteration {start} ({self.ckpt_path})")
         elif cfg.resume:
@@ -748,7 +761,8 @@ class OpSetRun:
 
     def at_point(self, log, ev, interrupt, seconds, steps):
         """A log, eval or interrupt point after step self.done: read the losses and log, check the weights,
-        evaluate, save. True when the run stops here."""
+        evaluate, save. interrupt: False, or the stop signal's number (True: another rank's). True when the run
+        stops here."""
         done, cfg = self.done, self.cfg
         new = self.ranks.mean_(self.loss_buf[self.fetched - self.start:done - self.start]).tolist()
         self.ops.check_errors()  # the host has waited for the losses: a bad index met on the GPU raises here
@@ -774,7 +788,9 @@ class OpSetRun:
         if ev or interrupt:
             self.save(ev)
         if interrupt:
-            return self.stop("interrupted", f"SIGINT (Ctrl-C) after iteration {done}", done)
+            self.signum = interrupt if interrupt is not True else None
+            how = signal_words(self.signum) if self.signum else "a stop signal to another rank"
+            return self.stop("interrupted", f"{how} after iteration {done}", done)
         return False
 
     def evaluate(self):
@@ -785,44 +801,53 @@ class OpSetRun:
     def save(self, evaluated):
         if self.ranks.main:  # the ranks hold the same weights, optimizer state and batch generator
             save_checkpoint(self.ckpt_path, self.cfg, self.tok, self.ops, self.done, self.model, self.opt,
-                            self.batch_gen, self.train_loss, self.evals)
+                            self.batch_gen, self.train_loss, self.evals, self.timing())
         self.saved_iter = self.done
         e = self.evals[-1] if evaluated else None
         what = f"eval: train {e['train']:.4f}, val {e['val']:.4f}" if e else "interrupted"
         print(f"{self.ops.name} | iter {self.done} | {what} | saved {self.ckpt_path}")
 
-    def result(self, wall_s, timer):
-        """The run's record for the report and results.json (the sample from rank 0 only)."""
+    def result(self):
+        """The run's record for the report and results.json (the sample from rank 0 only); its timing is the whole
+        run's, so that a resume with nothing to train reports what the run measured."""
+        timing = self.timing()
         if self.status == "completed" and (not self.evals or self.evals[-1]["iter"] != self.done):
             self.evaluate()  # nothing trained: still report
         if self.status == "diverged":
             kept = (f"{self.ckpt_path} still holds iteration {self.saved_iter}" if self.saved_iter is not None
                     else f"no checkpoint written to {self.ckpt_path}")
             print(f"{self.ops.name} | stopped: {self.why}; {kept}")
-        cfg, evals = self.cfg, self.evals
-        sample = self.status == "completed" and self.ranks.main  # not from NaN, nor once asked to stop
+        evals = self.evals
+        # from rank 0, not from NaN, nor once asked to stop; the status may change during it
+        sample = self.sample() if self.status == "completed" and self.ranks.main else None
         return {
             "status": self.status, "stopped_because": self.why, "stopped_at": self.stopped_at,
             "checkpoint_iter": self.saved_iter, "mode": self.mode,
             "iters": len(self.train_loss), "trained_iters": len(self.train_loss) - self.start,
             "final_train_loss": evals[-1]["train"] if evals else None,
             "final_val_loss": evals[-1]["val"] if evals else None,
-            "wall_s": wall_s,
-            "tokens_per_s": timer.timed_steps * self.tokens_per_step / timer.timed_s if timer.timed_steps else None,
-            "timed_iters": timer.timed_steps,
-            "train_loss": self.train_loss, "evals": evals,
-            "sample": generate(self.model, self.tok, cfg, self.device) if sample else None,
-            "ckpt_path": self.ckpt_path,
+            "wall_s": timing["wall_s"],
+            "tokens_per_s": timing["timed_tokens"] / timing["timed_s"] if timing["timed_steps"] else None,
+            "timed_iters": timing["timed_steps"],
+            "train_loss": self.train_loss, "evals": evals, "sample": sample,
+            "ckpt_path": self.ckpt_path, "signum": self.signum,
         }
+
+    def sample(self):
+        """The trained model's text; None after a Ctrl-C or SIGTERM during it, which stops the run here: training
+        is done and saved, and the report is still written."""
+        try:
+            return generate(self.model, self.tok, self.cfg, self.device)
+        except KeyboardInterrupt as e:
+            self.signum = signal_of(e)
+            self.stop("interrupted", f"{signal_words(self.signum)} during the sample, after training", self.done)
+            return None
 
 
 def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
     """Trains one op set from iteration 1 (or its checkpoint) to max_iters; returns OpSetRun.result."""
     run = OpSetRun(ops, cfg, tok, train_ids, val_ids, ranks)
-    # At least the graph warm-up and capture (or compile's compilation and recording) are always left out
-    # of the timed steps.
-    timer = StepTimer(run.device, skip=timing_skip(cfg))
-    t_run = time.perf_counter()
+    timer = run.timer
     with StopRequest(ranks.world) as stop:
         while run.done < cfg.max_iters:
             timer.before_step()
@@ -830,15 +855,18 @@ def train_op_set(ops, cfg, tok, train_ids, val_ids, ranks=ONE_PROCESS):
             timer.after_step()
             log = run.done % cfg.log_interval == 0 or run.done == cfg.max_iters
             ev = run.done % cfg.eval_interval == 0 or run.done == cfg.max_iters
-            # Read once: a Ctrl-C from here on is handled after the next step. Ranks agree on theirs where
-            # they all stop anyway, at log and eval points.
-            interrupt = stop.requested if ranks.world == 1 else (log or ev) and ranks.any(stop.requested, run.device)
+            # Read once: a signal from here on is handled after the next step. Under torchrun the ranks agree
+            # after every step (on the host, the GPU not waited for), so that all stop after the same one and save
+            # within the grace period torchrun's agent gives before its SIGKILL, however slow a step is.
+            interrupt = stop.signum or False
+            if ranks.world > 1:
+                interrupt = ranks.any(interrupt) and (interrupt or True)
             if not (log or ev or interrupt):
                 continue
             if run.at_point(log, ev, interrupt, *timer.stop()):
                 break
             timer.start()
-    return run.result(time.perf_counter() - t_run, timer)
+    return run.result()
 
 
 # -----------------------------------------------------------------------------
@@ -884,7 +912,7 @@ def report(runs, cfg):
         # "completed", or the first op set's "diverged" / "interrupted": what follows is what was measured
         "status": next((r["status"] for r in runs.values() if r["status"] != "completed"), "completed"),
         "config": vars(cfg),
-        "op_sets": {name: {k: v for k, v in r.items() if k not in ("train_loss", "evals", "ckpt_path")}
+        "op_sets": {name: {k: v for k, v in r.items() if k not in ("train_loss", "evals", "ckpt_path", "signum")}
                     for name, r in runs.items()},
         "speedup_cuda_over_torch": speedup,
         "max_abs_loss_diff_first_100": diff_100,
@@ -939,17 +967,34 @@ def run_ranks(cfg, ranks, argv):
         fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {limit} "
              f"streams; use --n_streams<={limit} or --backend=torch")
     cfg.backend = "both" if len(op_sets) == 2 else op_sets[0].name  # what runs, for results.json and checkpoints
-    make_out_dir(cfg.out_dir, fail, "checkpoints, results.json and loss.png")
-    with out_dir_lock(cfg.out_dir, "train.py", fail) if ranks.main else contextlib.nullcontext():
+    with contextlib.ExitStack() as held:
+        # Rank 0 alone holds out_dir and writes there (it saves the checkpoints), so it alone checks it: a refusal
+        # is one line from it, the other ranks told to stop quietly.
+        refusal = None
+        if ranks.main:
+            try:
+                make_out_dir(cfg.out_dir, refuse, "checkpoints, results.json and loss.png")
+                held.enter_context(out_dir_lock(cfg.out_dir, "train.py", refuse))
+                check_checkpoints(cfg, op_sets, refuse)
+            except Refused as e:
+                refusal = str(e)
+        if ranks.any(refusal is not None):
+            fail(refusal) if ranks.main else sys.exit(1)
         return run_in_out_dir(cfg, op_sets, argv, ranks)
 
 
-def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
-    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report."""
-    # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
-    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-    if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
-        return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
+class Refused(Exception):
+    pass
+
+
+def refuse(msg):
+    raise Refused(msg)
+
+
+def check_checkpoints(cfg, op_sets, fail):
+    """fail(msg) where the run would replace the checkpoints of another, or has none to resume."""
+    if cfg.sweep:
+        return  # mhc.load_sweep checks its results.json
     paths = [os.path.join(cfg.out_dir, f"ckpt_{o.name}.pt") for o in op_sets]
     found = [p for p in paths if os.path.exists(p)]
     if cfg.resume and not found:
@@ -958,6 +1003,25 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
         fail(f"{', '.join(found)} already exists and a fresh run would replace it; pass --resume=true to "
              f"continue it, --overwrite=true to start over, or another --out_dir")
 
+
+def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
+    """main's work once out_dir is checked and held: the sweep, or each op set's run and the report. A model or
+    batch too large for the device's memory ends it in one line."""
+    # Warm-up steps of a graphed optimizer run eagerly; PyTorch warns about that once, harmlessly.
+    warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+    try:
+        if cfg.sweep:  # one op set: cuda where it can run, else torch (a note says so)
+            return mhc.run_sweep(cfg, op_sets[-1], SWEEP_TRAINER)
+        return train_and_report(cfg, op_sets, argv, ranks)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one too
+        if not is_out_of_memory(e):
+            raise
+        fail(f"{out_of_memory_words(e, cfg.device)}: the model or its batch is too large; pass smaller --n_layer, "
+             f"--n_embd, --batch_size or --block_size (checkpoints already written are kept)")
+
+
+def train_and_report(cfg, op_sets, argv, ranks):
+    """Each op set's run, then the report; exits non-zero if a run diverged or was stopped."""
     tok, train_ids, val_ids = read_text_splits(cfg.data_path, cfg.block_size, fail)
     # The token ids live on the device, so get_batch cuts batches there: no host-to-device copy per step.
     train_ids, val_ids = train_ids.to(cfg.device), val_ids.to(cfg.device)
@@ -987,17 +1051,19 @@ def run_in_out_dir(cfg, op_sets, argv, ranks=ONE_PROCESS):
     again = [a for a in argv if not a.startswith(("--resume=", "--overwrite="))] + ["--resume=true"]
     launch = ["python"] if ranks.world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={ranks.world}"]
     if ranks.main:
-        sys.stderr.write(f"train.py: interrupted at iteration {r['stopped_at']} of the {name} op set, saved "
-                         f"{r['ckpt_path']}; resume with: {shlex.join([*launch, 'train.py', *again])}\n")
-    sys.exit(130)  # the shell's code for a run ended by Ctrl-C
+        sys.stderr.write(f"train.py: the {name} op set stopped on {r['stopped_because']}; saved {r['ckpt_path']} and "
+                         f"{os.path.join(cfg.out_dir, 'results.json')}; resume with: "
+                         f"{shlex.join([*launch, 'train.py', *again])}\n")
+    sys.exit(signal_exit(r["signum"] or signal.SIGINT))
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:  # outside the training loop (loading, evaluating, sampling): nothing to save
-        sys.stderr.write("train.py: interrupted\n")
-        sys.exit(130)
+        with sigterm_interrupts():
+            main(sys.argv[1:])
+    except KeyboardInterrupt as e:  # outside the training loop and the sample (loading, building): nothing to save
+        sys.stderr.write(f"train.py: interrupted by {signal_words(signal_of(e))}; checkpoints already written are kept\n")
+        sys.exit(signal_exit(signal_of(e)))
     except RuntimeError as e:  # under torchrun: a collective that another rank left or never joined
         if not lost_other_ranks(e):
             raise
