@@ -248,6 +248,7 @@ def run_tests(only, gpu_only=False, shard=(0, 1), skip=frozenset()):
     else:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    record = open(VERDICTS, "w") if VERDICTS else contextlib.nullcontext()
     for name, fn, gpu in cases:
         print(f"{name:<46} ", end="", flush=True)  # before the case: a slow one shows what is running
         t0 = time.perf_counter()
@@ -256,6 +257,10 @@ def run_tests(only, gpu_only=False, shard=(0, 1), skip=frozenset()):
         counts[status] += 1
         again = f"\n{name:<46} " if UNDER_SANITIZER else ""  # a tool's reports may sit between name and verdict
         print(f"{again}{status}  {detail}" + (f"  ({seconds:.1f} s)" if seconds >= 1 else ""), flush=True)
+        if VERDICTS:
+            record.write(json.dumps([name, status, detail]) + "\n")
+    if VERDICTS:
+        record.close()
     if not cases:
         print(f"no case name contains {only!r}")
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
@@ -267,6 +272,9 @@ def run_tests(only, gpu_only=False, shard=(0, 1), skip=frozenset()):
 # catch it; the run checks that each of them passes on the real code and fails with the fault planted.
 
 MUTANTS = []  # (name, plant: a context manager factory, names of the cases that must catch it)
+# A file where a test run writes each case's verdict, which a later --mutants run takes as the real code's
+# instead of running the catchers again (CI: the test run just before, on the same checkout).
+VERDICTS = os.environ.get("TEST_OPS_VERDICTS")
 
 
 def mutant(name, *catchers):
@@ -315,6 +323,10 @@ def run_mutants(only):
     print(f"{len(chosen)} mutants" + (f" whose name contains {only!r}" if only else "") +
           ("" if HAS_CUDA and kernels else "; GPU cases among the catchers are skipped (no CUDA device or no build)"))
     clean, counts = {}, collections.Counter()
+    if VERDICTS and os.path.exists(VERDICTS):
+        with open(VERDICTS) as f:
+            clean = {name: (status, detail) for name, status, detail in map(json.loads, f)}
+        print(f"the real code's verdicts: {len(clean)} cases of the test run that wrote {VERDICTS}")
     for name, plant, catchers in chosen:
         verdict = run_mutant(name, plant, catchers, clean)
         counts[verdict.split(" ")[0]] += 1
