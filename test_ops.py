@@ -62,8 +62,16 @@ DEV = "cuda"
 HERE = os.path.dirname(os.path.abspath(__file__))  # the repo: the scripts run from here
 BUILD_HINT = "build it with: python setup.py build_ext --inplace"
 
-# -----------------------------------------------------------------------------
-# the PyTorch twin of every op, same signatures as `kernels`
+
+# This file: the machinery first (runner, mutants, sanitizer, the inputs and checks the ops share, and the
+# registries an op's block adds to: bad inputs, opcheck arguments, bench rows), then one block per op, headed
+# "# ==== op: <names> ====", with everything about that op at both dtypes; then the cases across the ops, the
+# scripts' tests and main.
+
+
+# ==== the PyTorch twins ====
+# the PyTorch twin of every op, same signatures as `kernels`; an op's own reference helpers are in
+# its block
 
 
 # The torch op set of train.py, the one the model trains with, is the reference. The tests pass
@@ -94,31 +102,8 @@ if UNDER_SANITIZER:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def ref_attention(q, k, v, mode=None, precision=None, **kw):
-    """SDPA as the torch op set calls it; mode and precision choose among our kernels only."""
-    return train.torch_attention(q, k, v, **kw)
+# ==== runner ====
 
-
-REF.attention = ref_attention
-
-
-def embedding_reference(idx, w):
-    """F.embedding's value through index_select, whose backward is an index_add. PyTorch's own embedding
-    backward takes, for 1025 to 3072 indices, a kernel that reloads its shared index list for the next
-    1024 indices with no barrier after the warps still reading it (pytorch/pytorch#187687): under
-    compute-sanitizer's timing that race gives a wrong gradient, so it cannot be the reference."""
-    return w.index_select(0, idx.reshape(-1)).view(*idx.shape, w.shape[-1])
-
-
-REF.embedding = embedding_reference
-
-
-def topk_reference(x, k):
-    """The order the spec promises and torch.topk leaves open (ties by lower index, NaN on top), in float64."""
-    return train.torch_topk(x.double().cpu(), k)
-
-# -----------------------------------------------------------------------------
-# runner
 
 CASES = []   # (name, fn, needs_gpu)
 CHECKS = []  # "label err/tol" of each check the running case passed
@@ -267,6 +252,7 @@ def run_tests(only, gpu_only=False, shard=(0, 1), skip=frozenset()):
     return 1 if counts["FAIL"] or not cases else 0
 
 
+# ==== mutants ====
 # --mutants: a test proves something only if it can fail. Each mutant plants one fault (a no-op cache
 # write, a slide that keeps one token, greedy in place of sampling, ...) and names the cases that must
 # catch it; the run checks that each of them passes on the real code and fails with the fault planted.
@@ -334,7 +320,8 @@ def run_mutants(only):
     print(f"{counts['caught']} caught, {counts['NOT']} not caught, {counts['skipped']} skipped")
     return 1 if counts["NOT"] or not chosen else 0
 
-# -----------------------------------------------------------------------------
+
+# ==== sanitizer ====
 # --sanitize: every GPU case under compute-sanitizer's four tools, then what each tool reported, split
 # into reports inside this repo's kernels (their frames name kernels.cu: the build keeps line info) and
 # reports inside PyTorch's, cuBLAS's and cuDNN's kernels, which the cases run as twins and references.
@@ -598,8 +585,3701 @@ def print_sanitizer_summary(log_dir, expected=None):
             print(f"    {note}")
     return 1 if failed_any else 0
 
-# -----------------------------------------------------------------------------
-# data.py (CPU)
+
+# ==== inputs and checks shared by the ops ====
+# Inputs are unit normals unless a case says otherwise; tolerances are absolute against the float64
+# reference, (atol, rtol) where outputs span many magnitudes.
+
+
+def rand(*shape, scale=1.0):
+    return torch.randn(*shape, device=DEV) * scale
+
+
+def misaligned(*shape):
+    """Unit normals in a contiguous view that starts one float into its allocation, so its data pointer
+    is not 16-byte aligned: 16-byte loads of it need a copy or the scalar path. Checked here, so a
+    case built on it cannot become an aligned one unnoticed."""
+    t = rand(1 + math.prod(shape))[1:].view(*shape)
+    assert t.data_ptr() % 16, f"misaligned({shape}) is 16-byte aligned"
+    return t
+
+
+def mm_tol(*dims):
+    # rounding in an fp32 dot product grows with its length; 1e-4*sqrt(n) leaves room for any fp32
+    # summation order yet catches TF32 slipping in (~1e-3*sqrt(n)) and any indexing slip (O(1))
+    return 1e-4 * math.sqrt(max(dims))
+
+
+# bf16 row ops: bf16 activations in and out, fp32 arithmetic inside (mixed-precision training feeds the
+# norms fp32 and asks for bf16 out; bf16 inference is bf16 throughout). Held to the fp32 tolerances of
+# each op plus one bf16 rounding (2^-8 relative) wherever the checked tensor is bf16, and, as the bf16
+# matmul, to at most twice PyTorch's own error (its twin on the same dtypes) plus that atol.
+BF16 = torch.bfloat16
+
+
+def bf16_tolerance(dtype, tol):
+    atol, rtol = tol if isinstance(tol, tuple) else (tol, 0.0)
+    return (atol, max(rtol, 2**-8)) if dtype == BF16 else (atol, rtol)
+
+
+def on_both(f):
+    """f(ops, **inputs) as compare_dtypes' (ours, torch_fn) pair: the call stated once, on kernels and on its
+    twins (REF, train.TORCH_OPS)."""
+    return functools.partial(f, kernels), functools.partial(f, REF)
+
+
+def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, ref_fn=None, **inputs):
+    """ours(**inputs) on our kernels, every input in the dtype it comes in (bf16 or fp32; integer ones as
+    they are), against torch_fn on the same values twice: in float64 (the reference; ref_fn instead where
+    given) and in those dtypes with its result cast to out_dtype (PyTorch's own, the twin), through
+    check_bf16. For ops with a tuple of outputs, out_dtype is a tuple too. With grad_tol, one dy per
+    output, in its dtype, goes back through all three, and every float input's gradient must come back in
+    that input's dtype and pass the same checks."""
+    grad = grad_tol is not None
+
+    def leaves(cast):
+        return {n: cast(t).detach().requires_grad_(grad) if t.is_floating_point() else t for n, t in inputs.items()}
+    ours_in, twin_in, ref_in = leaves(lambda t: t), leaves(lambda t: t), leaves(lambda t: t.double())
+    outs, twins, refs = outputs(ours(**ours_in)), outputs(torch_fn(**twin_in)), outputs((ref_fn or torch_fn)(**ref_in))
+    dtypes = (out_dtype,) if isinstance(out_dtype, torch.dtype) else out_dtype
+    twins = [(label, t.to(dt)) for (label, t), dt in zip(twins, dtypes, strict=True)]
+    for (label, out), (_, twin), (_, ref), dt in zip(outs, twins, refs, dtypes, strict=True):
+        assert out.dtype == dt, f"{label} dtype {out.dtype}, expected {dt}"
+        check_bf16(label, out, twin, ref, bf16_tolerance(dt, tol))
+    if not grad:
+        return
+    dys = [torch.randn(out.shape, device=out.device, dtype=out.dtype) for _, out in outs]  # by shape, as in compare()
+    for results in (outs, twins):
+        torch.autograd.backward([t for _, t in results], dys)
+    torch.autograd.backward([t for _, t in refs], [d.double() for d in dys])
+    for n, t in ours_in.items():
+        if t.is_floating_point():
+            assert t.grad is not None and t.grad.dtype == t.dtype, f"d{n}: {None if t.grad is None else t.grad.dtype}, not {t.dtype}"
+            g = grad_tol[n] if isinstance(grad_tol, dict) else grad_tol
+            check_bf16("d" + n, t.grad, twin_in[n].grad, ref_in[n].grad, bf16_tolerance(t.dtype, g))
+
+
+# bf16 (Hopper): one bf16 rounding of each output (rtol 2^-8), plus fp32 accumulation error over the
+# K products (atol 1e-4 * sqrt(K), far below an indexing slip's O(sqrt(K)))
+def bf16_tol(K):
+    return (1e-4 * math.sqrt(max(K, 1)), 2**-8)
+
+
+def check_bf16(label, ours, twin, ref, tol, twin_nonfinite_ok=False):
+    """ours against the float64 reference within tol, and no less accurate than PyTorch's bf16 twin:
+    ours' max error at most twice the twin's plus tol's atol. (cuBLAS may add split-K partials in
+    bf16, so the twin can be the less accurate of the two.) twin_nonfinite_ok: where the twin is known
+    to break (SDPA's bf16 backends on a zero or negative scale), a twin that is not finite is reported
+    and leaves the float64 check alone."""
+    check(label, ours, ref, tol)
+    if twin_nonfinite_ok and not twin.isfinite().all():
+        CHECKS.append(f"{label}(torch) not finite")
+        return
+    err = (ours.double() - ref.double()).abs().max().item() if ours.numel() else 0.0
+    twin_err = (twin.double() - ref.double()).abs().max().item() if twin.numel() else 0.0
+    assert err <= 2 * twin_err + tol[0], f"{label}: max|err| {err:.2e}, torch's bf16 {twin_err:.2e}"
+    CHECKS.append(f"{label}(torch) {twin_err:.1e}")
+
+
+def compare_bf16(f, K, grad=True, tol=None, hopper=True, dy=None, twin_nonfinite_ok=False, **inputs):
+    """f(kernels, **inputs) on bf16 inputs against two references: f(REF) in float64 on the same
+    bf16-rounded values, and PyTorch's own bf16 op (its twin), through check_bf16. With grad, one
+    bf16 dy (random unless given) goes back through all three and every float input's gradient is
+    held to the same. tol: bf16_tol(K) unless given, as (atol, rtol) or a dict by 'out' and input
+    name. hopper=False: the op runs from compute capability 8.0 (mma.sync), not only on wgmma. Float
+    inputs already in bf16 reach our op as they are (same memory, strides and offset)."""
+    if hopper and torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    if torch.cuda.get_device_capability() < (8, 0):
+        raise Skip("bf16 tensor-core products need compute capability 8.0")
+    tol = tol or bf16_tol(K)
+    tol_of = (lambda n: tol[n]) if isinstance(tol, dict) else (lambda n: tol)
+
+    def leaves(dtype):
+        return {n: t.detach().to(torch.bfloat16).to(dtype).requires_grad_(grad) if t.is_floating_point() else t
+                for n, t in inputs.items()}
+    ours_in, twin_in, ref_in = leaves(torch.bfloat16), leaves(torch.bfloat16), leaves(torch.float64)
+    out, twin, ref = f(kernels, **ours_in), f(REF, **twin_in), f(REF, **ref_in)
+    assert out.dtype == torch.bfloat16, f"output dtype {out.dtype}, expected bfloat16"
+    check_bf16("out", out, twin, ref, tol_of("out"), twin_nonfinite_ok)
+    if not grad:
+        return
+    dy = torch.randn(out.shape, device=out.device, dtype=out.dtype) if dy is None else dy  # as in compare()
+    for y in (out, twin):
+        y.backward(dy)
+    ref.backward(dy.double())
+    for n, t in inputs.items():
+        if t.is_floating_point():
+            assert ours_in[n].grad is not None and ours_in[n].grad.dtype == torch.bfloat16, f"d{n}: no bf16 gradient"
+            check_bf16("d" + n, ours_in[n].grad, twin_in[n].grad, ref_in[n].grad, tol_of(n), twin_nonfinite_ok)
+
+
+# NaN and inf pass through as PyTorch passes them on (as its fp64 twin does): a row holding a NaN or +inf, or
+# all -inf, normalizes to NaN, except that RMSNorm's rstd becomes 0 at an inf, which leaves the row 0 with NaN
+# where the inf was; softmax gives 0 where -inf meets finite values and NaN where +inf or NaN is; cross-entropy
+# a NaN loss and NaN row gradients for such rows, +inf for a target at -inf. The checks hold every NaN and
+# inf to the twin's positions and the rest to the usual tolerances.
+def nonfinite_rows(R, C):
+    """R x C unit normals (R >= 6, C >= 3) but for a NaN in row 0, +inf in row 1, -inf in row 2, +inf and -inf
+    in row 3, and row 4 all -inf."""
+    nan, inf = float("nan"), float("inf")
+    x = rand(R, C)
+    x[0, C // 2], x[1, 0], x[2, C - 1], x[3, 1], x[3, 2] = nan, inf, -inf, inf, -inf
+    x[4] = -inf
+    return x
+
+
+def launched_kernels(fn):
+    """Names of the CUDA kernels fn() launches, as the profiler reports them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# ==== bad inputs ====
+# Each op's block registers its bad inputs with bad_inputs(...): the case bad/<name> for each.
+
+
+def raised_message(exc_type, call, what=""):
+    """The message of the exc_type that call() must raise (AssertionError when it raises none)."""
+    try:
+        call()
+    except exc_type as e:
+        return str(e)
+    raise AssertionError(f"no {exc_type.__name__} raised{what}")
+
+
+def expect_error(exc_type, call, *names):
+    """call() raises exc_type whose message names each of names (a tuple: any of them), and the GPU
+    stays usable afterwards."""
+    msg = raised_message(exc_type, call)
+    for alternatives in names:
+        alternatives = alternatives if isinstance(alternatives, tuple) else (alternatives,)
+        assert any(re.search(rf"\b{re.escape(a)}\b", msg) for a in alternatives), \
+            f"message does not name {' or '.join(alternatives)}: {one_line(msg)}"
+    torch.cuda.synchronize()
+    assert (torch.ones(4, device=DEV) * 2).sum().item() == 8, "GPU unusable after the error"
+    return f"{exc_type.__name__}: {one_line(msg)[:120]}"
+
+
+def _pos(*positions):  # int64 cache positions on the GPU
+    return torch.tensor(positions, device=DEV)
+
+
+BAD_CASES = []  # (name, exception, call, words its message must hold), each the case bad/<name>
+
+
+def bad_inputs(*cases):
+    """Registers each (name, exception, call, words its message must hold) as the case bad/<name>: call() raises
+    the exception, whose message names each of the words (a tuple of them: any one), and the GPU stays usable
+    (expect_error)."""
+    for name, exc_type, call, words in cases:
+        BAD_CASES.append((name, exc_type, call, words))
+        add("bad/" + name, expect_error, exc_type, call, *words)
+
+
+# Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
+# positions) are found by the kernels on the device, so the call itself does not raise (it would have to
+# wait for the GPU): the bad rows come out NaN (a bad kv_write position writes nothing), and the next
+# call of any op, or kernels.check_errors(), raises a ValueError that names the op, the argument, the
+# value and the valid range. Raised once, it is gone.
+
+def expect_index_error(call, op, arg, value, limit):
+    msg = raised_message(ValueError, call, f" for {op}'s {arg} = {value}")
+    want = f"{op}: {arg} out of range in an earlier call: got {value}, values must be in [0, {limit})"
+    assert want in msg, f"the message {one_line(msg)!r} lacks {want!r}"
+    kernels.check_errors()  # raised once: nothing is left pending
+    assert kernels.softmax(rand(2, 3)).isfinite().all(), "the op after the error failed"
+    return msg
+
+
+# ==== dispatcher ops: opcheck arguments ====
+# dispatcher ops: the ops registered as kernels::<name> pass torch.library.opcheck (schema, autograd
+# registration, the meta version against the CUDA one in shapes, strides and dtypes, and AOT autograd's
+# tracing of forward and backward), and a function of them compiles with fullgraph=True, no graph break.
+# test_aot_dispatch_dynamic is not run: the meta versions are C++ functions of static shapes.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
+
+
+def _leaf(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
+
+
+def _plain(dt):
+    """f(*shape): a _leaf in dtype dt that does not require grad (the backward ops' inputs)."""
+    return lambda *shape, dtype=dt: _leaf(*shape, dtype=dtype, grad=False)
+
+
+OPCHECK_ARGS = []  # f(dt) -> [(name, op, args, kwargs), ...], registered by the ops' blocks with @opcheck_args
+
+
+def opcheck_args(fn):
+    """Registers fn(dt) -> [(name, op, args, kwargs), ...]: an op block's calls of its dispatcher ops
+    (torch.ops.kernels.<name>) at awkward shapes in dtype dt, as opcheck_cases lists them."""
+    OPCHECK_ARGS.append(fn)
+    return fn
+
+
+def opcheck_cases(dt):
+    """(name, op, args, kwargs) for every dispatcher op at awkward shapes in dtype dt, from every block's
+    @opcheck_args; the forward ops' float inputs require grad (autograd is checked), the backward ops' do not."""
+    return [case for fn in OPCHECK_ARGS for case in fn(dt)]
+
+
+# ==== stress ====
+# stress: the ops whose backward is several kernels handing partial results on through memory (the
+# embedding's sort and run sums, cross-entropy's loss and gradient, the norms' partial column sums,
+# attention's dK and dV summed over a group's heads, split-K products and their reduction). Each runs
+# once, eagerly, for the reference bits; then STRESS_REPS times on a side stream, where the allocator
+# hands out reused memory, and STRESS_REPS replays of one CUDA graph of it. A missing dependency between
+# two of those kernels, a workspace read before it is written or a race inside one shows as a repetition
+# that differs from the first in any bit.
+
+STRESS_REPS = under_tool(200, 5)  # the tools slow each repetition many times over
+
+
+def same_bits(first, got, where):
+    for i, (a, b) in enumerate(zip(first, got, strict=True)):
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
+            raise AssertionError(f"{where}: result {i} differs from the first run by up to {diff:.2e}")
+
+
+def stress(fn):
+    """fn() -> tensors (outputs and gradients): bitwise the same on every repetition and replay."""
+    first = [t.clone() for t in fn()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for r in range(STRESS_REPS):
+            same_bits(first, fn(), f"side-stream repetition {r}")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the side stream's runs were its warm-up
+        captured = fn()
+    for r in range(STRESS_REPS):
+        graph.replay()
+        same_bits(first, captured, f"graph replay {r}")
+    return f"{STRESS_REPS} side-stream runs and {STRESS_REPS} graph replays bitwise equal to the first"
+
+
+def grads(out, leaves):
+    """out and d(out . dy)/d(leaves) for a fixed dy, as a tuple (no .grad accumulates). out is returned
+    detached: a result that kept this run's autograd graph alive would keep its leaves' gradient
+    accumulators on the stream of this run, and a CUDA graph captured later would have to wait on it."""
+    dy = torch.linspace(-1, 1, out.numel(), device=DEV).view_as(out).to(out.dtype) if out.dim() else torch.ones_like(out)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dy))
+
+
+# ==== benchmark ====
+# ours against PyTorch, same inputs, same run; each op's block adds its rows (@bench_rows)
+
+
+ONLY = ""    # --only: bench ops whose name contains it
+_FLUSH = []  # a 256 MB buffer, several times any L2, written before every timed rep
+
+
+SPIN_CYCLES = 1_000_000  # ~0.5 ms of GPU clock: longer than any row's host-side launch work
+
+
+def time_ms(fn, reps=50):
+    """Median ms of fn over reps with a cold L2; the flush sits outside the timed region. Before each
+    rep the GPU spins (torch.cuda._sleep) while the host queues the rep's launches, so a row times the
+    GPU's work, not Python's and autograd's launch overhead (which the training and inference
+    benchmarks measure end to end)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(64 * 2**20, device=DEV))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - t0) * 1e3
+    reps = max(10, min(reps, int(3000 / max(once_ms, 1e-3))))  # keep a slow op to ~3 s
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        _FLUSH[0].zero_()
+        torch.cuda._sleep(SPIN_CYCLES)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def rel_check(ours, ref, tol):
+    """max |ours - ref| / max |ref| over the output, or over each gradient."""
+    pairs = zip(ours, ref) if isinstance(ours, (tuple, list)) else [(ours, ref)]
+    errs = [((o - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in pairs]
+    err = math.nan if any(math.isnan(e) for e in errs) else max(errs)
+    ok = err <= tol
+    return ok, f"{'ok' if ok else 'FAIL'} {err:.0e}"
+
+
+def md_row(cells):
+    return "| " + " | ".join(cells) + " |"
+
+
+def fmt(x, spec):
+    return "OOM" if x is None else format(x, spec)
+
+
+UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6, "M tokens/s": 1e6}
+
+
+def print_header_once(rows):
+    if not rows:  # the first row of the table
+        print(md_row(["op", "shape", "pass", "torch ms", "ours ms", "torch/ours", "ours throughput", "check"]))
+        print(md_row(["---"] * 8))
+
+
+def grads_like(y):
+    """Random output gradients for y, a tensor or a tuple of them (one each)."""
+    return torch.randn_like(y) if torch.is_tensor(y) else tuple(torch.randn_like(t) for t in y)
+
+
+def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check, copy_rate=None):
+    """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
+    torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
+    times a fresh forward and its torch.autograd.grad together (for ops whose cost is launches).
+    Given copy_rate (bench_copy's), ours is also shown as a fraction of it (of_copy)."""
+    if ONLY not in op:
+        return
+    print_header_once(rows)
+    if pas == "fwd":
+        def run_torch():
+            return f(REF, *inputs)
+
+        def run_ours():
+            return f(kernels, *inputs)
+    elif pas == "bwd":
+        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        wrt = [t for t in leaves if t.requires_grad]
+        y_torch, y_ours = f(REF, *leaves), f(kernels, *leaves)
+        dy = grads_like(y_torch)
+
+        def run_torch():
+            return torch.autograd.grad(y_torch, wrt, dy, retain_graph=True)
+
+        def run_ours():
+            return torch.autograd.grad(y_ours, wrt, dy, retain_graph=True)
+    else:
+        assert pas == "fwd+bwd", f"unknown pass {pas!r}"
+        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        wrt = [t for t in leaves if t.requires_grad]
+        dy = grads_like(f(REF, *leaves))
+
+        def run_torch():
+            return torch.autograd.grad(f(REF, *leaves), wrt, dy)
+
+        def run_ours():
+            return torch.autograd.grad(f(kernels, *leaves), wrt, dy)
+    ok, check_text = check_fn(run_ours(), run_torch(), tol)
+    torch_ms, ours_ms = time_ms(run_torch), time_ms(run_ours)
+    rate = work / (ours_ms * 1e-3) / UNIT_SCALE[unit]
+    of_copy = {} if copy_rate is None else {"of_copy": rate / copy_rate}
+    rows.append(dict(op=op, shape=shape, **{"pass": pas}, torch_ms=torch_ms, ours_ms=ours_ms,
+                     ratio=torch_ms / ours_ms, rate=rate, unit=unit, **of_copy, check_ok=ok, check=check_text))
+    print(md_row([op, shape, pas, f"{torch_ms:.4f}", f"{ours_ms:.4f}", f"{torch_ms / ours_ms:.2f}x",
+                  f"{rate:.1f} {unit}" + (f" ({of_copy['of_copy']:.0%} of copy)" if of_copy else ""), check_text]),
+          flush=True)
+
+
+def bench_copy(rows, x):
+    """A row for dst.copy_(x), device to device: the rate a kernel that reads x once and writes as much
+    can hope for (bytes read + written), timed like every row. Returns its GB/s."""
+    dst = torch.empty_like(x)
+    ms = time_ms(lambda: dst.copy_(x))
+    rate = 2 * x.numel() * x.element_size() / (ms * 1e-3) / UNIT_SCALE["GB/s"]
+    shape = "x".join(map(str, x.shape))
+    print_header_once(rows)
+    rows.append(dict(op="copy", shape=shape, **{"pass": "fwd"}, torch_ms=ms, rate=rate, unit="GB/s"))
+    print(md_row(["copy", shape, "fwd", f"{ms:.4f}", "-", "-", f"{rate:.1f} GB/s", "-"]), flush=True)
+    return rate
+
+
+_COPY_RATES = {}  # x's shape -> the rate bench_copy measured there, once a run
+
+
+def copy_rate_for(rows, x, ops):
+    """The rate of a copy of x (bench_copy's row, measured the first time a row asks for it), that ops' fwd rows
+    are also given as a fraction of; None where --only selects neither copy nor any of ops."""
+    if not any(ONLY in op for op in ("copy", *ops)):
+        return None
+    if tuple(x.shape) not in _COPY_RATES:
+        _COPY_RATES[tuple(x.shape)] = bench_copy(rows, x)
+    return _COPY_RATES[tuple(x.shape)]
+
+
+def bench_row_ops(rows, row_ops, moved=None):
+    """fp32 rows of ops on the rows of x, at 8192 x 768 and 16384 x 4096: row_ops are (op, f, inputs), inputs(x)
+    giving f's inputs. A row is rated by the x-sized tensors it moves, moved[op] = (fwd, bwd), by default (2, 3):
+    fwd reads x and writes y; bwd reads x (or y) and dy and writes dx. At 256 MB a fwd row moves the bytes of a
+    copy of x: it is also given as a fraction of the copy's rate (the memory limit these kernels are held to)."""
+    for R, C in ((8192, 768), (16384, 4096)):
+        x = rand(R, C)
+        nbytes = 4 * R * C
+        copy_rate = copy_rate_for(rows, x, [op for op, _, _ in row_ops]) if (R, C) == (16384, 4096) else None
+        for op, f, inputs in row_ops:
+            n_fwd, n_bwd = (moved or {}).get(op, (2, 3))
+            ins = inputs(x)
+            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, n_fwd * nbytes, "GB/s", copy_rate=copy_rate)
+            bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, n_bwd * nbytes, "GB/s")
+
+
+def bench_bf16_rows(rows, op, f, ins):
+    """fwd and bwd rows of a bf16 op on the rows of ins[0] (R x C) against PyTorch's bf16 op: fwd reads x and
+    writes y, bwd reads x and dy and writes dx, 2 bytes an element."""
+    R, C = ins[0].shape
+    bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, 2 * 2 * R * C, "GB/s", tol=1e-2)
+    bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, 3 * 2 * R * C, "GB/s", tol=1e-2)
+
+
+# --bench's tables, in the order it prints them; each op's block adds its functions with @bench_rows(table).
+BENCH_TABLES = {table: [] for table in ("ops", "overhead", "attention", "attention_bf16", "attention gqa",
+                                        "megakernel", "mhc_profile", "ddp")}
+
+
+def bench_rows(table):
+    """Registers the decorated bench_<op>(rows), which appends its rows to rows, in table (one of BENCH_TABLES):
+    --bench runs a table's functions in the order they are registered."""
+    def register(fn):
+        BENCH_TABLES[table].append(fn)
+        return fn
+    return register
+
+
+def bench_table_selected(table):
+    """--only picks the rows of the op table one by one (bench_op: the op's name contains it) and the other
+    tables whole, where it is part of the table's name; ddp (training runs of --preset=large on one and two
+    GPUs, minutes each) only when asked for by name."""
+    if table == "ops":
+        return True
+    return ONLY == "ddp" if table == "ddp" else ONLY in table
+
+
+def bench_main(json_path):
+    if not HAS_CUDA:  # building the extension cannot help here
+        print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
+              f"it times our kernels against PyTorch's on the GPU")
+        return 1
+    if kernels is None:
+        print(f"--bench needs the built extension: `import kernels` failed ({one_line(KERNELS_ERROR)}); {BUILD_HINT}")
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32: no TF32 shortcut for cuBLAS
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"median of up to 50 reps, L2 flushed before each\n")
+    rows = []
+    _COPY_RATES.clear()
+    for table, fns in BENCH_TABLES.items():
+        if bench_table_selected(table):
+            for fn in fns:
+                fn(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"\nwrote {len(rows)} rows to {json_path}")
+    failed = [r for r in rows if r.get("check_ok") is False]
+    if failed:
+        print(f"{len(failed)} rows where ours does not match torch")
+    return 1 if failed else 0
+
+
+# ==== op: gelu, silu, swiglu ====
+# gelu (exact and tanh), silu and swiglu against their float64 twins, forward and backward, in fp32 and in
+# bf16 (misaligned and strided inputs too); their bad inputs, opcheck arguments and bench rows.
+
+
+GELU_TOL, GELU_GRAD_TOL = (1e-6, 1e-5), (2e-6, 2e-5)
+
+
+def t_gelu(shape, approximate, scale=1.0):
+    compare(lambda ops, x: ops.gelu(x, approximate=approximate), GELU_TOL, GELU_GRAD_TOL,
+            x=rand(*shape, scale=scale))
+
+
+for _mode in ("none", "tanh"):
+    for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
+        add(f"gelu/{_mode}/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1),
+            t_gelu, _shape, _mode, _scale)
+
+
+def t_silu(shape, scale=1.0):
+    compare(lambda ops, x: ops.silu(x), GELU_TOL, GELU_GRAD_TOL, x=rand(*shape, scale=scale))
+
+
+def t_swiglu(shape, scale=1.0, layout="contiguous"):
+    # halves: a and b are the two halves of one projection's output (strided views, copied first);
+    # misaligned: 4 bytes into an allocation, so the kernel's 16-byte loads must not be used
+    if layout == "halves":
+        a, b = rand(*shape[:-1], 2 * shape[-1], scale=scale).chunk(2, dim=-1)
+    elif layout == "misaligned":
+        n = math.prod(shape)
+        a, b = (rand(1 + n, scale=scale)[1:].view(shape) for _ in range(2))
+        assert a.data_ptr() % 16 and b.data_ptr() % 16
+    else:
+        a, b = rand(*shape, scale=scale), rand(*shape, scale=scale)
+    compare(lambda ops, a, b: ops.swiglu(a, b), GELU_TOL, GELU_GRAD_TOL, a=a, b=b)
+
+
+for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
+    _suffix = "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
+    add("silu/" + _suffix, t_silu, _shape, _scale)
+    add("swiglu/" + _suffix, t_swiglu, _shape, _scale)
+add("swiglu/37x1000_halves", t_swiglu, (37, 1000), layout="halves")
+add("swiglu/37x1000_misaligned", t_swiglu, (37, 1000), layout="misaligned")
+add("empty/swiglu_0x64", t_swiglu, (0, 64))
+
+
+def t_activation_bf16(op, shape, scale=1.0, layout="contiguous"):
+    def x_():
+        if layout == "misaligned":  # 2 bytes into an allocation: no 16-byte loads
+            return rand(1 + math.prod(shape), scale=scale).to(BF16)[1:].view(shape)
+        return rand(*shape, scale=scale).to(BF16)
+    if op == "swiglu":
+        compare_dtypes(kernels.swiglu, REF.swiglu, GELU_TOL, GELU_GRAD_TOL, a=x_(), b=x_())
+        return
+    approximate = "tanh" if op == "gelu_tanh" else "none"
+    fns = {"gelu": (lambda ops, x: ops.gelu(x, approximate=approximate)), "silu": (lambda ops, x: ops.silu(x))}
+    compare_dtypes(*on_both(fns[op.split("_")[0]]), GELU_TOL, GELU_GRAD_TOL, x=x_())
+
+
+for _op in ("gelu", "gelu_tanh", "silu", "swiglu"):
+    for _shape, _scale, _layout in (((1,), 1, "contiguous"), ((17, 33), 1, "contiguous"),
+                                    ((8192, 768), 1, "contiguous"), ((1001,), 10, "contiguous"),
+                                    ((37, 1000), 1, "misaligned")):
+        add(f"{_op}_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
+            + f"_{_layout}" * (_layout != "contiguous"), t_activation_bf16, _op, _shape, _scale, _layout)
+
+
+bad_inputs(
+    ("swiglu_shape_mismatch", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 9)), ("swiglu", "a", "b")),
+    ("swiglu_float64_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 8).double()), ("swiglu", "b")),
+    ("silu_cpu_x", RuntimeError, lambda: kernels.silu(torch.randn(4, 8)), ("silu", "x")),
+    # bf16: one dtype for both inputs
+    ("swiglu_bf16_a_float32_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8).bfloat16(), rand(4, 8)),
+     ("swiglu", "b", "BFloat16")),
+    # string arguments: only the values the op knows
+    ("gelu_approximate_exact", ValueError, lambda: kernels.gelu(rand(4, 8), approximate="exact"),
+     ("gelu", "approximate", "exact")),
+    ("gelu_approximate_Tanh_x_requires_grad", ValueError,
+     lambda: kernels.gelu(rand(4, 8).requires_grad_(), approximate="Tanh"), ("gelu", "approximate", "Tanh")),
+)
+
+
+@opcheck_args
+def opcheck_activations(dt):
+    x, plain, k = _leaf(5, 7, 37, dtype=dt), _plain(dt), torch.ops.kernels
+    return [("gelu", k.gelu, (x,), {}), ("gelu_tanh", k.gelu, (x,), {"approximate": "tanh"}),
+            ("gelu_backward", k.gelu_backward, (plain(3, 41), plain(3, 41), "tanh"), {}),
+            ("silu", k.silu, (x,), {}), ("silu_backward", k.silu_backward, (plain(3, 41), plain(3, 41)), {}),
+            ("swiglu", k.swiglu, (x, _leaf(5, 7, 37, dtype=dt)), {}),
+            ("swiglu_backward", k.swiglu_backward, (plain(3, 41), plain(3, 41), plain(3, 41)), {})]
+
+
+@bench_rows("ops")
+def bench_activations(rows):
+    # bf16 against PyTorch's bf16 op: the large preset's tokens per step, an MLP of a 768-wide model
+    R, C = 16384, 768
+    bench_bf16_rows(rows, "gelu bf16", lambda ops, x: ops.gelu(x), [rand(R, 4 * C).to(BF16)])
+    bench_row_ops(rows, (("gelu", lambda ops, x: ops.gelu(x), lambda x: [x]),
+                         ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), lambda x: [x])))
+    # SwiGLU's gate at a feed-forward's width (tokens x hidden): fwd reads a, b and writes y; bwd reads
+    # a, b, dy and writes da, db
+    R, C = 8192, 2048
+    a, b = rand(R, C), rand(R, C)
+    bench_op(rows, "silu", f"{R}x{C}", "fwd", lambda ops, a: ops.silu(a), [a], 4 * 2 * R * C, "GB/s")
+    bench_op(rows, "silu", f"{R}x{C}", "bwd", lambda ops, a: ops.silu(a), [a], 4 * 3 * R * C, "GB/s")
+    bench_op(rows, "swiglu", f"{R}x{C}", "fwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 3 * R * C, "GB/s")
+    bench_op(rows, "swiglu", f"{R}x{C}", "bwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 5 * R * C, "GB/s")
+
+
+# ==== op: rope ====
+# rope against its float64 twin (and bit for bit against the fp32 one), forward and backward, contiguous,
+# (B, T, H, D) and fused-QKV views, in fp32 and bf16; its bad inputs, opcheck arguments and bench rows.
+
+
+# |out| is a sum of two products of |x| <= ~5 and |cos|, |sin| <= 1: an ulp of ~8 is 1e-6
+ROPE_TOL = (2e-6, 1e-5)
+
+
+def rope_tables(T, D, offset=0):
+    """cos, sin (T, D/2) of positions offset .. offset + T - 1, as train.GPT builds them."""
+    freq = train.ROPE_THETA ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angles = torch.arange(offset, offset + T, dtype=torch.float64)[:, None] * freq
+    return angles.cos().float().to(DEV), angles.sin().float().to(DEV)
+
+
+def t_rope(B, H, T, D, offset=0, layout="contiguous"):
+    # bshd: (B, T, H, D) memory seen through a transpose; qkv: the key slice of a fused (B, T, 3HD)
+    # projection, as the model passes it (read in place, strided)
+    if layout == "bshd":
+        x = rand(B, T, H, D).transpose(1, 2)
+    elif layout == "qkv":
+        x = rand(B, T, 3 * H * D)[..., H * D:2 * H * D].view(B, T, H, D).transpose(1, 2)
+    else:
+        x = rand(B, H, T, D)
+    cos, sin = rope_tables(T, D, offset)
+    # the tables are constants, not inputs: they get no gradient
+    compare(lambda ops, x: ops.rope(x, cos.to(x.dtype), sin.to(x.dtype)), ROPE_TOL, ROPE_TOL, x=x)
+    # the forward rounds each product as PyTorch's twin does: equal bit for bit in fp32
+    ours, twin = kernels.rope(x, cos, sin), train.TORCH_OPS.rope(x, cos, sin)
+    assert torch.equal(ours, twin), f"not bitwise equal to the fp32 twin: max diff {(ours - twin).abs().max():.1e}"
+
+
+for _B, _H, _T, _D, _off, _layout in ((1, 1, 1, 2, 0, "contiguous"), (2, 3, 17, 64, 0, "contiguous"),
+                                      (2, 3, 1, 64, 1000, "contiguous"), (1, 8, 1, 96, 255, "contiguous"),
+                                      (3, 5, 33, 6, 7, "contiguous"), (2, 3, 17, 64, 0, "bshd"),
+                                      (2, 4, 65, 32, 0, "qkv"), (4, 8, 256, 128, 0, "contiguous"),
+                                      (1, 2, 4097, 64, 0, "qkv")):
+    add(f"rope/b{_B}h{_H}t{_T}d{_D}" + f"_from{_off}" * (_off != 0) + f"_{_layout}" * (_layout != "contiguous"),
+        t_rope, _B, _H, _T, _D, _off, _layout)
+add("empty/rope_b2h3t0d64", t_rope, 2, 3, 0, 64)
+
+
+def t_rope_bf16(B, H, T, D, layout):
+    # qkv: k's heads in place in a bf16 (B, T, 3 H D) projection (cast first: a cast of the view would copy it)
+    x = rand(B, T, 3 * H * D).to(BF16)[..., H * D:2 * H * D].view(B, T, H, D).transpose(1, 2) if layout == "qkv" \
+        else rand(B, H, T, D).to(BF16)
+    assert layout != "qkv" or not x.is_contiguous(), "the qkv case must hand the op a strided view"
+    cos, sin = rope_tables(T, D)
+    # the fp32 tables promote the twin's rotation to fp32 (and the reference's to float64)
+    compare_dtypes(lambda x: kernels.rope(x, cos, sin), lambda x: train.torch_rope(x, cos, sin), ROPE_TOL, ROPE_TOL,
+                   x=x)
+
+
+add("rope_bf16/b2h3t17d64", t_rope_bf16, 2, 3, 17, 64, "contiguous")
+add("rope_bf16/b2h4t65d32_qkv", t_rope_bf16, 2, 4, 65, 32, "qkv")
+
+
+bad_inputs(
+    ("rope_odd_D", ValueError, lambda: kernels.rope(rand(2, 3, 5, 7), rand(5, 3), rand(5, 3)), ("rope", "D")),
+    ("rope_table_shape", RuntimeError, lambda: kernels.rope(rand(2, 3, 5, 8), rand(4, 4), rand(4, 4)),
+     ("rope", "cos", "sin")),
+    ("rope_table_grad", RuntimeError,
+     lambda: kernels.rope(rand(2, 3, 5, 8), rand(5, 4).requires_grad_(), rand(5, 4)), ("rope", "cos")),
+    ("rope_cpu_x", RuntimeError, lambda: kernels.rope(torch.randn(2, 3, 5, 8), rand(5, 4), rand(5, 4)), ("rope", "x")),
+    ("rope_3d_x", RuntimeError, lambda: kernels.rope(rand(3, 5, 8), rand(5, 4), rand(5, 4)), ("rope", "x")),
+)
+
+
+@opcheck_args
+def opcheck_rope(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    ang = torch.rand(5, 4, device=DEV) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    return [("rope", k.rope, (_leaf(2, 3, 5, 8, dtype=dt), cos, sin), {}),
+            ("rope_backward", k.rope_backward, (plain(2, 3, 5, 8), cos, sin), {})]
+
+
+@bench_rows("ops")
+def bench_rope(rows):
+    # RoPE on q as the model passes it: a strided head view of the fused QKV projection (the larger
+    # preset's shape, B 64, T 256, 6 heads of 64); reads x, writes the contiguous result (bwd: dy, dx)
+    B, T, H, D = 64, 256, 6, 64
+    x = rand(B, T, 3 * H * D)[..., :H * D].view(B, T, H, D).transpose(1, 2)
+    cos, sin = rope_tables(T, D)
+    for pas in ("fwd", "bwd"):
+        bench_op(rows, "rope", f"{B}x{H}x{T}x{D} qkv view", pas, lambda ops, x: ops.rope(x, cos, sin), [x],
+                 4 * 2 * x.numel(), "GB/s")
+
+
+# ==== op: softmax ====
+# softmax against its float64 twin, forward and backward, at widths up to 50304 and logit scales to 100,
+# NaN and inf passed on as the twin's, in fp32 and bf16; its bad inputs, opcheck arguments and bench rows.
+
+
+# probabilities run from 1 down to 1e-7 and below, so the bound is mostly relative
+SM_TOL, SM_GRAD_TOL = (1e-7, 1e-5), (1e-6, 1e-5)
+
+
+def t_softmax(shape, scale=1.0, transposed=False):
+    x = rand(*shape[::-1], scale=scale).t() if transposed else rand(*shape, scale=scale)
+    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, x=x)
+
+
+for _shape, _scale in (((1, 1), 1), ((37, 17), 1), ((2, 5, 17), 1), ((37, 1000), 1), ((37, 1000), 100),
+                       ((4, 50304), 1), ((4, 50304), 100)):
+    add("softmax/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1), t_softmax, _shape, _scale)
+add("softmax/37x1000_transposed", t_softmax, (37, 1000), transposed=True)
+
+
+def t_softmax_nonfinite(R, C):
+    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, nonfinite=True, x=nonfinite_rows(R, C))
+
+
+for _R, _C in ((37, 17), (8, 50304)):
+    add(f"softmax/nonfinite_{_R}x{_C}", t_softmax_nonfinite, _R, _C)
+
+
+def t_softmax_bf16(shape, scale, out):
+    x = rand(*shape, scale=scale).to(BF16)
+    grad_tol = SM_GRAD_TOL
+    if out == BF16:
+        # the backward reads the saved bf16 y: dx_i = y_i (dy_i - sum_j dy_j y_j) carries y's rounding
+        # (2^-9 relative) times |dy_i| + |sum| + max|dy| <= 3 * 5 (dy ~ randn), an error relative to y_i,
+        # not to dx_i, which can cancel to far less
+        grad_tol = (2**-9 * 3 * 5 * torch.softmax(x.double(), -1).max().item(), SM_GRAD_TOL[1])
+    compare_dtypes(lambda x: kernels.softmax(x, out_dtype=out), REF.softmax, SM_TOL, grad_tol, out, x=x)
+
+
+for _shape, _scale, _out in (((1, 1), 1, BF16), ((37, 1000), 1, BF16), ((4, 50304), 100, BF16),
+                             ((4096, 8), 1, torch.float32), ((37, 1000), 1, torch.float32)):
+    add("softmax_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1) + "_to_fp32" * (_out != BF16),
+        t_softmax_bf16, _shape, _scale, _out)
+
+
+bad_inputs(
+    ("softmax_float64_x", RuntimeError, lambda: kernels.softmax(rand(4, 8).double()), ("softmax", "x")),
+    # out_dtype float32 or bfloat16
+    ("softmax_out_float64", ValueError, lambda: kernels.softmax(rand(4, 8), out_dtype=torch.float64),
+     ("softmax", "out_dtype")),
+)
+
+
+@opcheck_args
+def opcheck_softmax(dt):
+    x, plain, k = _leaf(5, 7, 37, dtype=dt), _plain(dt), torch.ops.kernels
+    return [("softmax", k.softmax, (x,), {}), ("softmax_fp32_out", k.softmax, (x,), {"out_dtype": torch.float32}),
+            ("softmax_backward", k.softmax_backward, (plain(5, 37), plain(5, 37), dt), {})]
+
+
+@bench_rows("ops")
+def bench_softmax(rows):
+    # bf16 against PyTorch's bf16 op: the large preset's tokens per step and a 768-wide model
+    R, C = 16384, 768
+    bench_bf16_rows(rows, "softmax bf16", lambda ops, x: ops.softmax(x), [rand(R, C).to(BF16)])
+    bench_row_ops(rows, (("softmax", lambda ops, x: ops.softmax(x), lambda x: [x]),))
+
+
+# ==== op: layernorm, rmsnorm, add_layernorm, add_rmsnorm ====
+# the norms and the residual add with the norm against their float64 twins, forward and backward (the
+# weights' column-sum gradients too), fp32, bf16 and mixed; bad inputs, opcheck arguments, stress, bench.
+
+
+# y = xhat * w + b with |xhat| up to ~4 and |w| up to ~3: a few fp32 ulps of ~10
+LN_TOL, LN_GRAD_TOL = 2e-5, 1e-4
+
+
+def t_layernorm(shape, transposed=False, eps=1e-5):
+    C = shape[-1]
+    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
+    # width 1: var = 0, so rstd = 1/sqrt(eps) ~ 316 multiplies the rounding of dy*w - mean(dy*w),
+    # which is exactly 0 in float64
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    # dw and db add one term per row: their fp32 rounding grows like the square root of the rows
+    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
+    compare(lambda ops, x, w, b: ops.layernorm(x, w, b, eps=eps), LN_TOL, dict(x=grad_tol, w=sum_tol, b=sum_tol),
+            x=x, w=rand(C), b=rand(C))
+
+
+# The weight gradients' column sums ride on the dx pass up to 2048 units a row (8192 columns 4-wide):
+# a warp a row, 8 rows a block (4 where a thread caches 8 units), or a block a row. The blocks walk the
+# rows a grid apart, as many blocks as the GPU holds, so these row counts (past an H100's 132 SMs' worth)
+# make each block sum several rows: 40000 x 127 and 3000 x 1001 (one-wide loads), 5000 x 388, 3000 x
+# 1000, 3000 x 1536, 600 x 8192. Wider rows sum in a pass of their own (4 x 65536).
+for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
+               (5000, 388), (3000, 127), (40000, 127), (3000, 1000), (3000, 1001), (3000, 1536), (600, 8192),
+               (4, 65536)):
+    add("layernorm/" + "x".join(map(str, _shape)), t_layernorm, _shape)
+add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
+add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
+
+
+add("empty/layernorm_0x768", t_layernorm, (0, 768))
+
+
+def t_rmsnorm(shape, transposed=False, eps=1e-5):
+    # y = xhat * w as in layernorm (xhat = x * rstd), so the same tolerances, and the same x10 for
+    # width 1, where dx = rstd * g * (1 - xhat^2) cancels
+    C = shape[-1]
+    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)  # as in t_layernorm
+    compare(lambda ops, x, w: ops.rmsnorm(x, w, eps=eps), LN_TOL, dict(x=grad_tol, w=sum_tol), x=x, w=rand(C))
+
+
+for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
+               (5000, 388), (3000, 1000), (20000, 255), (600, 8192), (4, 65536)):
+    add("rmsnorm/" + "x".join(map(str, _shape)), t_rmsnorm, _shape)
+add("rmsnorm/37x768_transposed", t_rmsnorm, (37, 768), transposed=True)
+add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
+add("empty/rmsnorm_0x768", t_rmsnorm, (0, 768))
+
+
+def t_add_norm(kind, shape, use=("s", "y"), y_misaligned=False):
+    """add_layernorm / add_rmsnorm in fp32: (s, norm(s)), s = x + y. use: the outputs the caller goes on
+    with, so the backward meets both gradients, the norm's alone (s unused: the model's final norm) or
+    s's alone (the norm unused; its weights then get no gradient and are left out of the check).
+    y_misaligned: y starts one float into its allocation, so the kernels take their one-wide path."""
+    C = shape[-1]
+    w, b = rand(C), rand(C)
+    y = misaligned(*shape) if y_misaligned else rand(*shape)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)  # as in t_layernorm
+    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
+
+    def pick(out):
+        return out if len(use) == 2 else out[("s", "y").index(use[0])]
+    if "y" not in use:  # weights in x's dtype, as the reference runs in float64
+        compare(lambda ops, x, y: pick(getattr(ops, "add_" + kind)(
+            x, y, w.to(x.dtype), *([b.to(x.dtype)] if kind == "layernorm" else []))), LN_TOL, grad_tol,
+            x=rand(*shape), y=y)
+    elif kind == "layernorm":
+        compare(lambda ops, x, y, w, b: pick(ops.add_layernorm(x, y, w, b)), LN_TOL,
+                dict(x=grad_tol, y=grad_tol, w=sum_tol, b=sum_tol), x=rand(*shape), y=y, w=w, b=b)
+    else:
+        compare(lambda ops, x, y, w: pick(ops.add_rmsnorm(x, y, w)), LN_TOL, dict(x=grad_tol, y=grad_tol, w=sum_tol),
+                x=rand(*shape), y=y, w=w)
+
+
+# widths as for the norms: 1 (zero variance), odd (one column a thread), 768 (4 a thread, a warp a row),
+# 1536 and 4096 (256 threads a row), 9001 and 65536 (1024 threads, rows past the register cache: the tail
+# loops form s on their first pass and re-read it); a misaligned y (the one-wide path at a 4-wide width)
+for _kind in ("layernorm", "rmsnorm"):
+    for _shape in ((1, 1), (37, 127), (2, 7, 768), (3, 1536), (5, 4096), (2, 9001), (2, 65536), (3000, 388)):
+        add(f"add_{_kind}/" + "x".join(map(str, _shape)), t_add_norm, _kind, _shape)
+    add(f"add_{_kind}/37x768_y_misaligned", t_add_norm, _kind, (37, 768), y_misaligned=True)
+    add(f"add_{_kind}/37x768_norm_only", t_add_norm, _kind, (37, 768), use=("y",))
+    add(f"add_{_kind}/37x768_sum_only", t_add_norm, _kind, (37, 768), use=("s",))
+
+
+def t_norm_nonfinite(kind, R, C):
+    sum_tol = LN_GRAD_TOL * max(1.0, (R / 1000) ** 0.5)  # as in t_layernorm
+    if kind == "layernorm":
+        compare(lambda ops, x, w, b: ops.layernorm(x, w, b), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol, b=sum_tol),
+                nonfinite=True, x=nonfinite_rows(R, C), w=rand(C), b=rand(C))
+    else:  # against the formula: PyTorch's CUDA rms_norm turns a row holding inf into NaN throughout
+        compare(lambda ops, x, w: ops.rmsnorm(x, w) if ops is kernels else rmsnorm_formula(x, w), LN_TOL,
+                dict(x=LN_GRAD_TOL, w=sum_tol), nonfinite=True, x=nonfinite_rows(R, C), w=rand(C))
+
+
+def rmsnorm_formula(x, w, eps=train.LN_EPS):
+    """RMSNorm as its formula reads: a row holding inf gives its finite entries 0 (their rstd is 0) and the inf
+    NaN, as ours and PyTorch's CPU rms_norm do."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+for _R, _C in ((37, 768), (8, 65536)):  # 65536: rows past the register cache, and the norms' separate column sums
+    for _kind in ("layernorm", "rmsnorm"):
+        add(f"{_kind}/nonfinite_{_R}x{_C}", t_norm_nonfinite, _kind, _R, _C)
+
+
+NORM_MODES = {"bf16": (BF16, BF16), "fp32_to_bf16": (torch.float32, BF16), "bf16_to_fp32": (BF16, torch.float32)}
+
+
+def t_norm_bf16(kind, shape, mode):
+    # mode: x and weights' dtype -> y's (fp32_to_bf16: mixed-precision training's fp32 residual stream)
+    dt, out = NORM_MODES[mode]
+    C = shape[-1]
+    x, w, b = rand(*shape).to(dt), rand(C).to(dt), rand(C).to(dt)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+    if kind == "layernorm":
+        compare_dtypes(lambda x, w, b: kernels.layernorm(x, w, b, out_dtype=out),
+                       lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5), LN_TOL, grad_tol, out, x=x, w=w, b=b)
+    else:
+        compare_dtypes(lambda x, w: kernels.rmsnorm(x, w, out_dtype=out),
+                       lambda x, w: F.rms_norm(x, (C,), w, 1e-5), LN_TOL, grad_tol, out, x=x, w=w)
+
+
+for _kind in ("layernorm", "rmsnorm"):
+    for _shape, _mode in (((1, 1), "bf16"), ((37, 127), "bf16"), ((2, 7, 768), "bf16"), ((3, 4097), "bf16"),
+                          ((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 4097), "fp32_to_bf16"),
+                          ((37, 768), "bf16_to_fp32")):
+        add(f"{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_norm_bf16, _kind,
+            _shape, _mode)
+
+
+def t_add_norm_bf16(kind, shape, mode):
+    """add_layernorm / add_rmsnorm with bf16: mode 'fp32_to_bf16' is mixed-precision training (fp32 stream x
+    and sum s, bf16 sublayer output y and norm), 'bf16' is bf16 decoding (all bf16). The sum is rounded to
+    the stream's dtype, by our kernel and by a separate add alike; the float64 reference rounds it too
+    (forward only), or that one rounding, scaled up by the norm, would dominate the comparison."""
+    dt, out = NORM_MODES[mode]
+    C = shape[-1]
+    x, y, w, b = rand(*shape).to(dt), rand(*shape).to(out), rand(C).to(dt), rand(C).to(dt)
+    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
+
+    def twin(x, y, w, b=None):
+        s = x + y
+        s = s + (s.to(dt).to(s.dtype) - s).detach()
+        return s, (F.layer_norm(s, (C,), w, b, 1e-5) if b is not None else F.rms_norm(s, (C,), w, 1e-5))
+    if kind == "layernorm":
+        compare_dtypes(lambda x, y, w, b: kernels.add_layernorm(x, y, w, b, out_dtype=out), twin, LN_TOL, grad_tol,
+                       (dt, out), x=x, y=y, w=w, b=b)
+    else:
+        compare_dtypes(lambda x, y, w: kernels.add_rmsnorm(x, y, w, out_dtype=out), twin, LN_TOL, grad_tol, (dt, out),
+                       x=x, y=y, w=w)
+
+
+for _kind in ("layernorm", "rmsnorm"):
+    for _shape, _mode in (((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 9001), "fp32_to_bf16"),
+                          ((2, 7, 768), "bf16"), ((37, 1), "bf16"), ((3, 9001), "bf16"),
+                          ((2, 16388), "bf16")):  # 4-wide bf16 rows past the register cache (16384 columns)
+        add(f"add_{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_add_norm_bf16,
+            _kind, _shape, _mode)
+
+
+def t_norm_views(dt):
+    # the norms' gradients for x and weight given as views (a transposed x, a strided weight), against the
+    # float64 reference: the backward reads its rows from contiguous copies
+    C = 37
+    x = rand(4, C, 6).transpose(1, 2).to(dt)
+    w, b = rand(2 * C)[::2].to(dt), rand(C).to(dt)
+    tol = (2e-2, 2e-2) if dt == BF16 else 1e-4
+    compare_dtypes(*on_both(lambda ops, x, w, b: ops.layernorm(x, w, b)), tol, tol, out_dtype=dt, x=x, w=w, b=b)
+    compare_dtypes(*on_both(lambda ops, x, w: ops.rmsnorm(x, w)), tol, tol, out_dtype=dt, x=x, w=w)
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"dispatcher/norm_views_{_tag}", t_norm_views, _dt)
+
+
+def t_stress_norm(kind, R, C, dtype):
+    x, w, b = (rand(*shape).to(dtype).requires_grad_() for shape in ((R, C), (C,), (C,)))
+    if kind == "layernorm":
+        return stress(lambda: grads(kernels.layernorm(x, w, b), [x, w, b]))
+    return stress(lambda: grads(kernels.rmsnorm(x, w), [x, w]))
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"stress/layernorm_3000x1000_{_tag}", t_stress_norm, "layernorm", 3000, 1000, _dt)
+# rows that are not 16-byte multiples; a warp a row
+add("stress/rmsnorm_5000x388_fp32", t_stress_norm, "rmsnorm", 5000, 388, torch.float32)
+
+
+bad_inputs(
+    ("layernorm_cpu_x", RuntimeError, lambda: kernels.layernorm(torch.randn(4, 8), rand(8), rand(8)),
+     ("layernorm", "x")),
+    ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),
+     ("layernorm", "weight")),
+    ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
+    ("rmsnorm_cpu_x", RuntimeError, lambda: kernels.rmsnorm(torch.randn(4, 8), rand(8)), ("rmsnorm", "x")),
+    # bf16: one dtype for an op's inputs, and out_dtype float32 or bfloat16
+    ("layernorm_bf16_weight_float32_x", RuntimeError,
+     lambda: kernels.layernorm(rand(4, 8), rand(8).bfloat16(), rand(8)), ("layernorm", "weight", "Float")),
+    ("layernorm_out_float16", ValueError,
+     lambda: kernels.layernorm(rand(4, 8), rand(8), rand(8), out_dtype=torch.float16), ("layernorm", "out_dtype")),
+    ("rmsnorm_float16_x", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8).half(), rand(8).half()), ("rmsnorm", "x")),
+    # the residual add: y has x's shape, the norm's output dtype, x's device
+    ("add_layernorm_y_shape", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), rand(4, 7), rand(8), rand(8)),
+     ("add_layernorm", "y", "shape")),
+    ("add_layernorm_y_float32_out_bf16", RuntimeError,
+     lambda: kernels.add_layernorm(rand(4, 8), rand(4, 8), rand(8), rand(8), out_dtype=torch.bfloat16),
+     ("add_layernorm", "y", "BFloat16", "out_dtype")),
+    ("add_layernorm_y_none", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), None, rand(8), rand(8)),
+     ("add_layernorm", "y")),
+    ("add_rmsnorm_y_none_x_requires_grad", RuntimeError,  # autograd's path would have read None as no addend
+     lambda: kernels.add_rmsnorm(rand(4, 8).requires_grad_(), None, rand(8)), ("add_rmsnorm", "y", "None")),
+    ("layernorm_bias_none", RuntimeError,  # norm_forward would read an undefined bias as RMSNorm
+     lambda: kernels.layernorm(rand(4, 8), rand(8), None), ("layernorm", "bias", "None")),
+    ("add_layernorm_bias_none_x_requires_grad", RuntimeError,
+     lambda: kernels.add_layernorm(rand(4, 8).requires_grad_(), rand(4, 8), rand(8), None),
+     ("add_layernorm", "bias", "None")),
+    ("add_layernorm_bf16_x_float32_y", RuntimeError,
+     lambda: kernels.add_layernorm(rand(4, 8).bfloat16(), rand(4, 8), rand(8).bfloat16(), rand(8).bfloat16(),
+                                   out_dtype=torch.float32), ("add_layernorm", "y", "bfloat16")),
+    ("add_rmsnorm_cpu_y", RuntimeError, lambda: kernels.add_rmsnorm(rand(4, 8), torch.randn(4, 8), rand(8)),
+     ("add_rmsnorm", "y")),
+    ("add_rmsnorm_bf16_x_float32_weight", RuntimeError,
+     lambda: kernels.add_rmsnorm(rand(4, 8).bfloat16(), rand(4, 8).bfloat16(), rand(8)), ("add_rmsnorm", "weight")),
+)
+
+
+@opcheck_args
+def opcheck_norms(dt):
+    x, C, plain, k = _leaf(5, 7, 37, dtype=dt), 37, _plain(dt), torch.ops.kernels
+    w, b, y = _leaf(C, dtype=dt), _leaf(C, dtype=dt), _leaf(5, 7, C, dtype=dt)
+    cases = [("layernorm", k.layernorm, (x, w, b), {}), ("rmsnorm", k.rmsnorm, (x, w), {"eps": 1e-6}),
+             ("add_layernorm", k.add_layernorm, (x, y, w, b), {}), ("add_rmsnorm", k.add_rmsnorm, (x, y, w), {}),
+             ("norm_forward", k.norm_forward, (plain(5, 37), None, plain(37), plain(37), 1e-5, None), {})]
+    if dt == torch.float32:  # the mixed-precision form: an fp32 stream normalised into bf16
+        y16 = _leaf(5, 7, C, dtype=BF16)
+        cases.append(("add_layernorm_bf16_out", k.add_layernorm, (x, y16, w, b), {"out_dtype": BF16}))
+    cases.append(("layernorm_transposed_x", k.layernorm, (_leaf(4, 37, 6, dtype=dt).transpose(1, 2), w, b), {}))
+    r = k.norm_forward(plain(5, 37), None, plain(37), plain(37), 1e-5, None)  # y, rstd, mean
+    cases.append(("norm_backward", k.norm_backward, (plain(5, 37), plain(37), r[2], r[1], plain(5, 37), None, dt,
+                                                      False), {}))
+    return cases
+
+
+@bench_rows("ops")
+def bench_norms(rows):
+    # the mixed-precision norm (fp32 residual in, bf16 out) against what autocast runs for it, layer_norm in fp32
+    # and the cast the next matmul makes; bf16 in and out against PyTorch's bf16 op
+    bf = BF16
+    R, C = 16384, 768  # the large preset's tokens per step and a 768-wide model
+    x32, w32, b32 = rand(R, C), rand(C), rand(C)
+    bench_op(rows, "layernorm fp32->bf16", f"{R}x{C}", "fwd",
+             lambda ops, x, w, b: kernels.layernorm(x, w, b, out_dtype=bf) if ops is kernels
+             else F.layer_norm(x, (C,), w, b).to(bf), [x32, w32, b32], (4 + 2) * R * C, "GB/s", tol=1e-2)
+    bench_bf16_rows(rows, "layernorm bf16", lambda ops, x, w, b: ops.layernorm(x, w, b),
+                    [x32.to(bf), w32.to(bf), b32.to(bf)])
+    # The residual add that ends a sublayer with the norm that starts the next, at the large preset's shape
+    # (16384 tokens, 384 wide): fp32 stream + bf16 sublayer output -> fp32 stream, bf16 norm; against
+    # what autocast runs, the add, layer_norm in fp32 and the next matmul's cast. fwd reads x, y and writes
+    # s, y_norm (12 bytes an element); bwd reads s, dy_norm, ds and writes dx, dy (16), and the weight
+    # gradients read s and dy_norm again (6)
+    R2, C2 = 16384, 384
+    ins = [rand(R2, C2), rand(R2, C2).to(bf), rand(C2), rand(C2)]
+
+    def add_ln(ops, x, y, w, b):
+        if ops is kernels:
+            return kernels.add_layernorm(x, y, w, b, out_dtype=bf)
+        s = x + y
+        return s, F.layer_norm(s, (C2,), w, b).to(bf)
+    bench_op(rows, "add_layernorm fp32+bf16", f"{R2}x{C2}", "fwd", add_ln, ins, 12 * R2 * C2, "GB/s", tol=1e-2)
+    bench_op(rows, "add_layernorm fp32+bf16", f"{R2}x{C2}", "bwd", add_ln, ins, 22 * R2 * C2, "GB/s", tol=1e-2)
+
+    def w_b(x):  # a norm's weight and bias for the rows of x
+        return [rand(x.shape[-1]), rand(x.shape[-1])]
+    # rows moved (fwd, bwd): add_layernorm reads x, y and writes s, y_norm; its backward reads s, dy_norm
+    # and ds and writes dx (which is also dy)
+    bench_row_ops(rows, (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), lambda x: [x, *w_b(x)]),
+                         ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), lambda x: [x, w_b(x)[0]]),
+                         ("add_layernorm", lambda ops, x, y, w, b: ops.add_layernorm(x, y, w, b),
+                          lambda x: [x, rand(*x.shape), *w_b(x)])),
+                  moved={"add_layernorm": (4, 4)})
+
+
+# ==== op: embedding ====
+# embedding against its float64 twin: the forward exact, the weight gradient's sums over repeated indices
+# (bit for bit twice), fp32 and bf16, bad indices; its bad inputs, opcheck arguments, stress and bench.
+
+
+def embedding_reference(idx, w):
+    """F.embedding's value through index_select, whose backward is an index_add. PyTorch's own embedding
+    backward takes, for 1025 to 3072 indices, a kernel that reloads its shared index list for the next
+    1024 indices with no barrier after the warps still reading it (pytorch/pytorch#187687): under
+    compute-sanitizer's timing that race gives a wrong gradient, so it cannot be the reference."""
+    return w.index_select(0, idx.reshape(-1)).view(*idx.shape, w.shape[-1])
+
+
+REF.embedding = embedding_reference
+
+
+# forward is a copy: exact. A weight-gradient row sums one dy row per use of its index, in token
+# order: fp32 rounding grows with the count
+EMB_GRAD_TOL_PER_USE = 1e-6
+
+
+def t_embedding(idx_shape, V, C):
+    idx = torch.randint(0, V, idx_shape, device=DEV)
+    flat = idx.view(-1)
+    flat[::3] = V - 1  # one index repeated many times, and the last row
+    flat[-1] = 0
+    uses = torch.bincount(flat).max().item()
+    compare(lambda ops, idx, w: ops.embedding(idx, w), 0.0, EMB_GRAD_TOL_PER_USE * uses, idx=idx, w=rand(V, C))
+
+
+for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((4, 64), 50304, 64),
+                           ((1,), 7, 5), ((3, 1001), 1, 5), ((4097,), 65, 129), ((8192,), 3, 768)):
+    add(f"embedding/{'x'.join(map(str, _idx_shape))}_of_{_V}x{_C}", t_embedding, _idx_shape, _V, _C)
+
+
+def t_embedding_wide(idx_shape, V, C):
+    # The backward's column tiles (256 units) run over grid.y, which stops at 65535: an odd C (one-wide
+    # loads) of 16777217 makes 65537 tiles, which the blocks walk a grid apart (one launch of them all
+    # failed). 40 indices of 3 make runs that cross the chunks of 32, so both backward kernels walk them.
+    past_grid_limit()
+    t_embedding(idx_shape, V, C)
+
+
+add("embedding/40_of_3x16777217_column_tiles_past_grid_y", t_embedding_wide, (40,), 3, 16777217)
+
+
+def t_embedding_deterministic(n, V, C, run=None):
+    # Two backward passes give bitwise the same weight gradient. The backward sorts the indices and
+    # cuts the sorted list into chunks of 32: few distinct indices make runs that span many chunks;
+    # run=r makes every run exactly r long (r = 32: runs end on chunk boundaries), in shuffled order.
+    idx = (torch.arange(n, device=DEV) // run)[torch.randperm(n, device=DEV)] if run else \
+        torch.randint(0, V, (n,), device=DEV)
+    w, dy = rand(V, C).requires_grad_(), rand(n, C)
+    dws = [torch.autograd.grad(kernels.embedding(idx, w), w, dy)[0] for _ in range(2)]
+    assert torch.equal(dws[0], dws[1]), \
+        f"two backward passes differ, by up to {(dws[0] - dws[1]).abs().max().item():.2e}"
+    ref = torch.zeros(V, C, dtype=torch.float64, device=DEV).index_add_(0, idx, dy.double())
+    check("dw", dws[0], ref, EMB_GRAD_TOL_PER_USE * torch.bincount(idx, minlength=V).max().item())
+    return "bitwise identical twice"
+
+
+for _n, _V, _C, _run in ((8192, 3, 768, None), (8192, 3, 7, None), (5000, 1, 33, None), (1, 1, 1, None),
+                         (1, 5, 64, None), (1000, 50304, 64, None), (96, 3, 64, 32), (99, 3, 5, 33),
+                         (4096, 128, 128, 32)):
+    add(f"embedding/bwd_deterministic_{_n}_of_{_V}x{_C}" + f"_runs{_run}" * bool(_run), t_embedding_deterministic,
+        _n, _V, _C, _run)
+
+
+def t_embedding_bf16(idx_shape, V, C):
+    idx = torch.randint(0, V, idx_shape, device=DEV)
+    uses = int(torch.bincount(idx.view(-1), minlength=V).max())
+    # forward: a copy, exact (asserted bit for bit); backward: fp32 sums rounded once to bf16
+    w = rand(V, C).to(BF16)
+    assert torch.equal(kernels.embedding(idx, w), F.embedding(idx, w)), "the bf16 embedding forward is not exact"
+    compare_dtypes(*on_both(lambda ops, w: ops.embedding(idx, w)), 0.0, EMB_GRAD_TOL_PER_USE * uses, w=w)
+
+
+add("embedding_bf16/3x1001_of_1000x64", t_embedding_bf16, (3, 1001), 1000, 64)
+add("embedding_bf16/7_of_5x13", t_embedding_bf16, (7,), 5, 13)
+
+
+def bad_embedding_idx(bad):
+    V, C = 65, 33
+    w, dy = rand(V, C).requires_grad_(), rand(2, 3, C)
+    idx = torch.tensor([[3, bad, 64], [0, 5, 3]], device=DEV)
+    out = kernels.embedding(idx, w)  # no error yet: the indices are only read on the device
+    good = (idx >= 0) & (idx < V)
+    assert out[~good].isnan().all(), f"the row of idx {bad} is not NaN: {out[~good]}"
+    assert torch.equal(out[good], w.detach()[idx[good]]), "the other rows are not weight's"
+    # the backward drops the bad token and sums the others
+    dw = torch.autograd.grad(out, w, dy)[0]
+    ref = torch.zeros(V, C, dtype=torch.float64, device=DEV).index_add_(0, idx[good], dy[good].double())
+    check("dw", dw, ref, 1e-6 * 3)
+    expect_index_error(lambda: kernels.layernorm(rand(2, 4), rand(4), rand(4)), "embedding", "idx", bad, V)
+    kernels.embedding(idx, w)
+    return one_line(expect_index_error(kernels.check_errors, "embedding", "idx", bad, V))
+
+
+for _bad in (-1, 65):
+    add(f"embedding/bad_idx_{_bad}", bad_embedding_idx, _bad)
+
+
+def t_stress_embedding(idx_shape, V, C, dtype):
+    idx = torch.randint(0, V, idx_shape, device=DEV)
+    w = rand(V, C).to(dtype).requires_grad_()
+    return stress(lambda: grads(kernels.embedding(idx, w), [w]))
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"stress/embedding_3x1001_of_1000x64_{_tag}", t_stress_embedding, (3, 1001), 1000, 64, _dt)
+# runs that span many 32-position chunks
+add("stress/embedding_4097_of_5x129_fp32", t_stress_embedding, (4097,), 5, 129, torch.float32)
+
+
+bad_inputs(
+    # int64 indices on the GPU and a 2-D weight (also through autograd, where the weight requires grad)
+    ("embedding_int32_idx", RuntimeError, lambda: kernels.embedding(_pos(3, 1).int(), rand(5, 8)),
+     ("embedding", "idx", "int64")),
+    ("embedding_float_idx_weight_requires_grad", RuntimeError,
+     lambda: kernels.embedding(rand(2), rand(5, 8).requires_grad_()), ("embedding", "idx", "int64")),
+    ("embedding_cpu_idx", RuntimeError, lambda: kernels.embedding(torch.tensor([3, 1]), rand(5, 8)),
+     ("embedding", "idx", "CUDA")),
+    ("embedding_cpu_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), torch.randn(5, 8)),
+     ("embedding", "weight", "CUDA")),
+    ("embedding_1d_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(8)),
+     ("embedding", "weight", "2-D")),
+    ("embedding_3d_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(2, 5, 8)),
+     ("embedding", "weight", "2-D")),
+    ("embedding_float64_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(5, 8).double()),
+     ("embedding", "weight", "float32")),
+)
+
+
+@opcheck_args
+def opcheck_embedding(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    idx = torch.randint(0, 11, (3, 7), device=DEV)
+    return [("embedding", k.embedding, (idx, _leaf(11, 37, dtype=dt)), {}),
+            ("embedding_backward", k.embedding_backward, (idx, plain(3, 7, 37), 11), {})]
+
+
+@bench_rows("ops")
+def bench_embedding(rows):
+    V, C, T = 50304, 768, 16 * 64
+    idx, w = torch.randint(0, V, (16, 64), device=DEV), rand(V, C)
+    # the weight gradient is a dense V x C table: writing it dominates the backward
+    for pas, nbytes in (("fwd", 4 * 2 * T * C), ("bwd", 4 * (T * C + V * C))):
+        bench_op(rows, "embedding", f"16x64 of {V}x{C}", pas, lambda ops, idx, w: ops.embedding(idx, w),
+                 [idx, w], nbytes, "GB/s")
+
+
+# ==== op: cross_entropy ====
+# cross_entropy against its float64 twin, loss and logits' gradient, vocabularies up to 50304, NaN and inf
+# as the twin's, fp32 and bf16, bad targets; its bad inputs, opcheck arguments, stress and bench rows.
+
+
+# the loss is ~log V; gradients are (p - onehot) / N, down to ~1e-9, hence the relative part
+CE_TOL, CE_GRAD_TOL = (1e-5, 1e-5), (1e-8, 1e-5)
+
+
+def t_cross_entropy(N, V, scale=1.0):
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[0], targets[-1] = V - 1, 0
+    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL,
+            logits=rand(N, V, scale=scale), targets=targets)
+
+
+for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (1, 50304, 1), (37, 50304, 1), (37, 65, 30)):
+    add(f"cross_entropy/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy, _N, _V, _scale)
+
+
+def t_cross_entropy_nonfinite(kind, N, V):
+    """kind 'nan_inf': nonfinite_rows' logits, a NaN loss; 'neg_inf_off_target': -inf in every row, never at
+    the target, a finite loss; 'neg_inf_at_target': also row 0's target at -inf (an infinite loss) and row 1
+    -inf but at its target (a zero loss and zero gradient for that row)."""
+    targets = torch.randint(0, V, (N,), device=DEV)
+    inf = float("inf")
+    if kind == "nan_inf":
+        logits = nonfinite_rows(N, V)
+    else:
+        logits = rand(N, V)
+        logits[torch.arange(N, device=DEV), (targets + 1) % V] = -inf
+        if kind == "neg_inf_at_target":
+            logits[0, targets[0]] = -inf
+            logits[1] = -inf
+            logits[1, targets[1]] = 0.5
+    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL, nonfinite=True,
+            logits=logits, targets=targets)
+
+
+for _kind, _V in (("nan_inf", 65), ("nan_inf", 50304), ("neg_inf_off_target", 65), ("neg_inf_at_target", 65)):
+    add(f"cross_entropy/nonfinite_{_kind}_37x{_V}", t_cross_entropy_nonfinite, _kind, 37, _V)
+
+
+def t_cross_entropy_bf16(N, V, scale=1.0):
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[0], targets[-1] = V - 1, 0
+    # the loss is fp32 from bf16 logits (autocast's choice); the logits' gradient is bf16
+    compare_dtypes(*on_both(lambda ops, logits: ops.cross_entropy(logits, targets)), CE_TOL, CE_GRAD_TOL, torch.float32,
+                   logits=rand(N, V, scale=scale).to(BF16))
+
+
+for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (37, 50304, 1), (37, 65, 30)):
+    add(f"cross_entropy_bf16/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy_bf16, _N, _V, _scale)
+
+
+def bad_cross_entropy_target(bad):
+    N, V, row = 37, 65, 5
+    logits = rand(N, V).requires_grad_()
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[row] = bad
+    loss = kernels.cross_entropy(logits, targets)
+    assert loss.isnan(), f"loss {loss.item()} with target {bad} is not NaN"
+    dx = torch.autograd.grad(loss, logits)[0]
+    assert dx[row].isnan().all(), f"the gradient of the row with target {bad} is not NaN"
+    keep = torch.arange(N, device=DEV) != row
+    x64 = logits.detach().double().requires_grad_()
+    ref = torch.autograd.grad(F.cross_entropy(x64[keep], targets[keep], reduction="sum") / N, x64)[0]
+    check("dlogits_other_rows", dx[keep], ref[keep], CE_GRAD_TOL)
+    expect_index_error(lambda: kernels.gelu(rand(3)), "cross_entropy", "targets", bad, V)
+    kernels.cross_entropy(logits, targets)
+    return one_line(expect_index_error(kernels.check_errors, "cross_entropy", "targets", bad, V))
+
+
+for _bad in (-1, 65):
+    add(f"cross_entropy/bad_target_{_bad}", bad_cross_entropy_target, _bad)
+
+
+def t_stress_cross_entropy(N, V, dtype):
+    logits, targets = rand(N, V).to(dtype).requires_grad_(), torch.randint(0, V, (N,), device=DEV)
+    return stress(lambda: grads(kernels.cross_entropy(logits, targets), [logits]))
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"stress/cross_entropy_777x1001_{_tag}", t_stress_cross_entropy, 777, 1001, _dt)
+
+
+bad_inputs(
+    # int64 targets on the GPU, 2-D logits, one target a row (also through autograd, where the logits
+    # require grad)
+    ("cross_entropy_int32_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2, 3).int()),
+     ("cross_entropy", "targets", "int64")),
+    ("cross_entropy_float_targets_logits_requires_grad", RuntimeError,
+     lambda: kernels.cross_entropy(rand(4, 7).requires_grad_(), rand(4)), ("cross_entropy", "targets", "int64")),
+    ("cross_entropy_cpu_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), torch.tensor([0, 1, 2, 3])),
+     ("cross_entropy", "targets", "CUDA")),
+    ("cross_entropy_cpu_logits", RuntimeError, lambda: kernels.cross_entropy(torch.randn(4, 7), _pos(0, 1, 2, 3)),
+     ("cross_entropy", "logits", "CUDA")),
+    ("cross_entropy_float64_logits", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7).double(), _pos(0, 1, 2, 3)),
+     ("cross_entropy", "logits", "float32")),
+    ("cross_entropy_3d_logits", RuntimeError, lambda: kernels.cross_entropy(rand(2, 4, 7), _pos(0, 1)),
+     ("cross_entropy", "logits", "2-D")),
+    ("cross_entropy_2d_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2, 3).view(4, 1)),
+     ("cross_entropy", "targets", "shape")),
+    ("cross_entropy_N_mismatch", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2)),
+     ("cross_entropy", "targets", "shape")),
+    ("cross_entropy_N_mismatch_logits_requires_grad", RuntimeError,
+     lambda: kernels.cross_entropy(rand(4, 7).requires_grad_(), _pos(0, 1, 2, 3, 4)), ("cross_entropy", "targets")),
+)
+
+
+@opcheck_args
+def opcheck_cross_entropy(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    tgt = torch.randint(0, 37, (9,), device=DEV)
+    lse = k.cross_entropy_forward(plain(9, 37), tgt)[1]
+    return [("cross_entropy", k.cross_entropy, (_leaf(9, 37, dtype=dt), tgt), {}),
+            ("cross_entropy_forward", k.cross_entropy_forward, (plain(9, 37), tgt), {}),
+            ("cross_entropy_backward", k.cross_entropy_backward,
+             (plain(9, 37), tgt, lse, torch.ones((), device=DEV)), {})]
+
+
+@bench_rows("ops")
+def bench_cross_entropy(rows):
+    bf = BF16
+    N, V = 16384, 65
+    ins = [rand(N, V).to(bf), torch.randint(0, V, (N,), device=DEV)]
+    for pas, nbytes in (("fwd", 2 * N * V), ("bwd", 4 * N * V)):
+        bench_op(rows, "cross_entropy bf16", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
+                 ins, nbytes, "GB/s", tol=1e-2)
+    for N, V in ((8192, 65), (8192, 50304)):
+        ins = [rand(N, V), torch.randint(0, V, (N,), device=DEV)]
+        for pas, nbytes in (("fwd", 4 * N * V), ("bwd", 8 * N * V)):
+            bench_op(rows, "cross_entropy", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
+                     ins, nbytes, "GB/s")
+
+
+# ==== op: gemv, expert_gemv (linear's one-row path) ====
+# gemv, expert_gemv and linear's one-row GEMV against their float64 twins, fp32 and bf16, early launches
+# (PDL) in a chain, bad experts; their bad inputs, opcheck arguments and bench rows.
+
+
+def t_gemv(N, K, bias=False, x_step=1):
+    w, x = rand(N, K), rand(K * x_step)[::x_step]
+    if bias:
+        compare(lambda ops, w, x, b: ops.gemv(w, x, b), mm_tol(K), w=w, x=x, b=rand(N))
+    else:
+        compare(lambda ops, w, x: ops.gemv(w, x), mm_tol(K), w=w, x=x)
+
+
+for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, False, 1), (3072, 768, True, 1),
+                             (4096, 4096, False, 1), (4096, 4096, True, 1), (37, 1001, False, 1),
+                             (1000, 1001, True, 1), (3072, 768, True, 2)):
+    add(f"gemv/{_N}x{_K}" + "_bias" * _bias + f"_xstep{_step}" * (_step != 1), t_gemv, _N, _K, _bias, _step)
+
+
+# Programmatic dependent launch (kernels.set_pdl, on by default): on a compute capability 9.0 GPU our row,
+# elementwise, embedding, GEMV, kv_write and attention-forward kernels may be launched while the kernel
+# ahead of them runs, and wait inside for it. Here a LayerNorm of one 2^22-wide row (one block, a long
+# time) writes, over memory that held NaN just before (the caching allocator hands the freed block
+# back: checked), the x of a GEMV that is launched as soon as that block starts; then a LayerNorm, a
+# GEMV and a cross-entropy, each reading what the one before wrote. A kernel that read before its
+# wait would see NaN or stale values; with launches early and ordinary, the same bits.
+def t_gemv_pdl_chain(N, K):
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("early launches need a compute capability 9.0 GPU")
+    C = 1 << 22
+    x, ln_w, ln_b = rand(C), rand(C), rand(C)
+    w1, w2, ln2_w, ln2_b = rand(N, K), rand(N, N), rand(N), rand(N)
+    tgt = torch.tensor([N // 3], device=DEV)
+
+    def chain(pdl):
+        kernels.set_pdl(pdl)
+        try:
+            poison = torch.full_like(x, float("nan"))
+            ptr = poison.data_ptr()
+            del poison
+            h = kernels.layernorm(x, ln_w, ln_b)
+            assert h.data_ptr() == ptr, "the norm's output did not reuse the NaN-filled block: nothing would be tested"
+            y1 = kernels.gemv(w1, h[-K:])
+            y2 = kernels.gemv(w2, kernels.layernorm(y1, ln2_w, ln2_b))
+            return y1, y2, kernels.cross_entropy(y2[None], tgt)
+        finally:
+            kernels.set_pdl(True)
+    early, ordinary = chain(True), chain(False)
+    h_ref = REF.layernorm(x.double(), ln_w.double(), ln_b.double())[-K:]
+    ref1 = REF.gemv(w1.double(), h_ref)
+    ref2 = REF.gemv(w2.double(), REF.layernorm(ref1, ln2_w.double(), ln2_b.double()))
+    check("gemv_after_long_norm", early[0], ref1, mm_tol(K))
+    check("gemv_after_norm", early[1], ref2, mm_tol(K, N))
+    check("cross_entropy_after_gemv", early[2], F.cross_entropy(ref2[None], tgt), mm_tol(K, N))
+    for a, b, what in zip(early, ordinary, ("first GEMV", "second GEMV", "cross-entropy")):
+        assert torch.equal(a, b), f"{what}: early launches changed the bits"
+
+
+for _N, _K in ((1000, 1001), (3072, 768), (512, 8192)):  # scalar loads; 16-byte; 8 rounds of loads a lane
+    add(f"gemv/pdl_chain_{_N}x{_K}", t_gemv_pdl_chain, _N, _K)
+
+
+def t_linear_one_row(K, N, bias):
+    # one row without autograd (decoding) takes the GEMV kernel inside kernels.linear
+    with torch.no_grad():
+        compare(lambda ops, x, w, b: ops.linear(x, w, b), mm_tol(K), x=rand(1, 1, K), w=rand(N, K),
+                b=rand(N) if bias else None)
+
+
+for _K, _N, _bias in ((768, 2304, True), (768, 95, False), (1001, 37, True)):
+    add(f"linear/one_row_gemv_{_K}_to_{_N}" + "_bias" * _bias, t_linear_one_row, _K, _N, _bias)
+
+
+def t_expert_gemv(E, N, K, experts, bias=True):
+    e = torch.tensor(experts, device=DEV)
+    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(len(experts), K),
+            b=rand(E, N) if bias else None, e=e)
+
+
+for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 0], True), (1, 1, 1, [0], False),
+                               (4, 37, 1001, [3, 3, 1], True)):
+    add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
+        _E, _N, _K, _ex, _bias)
+
+
+def t_expert_gemv_many_rows(S, E=4, N=37, K=64):
+    # grid.y runs over the rows of x and stops at 65535: S = 2 * 65535 + 3 takes three launches, the last of 3
+    # rows, each on its slice of x, y and experts (one launch of S rows failed: invalid configuration argument)
+    past_grid_limit()
+    e = torch.randint(0, E, (S,), device=DEV)
+    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(S, K),
+            b=rand(E, N), e=e)
+
+
+add("expert_gemv/131073_rows_past_grid_y", t_expert_gemv_many_rows, 131073)
+
+
+def t_gemv_bf16(N, K, bias, experts=None):
+    # decoding in bf16: bf16 weights and vector, fp32 sums over K, one rounding of the result
+    tol = bf16_tol(K)[0]
+    w = rand(*((4,) if experts else ()), N, K).to(BF16)
+    b = (rand(4, N) if experts else rand(N)).to(BF16) if bias else None
+    if experts:
+        e = torch.tensor(experts, device=DEV)
+        compare_dtypes(*on_both(lambda ops, w, x, b: ops.expert_gemv(w, x, b, e)), tol, w=w,
+                       x=rand(len(experts), K).to(BF16), b=b)
+    elif bias:
+        compare_dtypes(*on_both(lambda ops, w, x, b: ops.linear(x, w, b)), tol, w=w, x=rand(1, K).to(BF16),
+                       b=b)  # one row, no autograd: linear's GEMV path
+    else:
+        compare_dtypes(*on_both(lambda ops, w, x: ops.gemv(w, x)), tol, w=w, x=rand(K).to(BF16))
+
+
+for _N, _K, _bias, _ex in ((1, 1, False, None), (3072, 768, False, None), (4096, 4096, False, None),
+                           (37, 1001, False, None), (2304, 768, True, None), (95, 768, True, None),
+                           (768, 3072, True, [3, 0]), (37, 1001, True, [1, 1, 2])):
+    add(f"gemv_bf16/{_N}x{_K}" + "_bias" * _bias + ("_experts" + "-".join(map(str, _ex)) if _ex else ""),
+        torch.no_grad()(t_gemv_bf16), _N, _K, _bias, _ex)
+
+
+def bad_expert(bad):
+    E, N, K = 4, 37, 1001
+    w, x, b = rand(E, N, K), rand(3, K), rand(E, N)
+    experts = torch.tensor([1, bad, 3], device=DEV)
+    y = kernels.expert_gemv(w, x, b, experts)
+    assert y[1].isnan().all(), f"the row of expert {bad} is not NaN"
+    keep = torch.tensor([0, 2], device=DEV)
+    check("other_rows", y[keep], REF.expert_gemv(w.double(), x[keep].double(), b.double(), experts[keep]), mm_tol(K))
+    expect_index_error(lambda: kernels.topk(rand(4, 8), 2), "expert_gemv", "experts", bad, E)
+    kernels.expert_gemv(w, x, b, experts)
+    return one_line(expect_index_error(kernels.check_errors, "expert_gemv", "experts", bad, E))
+
+
+for _bad in (-1, 4):
+    add(f"expert_gemv/bad_expert_{_bad}", bad_expert, _bad)
+
+
+bad_inputs(
+    # bf16: one dtype for an op's inputs
+    ("gemv_bf16_weight_float32_x", RuntimeError, lambda: kernels.gemv(rand(8, 4).bfloat16(), rand(4)),
+     ("gemv", "x", "BFloat16")),
+    ("expert_gemv_bf16_float32_bias", RuntimeError,
+     lambda: kernels.expert_gemv(rand(2, 8, 4).bfloat16(), rand(1, 4).bfloat16(), rand(2, 8),
+                                 torch.zeros(1, dtype=torch.long, device=DEV)), ("expert_gemv", "bias")),
+    # shapes: gemv's one vector
+    ("gemv_2d_x", RuntimeError, lambda: kernels.gemv(rand(8, 4), rand(1, 4)), ("gemv", "x", "shape")),
+)
+
+
+@opcheck_args
+def opcheck_gemv(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    return [("linear_one_row", k.linear, (_leaf(37, dtype=dt), _leaf(19, 37, dtype=dt), _leaf(19, dtype=dt)), {}),
+            ("gemv", k.gemv, (plain(19, 37), plain(37), plain(19)), {}),
+            ("expert_gemv", k.expert_gemv, (plain(4, 19, 37), plain(3, 37), plain(4, 19),
+                                            torch.tensor([3, 0, 3], device=DEV)), {})]
+
+
+@bench_rows("ops")
+def bench_gemv(rows):
+    bf = BF16
+    # decoding reads each weight once: bf16 halves the bytes of the fp32 rows below
+    for N, K in ((3072, 768), (4096, 4096)):
+        bench_op(rows, "gemv bf16", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
+                 [rand(N, K).to(bf), rand(K).to(bf), rand(N).to(bf)], 2 * (N * K + K + 2 * N), "GB/s", tol=1e-2)
+    for N, K in ((3072, 768), (4096, 4096)):
+        bench_op(rows, "gemv", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
+                 [rand(N, K), rand(K), rand(N)], 4 * (N * K + K + 2 * N), "GB/s")
+    # MoE decoding: 2 of 8 experts' (3072, 768) weights; only those two are read (PyTorch gathers a copy)
+    E, N, K, chosen = 8, 3072, 768, torch.tensor([5, 2], device=DEV)
+    bench_op(rows, "expert_gemv", f"2 of {E}x{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.expert_gemv(w, x, b, chosen),
+             [rand(E, N, K), rand(2, K), rand(E, N)], 4 * 2 * (N * K + K + 2 * N), "GB/s")
+
+
+# ==== op: kv_write ====
+# kv_write: the same bits as the torch op set's index_copy_ calls, fp32 and bf16, strided and padded rows,
+# bad positions; its bad inputs and opcheck arguments.
+
+
+# The KV cache write of decoding: the same bits as the torch op set's two index_copy_ calls. k and v
+# are strided views of one QKV output, as the model passes them; positions in any order.
+@torch.no_grad()
+def t_kv_write(B, H, T, S, D, positions, dtype, pad=0):
+    k_cache, v_cache = rand(B, H, S, D).to(dtype), rand(B, H, S, D).to(dtype)
+    qkv = rand(B, T, 3 * H * D + pad).to(dtype)  # pad: rows off 16 bytes, so the kernel copies value by value
+    k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1)[1:3])  # (B, H, T, D) views
+    pos = torch.tensor(positions, device=DEV)
+    ours, ref = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    kernels.kv_write(*ours, pos, k, v)
+    train.torch_kv_write(*ref, pos, k, v)
+    check("k_cache", ours[0], ref[0], 0.0)
+    check("v_cache", ours[1], ref[1], 0.0)
+
+
+for _B, _H, _T, _S, _D, _positions, _pad in ((1, 8, 1, 256, 96, [37], 0), (1, 16, 1, 1024, 128, [1023], 0),
+                                       (2, 3, 5, 40, 64, [7, 2, 39, 0, 5], 0), (2, 4, 3, 50, 64, [49, 0, 17], 1),
+                                       (1, 2, 3, 9, 5, [8, 0, 4], 0), (3, 1, 1, 1, 1, [0], 0)):
+    for _dt in ("fp32", "bf16"):
+        add(f"kv_write/{_dt}_b{_B}h{_H}t{_T}_cache{_S}_d{_D}" + "_padded" * _pad, t_kv_write, _B, _H, _T, _S, _D,
+            _positions, torch.float32 if _dt == "fp32" else torch.bfloat16, _pad)
+
+
+@torch.no_grad()
+def bad_cache_position(bad):
+    S = 16
+    k_cache, v_cache = torch.zeros(1, 2, S, 8, device=DEV), torch.zeros(1, 2, S, 8, device=DEV)
+    k, v = rand(1, 2, 2, 8), rand(1, 2, 2, 8)
+    kernels.kv_write(k_cache, v_cache, torch.tensor([3, bad], device=DEV), k, v)
+    assert torch.equal(k_cache[:, :, 3], k[:, :, 0]) and torch.equal(v_cache[:, :, 3], v[:, :, 0]), "row 3 not written"
+    assert k_cache.count_nonzero() == 16 and v_cache.count_nonzero() == 16, "something besides row 3 was written"
+    return one_line(expect_index_error(kernels.check_errors, "kv_write", "positions", bad, S))
+
+
+for _bad in (-1, 16):
+    add(f"kv_write/bad_position_{_bad}", bad_cache_position, _bad)
+
+
+bad_inputs(
+    # one dtype, shapes that fit the cache, contiguous caches, no gradient
+    ("kv_write_bf16_k", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).bfloat16(),
+                              rand(1, 2, 1, 8)),
+     ("kv_write", "k", "Float", "k_cache")),
+    ("kv_write_heads_mismatch", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 3, 1, 8), rand(1, 3, 1, 8)),
+     ("kv_write", "k", "shape")),
+    ("kv_write_positions_length", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3, 4), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
+     ("kv_write", "positions", "shape")),
+    ("kv_write_int32_positions", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3).int(), rand(1, 2, 1, 8),
+                              rand(1, 2, 1, 8)),
+     ("kv_write", "positions")),
+    ("kv_write_strided_cache", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 16)[..., ::2], rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8),
+                              rand(1, 2, 1, 8)), ("kv_write", "contiguous")),
+    ("kv_write_cpu_cache", RuntimeError,
+     lambda: kernels.kv_write(torch.randn(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
+     ("kv_write", "k_cache")),
+    ("kv_write_v_shape", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8), rand(1, 2, 2, 8)),
+     ("kv_write", "v", "shape")),
+    ("kv_write_strided_k", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 16)[..., ::2],
+                              rand(1, 2, 1, 8)), ("kv_write", "k", "contiguous")),
+    ("kv_write_grad", RuntimeError,
+     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).requires_grad_(),
+                              rand(1, 2, 1, 8)), ("kv_write", "no_grad")),
+)
+
+
+@opcheck_args
+def opcheck_kv_write(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    return [("kv_write", k.kv_write, (plain(2, 2, 16, 64), plain(2, 2, 16, 64), torch.tensor([4, 9], device=DEV),
+                                      plain(2, 2, 2, 64), plain(2, 2, 2, 64)), {})]
+
+
+# ==== op: topk ====
+# topk: values and indices equal to the reference's order (ties by lower index, NaN on top) on every
+# path, fp32 and bf16; its bad inputs, opcheck arguments and bench rows.
+
+
+def topk_reference(x, k):
+    """The order the spec promises and torch.topk leaves open (ties by lower index, NaN on top), in float64."""
+    return train.torch_topk(x.double().cpu(), k)
+
+
+def t_topk_bf16(shape, k):
+    x = rand(*shape).to(BF16)
+    values, idx = kernels.topk(x, k)
+    ref_v, ref_i = topk_reference(x.float(), k)
+    assert values.dtype == BF16, f"values dtype {values.dtype}"
+    # bf16 rows tie often: the promised order (lower index first) is the test
+    assert torch.equal(values.float().cpu(), ref_v.float()) and torch.equal(idx.cpu(), ref_i), "top-k differs"
+    return f"{shape} k={k}: values and indices equal"
+
+
+add("topk_bf16/37x1000_k5", t_topk_bf16, (37, 1000), 5)
+add("topk_bf16/1x50304_k50", t_topk_bf16, (1, 50304), 50)
+
+
+BIG = 2.0 ** 100  # stands in for NaN (2 * BIG for inf) in the value comparison; exact in fp32 and fp64
+
+
+def t_topk(shape, k, kind=""):
+    # ties: values from -4..4, so rows are full of ties and the index order is the test; zeros: +0
+    # and -0 only, which tie; inf: +inf and -inf columns among the values; nan: two NaN columns and
+    # row 1 all NaN (NaN ranks largest, NaNs by index)
+    if kind == "ties":
+        x = torch.randint(-4, 5, shape, device=DEV).float()
+    elif kind == "zeros":
+        x = torch.zeros(shape, device=DEV).masked_fill_(torch.rand(shape, device=DEV) < 0.5, -0.0)
+    else:
+        x = rand(*shape)
+    if kind == "inf":
+        x[:, ::3] = float("inf")
+        x[:, 1::3] = float("-inf")
+    if kind == "nan":
+        x[:, 3] = float("nan")
+        x[::2, -1] = float("nan")
+        x[1:2] = float("nan")
+    values, idx = kernels.topk(x, k)
+    ref_values, ref_idx = topk_reference(x, k)
+    assert values.dtype == torch.float32 and idx.dtype == torch.int64, f"dtypes {values.dtype}, {idx.dtype}"
+    # NaN and +-inf stand in as finite numbers (an fp32 and an fp64 inf would not compare)
+    check("values", values.double().nan_to_num(BIG, 2 * BIG, -2 * BIG), ref_values.nan_to_num(BIG, 2 * BIG, -2 * BIG),
+          0.0)
+    check("idx", idx, ref_idx, 0.0)
+    if kind == "zeros":  # -0 and +0 tie, but each value is the one at its index
+        assert torch.equal(values.signbit(), x.gather(-1, idx).signbit()), "sign of a zero lost"
+
+
+# Paths: rows up to 512 with k <= 16 take one warp per row; otherwise one block holds a row of up to
+# 8192; wider rows with few rows are split into slices of ~4096 and merged; a block whose share is
+# wider than 8192 reads it in chunks (1 x 600000; 2048 rows of 8200 fill the GPU without splitting).
+for _shape, _k, _kind in (((4096, 8), 1, ""), ((4096, 8), 2, ""), ((4096, 8), 8, ""), ((1, 50304), 50, ""),
+                          ((37, 1000), 128, ""), ((2, 5, 300), 7, ""), ((5, 1), 1, ""), ((1, 1), 1, ""),
+                          ((4096, 8), 2, "ties"), ((64, 1000), 128, "ties"), ((16, 100), 10, "nan"),
+                          ((3, 16), 16, "ties"), ((3, 17), 17, ""), ((2, 512), 16, ""), ((2, 513), 16, "ties"),
+                          ((4, 512), 17, "ties"), ((3, 128), 128, "nan"), ((5, 300), 64, "zeros"),
+                          ((37, 1000), 128, "inf"), ((3, 8192), 128, "ties"), ((3, 8193), 128, "ties"),
+                          ((1, 8193), 1, "zeros"), ((1, 50304), 50, "ties"), ((1, 50304), 50, "nan"),
+                          ((1, 50304), 128, "zeros"), ((64, 50304), 50, ""), ((1, 262144), 128, ""),
+                          ((1, 262144), 128, "ties"), ((1, 600000), 128, ""), ((1, 600000), 100, "nan"),
+                          ((2048, 8200), 100, "ties")):
+    add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k, _kind)
+
+
+bad_inputs(
+    ("topk_k_above_row", ValueError, lambda: kernels.topk(rand(4, 8), 9), ("k",)),
+    ("topk_k_zero", ValueError, lambda: kernels.topk(rand(4, 8), 0), ("k",)),
+    ("topk_k_above_128", ValueError, lambda: kernels.topk(rand(2, 1000), 129), ("k",)),
+)
+
+
+@opcheck_args
+def opcheck_topk(dt):
+    return [("topk", torch.ops.kernels.topk, (_plain(dt)(5, 100), 7), {})]
+
+
+def topk_check(x, ours, ref, tol):
+    # indices of equal values may legally differ from torch's; the values and x[idx] may not
+    (values, idx), (ref_values, _) = ours, ref
+    ok = torch.equal(values, ref_values) and torch.equal(x.gather(-1, idx), values)
+    return ok, "ok exact" if ok else "FAIL"
+
+
+@bench_rows("ops")
+def bench_topk(rows):
+    for shape, k in (((4096, 8), 2), ((1, 50304), 50), ((64, 50304), 50), ((1, 262144), 128)):
+        x = rand(*shape)
+        bench_op(rows, "topk", f"{shape[0]}x{shape[1]} k={k}", "fwd", lambda ops, x: ops.topk(x, k), [x],
+                 4 * x.numel(), "GB/s", check_fn=functools.partial(topk_check, x))
+
+
+# ==== op: matmul, linear ====
+# matmul and linear against their float64 twins, forward and backward: fp32 (mma.sync, wgmma, split K), bf16
+# on Hopper, linear's fp32 master weights, inf and NaN; their bad inputs, opcheck arguments, stress, bench.
+
+
+def t_matmul(M, K, N, batch=None, a_t=False, b_step=1):
+    lead = (batch,) if batch else ()
+    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
+    b = rand(*lead, K, N * b_step)[..., ::b_step]
+    compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(M, K, N), mm_tol(M, K, N), a=a, b=b)
+
+
+def t_linear(lead, K, N, bias=True, transposed=False):
+    # transposed: x and weight arrive as transposed views, as after a head split or with a tied weight
+    x = rand(*lead[::-1], K).transpose(0, 1) if transposed else rand(*lead, K)
+    w = rand(K, N).t() if transposed else rand(N, K)
+    tol = mm_tol(math.prod(lead), K, N)
+    if bias:
+        compare(lambda ops, x, w, b: ops.linear(x, w, b), tol, tol, x=x, w=w, b=rand(N))
+    else:
+        compare(lambda ops, x, w: ops.linear(x, w), tol, tol, x=x, w=w)
+
+
+for _dims in ((1, 1, 1), (17, 33, 65), (127, 1, 255), (129, 65, 17), (64, 128, 16), (255, 257, 127),
+              (1000, 1100, 700)):
+    add("matmul/" + "x".join(map(str, _dims)), t_matmul, *_dims)
+add("matmul/3x17x33x65", t_matmul, 17, 33, 65, batch=3)
+add("matmul/2x128x64x200", t_matmul, 128, 64, 200, batch=2)
+add("matmul/33x65x17_aT_bstep2", t_matmul, 33, 65, 17, a_t=True, b_step=2)
+add("matmul/100x300x130_aT", t_matmul, 100, 300, 130, a_t=True)
+add("matmul/3x17x33x65_aT_bstep2", t_matmul, 17, 33, 65, batch=3, a_t=True, b_step=2)
+# few output tiles and a long K: the kernel splits K and adds the partial products
+add("matmul/33x5000x65_splitK", t_matmul, 33, 5000, 65)
+add("matmul/3x40x2001x50_splitK_aT", t_matmul, 40, 2001, 50, batch=3, a_t=True)
+# On Hopper, products of 512^3 and up with every dim >= 128 take the pack + wgmma kernel: ragged
+# edges in every dim, transposes, a batch, a strided operand, split K, and a misaligned pointer
+add("matmul/257x515x1031_wgmma", t_matmul, 257, 515, 1031)
+add("matmul/2x300x700x333_wgmma_aT_bstep2", t_matmul, 300, 700, 333, batch=2, a_t=True, b_step=2)
+add("matmul/130x8200x129_wgmma_splitK", t_matmul, 130, 8200, 129)
+add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(200, 700, 1000),
+    mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
+
+
+def t_matmul_tall(M, K, N):
+    # Hopper's pack pass runs over 128-row tiles on grid.y, which stops at 65535 (8.4M rows): M = 65537 * 128
+    # + 1 rows are packed in two launches, of 65535 tiles and of 3, the last of one row (one launch of them
+    # all failed; elsewhere the mma.sync kernel runs, rows on grid.x). Checked in slices of rows, so the
+    # float64 reference stays small.
+    past_grid_limit()
+    a, b = rand(M, K), rand(K, N)
+    c = kernels.matmul(a, b)
+    for r0 in range(0, M, 1 << 20):
+        check(f"rows_{r0}", c[r0:r0 + (1 << 20)], a[r0:r0 + (1 << 20)].double() @ b.double(), mm_tol(K))
+    return f"{(M + (1 << 20) - 1) >> 20} slices of rows"
+
+
+add("matmul/8388737x128x128_pack_rows_past_grid_y", t_matmul_tall, 8388737, 128, 128)
+
+
+def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
+    # +-inf and NaN operands give what an fp32 product gives: +-inf where infinite terms of one sign meet
+    # finite ones, NaN for inf * 0, inf - inf or a NaN term (3xTF32 alone gives NaN wherever an inf reaches).
+    # Rows 0-3 put them at the start of K, rows 4-6 in its middle and at its end (split K's later splits;
+    # row 6's inf and -inf in different splits of a long K), and row 5's NaN at k = 0 sits right after row
+    # 4's last element in a row-major a: a sum that read past K would turn row 4's inf into NaN.
+    lead = (batch,) if batch else ()
+    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
+    b = rand(*lead, K, N)
+    inf, nan = float("inf"), float("nan")
+    a[..., 0, 1], a[..., 1, 2], a[..., 2, 1], a[..., 2, 2], a[..., 3, 4] = inf, -inf, inf, inf, nan
+    a[..., 4, K - 1], a[..., 5, 0], a[..., 5, K // 2], a[..., 6, 1], a[..., 6, K - 1] = inf, nan, -inf, inf, -inf
+    b[..., 5, 0], b[..., 1, 3] = -inf, 0.0  # column 0 meets an inf in every row; rows 0, 2 and 6 meet a zero
+    bias_t = rand(N) if bias else None
+    ours = (kernels.linear(a, b.transpose(-1, -2), bias_t) if linear else kernels.matmul(a, b)).double().cpu()
+    ref = a.double().cpu() @ b.double().cpu() + (bias_t.double().cpu() if bias else 0.0)
+    check_nonfinite("out", ours, ref, mm_tol(M, K, N))
+    return f"{int(ref.isnan().sum())} NaN, {int(ref.isposinf().sum())} +inf, {int(ref.isneginf().sum())} -inf as fp32's"
+
+
+add("matmul_special/17x33x65", t_matmul_special, 17, 33, 65)
+add("matmul_special/3x17x33x65_aT", t_matmul_special, 17, 33, 65, batch=3, a_t=True)
+add("matmul_special/33x5000x65_splitK", t_matmul_special, 33, 5000, 65)
+add("matmul_special/linear_40x64x24_bias", t_matmul_special, 40, 64, 24, linear=True, bias=True)
+add("matmul_special/257x515x1031_wgmma", t_matmul_special, 257, 515, 1031)
+add("matmul_special/2x300x700x333_wgmma_aT", t_matmul_special, 300, 700, 333, batch=2, a_t=True)
+add("matmul_special/130x8200x129_wgmma_splitK", t_matmul_special, 130, 8200, 129)
+# linear's weight is B transposed; 144 output tiles fill an H100 (132 SMs), so K is not split and the
+# bias is added in the wgmma epilogue itself
+add("matmul_special/linear_2048x192x1152_wgmma_bias", t_matmul_special, 2048, 192, 1152, linear=True, bias=True)
+add("matmul_special/linear_600x700x500_wgmma_splitK", t_matmul_special, 600, 700, 500, linear=True)
+
+
+def t_matmul_bf16(M, K, N, batch=None, a_t=False, b_t=False):
+    lead = (batch,) if batch else ()
+    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
+    b = rand(*lead, N, K).transpose(-1, -2) if b_t else rand(*lead, K, N)
+    # the backward's products are K-long over M (db) and N (da): the longest sets the tolerance
+    compare_bf16(lambda ops, a, b: ops.matmul(a, b), max(M, K, N), a=a, b=b)
+
+
+def t_linear_bf16(lead, K, N, bias=True):
+    x, w = rand(*lead, K), rand(N, K)
+    if bias:
+        compare_bf16(lambda ops, x, w, b: ops.linear(x, w, b), max(math.prod(lead), K, N), x=x, w=w, b=rand(N))
+    else:
+        compare_bf16(lambda ops, x, w: ops.linear(x, w), max(math.prod(lead), K, N), x=x, w=w)
+
+
+# Tiles are 128 x BN x 64, BN 256 or 192 by the rounds of tiles over the SMs, 128 or 64 where even those
+# fill under half the SMs and K is too short to split (most of the small cases here: 64, with 8 stages;
+# 1000x200x1536: 128, with 6): sizes of 1, odd sizes (rows that are not 16-byte multiples get padded
+# copies), exact tiles, many K tiles, every operand orientation, a batch. Outputs whose rows are 16-byte
+# multiples (N = 200, 256, 264, 2600, 3072, ...) are stored through the copy engine, the others from
+# registers.
+for _dims in ((1, 1, 1), (17, 33, 65), (128, 64, 256), (257, 515, 1031), (300, 2048, 200)):
+    add("matmul_bf16/" + "x".join(map(str, _dims)), t_matmul_bf16, *_dims)
+add("matmul_bf16/3x129x72x264_aT", t_matmul_bf16, 129, 72, 264, batch=3, a_t=True)
+add("matmul_bf16/2x200x136x300_bT", t_matmul_bf16, 200, 136, 300, batch=2, b_t=True)
+add("matmul_bf16/130x520x260_aT_bT", t_matmul_bf16, 130, 520, 260, a_t=True, b_t=True)
+add("matmul_bf16/1000x200x1536_aT", t_matmul_bf16, 1000, 200, 1536, a_t=True)
+# more tiles than SMs: each persistent block walks several tiles (and batch entries), its stage ring
+# (4 stages, 5 K steps a tile) wrapping in the middle of a tile
+add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
+# 256-wide tiles (2 rounds against 3 at 192) over 13 K tiles, 184 of them: the blocks with a second tile store
+# their first while the second's first products run, across the batch entries; the last row and column of
+# tiles clipped (2900 and 1000)
+add("matmul_bf16/2x2900x800x1000", t_matmul_bf16, 2900, 800, 1000, batch=2)
+# split-K (few tiles, long K): 8 splits of 2 tiles, the lower one 2 rows tall, the last split shorter
+# (2 of 65 K tiles); a batch of M-major A split 5 ways (300x2048x200 above splits 4 ways)
+add("matmul_bf16/130x4100x72", t_matmul_bf16, 130, 4100, 72)
+add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=True)
+# (4, 2000) rows: the weight gradient is 200 x 96 over K = 8000, split along K
+# (2, 300) x 384 -> 1152: the large preset's qkv width, six 192-wide tiles, its bias gradient 4 columns a thread.
+# (8, 1024) rows: 768 and 384 output tiles, several per persistent block, so each block restages the
+# bias between tiles, through the copy-engine store (N = 3072) and from registers (N = 1031).
+# The bias gradient comes from the weight gradient's product dy^T x (A's row sums over the tokens):
+# (2, 1500) x 520 -> 130 has two tile rows (the lower one 2 rows tall) and three tile columns, of which
+# only the first adds, over 5 splits of 3000 tokens; (2, 200) x 1100 -> 4200, 198 tiles unsplit, has
+# each block walk several tiles (its stage ring wrapping inside one, its row sums restarting); one
+# token, no tokens, and one output (M = 1, A copied into padded rows). in_features = 0 has no product
+# and sums the columns on their own. (4, 1425) x 800 -> 1000: 180 tiles 256 wide, 48 blocks with two, which
+# store the first, with its bias, while the second's first products run.
+for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
+                             ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True), ((8, 1024), 256, 3072, True),
+                             ((8, 1024), 256, 1031, True), ((2, 1500), 520, 130, True), ((2, 200), 1100, 4200, True),
+                             ((1,), 40, 3, True), ((0,), 32, 64, True), ((3, 7), 24, 1, True),
+                             ((3, 5), 0, 64, True),  # in_features = 0: out = bias
+                             ((4, 1425), 800, 1000, True)):
+    add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
+        bias=_bias)
+
+
+def t_linear_bf16_one_output_strided_dy():
+    # one output feature and a dy whose size-1 dim has a stride other than 1 (as a transpose downstream
+    # leaves it): the stride of a size-1 dim means nothing, and the bias gradient's row sums must not ask it
+    dy = torch.randn(3, 1, 7, device=DEV).to(BF16).transpose(1, 2)
+    compare_bf16(lambda ops, x, w, b: ops.linear(x, w, b), 21, dy=dy, x=rand(3, 7, 24), w=rand(1, 24), b=rand(1))
+
+
+add("linear_bf16/3x7x24_to_1_bias_strided_dy", t_linear_bf16_one_output_strided_dy)
+
+
+def t_linear_master(lead, K, N, bias=True, grad=True):
+    # mixed precision's linear: a bf16 x with the fp32 master weight and bias, against autocast's F.linear
+    # (weight and bias cast to bf16). The weight and bias hold bf16 values, so the float64 reference
+    # multiplies what our kernel does; their gradients must come back in fp32. grad=False with one row:
+    # the GEMV path, which rounds the weight first.
+    if grad and torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    x, w, b = rand(*lead, K).to(BF16), rand(N, K).to(BF16).float(), rand(N).to(BF16).float()
+    tol = bf16_tol(max(math.prod(lead), K, N))
+    grad_tol = tol if grad else None
+    if bias:
+        compare_dtypes(lambda x, w, b: kernels.linear(x, w, b), lambda x, w, b: F.linear(x, w.to(x.dtype), b.to(
+            x.dtype)), tol, grad_tol, x=x, w=w, b=b)
+    else:
+        compare_dtypes(lambda x, w: kernels.linear(x, w), lambda x, w: F.linear(x, w.to(x.dtype)), tol, grad_tol,
+                       x=x, w=w)
+
+
+# odd sizes (padded copies of the rounded weight), the weight gradient split along K (fp32 through the
+# split-K sum), the large preset's qkv width, no bias, K = 0 (out = bias), one row through the GEMV
+for _lead, _K, _N, _bias, _grad in (((2, 7), 33, 65, True, True), ((4, 2000), 96, 200, True, True),
+                                    ((2, 1500), 520, 130, True, True),
+                                    ((2, 300), 384, 1152, True, True), ((3, 100), 768, 3072, False, True),
+                                    ((3, 5), 0, 64, True, True), ((1,), 768, 3072, True, False)):
+    add(f"linear_bf16_master/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_gemv" * (not _grad),
+        t_linear_master, _lead, _K, _N, bias=_bias, grad=_grad)
+
+
+for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
+                                  ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
+                                  ((5,), 1000, 17, False, False), ((2, 7), 33, 65, True, True),
+                                  ((4, 1000), 64, 96, True, False),  # weight grad splits K = 4000
+                                  ((3, 5), 0, 64, True, False)):  # in_features = 0: out = bias, like F.linear
+    add(f"linear/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_transposed" * _tr,
+        t_linear, _lead, _K, _N, bias=_bias, transposed=_tr)
+
+
+# Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
+add("empty/linear_0x300_to_64_bias", t_linear, (0,), 300, 64)
+add("empty/matmul_0x256x64", t_matmul, 0, 256, 64)
+
+
+def t_stress_linear(lead, K, N, dtype):
+    # few output tiles, many tokens: the weight gradient's K (the tokens) is split, the splits summed after
+    if dtype == BF16 and torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
+    x, w, b = (rand(*shape).to(dtype).requires_grad_() for shape in ((*lead, K), (N, K), (N,)))
+    return stress(lambda: grads(kernels.linear(x, w, b), [x, w, b]))
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"stress/linear_4x2000x96_to_200_{_tag}", t_stress_linear, (4, 2000), 96, 200, _dt)
+
+
+bad_inputs(
+    ("linear_cpu_weight", RuntimeError, lambda: kernels.linear(rand(4, 8), torch.randn(5, 8)), ("linear", "weight")),
+    ("matmul_float64_b", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(8, 5).double()), ("matmul", "b")),
+    ("linear_K_mismatch", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 9)), ("linear", ("x", "weight"))),
+    ("matmul_inner_dim", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(9, 5)), ("matmul", ("a", "b"))),
+    ("matmul_bf16_with_float32", RuntimeError, lambda: kernels.matmul(rand(4, 8).bfloat16(), rand(8, 5)),
+     ("matmul", "b", "BFloat16")),
+    ("linear_bf16_float32_bias", RuntimeError,
+     lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8).bfloat16(), rand(5)), ("linear", "bias", "BFloat16")),
+    ("linear_float32_x_bf16_weight", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 8).bfloat16()),
+     ("linear", "weight", "Float")),  # the fp32 master weight goes with a bf16 x, not the other way round
+    ("linear_master_weight_bf16_bias", RuntimeError,
+     lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8), rand(5).bfloat16()), ("linear", "bias", "Float")),
+    ("matmul_float16_a", RuntimeError, lambda: kernels.matmul(rand(4, 8).half(), rand(8, 5).half()),
+     ("matmul", "a", "bfloat16")),
+    # shapes: a 3-D matmul's batches
+    ("matmul_3d_batch_mismatch", RuntimeError, lambda: kernels.matmul(rand(2, 4, 8), rand(3, 8, 5)),
+     ("matmul", "a", "b", "batch")),
+)
+
+
+@opcheck_args
+def opcheck_matmul_linear(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    x2, w2, b2 = _leaf(5, 7, 37, dtype=dt), _leaf(19, 37, dtype=dt), _leaf(19, dtype=dt)
+    cases = [("linear", k.linear, (x2, w2, b2), {}), ("linear_no_bias", k.linear, (x2, w2, None), {}),
+             ("linear_backward", k.linear_backward, (plain(5, 7, 19), plain(5, 7, 37), plain(19, 37), True), {}),
+             ("matmul", k.matmul, (_leaf(33, 17, dtype=dt), _leaf(17, 9, dtype=dt)), {}),
+             ("matmul_batched", k.matmul, (_leaf(2, 33, 17, dtype=dt), _leaf(2, 17, 9, dtype=dt)), {}),
+             ("matmul_backward", k.matmul_backward, (plain(2, 33, 9), plain(2, 33, 17), plain(2, 17, 9)), {})]
+    if dt == BF16:  # mixed precision: a bf16 x with the fp32 master weight and bias
+        cases.append(("linear_master_weight", k.linear, (x2, _leaf(19, 37), _leaf(19)), {}))
+    return cases
+
+
+@bench_rows("ops")
+def bench_matmul_linear(rows):
+    for n in (1024, 4096):
+        bench_op(rows, "matmul", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
+                 [rand(n, n), rand(n, n)], 2 * n**3, "TFLOP/s")
+    if torch.cuda.get_device_capability() == (9, 0):  # bf16 against cuBLAS's bf16 (fp32 accumulation)
+        bf = torch.bfloat16
+        for n in (1024, 4096, 8192):
+            bench_op(rows, "matmul bf16", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
+                     [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
+        n = 4096
+        bench_op(rows, "matmul bf16", f"{n}x{n}x{n} a@b.T", "fwd", lambda ops, a, b: ops.matmul(a, b.t()),
+                 [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
+        # 768 -> 3072: an MLP up-projection of width 768; the char GPT's large preset (width 384, 16384
+        # tokens a step): qkv, attention out, MLP up and down; its --arch=llama (no biases): qkv with 3 of
+        # 6 heads for keys and values, SwiGLU's fc and up, its proj; the default preset (width 128, 1024
+        # tokens). bwd: dx (N-major B) and dW (M-major A, K = the tokens: few output tiles, split along K).
+        shapes = [(16384, 768, 3072, True), (16384, 384, 1152, True), (16384, 384, 384, True),
+                  (16384, 384, 1536, True), (16384, 1536, 384, True), (16384, 384, 768, False),
+                  (16384, 384, 1024, False), (16384, 1024, 384, False), (1024, 128, 384, True),
+                  (1024, 128, 128, True), (1024, 128, 512, True), (1024, 512, 128, True)]
+        for M, K, N, bias in shapes:
+            ins = [rand(M, K).to(bf), rand(N, K).to(bf)] + ([rand(N).to(bf)] if bias else [])
+            name = f"{M}x{K}->{N}" + ("" if bias else " no bias")
+            for pas, flop in (("fwd", 2 * M * K * N), ("bwd", 4 * M * K * N)):
+                bench_op(rows, "linear bf16", name, pas, lambda ops, *xwb: ops.linear(*xwb), ins, flop, "TFLOP/s",
+                         tol=2e-2)
+
+
+# ==== op: attention ====
+# attention against SDPA in float64: tiled, fused fp32 and tf32, fused bf16 (mma.sync and Hopper's wgmma),
+# GQA, kv_len, misaligned, long; its bad inputs, opcheck arguments, stress and its three bench tables.
+
+
+def ref_attention(q, k, v, mode=None, precision=None, **kw):
+    """SDPA as the torch op set calls it; mode and precision choose among our kernels only."""
+    return train.torch_attention(q, k, v, **kw)
+
+
+REF.attention = ref_attention
+
+
+ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
+              "fused-tf32": dict(mode="fused", precision="tf32"),
+              "tiled": dict(mode="tiled")}
+# (out, grads) for unit-scale inputs; tf32 keeps 10 mantissa bits of q, k, P and v
+ATTN_TOL = {"fused-fp32": (1e-4, 2e-4), "tiled": (1e-4, 2e-4), "fused-tf32": (5e-3, 1e-2)}
+
+
+def packed_qkv(B, S, H, Hkv, D, dtype=torch.float32):
+    """q, k, v as the model's attention makes them: head views (B, H, S, D) of one (B, S, (H + 2 Hkv) D)
+    projection, rows (H + 2 Hkv) D apart."""
+    parts = rand(B, S, (H + 2 * Hkv) * D).to(dtype).split([H * D, Hkv * D, Hkv * D], dim=2)
+    return [t.view(B, S, -1, D).transpose(1, 2) for t in parts]
+
+
+def attention_recording_layout(impl, seen, ours_kw=None, **kw):
+    """ops.attention(q, k, v, **kw) that notes, for our fused op, whether out came back in (B, S, H, D)
+    memory (the heads side by side, which the next projection reads without a copy). ours_kw: more
+    arguments for our op alone."""
+    def f(ops, q, k, v):
+        ours = (ours_kw or {}) if ops is kernels else {}
+        out = ops.attention(q, k, v, **kw, **ATTN_IMPLS.get(impl, {}), **ours)
+        if ops is kernels:
+            seen["out_bshd"] = out.transpose(1, 2).is_contiguous()
+        return out
+    return f
+
+
+def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False):
+    def qkv(S, heads, m=1):
+        # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
+        return rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)
+    Hkv = kv_heads or H  # fewer: grouped-query attention
+    tol, g = ATTN_TOL[impl]
+    # q scaled by m: score rounding grows m-fold, and dk = dS^T q is m times larger on top of that;
+    # a shared K/V head's gradient sums H / Hkv heads' terms, its rounding error ~sqrt of that
+    group = math.sqrt(H // Hkv)
+    grad_tol = dict(q=g * mag, k=g * mag * mag * group, v=g * mag * group)
+    # packed: q, k, v views of one projection (Sq == Sk), read in place by the fused kernels
+    q, k, v = packed_qkv(B, Sq, H, Hkv, D) if packed else (qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv))
+    # packed: dout in (B, S, H, D) memory too, as the gradient of the model's heads side by side
+    dy = rand(B, Sq, H, D).transpose(1, 2) if packed else None
+    seen = {}
+    compare(attention_recording_layout(impl, seen, causal=causal, scale=scale), tol * mag, grad_tol, dy=dy,
+            q=q, k=k, v=v)
+    if impl != "tiled":
+        assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
+
+
+_C = True  # causal
+ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
+    ("fused-fp32", 1, 1, 1, 1, 64, False, {}),
+    ("fused-fp32", 2, 3, 1, 1, 32, _C, {}),
+    ("fused-fp32", 2, 3, 17, 17, 32, False, {}),
+    ("fused-fp32", 2, 3, 17, 17, 64, _C, {}),
+    ("fused-fp32", 2, 3, 17, 17, 128, _C, {}),
+    ("fused-fp32", 2, 3, 17, 17, 96, _C, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 96, _C, {}),
+    ("fused-fp32", 1, 8, 1, 256, 96, _C, {}),
+    ("fused-fp32", 2, 3, 64, 64, 64, False, {}),
+    ("fused-fp32", 2, 3, 64, 64, 128, _C, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 32, False, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 128, False, {}),
+    ("fused-fp32", 2, 3, 2048, 2048, 64, _C, {}),
+    ("fused-fp32", 1, 2, 2048, 2048, 128, False, {}),
+    ("fused-fp32", 2, 3, 1, 17, 128, False, {}),
+    ("fused-fp32", 2, 3, 1, 1000, 64, _C, {}),
+    ("fused-fp32", 2, 3, 17, 64, 64, _C, {}),
+    ("fused-fp32", 2, 3, 64, 1000, 32, _C, {}),
+    ("fused-fp32", 2, 3, 17, 2048, 128, _C, {}),
+    ("fused-fp32", 2, 3, 64, 2048, 64, False, {}),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(mag=30)),
+    ("fused-fp32", 2, 3, 64, 64, 128, False, dict(mag=30)),
+    ("fused-fp32", 2, 3, 1, 2048, 64, _C, dict(mag=30)),
+    ("fused-fp32", 2, 3, 64, 64, 64, False, dict(scale=0.3)),
+    # the forward's row max runs over raw scores: a negative scale runs as -q, a zero one gives uniform weights
+    ("fused-fp32", 2, 3, 100, 100, 64, _C, dict(scale=-0.3)),
+    ("fused-fp32", 2, 3, 17, 70, 64, _C, dict(scale=0.0)),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
+    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(packed=True)),
+    ("fused-tf32", 2, 6, 256, 256, 64, _C, dict(packed=True)),
+    ("tiled", 1, 1, 1, 1, 64, False, {}),
+    ("tiled", 2, 3, 17, 17, 32, _C, dict(scale=0.3)),
+    ("tiled", 2, 3, 17, 17, 48, False, {}),
+    ("tiled", 2, 3, 64, 64, 128, False, {}),
+    ("tiled", 2, 3, 1000, 1000, 64, _C, {}),
+    ("tiled", 2, 3, 2048, 2048, 64, False, {}),
+    ("tiled", 2, 3, 1, 64, 64, _C, {}),
+    ("tiled", 2, 3, 17, 1000, 128, _C, {}),
+    ("tiled", 2, 3, 1000, 1000, 64, False, dict(mag=30)),
+    ("tiled", 2, 3, 17, 64, 32, _C, dict(mag=30)),
+    ("tiled", 2, 3, 64, 64, 64, _C, dict(bshd=True)),
+    ("fused-tf32", 2, 3, 17, 17, 128, False, {}),
+    ("fused-tf32", 2, 3, 64, 64, 64, False, {}),
+    ("fused-tf32", 2, 3, 1000, 1000, 64, _C, {}),
+    ("fused-tf32", 2, 3, 2048, 2048, 128, _C, {}),
+    ("fused-tf32", 2, 3, 1, 1000, 32, _C, {}),
+    # grouped-query attention: H query heads over kv_heads K/V heads (1: multi-query)
+    ("fused-fp32", 2, 8, 17, 17, 64, _C, dict(kv_heads=2)),
+    ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
+    ("fused-fp32", 1, 8, 2048, 2048, 128, False, dict(kv_heads=1)),
+    ("fused-fp32", 2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
+    ("fused-fp32", 2, 4, 64, 300, 32, _C, dict(kv_heads=2)),
+    ("fused-fp32", 1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
+    ("fused-fp32", 1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
+    ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
+    ("fused-tf32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
+    ("tiled", 2, 8, 17, 17, 48, _C, dict(kv_heads=2)),
+    ("tiled", 2, 6, 1, 64, 64, _C, dict(kv_heads=3)),
+    ("tiled", 2, 8, 1000, 1000, 64, False, dict(kv_heads=1)),
+    ("tiled", 2, 4, 64, 64, 64, _C, dict(kv_heads=2, bshd=True)),
+]
+for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
+    _name = f"attention/{_impl}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
+    _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
+    add(_name, t_attention, _impl, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def t_attention_long(dtype, H, Hkv, Sq, Sk, D, causal, rel):
+    """Attention past the 65535 blocks a grid.y takes: the mma.sync kernels' forward has a block for every 64
+    query rows of a K/V head (128 in bf16 at D <= 64), their backward one for every 64 keys and every 64
+    queries of a head, and both fold these blocks with the heads into grid.x (a grid.y of them failed:
+    invalid configuration argument). Outputs and gradients that sum millions of terms are far from unit
+    scale, so each is held to rel[name] of its own largest magnitude; a block that misses or misplaces its
+    rows is off by all of it. The fp32 gradients that sum over millions of rows or keys drift in our
+    kernels: on an H200, dk and dv over 2.1M query rows of two heads 2.5e-2 and 3.8e-2 of their largest
+    entry, dq over 4.2M keys 3.0e-2, where PyTorch's fp32 SDPA stays under 2e-5: held to 8e-2 here, a limit
+    of the mma.sync backward's accumulation over long sequences that these cases state, not hide."""
+    past_grid_limit()
+    q, k, v, dy = rand(1, H, Sq, D), rand(1, Hkv, Sk, D), rand(1, Hkv, Sk, D), rand(1, H, Sq, D)
+    ours_in = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = kernels.attention(*ours_in, causal=causal)
+    ours = (out, *torch.autograd.grad(out, ours_in, dy.to(dtype)))
+    ref_in = [t.detach().double().requires_grad_() for t in ours_in]
+    ref = REF.attention(*ref_in, causal=causal)
+    refs = (ref, *torch.autograd.grad(ref, ref_in, dy.to(dtype).double()))
+    for label, a, r in zip(("out", "dq", "dk", "dv"), ours, refs, strict=True):
+        check(label, a, r, rel.get(label, rel["default"]) * r.abs().max().item())
+
+
+# fp32, 2 query heads a K/V head: 4.2M rows of whole 64-row tiles (the forward's heaviest-first order over
+# the group); 4.2M keys, causal, in the backward; bf16 at D = 32 (mma.sync, 128 rows a forward block): 8.4M
+# rows of a ragged last tile forward, 4.2M queries backward
+for _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel in (
+        (torch.float32, 2, 1, 2097152, 96, 32, False, dict(default=1e-3, dk=8e-2, dv=8e-2)),
+        (torch.float32, 2, 1, 65, 4194305, 32, True, dict(default=1e-3, dq=8e-2)),
+        (BF16, 2, 1, 4194305, 64, 32, False, dict(default=2e-2))):
+    add(f"attention/fused-{'bf16' if _dt == BF16 else 'fp32'}/long_h{_H}kv{_Hkv}_q{_Sq}k{_Sk}_d{_D}"
+        + "_causal" * _causal + "_past_grid_y", t_attention_long, _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel)
+
+
+def t_attention_misaligned(impl):
+    # q, k, v and dout each start 4 bytes into an allocation: the fused kernels' 16-byte copies
+    # (cp.async) must not see that, nor may the tiled path's matmuls. `seen` holds each one's address
+    # mod 16 as our op received it (dout: as autograd hands it to the attention's backward).
+    B, H, S, D = 2, 3, 17, 64
+    seen = {}
+
+    def f(ops, q, k, v):
+        out = ops.attention(q, k, v, **ATTN_IMPLS[impl])
+        if ops is kernels:
+            seen.update({n: t.data_ptr() % 16 for n, t in (("q", q), ("k", k), ("v", v))})
+            out.register_hook(lambda g: seen.update(dout=g.data_ptr() % 16))
+        return out
+
+    tol, g = ATTN_TOL[impl]
+    compare(f, tol, g, dy=misaligned(B, H, S, D), q=misaligned(B, H, S, D), k=misaligned(B, H, S, D),
+            v=misaligned(B, H, S, D))
+    assert sorted(seen) == ["dout", "k", "q", "v"] and all(seen.values()), f"address mod 16 seen by the op: {seen}"
+    return "q, k, v, dout at address mod 16 = " + ", ".join(str(seen[n]) for n in ("q", "k", "v", "dout"))
+
+
+for _impl in ("fused-fp32", "tiled"):
+    add(f"attention/{_impl}/misaligned_qkv_dout", t_attention_misaligned, _impl)
+
+
+def t_attention_joined_split():
+    """The model's path on the cuda op set: q, k, v split from one projection x by train.joined_split; the
+    fused backward writes dq, dk, dv side by side in one buffer, which the split's backward hands back as
+    x's gradient without a copy. x's gradient against float64 split + attention."""
+    B, S, H, Hkv, D = 2, 100, 4, 2, 64
+    joined, join = [], train.join_last
+
+    def recording(parts):
+        out = join(parts)
+        joined.append(out.data_ptr() == parts[0].data_ptr())
+        return out
+
+    def f(ops, x):
+        split = ops.split if ops is REF else train.joined_split
+        q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in split(x, [H * D, Hkv * D, Hkv * D]))
+        return ops.attention(q, k, v, causal=True)
+    with unittest.mock.patch.object(train, "join_last", recording):
+        tol, g = ATTN_TOL["fused-fp32"]
+        compare(f, tol, g * math.sqrt(H // Hkv), x=rand(B, S, (H + 2 * Hkv) * D))
+    assert joined == [True], f"the split's backward copied: {joined}"
+    return "dq, dk, dv joined in place"
+
+
+add("attention/fused-fp32/joined_split", t_attention_joined_split)
+
+
+def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
+    # A preallocated cache: keys past kv_len hold garbage (large values) that must not leak in.
+    k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
+    k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
+    kv_len = torch.tensor([n_valid], device=DEV)
+    with torch.no_grad():
+        compare(lambda ops, q, k, v, n: ops.attention(q, k, v, causal=causal, kv_len=n), ATTN_TOL["fused-fp32"][0],
+                q=rand(1, H, Sq, D), k=k, v=v, n=kv_len)
+
+
+for _H, _Sq, _cap, _n, _D in ((8, 1, 256, 1, 96), (8, 1, 256, 37, 96), (8, 1, 256, 256, 96), (8, 5, 256, 70, 96),
+                              (3, 17, 100, 17, 64), (2, 1, 64, 64, 32), (2, 64, 300, 129, 128)):
+    add(f"attention/kv_len/h{_H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D)
+add("attention/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_kv_len, 3, 17, 100, 40, 64, causal=False)
+# a cache of 4096 splits its key tiles over 16 blocks: with 37 valid keys 15 of them see none
+# fewer query rows a K/V head than a 64-row tile: 8 (2 heads x 4 queries, the first seeing one key), and 3
+# against 1024 keys at D = 128
+for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1), (8, 1, 4096, 4000, 128, 2),
+                                  (8, 1, 4096, 37, 128, 2), (8, 4, 300, 4, 64, 4), (4, 3, 1024, 1024, 128, 4)):
+    add(f"attention/kv_len/h{_H}_kv{_kv}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D,
+        kv_heads=_kv)
+
+
+# bf16 attention (fused only), against float64 on the same bf16-rounded inputs and against SDPA in
+# bf16 (check_bf16: ours within tolerance and no less accurate than twice SDPA's error plus atol).
+# P and dS are rounded to bf16 before their products, as in FlashAttention: each term of out = P V
+# and of the gradients carries a relative error up to 2^-9, and every output one bf16 rounding
+# (rtol 2^-8). The gradients sum P or dS terms over many queries or keys, and dk and dv over the
+# group's query heads. dS carries delta = rowsum(dO * out) from the bf16-rounded out (as
+# FlashAttention's does) and its own bf16 rounding: its error grows with the scale (relative to
+# 1/sqrt(D)) and with the softmax's sharpness (q scaled by mag); dk = dS^T q carries q's mag on top.
+# A sharp softmax leaves each output a few terms, whose P roundings do not average out: up to
+# 2^-9 * |v| with v unit normals (|v| up to ~4), 8e-3, where the terms cancel to a small output.
+def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
+    g = 1e-2 * math.sqrt(group)
+    ds = 1.5 * g * scale_ratio * math.sqrt(mag)
+    return {"out": (4e-3 if mag == 1 else 8e-3, 2**-8), "q": (ds, 2**-7), "k": (ds * mag, 2**-7), "v": (g, 2**-7)}
+
+
+@contextlib.contextmanager
+def attention_wgmma(on):
+    """kernels.set_attention_wgmma(on) inside the block, the default (on) again after it."""
+    kernels.set_attention_wgmma(on)
+    try:
+        yield
+    finally:
+        kernels.set_attention_wgmma(True)
+
+
+def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False,
+                     wgmma=True, deterministic=True):
+    # wgmma=False: head size 64 on Hopper multiplies with mma.sync too (kernels.set_attention_wgmma);
+    # deterministic=False: on Hopper (D 64, 128) the backward adds dQ across key blocks
+    def qkv(S, heads, m=1):
+        # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
+        return (rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)).bfloat16()
+    Hkv = kv_heads or H
+    q, k, v = (packed_qkv(B, Sq, H, Hkv, D, torch.bfloat16) if packed
+               else (qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv)))
+    assert not (bshd or packed) or not q.is_contiguous(), "the bshd case must hand the op a strided view"
+    tol = attn_bf16_tol(mag, H // Hkv, 1.0 if scale is None else abs(scale) * math.sqrt(D))
+    dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if not wgmma and not hopper:
+        raise Skip("wgmma=False differs from the default only on compute capability 9.0")
+    if not deterministic and not (hopper and D in (64, 128)):
+        raise Skip("deterministic=False changes the backward only at head sizes 64 and 128 on compute capability 9.0")
+    seen = {}
+    with attention_wgmma(wgmma):
+        names = launched_kernels(lambda: compare_bf16(
+            attention_recording_layout("fused-bf16", seen, {"deterministic": deterministic}, causal=causal,
+                                       scale=scale), D, tol=tol, hopper=False, dy=dy,
+            twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v))
+    assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
+    return attention_route_taken(names, wgmma, deterministic)
+
+
+@mutant("attention_deterministic_false_ignored", "attention/fused-bf16/b2h3_q1000k1000_d64_causal_deterministicFalse",
+        "attention/fused-bf16/b1h2_q2048k2048_d128_deterministicFalse")
+def _attention_deterministic_false_ignored():
+    real = kernels.attention
+    with unittest.mock.patch.object(kernels, "attention", lambda *a, **kw: real(*a, **{**kw, "deterministic": True})):
+        yield
+
+
+@mutant("attention_wgmma_false_ignored", "attention/fused-bf16/b2h3_q1000k1000_d64_causal_wgmmaFalse")
+def _attention_wgmma_false_ignored():
+    with unittest.mock.patch.object(kernels, "set_attention_wgmma", lambda on: None):
+        yield
+
+
+def attention_route_taken(names, wgmma, deterministic):
+    """Checks that a case named wgmma=False or deterministic=False ran that path (from the kernels' names), and
+    says so; the default cases return nothing."""
+    if wgmma and deterministic:
+        return None
+    ours = [n for n in names if "attention_" in n]
+    if not ours:  # the profiler saw nothing (e.g. under compute-sanitizer): the values were checked all the same
+        return "route not seen: the profiler recorded no kernel of ours"
+    if not wgmma:
+        assert not any("_tma_kernel" in n for n in ours), f"wgmma=False ran {sorted(set(ours))}"
+        return "ran mma.sync (no *_tma_kernel)"
+    assert any("attention_bwd_dq_finish_kernel" in n for n in ours), \
+        f"deterministic=False did not add dQ across key blocks: ran {sorted({n.split('<')[0] for n in ours})}"
+    return "dQ added across key blocks (attention_bwd_dq_finish_kernel ran)"
+
+
+ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
+    (1, 1, 1, 1, 64, False, {}),
+    (2, 3, 1, 1, 32, _C, {}),
+    (2, 3, 17, 17, 32, False, {}),
+    (2, 3, 17, 17, 64, _C, {}),
+    (2, 3, 17, 17, 96, _C, {}),
+    (2, 3, 17, 17, 128, _C, {}),
+    (2, 3, 64, 64, 64, False, {}),
+    (2, 3, 1000, 1000, 32, False, {}),
+    (2, 3, 1000, 1000, 64, _C, {}),
+    (2, 3, 1000, 1000, 96, _C, {}),
+    (2, 3, 1000, 1000, 128, False, {}),
+    (2, 3, 2048, 2048, 64, _C, {}),
+    (1, 2, 2048, 2048, 128, False, {}),
+    (2, 3, 1, 17, 128, False, {}),
+    (2, 3, 1, 1000, 64, _C, {}),
+    (2, 3, 17, 64, 64, _C, {}),
+    (2, 3, 64, 1000, 32, _C, {}),
+    (2, 3, 17, 2048, 128, _C, {}),
+    (2, 3, 64, 2048, 96, False, {}),
+    (2, 3, 1000, 1000, 64, _C, dict(mag=30)),
+    (2, 3, 64, 64, 128, False, dict(mag=30)),
+    (2, 3, 1, 2048, 64, _C, dict(mag=30)),
+    (2, 3, 64, 64, 64, False, dict(scale=0.3)),
+    (2, 3, 100, 100, 64, _C, dict(scale=-0.3)),
+    (2, 3, 17, 70, 64, _C, dict(scale=0.0)),
+    (2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
+    (2, 8, 17, 17, 64, _C, dict(kv_heads=2)),
+    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
+    (1, 8, 2048, 2048, 128, False, dict(kv_heads=1)),
+    (2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
+    (1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
+    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
+    (2, 3, 1000, 1000, 64, _C, dict(packed=True)),  # q, k, v in place in one projection's output
+    (4, 6, 256, 256, 64, _C, dict(packed=True)),
+    (1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
+    # many key blocks against few query tiles, 32-query tiles of the backward at D = 96 and 128
+    (1, 2, 300, 1000, 96, False, {}),
+    (1, 4, 129, 1100, 128, _C, dict(kv_heads=2)),
+    # the Hopper kernels (*_tma_kernel: D 64 and 128; the forward from 128 queries) at odd lengths,
+    # causal with Sq < Sk (queries aligned to the last keys: the diagonal off the tile grid), every scale
+    (1, 2, 200, 333, 128, _C, {}),
+    (1, 2, 130, 384, 64, _C, {}),
+    (2, 3, 130, 1, 128, False, {}),
+    (2, 3, 200, 200, 128, _C, dict(scale=0.3)),
+    (2, 3, 256, 256, 64, _C, dict(scale=-0.3)),
+    (2, 3, 300, 300, 64, False, dict(scale=0.0)),
+    (2, 3, 1000, 1000, 128, _C, dict(mag=30, bshd=True)),
+    (2, 8, 777, 777, 128, _C, dict(kv_heads=2, packed=True)),
+    # head size 64 on mma.sync as well (on Hopper it runs on wgmma by default)
+    (2, 3, 1000, 1000, 64, _C, dict(wgmma=False)),
+    (2, 8, 17, 17, 64, _C, dict(kv_heads=2, wgmma=False)),
+    (2, 3, 1, 2048, 64, _C, dict(mag=30, wgmma=False)),
+    # dQ added across key blocks (deterministic=False, at head sizes 64 and 128 on Hopper; skipped elsewhere)
+    (2, 3, 17, 17, 64, _C, dict(deterministic=False)),
+    (2, 3, 1000, 1000, 64, _C, dict(deterministic=False)),
+    (2, 3, 1000, 1000, 128, _C, dict(deterministic=False)),
+    (1, 2, 2048, 2048, 128, False, dict(deterministic=False)),
+    (1, 2, 200, 333, 128, _C, dict(deterministic=False)),
+    (1, 2, 130, 384, 64, _C, dict(deterministic=False)),
+    (2, 3, 130, 1, 128, False, dict(deterministic=False)),
+    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=2, mag=30, deterministic=False)),
+    (1, 8, 129, 129, 128, _C, dict(kv_heads=2, bshd=True, deterministic=False)),
+    (2, 8, 777, 777, 128, _C, dict(kv_heads=2, packed=True, deterministic=False)),
+    (2, 3, 300, 300, 64, False, dict(scale=-0.3, deterministic=False)),
+]
+for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
+    _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
+    _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
+    add(_name, t_attention_bf16, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def t_attention_bf16_wgmma_choice():
+    # Which kernels the bf16 attention runs, read from their names: on a compute capability 9.0 GPU the
+    # forward and both backward kernels of the Hopper design (*_tma_kernel) at head sizes 64 and 128;
+    # with set_attention_wgmma(False), and elsewhere, the mma.sync policy (AttnBf16) throughout.
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("wgmma needs compute capability 9.0")
+
+    def kind(name):
+        return "tma" if "_tma_kernel" in name else "AttnBf16Wg" if "AttnBf16Wg" in name else \
+            "AttnBf16" if "AttnBf16" in name else name
+    seen = {}
+    for D in (64, 128):
+        q, k, v = (rand(2, 4, 300, D).bfloat16().requires_grad_() for _ in range(3))
+        for on in (True, False):
+            with attention_wgmma(on):
+                names = launched_kernels(lambda: kernels.attention(q, k, v, causal=True).sum().backward())
+            if not names:  # not even PyTorch's own: the profiler saw nothing (e.g. under compute-sanitizer)
+                raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
+            for part in ("attention_fwd", "attention_bwd"):
+                kinds = sorted({kind(n) for n in names if part in n})
+                want = ["tma"] if on else ["AttnBf16"]
+                seen[(D, on, part)] = kinds
+                assert kinds == want, f"D={D} wgmma={on}: {part} ran {kinds}, expected {want}"
+    return "; ".join(f"D={D} wgmma={on}: {part.split('_')[1]} {k[0]}" for (D, on, part), k in seen.items())
+
+
+add("attention/fused-bf16/wgmma_choice", t_attention_bf16_wgmma_choice)
+
+
+def t_attention_bf16_deterministic(B, H, S, D, causal, kv_heads=None):
+    # Each gradient row is written by one block, its sums in a fixed order (dQ recomputes S and dP
+    # rather than adding across key blocks; dK and dV add a group's heads in order): three backward
+    # passes give bitwise the same gradients, many blocks running at a time.
+    Hkv = kv_heads or H
+    q, k, v = (rand(B, h, S, D).bfloat16().requires_grad_() for h in (H, Hkv, Hkv))
+    dy = rand(B, H, S, D).bfloat16()
+    runs = [torch.autograd.grad(kernels.attention(q, k, v, causal=causal), (q, k, v), dy) for _ in range(3)]
+    for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
+        for r in runs[1:]:
+            assert torch.equal(runs[0][i], r[i]), \
+                f"{name}: backward passes differ, by up to {(runs[0][i] - r[i]).float().abs().max().item():.2e}"
+    assert runs[0][0].abs().max() > 0, "dq is all zeros"
+    return "dq, dk, dv bitwise identical three times"
+
+
+for _B, _H, _S, _D, _causal, _kv in ((4, 8, 2048, 64, False, None), (4, 8, 2048, 64, True, None),
+                                     (2, 8, 1000, 128, True, 2), (1, 3, 1500, 96, False, None)):
+    add(f"attention/fused-bf16/bwd_deterministic_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal
+        + f"_kv_heads{_kv}" * bool(_kv), t_attention_bf16_deterministic, _B, _H, _S, _D, _causal, _kv)
+
+
+def t_attention_bf16_add_dq(B, H, S, D, causal, kv_heads=None):
+    # deterministic=False on Hopper: one kernel adds dQ across key blocks (its finish kernel writes dq)
+    # and the dQ kernel does not run; dk and dv are the deterministic kernel's bit for bit, dq agrees
+    # with the deterministic one's to bf16 rounding (the fp32 sums' order differs).
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("the Hopper backward needs compute capability 9.0")
+    Hkv = kv_heads or H
+    q, k, v = (rand(B, h, S, D).bfloat16().requires_grad_() for h in (H, Hkv, Hkv))
+    dy = rand(B, H, S, D).bfloat16()
+    det = torch.autograd.grad(kernels.attention(q, k, v, causal=causal), (q, k, v), dy)
+    fast = []
+    names = launched_kernels(lambda: fast.extend(torch.autograd.grad(
+        kernels.attention(q, k, v, causal=causal, deterministic=False), (q, k, v), dy)))
+    if not names:
+        raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
+    ran = {n.split("<")[0].split()[-1] for n in names if "attention_bwd" in n}
+    assert ran == {"attention_bwd_dkv_tma_kernel", "attention_bwd_dq_finish_kernel"}, f"backward ran {sorted(ran)}"
+    for name, i in (("dk", 1), ("dv", 2)):
+        assert torch.equal(det[i], fast[i]), \
+            f"{name} differs from the deterministic path's by {(det[i] - fast[i]).float().abs().max().item():.2e}"
+    err = ((det[0] - fast[0]).float().abs().max() / det[0].float().abs().max()).item()
+    assert err < 2e-2, f"dq: max |deterministic - added| / max |dq| = {err:.2e}"  # ~2 bf16 steps of the max
+    return f"dk, dv bitwise equal; dq max diff / max {err:.1e}; ran {sorted(ran)}"
+
+
+for _B, _H, _S, _D, _causal, _kv in ((2, 4, 1000, 64, True, None), (2, 4, 777, 128, False, None),
+                                     (1, 8, 1500, 128, True, 2)):
+    add(f"attention/fused-bf16/add_dq_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal + f"_kv_heads{_kv}" * bool(_kv),
+        t_attention_bf16_add_dq, _B, _H, _S, _D, _causal, _kv)
+
+
+def misaligned_bf16(*shape):
+    t = rand(1 + math.prod(shape)).bfloat16()[1:].view(*shape)
+    assert t.data_ptr() % 16, f"misaligned_bf16({shape}) is 16-byte aligned"
+    return t
+
+
+def t_attention_bf16_misaligned():
+    # q, k, v and dout each start 2 bytes into an allocation (see t_attention_misaligned). The
+    # references get aligned copies: SDPA's bf16 path (cuDNN on Hopper, torch 2.11) fails on these.
+    B, H, S, D = 2, 3, 17, 64
+    seen = {}
+
+    def f(ops, q, k, v):
+        if ops is not kernels:
+            return ops.attention(q.clone(), k.clone(), v.clone()) * 1.0  # * 1.0: an aligned dout too
+        out = ops.attention(q, k, v)
+        seen.update({n: t.data_ptr() % 16 for n, t in (("q", q), ("k", k), ("v", v))})
+        out.register_hook(lambda g: seen.update(dout=g.data_ptr() % 16))
+        return out
+
+    compare_bf16(f, D, tol=attn_bf16_tol(), hopper=False, dy=misaligned_bf16(B, H, S, D),
+                 q=misaligned_bf16(B, H, S, D), k=misaligned_bf16(B, H, S, D), v=misaligned_bf16(B, H, S, D))
+    assert sorted(seen) == ["dout", "k", "q", "v"] and all(seen.values()), f"address mod 16 seen by the op: {seen}"
+    return "q, k, v, dout at address mod 16 = " + ", ".join(str(seen[n]) for n in ("q", "k", "v", "dout"))
+
+
+add("attention/fused-bf16/misaligned_qkv_dout", t_attention_bf16_misaligned)
+
+
+def t_attention_bf16_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
+    # the cache's keys past kv_len hold large values that must not leak in (see t_attention_kv_len)
+    k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
+    k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
+    kv_len = torch.tensor([n_valid], device=DEV)
+    with torch.no_grad():
+        compare_bf16(lambda ops, q, k, v, n: ops.attention(q, k, v, causal=causal, kv_len=n), D, grad=False,
+                     tol=attn_bf16_tol(), hopper=False, q=rand(1, H, Sq, D), k=k, v=v, n=kv_len)
+
+
+# one query per head against caches of 1024 and 8192 keys (the key tiles split over blocks, some
+# seeing no valid key), a few queries, grouped heads, every head size
+for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 1024, 1000, 64, None), (8, 1, 8192, 8000, 128, None),
+                                  (8, 1, 8192, 37, 128, 2), (8, 1, 256, 1, 96, None), (8, 5, 256, 70, 64, 1),
+                                  (3, 17, 100, 17, 32, None), (2, 64, 300, 129, 128, None), (8, 4, 300, 4, 64, 4),
+                                  (4, 3, 1024, 1024, 128, None), (2, 8, 1024, 1000, 32, None)):
+    add(f"attention/fused-bf16/kv_len/h{_H}_kv{_kv or _H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_bf16_kv_len,
+        _H, _Sq, _cap, _n, _D, kv_heads=_kv)
+add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_bf16_kv_len, 3, 17, 100, 40, 64,
+    causal=False)
+
+
+# Empty inputs: empty outputs and zero gradients.
+add("empty/attention_fused_q0k5", t_attention, "fused-fp32", 1, 2, 0, 5, 64, False)
+add("empty/attention_fused-bf16_q0k5", t_attention_bf16, 1, 2, 0, 5, 64, False)
+
+
+def t_attention_nan_scale(dt):
+    # scale=nan: every score NaN, so every output and gradient, as SDPA gives them
+    q, k, v = (_leaf(2, 3, 17, 64, dtype=dt) for _ in range(3))
+    out = kernels.attention(q, k, v, scale=float("nan"))
+    twin = F.scaled_dot_product_attention(q, k, v, scale=float("nan"))
+    assert out.isnan().all() and twin.isnan().all(), f"ours {out.isnan().float().mean():.2f} NaN"
+    out.sum().backward()
+    assert all(t.grad.isnan().all() for t in (q, k, v)), "a gradient is not all NaN"
+    return "out and dq, dk, dv all NaN, as SDPA's out"
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"dispatcher/attention_nan_scale_{_tag}", t_attention_nan_scale, _dt)
+
+
+def t_stress_attention(B, H, Hkv, S, D, dtype):
+    q = rand(B, H, S, D).to(dtype).requires_grad_()
+    k, v = (rand(B, Hkv, S, D).to(dtype).requires_grad_() for _ in range(2))
+    return stress(lambda: grads(kernels.attention(q, k, v, causal=True), [q, k, v]))
+
+
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"stress/attention_b2h8kv2_s1000_d128_causal_{_tag}", t_stress_attention, 2, 8, 2, 1000, 128, _dt)
+
+
+def _qkv(*shapes):
+    return [rand(*s) for s in shapes]
+
+
+bad_inputs(
+    ("attention_B_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (1, 3, 17, 64), (1, 3, 17, 64))), ("attention", ("q", "k", "v"))),
+    ("attention_H_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 2, 17, 64), (2, 2, 17, 64))), ("attention", ("q", "k", "v"))),
+    ("attention_gqa_heads_not_multiple", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 6, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
+    ("attention_more_kv_heads_than_q", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 2, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
+    ("attention_zero_heads", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 0, 17, 64), (2, 1, 17, 64), (2, 1, 17, 64))), ("attention", "q", "head")),
+    ("attention_D_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 32), (2, 3, 17, 32))), ("attention", ("q", "k", "v"))),
+    ("attention_kv_length_mismatch", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64), (2, 3, 16, 64))), ("attention", ("k", "v"))),
+    ("attention_fused_D48", ValueError,
+     lambda: kernels.attention(*_qkv(*[(2, 3, 17, 48)] * 3), mode="fused"), ("32", "64", "128")),
+    ("attention_float64_v", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).double()),
+     ("attention", "v")),
+    ("attention_bf16_q_float32_k", RuntimeError,
+     lambda: kernels.attention(rand(2, 3, 17, 64).bfloat16(), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
+     ("attention", "k", "BFloat16", "like", "q")),
+    ("attention_float32_q_bf16_v", RuntimeError,
+     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).bfloat16()),
+     ("attention", "v", "Float", "q")),
+    ("attention_bf16_tiled", ValueError,
+     lambda: kernels.attention(*[t.bfloat16() for t in _qkv(*[(2, 3, 17, 64)] * 3)], mode="tiled"),
+     ("attention", "bfloat16", "fused")),
+    ("attention_cpu_q", RuntimeError,
+     lambda: kernels.attention(torch.randn(2, 3, 17, 64), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
+     ("attention", "q")),
+    # string arguments: only the values the op knows
+    ("attention_mode_flash", ValueError, lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), mode="flash"),
+     ("attention", "mode", "flash")),
+    ("attention_precision_fp16", ValueError,
+     lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), precision="fp16"), ("attention", "precision", "fp16")),
+    # kv_len: one int64 on q's GPU, fused mode, no gradient
+    ("attention_kv_len_int32", RuntimeError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5).int()),
+     ("attention", "kv_len", "int64")),
+    ("attention_kv_len_cpu", RuntimeError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True,
+                               kv_len=torch.tensor([5])), ("attention", "kv_len", "CUDA")),
+    ("attention_kv_len_two_elements", RuntimeError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5, 6)),
+     ("attention", "kv_len", "1-element")),
+    ("attention_kv_len_tiled", ValueError,
+     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, mode="tiled",
+                               kv_len=_pos(5)), ("attention", "kv_len", "fused")),
+    ("attention_kv_len_q_requires_grad", RuntimeError,
+     lambda: kernels.attention(rand(1, 2, 1, 32).requires_grad_(), *_qkv((1, 2, 9, 32), (1, 2, 9, 32)), causal=True,
+                               kv_len=_pos(5)), ("attention", "kv_len", "no_grad")),
+)
+
+
+@opcheck_args
+def opcheck_attention(dt):
+    plain, k = _plain(dt), torch.ops.kernels
+    q, kk, v = _leaf(2, 4, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt)
+    pq, pk, pv = plain(2, 4, 17, 64), plain(2, 2, 17, 64), plain(2, 2, 17, 64)
+    out, lse_log2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None)
+    cases = [("attention_causal_gqa", k.attention, (q, kk, v), {"causal": True}),
+             ("attention_added_dq", k.attention, (q, kk, v), {"causal": True, "deterministic": False}),
+             ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None), {}),
+             ("attention_fused_backward", k.attention_fused_backward,
+              (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True, True), {}),
+             ("attention_kv_len", k.attention, (pq[:, :, :1], pk, pv),
+              {"causal": True, "kv_len": torch.tensor([9], device=DEV)})]
+    qkv = _leaf(2, 17, (4 + 2 + 2) * 64, dtype=dt)  # the model's q, k, v: views of one projection
+    pq2, pk2, pv2 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], -1))
+    cases.append(("attention_packed_qkv", k.attention, (pq2, pk2, pv2), {"causal": True}))
+    packed = plain(2, 17, (4 + 2 + 2) * 64)  # the backward of q, k, v viewed from one buffer writes one buffer
+    pq3, pk3, pv3 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in packed.split([4 * 64, 2 * 64, 2 * 64], -1))
+    out3, lse3 = k.attention_fused(pq3, pk3, pv3, True, 0.125, True, None)
+    cases.append(("attention_fused_backward_packed", k.attention_fused_backward_packed,
+                  (pq3, pk3, pv3, out3, lse3, plain(2, 4, 17, 64), True, 0.125, True, True), {}))
+    if dt == torch.float32:  # tiled attention takes float32 only
+        tiled_qkv = (plain(2, 4, 9, 40), plain(2, 2, 11, 40), plain(2, 2, 11, 40))
+        cases += [("attention_tiled", k.attention, (_leaf(2, 4, 9, 40), _leaf(2, 2, 11, 40), _leaf(2, 2, 11, 40)),
+                   {"causal": True, "mode": "tiled"}),
+                  ("attention_tiled_forward", k.attention_tiled, (*tiled_qkv, True, 0.125), {}),
+                  ("attention_tiled_backward", k.attention_tiled_backward,
+                   (*tiled_qkv, k.attention_tiled(*tiled_qkv, True, 0.125)[1], plain(2, 4, 9, 40), 0.125), {})]
+    return cases
+
+
+def attention_fns(causal):
+    """name -> f(q, k, v) for the four implementations compared."""
+    def ours(**kw):
+        return lambda q, k, v: kernels.attention(q, k, v, causal=causal, **kw)
+    return {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+            "tiled": ours(mode="tiled"),
+            "fused": ours(mode="fused", precision="fp32"),
+            "fused-tf32": ours(mode="fused", precision="tf32")}
+
+
+def fwd_bwd(fn, leaves, dout):
+    return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
+def time_attention(fns, pas, q, k, v, dout, kv_len=None):
+    """Each attention of fns (name -> f(q, k, v, ...)) on one pass: 'fwd', 'fwd+bwd' (the gradients of q, k
+    and v for dout) or 'decode' (a forward without autograd, attending to the first kv_len keys). Returns
+    each one's median ms and output, as two dicts by name; one that runs out of GPU memory gets ms None
+    and no output, and its memory is released before the next one runs."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ms, outs = {}, {}
+    for name, fn in fns.items():
+        if pas == "decode":
+            run = functools.partial(torch.no_grad()(fn), q, k, v, kv_len=kv_len)
+        elif pas == "fwd":
+            run = functools.partial(fn, q, k, v)
+        else:
+            run = functools.partial(fwd_bwd, fn, leaves, dout)
+        try:
+            outs[name] = run()
+            ms[name] = time_ms(run)
+        except torch.cuda.OutOfMemoryError:
+            outs.pop(name, None)
+            ms[name] = None
+            torch.cuda.empty_cache()
+    return ms, outs
+
+
+ATTN_BENCH_BHD = (4, 8, 64)
+ATTN_BENCH_S = (128, 512, 1024, 2048, 4096)
+ATTN_MEMORY_S = (1024, 2048, 4096)
+
+
+@bench_rows("attention")
+def bench_attention(rows):
+    B, H, D = ATTN_BENCH_BHD
+    print(f"\nattention fp32, B={B} H={H} D={D}; SDPA = F.scaled_dot_product_attention, default backend")
+    cols = ["S", "causal", "pass", "SDPA ms", "tiled ms", "fused ms", "fused-tf32 ms", "SDPA/fused",
+            "SDPA/fused-tf32", "fused TFLOP/s", "check vs SDPA"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+    for S in ATTN_BENCH_S:
+        for causal in (False, True):
+            q, k, v, dout = (rand(B, H, S, D) for _ in range(4))
+            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+            for pas, flop_mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):  # backward does 2.5x the forward's matmuls
+                ms, outs = time_attention(attention_fns(causal), pas, q, k, v, dout)
+                checks, all_ok = [], True
+                for name in ("tiled", "fused", "fused-tf32"):
+                    if name in outs and "sdpa" in outs:
+                        ok, text = rel_check(outs[name], outs["sdpa"], 1e-2 if name == "fused-tf32" else 2e-4)
+                        all_ok &= ok
+                        checks.append(f"{name} {text}")
+                    else:
+                        checks.append(f"{name} OOM")
+                ratio = {n: ms["sdpa"] / ms[n] if ms["sdpa"] and ms[n] else None for n in ("fused", "fused-tf32")}
+                tflops = flops * flop_mult / (ms["fused"] * 1e-3) / 1e12 if ms["fused"] else None
+                rows.append(dict(op="attention", shape=f"B{B} H{H} S{S} D{D}", causal=causal, **{"pass": pas},
+                                 sdpa_ms=ms["sdpa"], tiled_ms=ms["tiled"], fused_ms=ms["fused"],
+                                 fused_tf32_ms=ms["fused-tf32"], sdpa_over_fused=ratio["fused"],
+                                 sdpa_over_fused_tf32=ratio["fused-tf32"], fused_tflops=tflops,
+                                 check_ok=all_ok, check=", ".join(checks)))
+                print(md_row([str(S), str(causal), pas,
+                              *(fmt(ms[n], ".4f") for n in ("sdpa", "tiled", "fused", "fused-tf32")),
+                              fmt(ratio["fused"], ".2f") + "x", fmt(ratio["fused-tf32"], ".2f") + "x",
+                              fmt(tflops, ".1f"), ", ".join(checks)]), flush=True)
+
+
+def peak_extra_mb(fn, leaves, dout):
+    """Peak memory of one forward+backward above what was allocated before it (inputs excluded)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        grads = fwd_bwd(fn, leaves, dout)
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+    del grads
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@bench_rows("attention")
+def bench_attention_memory(rows):
+    B, H, D = ATTN_BENCH_BHD
+    names = ("sdpa", "tiled", "fused")
+    print(f"\nattention peak extra memory, forward+backward, B={B} H={H} D={D}, causal=False (MB; inputs excluded)")
+    print(md_row(["S", "SDPA MB", "tiled MB", "fused MB"]))
+    print(md_row(["---"] * 4))
+    for S in ATTN_MEMORY_S:
+        leaves = [rand(B, H, S, D).requires_grad_() for _ in range(3)]
+        dout = rand(B, H, S, D)
+        fns = attention_fns(False)
+        mb = {n: peak_extra_mb(fns[n], leaves, dout) for n in names}
+        rows.append(dict(op="attention memory", shape=f"B{B} H{H} S{S} D{D}", causal=False,
+                         **{f"{n}_mb": mb[n] for n in names}))
+        print(md_row([str(S)] + [fmt(mb[n], ".0f") for n in names]), flush=True)
+
+
+ATTN_BF16_BENCH = [  # B, H, Sq, Sk, D, causal, passes
+    # 16k tokens of a 2048-wide model at each length, as FlashAttention-3's paper measures
+    *[(16384 // S, 2048 // D, S, S, D, c, ("fwd", "fwd+bwd")) for D in (64, 128)
+      for S in (512, 1024, 2048, 4096, 8192, 16384) for c in (False, True)],
+    (64, 6, 256, 256, 64, True, ("fwd", "fwd+bwd")),  # the large preset's training step
+    *[(4, 8, 1, S, D, True, ("decode",)) for S in (1024, 8192) for D in (64, 128)],  # one new token per head
+]
+
+
+@bench_rows("attention_bf16")
+def bench_attention_bf16(rows):
+    """bf16 fused attention against SDPA in bf16 (its default backend) in the same run. Decode rows:
+    one query per head against a cache of Sk keys, kv_len = Sk - 1 (SDPA gets the equivalent mask),
+    rated by the K/V bytes read."""
+    print("\nattention bf16; SDPA = F.scaled_dot_product_attention in bf16, default backend (the repo's causal "
+          "alignment; a mask where it differs from is_causal); SDPA-FA2 = the same restricted to its "
+          "FlashAttention-2 backend (none where that takes no mask: decode)")
+    # on Hopper ours runs the forward and backward kernels of the Hopper design (D 64 and 128); "ours
+    # mma.sync" is the same call with kernels.set_attention_wgmma(False), the kernels other GPUs run;
+    # "ours, dQ added" is fwd+bwd with deterministic=False (dQ added across key blocks, as SDPA's cuDNN
+    # backward does)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "ours mma.sync ms",
+            "ours, dQ added ms", "SDPA/ours", "SDPA/ours, dQ added", "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+
+    def sdpa(q, k, v, kv_len=None):
+        return train.torch_attention(q, k, v, causal=causal, kv_len=kv_len)
+
+    def sdpa_fa2(q, k, v, kv_len=None):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return sdpa(q, k, v, kv_len)
+    fns = {"sdpa": sdpa, "sdpa-fa2": sdpa_fa2,
+           "ours": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, kv_len=kv_len),
+           "ours-added": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, deterministic=False)}
+    for B, H, Sq, Sk, D, causal, passes in ATTN_BF16_BENCH:
+        q, dout = (rand(B, H, Sq, D).bfloat16() for _ in range(2))
+        k, v = (rand(B, H, Sk, D).bfloat16() for _ in range(2))
+        kv_len = torch.tensor([Sk - 1], device=DEV)
+        for pas in passes:
+            names = ("sdpa", "sdpa-fa2", "ours") + (("ours-added",) if pas == "fwd+bwd" else ())
+            ms, outs = time_attention({n: fns[n] for n in (names if pas != "decode" else ("sdpa", "ours"))}, pas, q,
+                                      k, v, dout, kv_len)
+            mma = None
+            if hopper and D in (64, 128):
+                with attention_wgmma(False):
+                    mma = time_attention({"ours": fns["ours"]}, pas, q, k, v, dout, kv_len)[0]["ours"]
+            ok, text = rel_check(outs["ours"], outs["sdpa"], 2e-2)
+            if pas == "decode":
+                rate, unit = 2 * B * H * Sk * D * 2 / (ms["ours"] * 1e-3) / 1e9, "GB/s"
+            else:  # matmul flops; the backward does 2.5x the forward's
+                flops = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0) * (3.5 if pas == "fwd+bwd" else 1.0)
+                rate, unit = flops / (ms["ours"] * 1e-3) / 1e12, "TFLOP/s"
+            ratio = ms["sdpa"] / ms["ours"]
+            fa2, added = ms.get("sdpa-fa2"), ms.get("ours-added")
+            rows.append(dict(op="attention bf16", shape=f"B{B} H{H} Sq{Sq} Sk{Sk} D{D}", causal=causal,
+                             **{"pass": pas}, sdpa_ms=ms["sdpa"], sdpa_fa2_ms=fa2, ours_ms=ms["ours"],
+                             ours_mma_sync_ms=mma, ours_added_ms=added, sdpa_over_ours=ratio,
+                             sdpa_over_ours_added=added and ms["sdpa"] / added,
+                             sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
+                             unit=unit, check_ok=ok, check=text))
+            print(md_row([str(B), str(H), str(Sq), str(Sk), str(D), str(causal), pas, f"{ms['sdpa']:.4f}",
+                          fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", fmt(mma, ".4f") if mma else "-",
+                          fmt(added, ".4f") if added else "-", f"{ratio:.2f}x",
+                          f"{ms['sdpa'] / added:.2f}x" if added else "-",
+                          f"{fa2 / ms['ours']:.2f}x" if fa2 else "-", f"{rate:.1f} {unit}", text]), flush=True)
+
+
+GQA_BENCH = (4, 8, 2)  # B, H_q, H_kv: four query heads share each K/V head
+GQA_BENCH_S = (1024, 4096)
+GQA_DECODE_S = (256, 1024, 8192)  # one query per head against a cache this long, D 128, H_kv 8 (MHA) and 2
+
+
+@bench_rows("attention gqa")
+def bench_gqa(rows):
+    """Grouped-query attention: ours against SDPA with the K/V heads repeated (the torch op set's twin)
+    and against SDPA's own enable_gqa; the ratio is to the faster of the two."""
+    B, H, Hkv = GQA_BENCH
+    print(f"\ngrouped-query attention fp32, causal, B={B} H_q={H} H_kv={Hkv}; SDPA with K/V repeated "
+          f"(repeat_interleave, the torch op set's twin) and SDPA enable_gqa=True")
+    cols = ["S", "D", "pass", "SDPA repeat ms", "SDPA enable_gqa ms", "fused ms", "best SDPA/fused", "check"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+    fns = {"repeat": lambda q, k, v, **kw: train.TORCH_OPS.attention(q, k, v, causal=True, **kw),
+           "enable_gqa": lambda q, k, v, kv_len=None: F.scaled_dot_product_attention(
+               q, k, v, is_causal=kv_len is None, enable_gqa=True,
+               attn_mask=None if kv_len is None else torch.arange(k.shape[2], device=DEV) < kv_len),
+           "fused": lambda q, k, v, **kw: kernels.attention(q, k, v, causal=True, **kw)}
+    cases = [(S, D, pas, B, Hkv) for S in GQA_BENCH_S for D in (64, 128) for pas in ("fwd", "fwd+bwd")]
+    cases += [(S, 128, "decode", 1, h) for S in GQA_DECODE_S for h in (H, Hkv)]
+    for S, D, pas, b, hkv in cases:
+        k, v = rand(b, hkv, S, D), rand(b, hkv, S, D)
+        q, dout = (rand(b, H, 1 if pas == "decode" else S, D) for _ in range(2))
+        kv_len = torch.tensor([S - 1], device=DEV)  # a cache one short of full, as in decoding
+        ms, outs = time_attention(fns, pas, q, k, v, dout, kv_len)
+        best = min(t for n, t in ms.items() if n != "fused" and t)
+        ok, text = rel_check(outs["fused"], outs["repeat"], 2e-4)
+        rows.append(dict(op="attention gqa", shape=f"B{b} Hq{H} Hkv{hkv} S{S} D{D}", causal=True, **{"pass": pas},
+                         sdpa_repeat_ms=ms["repeat"], sdpa_enable_gqa_ms=ms["enable_gqa"], fused_ms=ms["fused"],
+                         best_sdpa_over_fused=best / ms["fused"], check_ok=ok, check=text))
+        print(md_row([str(S), str(D), pas + (f" (Sq=1, B=1, H_kv={hkv})" if pas == "decode" else ""),
+                      *(fmt(ms[n], ".4f") for n in fns), f"{best / ms['fused']:.2f}x", text]), flush=True)
+
+
+# ==== op: sinkhorn ====
+# sinkhorn against its float64 twin, P and the logits' gradient, n from 1 to 8, logits up to 1e3, 1 to 64
+# iterations; its bad inputs, opcheck arguments and bench rows.
+
+
+def sinkhorn_tol(scale):
+    """(atol, rtol) for P and dlogits when the logits are randn * scale. fp32 holds a logit of size s
+    to about s * 6e-8, and Sinkhorn carries that resolution into P and into the gradient. An fp32 CPU
+    emulation of the kernel's arithmetic, against float64, erred by up to 2e-6 at s = 30 and 2.2e-5
+    at s = 1e3 (M = 4096, n <= 8, iters 1 to 20), in P and in dlogits alike; a wrong half-step order
+    or a slip in the backward errs by ~0.1."""
+    return (1e-6 + scale * 1e-7, 1e-5)
+
+
+def t_sinkhorn(shape, scale, iters=20, transposed=False):
+    # transposed: the logits arrive as a non-contiguous view
+    logits = rand(*shape, scale=scale)
+    logits = logits.transpose(-1, -2) if transposed else logits
+    tol = sinkhorn_tol(scale)
+    compare(lambda ops, logits: ops.sinkhorn(logits, iters=iters), tol, tol, logits=logits)
+
+
+def t_sinkhorn_rows_sum_to_one(M):
+    # the last half-step normalises the rows: they sum to 1 up to a few fp32 ulps per entry, even
+    # where |logits| ~ 1e3 (the kernel subtracts each row's max before its log-sum-exp)
+    for n in (1, 2, 4, 8):
+        for scale in (1, 30, 1e3):
+            p = kernels.sinkhorn(rand(M, n, n, scale=scale))
+            check(f"n{n}_x{scale:g}", p.double().sum(-1), torch.ones(M, n, dtype=torch.float64, device=DEV), 2e-6)
+
+
+for _M in (1, 24, 4096):
+    for _n in (1, 2, 4, 8):
+        for _scale in (30, 1e3):
+            add(f"sinkhorn/{_M}x{_n}x{_n}_x{_scale:g}", t_sinkhorn, (_M, _n, _n), _scale)
+for _iters in (1, 7):
+    for _n in (1, 2, 4, 8):
+        for _scale in (30, 1e3):
+            add(f"sinkhorn/24x{_n}x{_n}_x{_scale:g}_iters{_iters}", t_sinkhorn, (24, _n, _n), _scale, iters=_iters)
+for _n in (1, 4, 8):  # 64 iterations: the backward's lse pass SINKHORN_LSE_SMEM and go to the workspace
+    add(f"sinkhorn/300x{_n}x{_n}_x30_iters64", t_sinkhorn, (300, _n, _n), 30, iters=64)
+for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for
+    add(f"sinkhorn/24x{_n}x{_n}_x30", t_sinkhorn, (24, _n, _n), 30)
+add("sinkhorn/2x12x4x4", t_sinkhorn, (2, 12, 4, 4), 1)
+add("sinkhorn/2x12x4x4_x30_transposed", t_sinkhorn, (2, 12, 4, 4), 30, transposed=True)
+add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
+
+
+# Empty inputs: empty outputs and zero gradients.
+add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
+add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
+
+
+bad_inputs(
+    ("sinkhorn_n9", ValueError, lambda: kernels.sinkhorn(rand(4, 9, 9)), ("sinkhorn", "n")),
+    ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
+    ("sinkhorn_iters0", ValueError, lambda: kernels.sinkhorn(rand(2, 4, 4), iters=0), ("sinkhorn", "iters")),
+    ("sinkhorn_float64", RuntimeError, lambda: kernels.sinkhorn(rand(2, 4, 4).double()), ("sinkhorn", "logits")),
+    ("sinkhorn_cpu", RuntimeError, lambda: kernels.sinkhorn(torch.randn(2, 4, 4)), ("sinkhorn", "logits")),
+)
+
+
+@opcheck_args
+def opcheck_sinkhorn(dt):
+    if dt != torch.float32:  # the mHC ops take float32 only
+        return []
+    plain, k = _plain(dt), torch.ops.kernels
+    return [("sinkhorn", k.sinkhorn, (_leaf(3, 5, 4, 4),), {"iters": 7}),
+            ("sinkhorn_backward", k.sinkhorn_backward, (plain(3, 4, 4), plain(3, 4, 4), 5), {})]
+
+
+@bench_rows("ops")
+def bench_sinkhorn(rows):
+    # mHC's residual mixing: one 4x4 matrix per sublayer (M = 1) or per token, 20 iterations; eager PyTorch
+    # launches over ten small kernels per iteration in each direction, ours one kernel per pass
+    for M in (1, 24, 4096):
+        bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
+                 [rand(M, 4, 4)], M, "M matrices/s")
+
+
+# ==== op: hc_coeffs, hc_project, hc_pre, hc_mix_pre ====
+# mhc-dynamic's coefficients, projection and their fused forms against the float64 twins in a row, every
+# stream count n, unused outputs, a bf16 y; their bad inputs, opcheck arguments and bench rows.
+
+
+def t_hc_coeffs(lead, n, scale, iters=20):
+    # mhc-dynamic's coefficients: h (*lead, 2n + n^2) of randn * scale, alpha (3,) and bias (K,) of randn,
+    # so the logits alpha h + bias reach about 3 * scale. dalpha and dbias are sums over the tokens: their
+    # atol grows with the terms summed, at least 5x the errors these cases showed on an H100 (one token's
+    # terms lost from a sum err by ~0.1 to ~10)
+    K, M = 2 * n + n * n, math.prod(lead)
+    tol = sinkhorn_tol(3 * scale)
+    grad_tol = {"h": tol, "bias": (tol[0] + 1e-7 * M, 1e-4), "alpha": (tol[0] + 1e-8 * M * K * scale, 1e-4)}
+    compare(lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, iters), tol, grad_tol,
+            h=rand(*lead, K, scale=scale), alpha=rand(3), bias=rand(K))
+
+
+for _lead in ((1,), (24,), (4096,), (2, 65), (0,)):
+    for _n in (1, 2, 4, 8):
+        add(f"hc_coeffs/{'x'.join(map(str, _lead))}_n{_n}", t_hc_coeffs, _lead, _n, 1.0)
+for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for, with larger logits
+    add(f"hc_coeffs/24_n{_n}_x30", t_hc_coeffs, (24,), _n, 30.0)
+add("hc_coeffs/300_n4_x30_iters7", t_hc_coeffs, (300,), 4, 30.0, iters=7)
+add("hc_coeffs/300_n4_x30_iters64", t_hc_coeffs, (300,), 4, 30.0, iters=64)  # lse in the workspace
+
+
+def t_hc_project(lead, n, C, x=None):
+    # mhc-dynamic's projection of the flattened streams, RMSNorm(x, w) phi^T, against F.rms_norm and F.linear:
+    # a dot product of length D = nC per output, and dw sums over the tokens, so tolerances as a matmul's
+    K, D = 2 * n + n * n, n * C
+    tol = mm_tol(math.prod(lead), D, K)
+    compare(lambda ops, x, w, phi: ops.hc_project(x, w, phi), tol, tol,
+            x=rand(*lead, D) if x is None else x, w=rand(D), phi=rand(K, D))
+
+
+# every n the kernels are compiled for; odd D takes the scalar path; D past one block's staged columns (n = 8 and
+# C >= 64, C = 768, n = 7 and C = 101) is summed over column ranges
+for _n in range(1, 9):
+    add(f"hc_project/5_n{_n}_C3", t_hc_project, (5,), _n, 3)
+for _lead, _n, _C in (((1,), 4, 256), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
+                      ((7,), 2, 1), ((12,), 4, 768), ((3,), 8, 2048), ((0,), 4, 8), ((130,), 4, 257),
+                      ((33,), 7, 101)):
+    add(f"hc_project/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_project, _lead, _n, _C)
+add("hc_project/9_n4_C64_misaligned", lambda: t_hc_project((9,), 4, 64, x=misaligned(9, 256)))
+
+
+def t_hc_pre(lead, n, C, used=(True, True, True), iters=20):
+    # hc_pre = hc_coeffs(hc_project(x flattened)) and the merge, against the twins in a row: the merged stream and
+    # H_post, H_res, and the gradients of all five inputs. phi / sqrt(D) keeps the projections near 1, so the
+    # logits alpha h + bias are a few units. used: which outputs the loss takes (an unused one's gradient is zeros)
+    K, D, M = 2 * n + n * n, n * C, math.prod(lead)
+    tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
+    chosen = [i for i, u in enumerate(used) if u]
+    def f(ops, x, w, phi, alpha, bias):  # one call, its unused outputs' gradients undefined
+        out = ops.hc_pre(x, w, phi, alpha, bias, iters)
+        return tuple(out[i] for i in chosen)
+    compare(f, tol, tol, x=rand(*lead, n, C), w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
+
+
+for _lead, _n, _C in (((1,), 1, 3), ((5,), 2, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
+                      ((12,), 4, 768), ((33,), 7, 101), ((0,), 4, 8), ((7,), 5, 1)):
+    add(f"hc_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_pre, _lead, _n, _C)
+add("hc_pre/24_n4_C64_merged_unused", t_hc_pre, (24,), 4, 64, used=(False, True, True))
+add("hc_pre/24_n4_C64_only_merged", t_hc_pre, (24,), 4, 64, used=(True, False, False))
+add("hc_pre/300_n4_C64_iters40", t_hc_pre, (300,), 4, 64, iters=40)  # the lse in the workspace
+
+
+def t_hc_mix_pre(lead, n, C, per_token=True, used=(True,) * 4, y_dtype=torch.float32):
+    # hc_mix_pre = the previous sublayer's stream_mix, then hc_pre of the mixed streams s, against the twins in a
+    # row: (s, merged, H_post, H_res) and the gradients of all eight inputs, the one of s (from the next sublayer)
+    # added to hc_pre's inside the op. used: which outputs the loss takes. y_dtype bf16: mixed precision's y
+    K, D, M = 2 * n + n * n, n * C, math.prod(lead)
+    tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
+    chosen = [i for i, u in enumerate(used) if u]
+    coef = lead if per_token else ()
+    inputs = dict(x=rand(*lead, n, C), h_res=rand(*coef, n, n, scale=0.5), h_post=rand(*coef, n), y=rand(*lead, C),
+                  w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
+
+    def f(ops, x, h_res, h_post, y, w, phi, alpha, bias):  # one call: a bf16 y's gradient is not summed in bf16
+        out = ops.hc_mix_pre(x, h_res, h_post, y, w, phi, alpha, bias)
+        return tuple(out[i] for i in chosen)
+    if y_dtype == torch.float32:
+        compare(f, tol, tol, **inputs)
+    else:
+        inputs["y"] = inputs["y"].to(y_dtype)
+        compare_dtypes(*on_both(f), tol, tol, (torch.float32,) * len(chosen), **inputs)
+
+
+for _lead, _n, _C in (((1,), 1, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
+                      ((12,), 4, 768), ((0,), 4, 8)):
+    add(f"hc_mix_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_mix_pre, _lead, _n, _C)
+add("hc_mix_pre/24_n4_C64_static", t_hc_mix_pre, (24,), 4, 64, per_token=False)
+add("hc_mix_pre/24_n4_C64_streams_unused", t_hc_mix_pre, (24,), 4, 64, used=(False, True, True, True))
+add("hc_mix_pre/24_n4_C64_post_res_unused", t_hc_mix_pre, (24,), 4, 64, used=(True, True, False, False))
+add("hc_mix_pre_bf16/37_n4_C256", t_hc_mix_pre, (37,), 4, 256, y_dtype=BF16)
+add("hc_mix_pre_bf16/5_n3_C7", t_hc_mix_pre, (5,), 3, 7, y_dtype=BF16)
+add("hc_mix_pre_bf16/24_n4_C64_static", t_hc_mix_pre, (24,), 4, 64, per_token=False, y_dtype=BF16)
+
+
+bad_inputs(
+    ("hc_coeffs_K10", ValueError, lambda: kernels.hc_coeffs(rand(4, 10), rand(3), rand(10)), ("hc_coeffs", "2n + n^2")),
+    ("hc_coeffs_K99", ValueError, lambda: kernels.hc_coeffs(rand(4, 99), rand(3), rand(99)), ("hc_coeffs", "h")),
+    ("hc_coeffs_alpha_size", RuntimeError, lambda: kernels.hc_coeffs(rand(4, 24), rand(4), rand(24)),
+     ("hc_coeffs", "alpha")),
+    ("hc_coeffs_bias_size", RuntimeError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(23)),
+     ("hc_coeffs", "bias")),
+    ("hc_coeffs_cpu", RuntimeError, lambda: kernels.hc_coeffs(torch.randn(4, 24), rand(3), rand(24)),
+     ("hc_coeffs", "h")),
+    ("hc_project_K10", ValueError, lambda: kernels.hc_project(rand(4, 12), rand(12), rand(10, 12)), ("hc_project", "phi")),
+    ("hc_project_phi_cols", RuntimeError, lambda: kernels.hc_project(rand(4, 12), rand(12), rand(8, 13)),
+     ("hc_project", "phi")),
+    ("hc_project_weight_size", RuntimeError, lambda: kernels.hc_project(rand(4, 12), rand(11), rand(8, 12)),
+     ("hc_project", "weight")),
+    ("hc_project_cpu", RuntimeError, lambda: kernels.hc_project(torch.randn(4, 12), rand(12), rand(8, 12)),
+     ("hc_project", "x")),
+    ("hc_project_D0", RuntimeError, lambda: kernels.hc_project(rand(4, 0), rand(0), rand(8, 0)), ("hc_project", "x")),
+    ("hc_mix_pre_phi_rows", RuntimeError,
+     lambda: kernels.hc_mix_pre(rand(4, 2, 3), rand(4, 2, 2), rand(4, 2), rand(4, 3), rand(6), rand(15, 6), rand(3),
+                                rand(15)), ("hc_mix_pre", "phi", "8")),
+    ("hc_mix_pre_y_float64", RuntimeError,
+     lambda: kernels.hc_mix_pre(rand(4, 2, 3), rand(4, 2, 2), rand(4, 2), rand(4, 3).double(), rand(6), rand(8, 6),
+                                rand(3), rand(8)), ("hc_mix_pre", "y", "float32 or bfloat16")),
+    ("hc_pre_phi_rows", RuntimeError, lambda: kernels.hc_pre(rand(4, 2, 3), rand(6), rand(15, 6), rand(3), rand(15)),
+     ("hc_pre", "phi")),
+    ("hc_pre_x_dims", RuntimeError, lambda: kernels.hc_pre(rand(6), rand(6), rand(8, 6), rand(3), rand(8)),
+     ("hc_pre", "x")),
+    ("hc_coeffs_iters0", ValueError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(24), iters=0),
+     ("hc_coeffs", "iters")),
+)
+
+
+@opcheck_args
+def opcheck_hc(dt):
+    if dt != torch.float32:  # the mHC ops take float32 only
+        return []
+    plain, k = _plain(dt), torch.ops.kernels
+    return [("hc_coeffs", k.hc_coeffs, (_leaf(2, 3, 15), _leaf(3), _leaf(15)), {"iters": 5}),
+            ("hc_project", k.hc_project, (_leaf(2, 3, 12), _leaf(12), _leaf(8, 12)), {}),
+            ("hc_project_forward", k.hc_project_forward, (plain(5, 12), plain(12), plain(8, 12), 1e-5), {}),
+            ("hc_pre", k.hc_pre, (_leaf(2, 3, 4, 5), _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
+            ("hc_pre_forward", k.hc_pre_forward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
+                                                  1e-5), {}),
+            ("hc_mix_pre", k.hc_mix_pre, (_leaf(2, 3, 4, 5), _leaf(2, 3, 4, 4), _leaf(2, 3, 4), _leaf(2, 3, 5),
+                                          _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
+            ("hc_mix_pre_forward", k.hc_mix_pre_forward,
+             (plain(5, 2, 3), plain(5, 2, 2), plain(5, 2), plain(5, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
+              1e-5), {}),
+            ("hc_mix_pre_backward", k.hc_mix_pre_backward,
+             (plain(5, 2, 3), plain(5, 2, 2), plain(5, 2), plain(5, 3), plain(5, 2, 3), plain(6), plain(8, 6),
+              plain(3), plain(8), plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 2, 3), plain(5, 3),
+              plain(5, 2), plain(5, 2, 2), 3), {}),
+            ("hc_pre_backward", k.hc_pre_backward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8),
+                                                    plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 3),
+                                                    plain(5, 2), plain(5, 2, 2), 3), {}),
+            ("hc_project_backward", k.hc_project_backward, (plain(5, 12), plain(12), plain(8, 12), plain(5, 8),
+                                                            plain(5).abs(), plain(5, 8)), {}),
+            ("hc_coeffs_backward", k.hc_coeffs_backward, (plain(5, 24), plain(3), plain(24), plain(5, 4),
+                                                          plain(5, 4), plain(5, 4, 4), 3), {})]
+
+
+@bench_rows("ops")
+def bench_hc(rows):
+    # mhc-dynamic's coefficients for the sweep's 4096 tokens: PyTorch's scale, add, slices, sigmoids and
+    # Sinkhorn (and their sums over tokens backward) against one kernel each way
+    bench_op(rows, "hc_coeffs", "4096x24 n=4 iters=20", "fwd+bwd",
+             lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, 20), [rand(4096, 24), rand(3), rand(24)], 4096,
+             "M tokens/s")
+    # mhc-dynamic's projection at the sweep's shape (4096 tokens, 4 streams of 256) and 768 wide: PyTorch's
+    # RMSNorm and linear against one kernel each way. The bytes the pair must move: x read forward, x read and dx
+    # written backward
+    bench_op(rows, "hc_pre", "4096x4x256 iters=20", "fwd+bwd",
+             lambda ops, x, w, phi, a, b: ops.hc_pre(x, w, phi, a, b, 20),
+             [rand(4096, 4, 256), rand(1024), rand(24, 1024, scale=1 / 32), rand(3), rand(24)], 4096, "M tokens/s")
+    for M, D in ((4096, 4 * 256), (4096, 4 * 768)):
+        bench_op(rows, "hc_project", f"{M}x{D} n=4", "fwd+bwd", lambda ops, x, w, phi: ops.hc_project(x, w, phi),
+                 [rand(M, D), rand(D), rand(24, D)], 12 * M * D, "GB/s")
+
+
+# ==== op: stream_merge, stream_mix, stream_mix_merge ====
+# mHC's stream mixing against the float64 twins, forward and backward, static and per-token coefficients,
+# n from 1 to 8, views and misaligned inputs, a bf16 y; their bad inputs, opcheck arguments and bench rows.
+
+
+# Stream mixing (mhc.py's hyper-connections). out, dx and dy sum at most n + 1 <= 9 products: a few
+# fp32 ulps of values up to ~20. The coefficient gradients sum `terms` products (C of them per token,
+# times the tokens when static); an fp32 CPU emulation of the kernels' summation order erred by up to
+# 5e-4 at 1M terms (|ref| ~ 2e3), 2e-5 at 1000; an indexing slip errs by O(|ref|).
+STREAM_TOL = (1e-5, 1e-5)
+
+
+def stream_coef_tol(terms):
+    return (1e-5 * math.sqrt(max(terms, 1)), 1e-5)
+
+
+def stream_x(lead, n, C, layout):
+    """x (*lead, n, C): contiguous; 'transposed', a (..., C, n) tensor's view (copied by the op);
+    'misaligned', contiguous at an offset of one float (not 16-byte aligned: the scalar path)."""
+    if layout == "transposed":
+        return rand(*lead, C, n).transpose(-1, -2)
+    if layout == "misaligned":
+        return misaligned(*lead, n, C)
+    return rand(*lead, n, C)
+
+
+def t_stream_merge(lead, n, C, per_token, layout="contiguous"):
+    coef = lead if per_token else ()
+    terms = C * (1 if per_token else math.prod(lead))
+    compare(lambda ops, x, h: ops.stream_merge(x, h), STREAM_TOL, dict(x=STREAM_TOL, h=stream_coef_tol(terms)),
+            x=stream_x(lead, n, C, layout), h=rand(*coef, n))
+
+
+def mix_op(merge, used=(True, True)):
+    """f(ops, **inputs): stream_mix, or with merge stream_mix_merge (the mix and the next sublayer's merge of it,
+    both outputs and both gradients going through one kernel each way), which takes h_pre too. used: which of
+    stream_mix_merge's outputs the loss takes (an unused one's gradient comes back undefined: zeros)."""
+    if merge:
+        def f(ops, x, h_res, h_post, y, h_pre):  # one call
+            return tuple(o for o, u in zip(ops.stream_mix_merge(x, h_res, h_post, y, h_pre), used, strict=True) if u)
+        return f
+    return lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y)
+
+
+def mix_inputs(n, coef, x, y, merge):
+    inputs = dict(x=x, h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=y)
+    if merge:
+        inputs["h_pre"] = rand(*coef, n)
+    return inputs
+
+
+def t_stream_mix(lead, n, C, per_token, layout="contiguous", merge=False, used=(True, True)):
+    coef = lead if per_token else ()
+    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
+    compare(mix_op(merge, used), STREAM_TOL, dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+            unreached=() if used[1] else ("h_pre",),  # merged unused: h_pre reaches nothing
+            **mix_inputs(n, coef, stream_x(lead, n, C, layout), rand(*lead, C), merge))
+
+
+def t_stream_mix_bf16(lead, n, C, per_token, merge, y_misaligned=False):
+    """Mixed precision (--dtype=bf16): fp32 streams and coefficients, the sublayer's output y in bf16; fp32 math,
+    dy back in bf16. Against the twin with y's bf16 values (mhc.stream_mix_torch, autocast off) and float64."""
+    coef = lead if per_token else ()
+    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
+    y = rand(*lead, C).to(BF16)
+    if y_misaligned:  # 2 bytes into its allocation: not 8-byte aligned, the scalar path
+        y = torch.empty(1 + y.numel(), dtype=BF16, device=DEV)[1:].view(y.shape).copy_(y)
+    compare_dtypes(*on_both(mix_op(merge)), STREAM_TOL,
+                   dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
+                   (torch.float32,) * (2 if merge else 1), **mix_inputs(n, coef, rand(*lead, n, C), y, merge))
+
+
+# (leading dims, n, C, per-token coefficients): n = 1, 2, 4, 8 (and 3, 5, 6, 7 once), C = 1, 7, 256,
+# 1000, tokens = 1, 37, 4096, each static and per token somewhere; and 65536 static tokens, so that each warp
+# of the backward walks dozens of them (stream_coef_rows)
+STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True), ((37,), 2, 7, False),
+                ((37,), 4, 1000, False), ((37,), 8, 7, True), ((1, 37), 4, 256, True), ((1, 37), 8, 256, False),
+                ((32, 128), 4, 256, False), ((32, 128), 4, 256, True), ((4096,), 2, 1000, True),
+                ((4096,), 8, 7, False), ((32, 128), 1, 1, True), ((37,), 3, 20, True), ((37,), 5, 12, False),
+                ((37,), 6, 1000, True), ((37,), 7, 256, False), ((64, 1024), 2, 4, False)]
+for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix),
+                ("stream_mix_merge", functools.partial(t_stream_mix, merge=True))):
+    for _lead, _n, _C, _tok in STREAM_CASES:
+        add(f"{_op}/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"), _t, _lead, _n, _C,
+            _tok)
+    for _tok in (False, True):
+        for _layout in ("transposed", "misaligned"):
+            add(f"{_op}/37x4x256_{'per_token' if _tok else 'static'}_{_layout}", _t, (37,), 4, 256, _tok, _layout)
+        add(f"empty/{_op}_0x4x256_{'per_token' if _tok else 'static'}", _t, (0,), 4, 256, _tok)
+    add(f"empty/{_op}_5x4x0_static", _t, (5,), 4, 0, False)  # C = 0: zero coefficient gradients
+for _tok, _used in ((False, (False, True)), (True, (True, False))):
+    add(f"stream_mix_merge/37x4x256_{'per_token' if _tok else 'static'}_{'merged' if _used[0] else 'streams'}_unused",
+        functools.partial(t_stream_mix, merge=True, used=_used), (37,), 4, 256, _tok)
+for _merge in (False, True):
+    _op = "stream_mix_merge" if _merge else "stream_mix"
+    for _lead, _n, _C, _tok in (((37,), 4, 256, False), ((37,), 4, 256, True), ((2, 65), 8, 768, True),
+                                ((4096,), 4, 256, False), ((37,), 3, 7, True), ((1,), 1, 1, False)):
+        add(f"{_op}_bf16/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"),
+            t_stream_mix_bf16, _lead, _n, _C, _tok, _merge)
+    add(f"{_op}_bf16/37x4x256_per_token_y_misaligned", t_stream_mix_bf16, (37,), 4, 256, True, _merge, True)
+
+
+bad_inputs(
+    ("stream_merge_n9", ValueError, lambda: kernels.stream_merge(rand(4, 9, 8), rand(9)), ("stream_merge", "n")),
+    ("stream_mix_n9", ValueError, lambda: kernels.stream_mix(rand(4, 9, 8), rand(9, 9), rand(9), rand(4, 8)),
+     ("stream_mix", "n")),
+    ("stream_mix_y_C", RuntimeError, lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(2), rand(4, 7)),
+     ("stream_mix", "y")),
+    ("stream_merge_h_n", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(3)), ("stream_merge", "h")),
+    ("stream_merge_h_tokens", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(5, 2)),
+     ("stream_merge", "h")),
+    ("stream_mix_h_res_shape", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 3), rand(2), rand(4, 8)), ("stream_mix", "h_res")),
+    ("stream_mix_static_res_per_token_post", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(4, 2), rand(4, 8)), ("stream_mix", "h_res", "h_post")),
+    ("stream_merge_cpu_x", RuntimeError, lambda: kernels.stream_merge(torch.randn(4, 2, 8), rand(2)),
+     ("stream_merge", "x")),
+    ("stream_mix_cpu_y", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(2), torch.randn(4, 8)), ("stream_mix", "y")),
+    ("stream_merge_float64_h", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(2).double()),
+     ("stream_merge", "h")),
+    ("stream_mix_float64_x", RuntimeError,
+     lambda: kernels.stream_mix(rand(4, 2, 8).double(), rand(2, 2), rand(2), rand(4, 8)), ("stream_mix", "x")),
+)
+
+
+@opcheck_args
+def opcheck_stream(dt):
+    if dt != torch.float32:  # the mHC ops take float32 only
+        return []
+    plain, k = _plain(dt), torch.ops.kernels
+    xs, ys = _leaf(2, 3, 4, 37), _leaf(2, 3, 37)  # streams and y of 2 x 3 tokens; coefficients static and per token
+    return [("stream_merge", k.stream_merge, (xs, _leaf(4)), {}),
+            ("stream_merge_per_token", k.stream_merge, (xs, _leaf(2, 3, 4)), {}),
+            ("stream_merge_backward", k.stream_merge_backward, (plain(2, 3, 4, 37), plain(4), plain(2, 3, 37)),
+             {}),
+            ("stream_mix", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), ys), {}),
+            ("stream_mix_per_token", k.stream_mix, (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), ys), {}),
+            ("stream_mix_bf16_y", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), _leaf(2, 3, 37, dtype=BF16)), {}),
+            ("stream_mix_merge", k.stream_mix_merge, (xs, _leaf(4, 4), _leaf(4), ys, _leaf(4)), {}),
+            ("stream_mix_merge_per_token", k.stream_mix_merge,
+             (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), _leaf(2, 3, 37, dtype=BF16), _leaf(2, 3, 4)), {}),
+            ("stream_mix_merge_backward", k.stream_mix_merge_backward,
+             (plain(2, 3, 4, 37), plain(4, 4), plain(4), plain(2, 3, 37), plain(4), plain(2, 3, 4, 37),
+              plain(2, 3, 37)), {}),
+            ("stream_mix_backward", k.stream_mix_backward,
+             (plain(2, 3, 4, 37), plain(4, 4), plain(4), plain(2, 3, 37), plain(2, 3, 4, 37)), {})]
+
+
+@bench_rows("ops")
+def bench_stream(rows):
+    # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
+    # must move: merge fwd reads x, writes out; its bwd reads dout and x, writes dx. mix fwd reads x
+    # and y, writes out; its bwd reads dout, x and y, writes dx and dy. mix_merge writes merged too, and its
+    # bwd reads dmerged. Plus the coefficients: read by each pass, their gradient written.
+    B, T, n, C = 32, 128, 4, 256
+    M = B * T
+    for per_token in (False, True):
+        lead, kind = ((B, T), "per-token") if per_token else ((), "static")
+        x, y, h, h_res, h_post = rand(B, T, n, C), rand(B, T, C), rand(*lead, n), rand(*lead, n, n), rand(*lead, n)
+        k_merge, k_mix = n * (M if per_token else 1), (n * n + n) * (M if per_token else 1)
+        k_mm = k_mix + k_merge
+        shape = f"{B}x{T}x{n}x{C} {kind}"
+        for pas, nbytes in (("fwd", M * (n * C + C) + k_merge), ("fwd+bwd", M * (3 * n * C + 2 * C) + 3 * k_merge)):
+            bench_op(rows, "stream_merge", shape, pas, lambda ops, x, h: ops.stream_merge(x, h), [x, h], 4 * nbytes,
+                     "GB/s")
+        for pas, nbytes in (("fwd", M * (2 * n * C + C) + k_mix), ("fwd+bwd", M * (5 * n * C + 3 * C) + 3 * k_mix)):
+            bench_op(rows, "stream_mix", shape, pas, lambda ops, *ins: ops.stream_mix(*ins), [x, h_res, h_post, y],
+                     4 * nbytes, "GB/s")
+        for pas, nbytes in (("fwd", M * (2 * n * C + 2 * C) + k_mm), ("fwd+bwd", M * (5 * n * C + 5 * C) + 3 * k_mm)):
+            bench_op(rows, "stream_mix_merge", shape, pas, lambda ops, *ins: ops.stream_mix_merge(*ins),
+                     [x, h_res, h_post, y, h], 4 * nbytes, "GB/s")
+
+
+# ==== op: decode_megakernel ====
+# decode_megakernel's op-level material: its opcheck arguments and its bench (its cases decode whole models:
+# inference/gpu_megakernel_*, with inference.py's tests).
+
+
+def _megakernel_supported(dt):
+    return kernels.decode_megakernel_why_not(64, 2, 2, 1, torch.empty((), dtype=dt).element_size()) is None
+
+
+@opcheck_args
+def opcheck_decode_megakernel(dt):
+    """decode_megakernel's opcheck cases where the GPU runs it (Hopper): a 1-layer model 64 wide, 2 heads, 11
+    tokens, a cache of 64 positions: gpt, llama (one K/V head, SwiGLU 192 wide, with its RoPE tables), and gpt
+    with a mixture of 3 experts of which a token takes 2 (top_k)."""
+    if not _megakernel_supported(dt):
+        return []
+    plain = _plain(dt)
+    C, H = 64, train.swiglu_hidden(64)
+    gpt = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
+           (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
+    llama = [(11, C), (C,), (C,), (2 * C, C), (C, C), (C,), (H, C), (H, C), (C, H)]
+    E = 3
+    moe = gpt[:12] + [(E, 4 * C, C), (E, 4 * C), (E, C, 4 * C), (E, C), (E, C)]
+    cases = []
+    for name, shapes, n_kv, kw in (("gpt", gpt, 2, {}),
+                                   ("llama", llama, 1, dict(rope_cos=torch.rand(64, 16, device=DEV),
+                                                            rope_sin=torch.rand(64, 16, device=DEV))),
+                                   ("gpt_moe", moe, 2, dict(top_k=2))):
+        workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2, kw.get("top_k", 0)), device=DEV)
+        args = ([plain(*s) for s in shapes], torch.tensor([[3]], device=DEV), torch.tensor([5], device=DEV),
+                plain(1, 1, n_kv, 64, 32), plain(1, 1, n_kv, 64, 32), plain(11), workspace, 2)
+        cases.append((f"decode_megakernel_{name}", torch.ops.kernels.decode_megakernel, args, kw))
+    return cases
+
+
+MK_STEPS = "ABCDE"  # a layer's steps in decode_megakernel: norm + QKV, attention, out-proj, norm + fc, mlp proj
+
+
+def megakernel_done_ready(stamps):
+    """A decode_megakernel trace (blocks, 2 + 10 n_layer ns stamps) as (done, ready), each (blocks, 5 n_layer):
+    when each block finished each step's work, and when the next step's inputs had all reached it."""
+    return stamps[:, 1:-1:2], stamps[:, 2:-1:2]
+
+
+def megakernel_timeline(stamps):
+    """Where a decode_megakernel step's time goes, from its trace: for each step of a layer (medians over the
+    layers) the median and the slowest block's work (from its inputs' arrival to the step's last output) and
+    wait (from there to the next step's inputs' arrival; step B polls its own, so A's wait is nil); then the
+    head and the whole launch, in µs."""
+    t = (stamps - stamps[:, 0].min()).double() / 1e3
+    done, ready = megakernel_done_ready(t)
+    work, wait = done - torch.cat([t[:, :1], ready[:, :-1]], 1), ready - done
+    per_step = dict(work=work.median(0).values, slowest_work=work.max(0).values, wait=wait.median(0).values,
+                    slowest_wait=wait.max(0).values)
+    steps = {name: {k: v[i::len(MK_STEPS)].median().item() for k, v in per_step.items()}
+             for i, name in enumerate(MK_STEPS)}
+    head = (t[:, -1] - ready[:, -1]).max().item()
+    return steps, head, (t[:, -1].max() - t[:, 0].min()).item()
+
+
+@bench_rows("megakernel")
+def bench_megakernel(rows, steps=100):
+    """decode_megakernel at inference.py's default shape (gpt, 768 x 12, 8 heads, context 256), fp32 and bf16:
+    its step alone (CUDA events over 100 launches from position 100, greedy pick not included), the weight
+    bytes it reads over that time against the copy rate measured here, and the timeline of one step."""
+    bw = inference.copy_bandwidth(DEV)
+    print(f"\ndecode_megakernel, gpt 768 x 12, 8 heads, positions 100-199; copy rate {bw / 1e9:,.0f} GB/s")
+    print(f"{'dtype':<6} {'us/step':>8} {'tok/s':>8} {'of copy bw':>11}   timeline of one step, us: steps of a layer "
+          f"(median over layers): work of the median / slowest block, its wait for the next step's inputs")
+    for dtype in ("fp32", "bf16"):
+        model = inference.with_dtype(train.GPT(95, 256, 768, 8, 12, 0, train.TORCH_OPS).to(DEV).eval(), dtype)
+        if why := inference.megakernel_why_not(model):
+            print(f"{dtype}: {why}")
+            return
+        cache = inference.kv_cache(model, DEV)
+        with torch.no_grad():
+            model(torch.randint(0, 95, (1, 100), device=DEV), cache=cache)
+            mk, tok, start = inference.Megakernel(model, cache), torch.tensor([[7]], device=DEV), cache.pos.clone()
+            for _ in range(5):
+                mk(tok)
+            cache.pos.copy_(start)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(steps):
+                mk(tok)
+            t1.record()
+            t1.synchronize()
+            cache.pos.copy_(start)
+            trace = torch.zeros(kernels.decode_megakernel_trace_shape(len(model.blocks)), dtype=torch.long,
+                                device=DEV)
+            mk(tok, trace)
+        kernels.check_errors()
+        us = t0.elapsed_time(t1) * 1e3 / steps
+        frac = inference.weight_bytes_per_token(model) / (us * 1e-6) / bw
+        by_step, head, total = megakernel_timeline(trace.cpu())
+        layer = " | ".join(f"{k} {v['work']:.1f}/{v['slowest_work']:.1f}, {v['wait']:.1f}/{v['slowest_wait']:.1f}"
+                           for k, v in by_step.items())
+        print(f"{dtype:<6} {us:>8.1f} {1e6 / us:>8,.0f} {frac:>11.0%}   {layer} | head {head:.1f} | traced step "
+              f"{total:.1f}")
+        rows.append(dict(op="decode_megakernel", shape="768x12", dtype=dtype, us=us, copy_fraction=frac,
+                         timeline=by_step, head_us=head))
+
+
+# ==== across the ops ====
+# the op sets' names, opcheck of every dispatcher op, compiling and autocast across ops, NaN and inf
+# through the row ops, bad indices in a CUDA graph; the benches of several ops or whole models
+
+
+def op_sets_same_names():
+    # the kernels module's ops are train.OP_NAMES, and both op sets expose them under the same names
+    # (plus split, which is no kernel)
+    # (set_pdl and set_attention_wgmma are launch settings, no ops; decode_megakernel and its helpers decode
+    # a whole model, whose step on either op set is its twin: inference/gpu_megakernel_step)
+    settings = ("set_pdl", "set_attention_wgmma")
+    ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n))
+                  and n not in settings and not n.startswith("decode_megakernel"))
+    assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
+    cuda = train.cuda_op_set(kernels, 64)
+    assert sorted(vars(cuda)) == sorted(vars(train.TORCH_OPS)), "cuda and torch op sets differ in names"
+    return f"{len(ours)} ops: {', '.join(ours)}"
+
+
+add("opsets/same_names", op_sets_same_names)
+
+
+def t_opcheck(dt):
+    done = []
+    for name, op, args, kwargs in opcheck_cases(dt):
+        try:
+            torch.library.opcheck(op.default, args, kwargs, test_utils=OPCHECK_TESTS)
+        except Exception as e:
+            raise AssertionError(f"{name}: {one_line(e)}") from e
+        done.append(name)
+    return f"{len(done)} cases x {len(OPCHECK_TESTS)} checks: {', '.join(done)}"
+
+
+def t_opcheck_covers_every_op():
+    # every op registered as kernels::<name> has an opcheck case, in one dtype or the other (the
+    # megakernel's where this GPU runs it)
+    registered = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("kernels::")}
+    if not _megakernel_supported(torch.float32):
+        registered.discard("decode_megakernel")
+    checked = {op._qualified_op_name.split("::")[1]
+               for dt in (torch.float32, BF16) for _, op, _, _ in opcheck_cases(dt)}
+    assert registered <= checked, f"ops with no opcheck case: {sorted(registered - checked)}"
+    return f"{len(registered)} ops registered, each with a case"
+
+
+def t_compile_fullgraph(dt):
+    # a pre-norm feed-forward of our ops, compiled whole; forward and gradients equal to eager's
+    import torch._dynamo
+    C = 64
+
+    def block(x, y, w, b, wg):
+        s, h = kernels.add_layernorm(x, y, w, b)
+        h = kernels.swiglu(kernels.gelu(h, approximate="tanh"), kernels.silu(h * wg))
+        return (s + kernels.rmsnorm(h, w)).float().pow(2).mean() + kernels.softmax(h, out_dtype=torch.float32).sum()
+
+    leaves = [_leaf(3, 17, C, dtype=dt), _leaf(3, 17, C, dtype=dt), _leaf(C, dtype=dt), _leaf(C, dtype=dt),
+              _leaf(C, dtype=dt)]
+    explain = torch._dynamo.explain(block)(*leaves)
+    assert explain.graph_break_count == 0, f"{explain.graph_break_count} graph breaks: {explain.break_reasons}"
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    eager_out, comp_out = block(*leaves), compiled(*leaves)
+    eager_grads = torch.autograd.grad(eager_out, leaves)
+    comp_grads = torch.autograd.grad(comp_out, leaves)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    check("out", comp_out, eager_out, (tol, tol))
+    for i, (g_c, g_e) in enumerate(zip(comp_grads, eager_grads)):
+        check(f"d{i}", g_c, g_e, (tol, tol))
+    return f"{explain.graph_count} graph, 0 breaks"
+
+
+def t_autocast_policy():
+    # torch.autocast(bfloat16) around our fp32 calls makes the bf16 policy's casts (bindings.cpp's autocast
+    # section): outputs and gradients equal, bit for bit and dtype for dtype, to the same calls with those
+    # casts written out. The cuda op set's --dtype=bf16 is this autocast around its fp32 op set.
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("bf16 products run on Hopper's wgmma (compute capability 9.0)")
+    k, bf, f32, C = kernels, BF16, torch.float32, 64
+
+    def b16(t):
+        return t.to(bf)
+    qkv, qkv24 = [(2, 3, 17, 64)] * 3, [(2, 3, 17, 24)] * 3  # 24: a head size the fused kernels lack
+    cases = (  # name, the call under autocast, the call with autocast's casts written out, leaf shapes
+        # (float32 leaves, or (shape, dtype))
+        ("linear", lambda x, w, b: k.linear(x, w, b), lambda x, w, b: k.linear(b16(x), w, b),
+         [(5, 7, C), (48, C), (48,)]),
+        ("matmul", k.matmul, lambda a, m: k.matmul(b16(a), b16(m)), [(37, C), (C, 24)]),
+        ("layernorm", k.layernorm, lambda x, w, b: k.layernorm(x, w, b, out_dtype=bf), [(37, C), (C,), (C,)]),
+        ("rmsnorm", k.rmsnorm, lambda x, w: k.rmsnorm(x, w, out_dtype=bf), [(37, C), (C,)]),
+        ("add_layernorm", k.add_layernorm, lambda x, y, w, b: k.add_layernorm(x, y, w, b, out_dtype=bf),
+         [(37, C), ((37, C), bf), (C,), (C,)]),  # y: a sublayer's output, bf16 under autocast
+        ("add_rmsnorm", k.add_rmsnorm, lambda x, y, w: k.add_rmsnorm(x, y, w, out_dtype=bf),
+         [(37, C), ((37, C), bf), (C,)]),
+        ("softmax of bf16", lambda x: k.softmax(b16(x)), lambda x: k.softmax(b16(x), out_dtype=f32), [(37, C)]),
+        ("attention fused", lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="fused"),
+         lambda q, kk, v: k.attention(b16(q), b16(kk), b16(v), causal=True, mode="fused"), qkv),
+        ("attention tiled", lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="tiled"),
+         lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="tiled").to(bf), qkv24),
+        ("gelu, as called", k.gelu, k.gelu, [(37, C)]),
+    )
+    for name, under, written, shapes in cases:
+        leaves = [_leaf(*s[0], dtype=s[1]) if isinstance(s[0], tuple) else _leaf(*s) for s in shapes]
+        copies = [t.detach().clone().requires_grad_() for t in leaves]
+        with torch.autocast("cuda", dtype=bf):
+            got = outputs(under(*leaves))
+        want = outputs(written(*copies))
+        dys = [torch.randn_like(t) for _, t in want]
+        for (label, g), (_, w) in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} {label}: {g.dtype} vs {w.dtype}, or values differ"
+        grads = torch.autograd.grad([t for _, t in got], leaves, dys)
+        for i, (g, w) in enumerate(zip(grads, torch.autograd.grad([t for _, t in want], copies, dys))):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} d{i}: {g.dtype} vs {w.dtype}, or values differ"
+    return f"{len(cases)} calls: outputs and gradients bit-identical to the casts written out"
+
+
+add("dispatcher/opcheck_covers_every_op", t_opcheck_covers_every_op)
+add("dispatcher/autocast_policy", t_autocast_policy)
+for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
+    add(f"dispatcher/opcheck_{_tag}", t_opcheck, _dt)
+    add(f"dispatcher/compile_fullgraph_{_tag}", t_compile_fullgraph, _dt)
+
+
+@mutant("nonfinite_swallowed", "layernorm/nonfinite_37x768", "rmsnorm/nonfinite_37x768", "softmax/nonfinite_37x17",
+        "cross_entropy/nonfinite_nan_inf_37x65", "cross_entropy/nonfinite_neg_inf_at_target_37x65")
+def _nonfinite_swallowed():
+    """The row ops' outputs with NaN and inf turned into numbers, as a kernel that clamped or skipped them would
+    give."""
+    with contextlib.ExitStack() as stack:
+        for name in ("layernorm", "rmsnorm", "softmax", "cross_entropy"):
+            op = getattr(kernels, name)
+            stack.enter_context(unittest.mock.patch.object(
+                kernels, name, lambda *args, _op=op, **kw: torch.nan_to_num(_op(*args, **kw))))
+        yield
+
+
+def bad_index_in_cuda_graph():
+    # A captured embedding and cross_entropy, replayed with bad indices: the kernels record the error
+    # inside the graph; the first one (in stream order) is the one reported, the later one is dropped.
+    V, C, N = 10, 8, 4
+    w, logits = rand(V, C), rand(N, V)
+    idx, targets = torch.zeros(4, dtype=torch.long, device=DEV), torch.zeros(N, dtype=torch.long, device=DEV)
+
+    def step():
+        return kernels.embedding(idx, w), kernels.cross_entropy(logits, targets)
+
+    side = torch.cuda.Stream()  # one eager call on a side stream first, as capture requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, loss = step()
+
+    def replay(new_idx, new_targets):
+        idx.copy_(torch.tensor(new_idx))
+        targets.copy_(torch.tensor(new_targets))
+        graph.replay()
+
+    replay([1, 2, 12, 3], [0, 1, -3, 2])
+    expect_index_error(kernels.check_errors, "embedding", "idx", 12, V)
+    assert out[2].isnan().all() and torch.equal(out[[0, 1, 3]], w[[1, 2, 3]]), "embedding rows after replay"
+    assert loss.isnan(), "cross-entropy with a bad target is not NaN"
+    replay([1, 2, 9, 3], [0, 1, -3, 2])
+    expect_index_error(kernels.check_errors, "cross_entropy", "targets", -3, V)
+    replay([1, 2, 9, 3], [0, 1, 9, 2])
+    kernels.check_errors()
+    assert torch.equal(out, w[idx]) and loss.isfinite(), "replay with good indices"
+    check("loss", loss, F.cross_entropy(logits.double(), targets), CE_TOL)
+    return "first error of the replay reported, then none"
+
+
+add("bad_index/cuda_graph_replay", bad_index_in_cuda_graph)
+
+
+@bench_rows("overhead")
+def bench_call_overhead(rows, calls=2000):
+    """Microseconds an eager call of an op takes at a size where the launch is all of it (forward alone,
+    and forward + backward with gradients wanted): what the Python-to-kernel path costs per call, ours
+    against the twin's. One sync after all the calls, none inside."""
+    print(f"\n{'call overhead':<34} {'ours us':>9} {'torch us':>9}")
+    x, w, b = rand(4, 64), rand(64), rand(64)
+    cases = (("gelu", lambda ops, x: ops.gelu(x), [x]), ("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
+             ("linear", lambda ops, x, w: ops.linear(x, w), [x, rand(64, 64)]), ("softmax", lambda ops, x: ops.softmax(x), [x]))
+    for name, f, inputs in cases:
+        for grad in (False, True):
+            leaves = [t.detach().requires_grad_(grad) for t in inputs]
+            per_call = {}
+            for side, ops in (("ours", kernels), ("torch", REF)):
+                def once():
+                    y = f(ops, *leaves)
+                    if grad:
+                        y.sum().backward()
+                for _ in range(20):  # warm-up: library handles, the caching allocator
+                    once()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    once()
+                torch.cuda.synchronize()
+                per_call[side] = 1e6 * (time.perf_counter() - t0) / calls
+            what = f"{name} {'fwd+bwd' if grad else 'fwd'}"
+            print(f"{what:<34} {per_call['ours']:>9.1f} {per_call['torch']:>9.1f}")
+            rows.append(dict(op=name, shape="call overhead", direction="fwd+bwd" if grad else "fwd",
+                             ours_us=per_call["ours"], torch_us=per_call["torch"]))
+
+
+def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, dtype="fp32", n_layer=4, steps=3):
+    """Device time of each kernel of an eager training step (forward, backward, AdamW) of a GPT with this
+    residual on the cuda op set, per sublayer: {kernel name: us}, read by torch.profiler over `steps` steps."""
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "weight_decay": 0.0})
+    ops = train.cuda_op_set(kernels, n_embd // n_head, dtype)
+    model = train.GPT(data.INCREMENT_VOCAB, block_size, n_embd, n_head, n_layer, 0, ops, residual=variant).to(DEV)
+    opt = train.make_optimizer(model, cfg, True, False)
+    x = torch.randint(0, data.INCREMENT_VOCAB, (batch_size, block_size + 1), device=DEV)
+    step = functools.partial(train.train_step, model, opt, x[:, :-1].contiguous(), x[:, 1:].contiguous())
+    for _ in range(2):  # optimizer state, library handles
+        step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # the profiler's note that it keeps one cycle's events: one cycle is all there is
+        warnings.simplefilter("ignore", UserWarning)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    kernels.check_errors()
+    per = steps * 2 * n_layer  # sublayers timed
+    return {e.key: e.self_device_time_total / per for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+@bench_rows("mhc_profile")
+def bench_mhc_profile(rows):
+    """Where mhc-dynamic's extra training time goes, kernel by kernel: an eager step of a 4-layer model at the sweep's
+    shape (256 wide, 32 x 128 tokens) and at 768 wide (16 x 256 tokens; fp32 and bf16), each kernel's device time a
+    sublayer, the mHC kernels by name and the rest as one line against the baseline's (then its largest differences,
+    kernel by kernel), beside the 15% of the baseline's step that a cost of 1.15x allows. The model's first hc_pre
+    (no mix before it) and last stream_mix (its exit) count as an eighth each. Each mHC kernel's time is also given
+    in passes, the time to read or write the fp32 streams once at the copy rate measured here: set beside the
+    reads and writes a kernel's data flow needs, they show how near that rate it runs."""
+    def short(name, width=56):  # a kernel's name without its arguments and PyTorch's namespaces
+        return re.sub(r"^void |at::native::|\(anonymous namespace\)::|\(.*$", "", name)[:width]
+
+    bw = inference.copy_bandwidth(DEV)
+    for n_embd, n_head, block_size, batch_size, dtype in ((256, 4, 128, 32, "fp32"), (768, 8, 256, 16, "fp32"),
+                                                          (768, 8, 256, 16, "bf16")):
+        base = mhc_step_kernels("baseline", n_embd, n_head, block_size, batch_size, dtype)
+        dyn = mhc_step_kernels("mhc-dynamic", n_embd, n_head, block_size, batch_size, dtype)
+        ours = {k: v for k, v in dyn.items() if re.search(r"hc_|stream_|sinkhorn", k)}
+        rest = sum(v for k, v in dyn.items() if k not in ours) - sum(base.values())
+        b, d = sum(base.values()), sum(dyn.values())
+        pass_us = batch_size * block_size * 4 * n_embd * 4 / bw * 1e6  # the streams: (tokens, 4, n_embd) fp32
+        print(f"\nmhc-dynamic, {batch_size * block_size} tokens x {n_embd} wide, 4 streams, {dtype}: eager training "
+              f"step, kernel time a sublayer: baseline {b:.1f} us, mhc-dynamic {d:.1f} us ({d / b:.2f}x); "
+              f"extra {d - b:.1f} us where 1.15x allows {0.15 * b:.1f}; a pass over the streams: {pass_us:.1f} us "
+              f"at the copy rate ({bw / 1e9:,.0f} GB/s)")
+        for name, us in sorted(ours.items(), key=lambda kv: -kv[1]):
+            print(f"  {short(name):<58} {us:>7.1f} {us / pass_us:>5.1f} passes")
+            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", dtype=dtype, kernel=short(name), us=us,
+                             passes=us / pass_us))
+        print(f"  {'the other kernels, against the baseline':<58} {rest:>+7.1f}; the largest differences:")
+        others = (set(base) | set(dyn)) - set(ours)
+        diffs = sorted(((dyn.get(k, 0.0) - base.get(k, 0.0), k) for k in others), key=lambda t: -abs(t[0]))
+        for diff, name in diffs[:5]:
+            print(f"    {short(name, 72):<72} {diff:>+7.1f}")
+        rows.append(dict(op="mhc_profile", shape=f"{n_embd}", dtype=dtype, kernel="other", us=rest, baseline_us=b,
+                         mhc_us=d))
+
+
+@bench_rows("ddp")
+def bench_ddp_scaling(rows, iters=200):
+    """train.py --preset=large, both op sets, fp32 and bf16, on one GPU at twice the preset's batch and at
+    the preset's batch, and through torchrun on two GPUs at the preset's batch a rank (the first run's
+    global batch): tokens/s of each, the scaling against each one-GPU run, and the op sets' largest loss
+    difference over the first 100 steps at the global batch, on one GPU and on two (results.json's)."""
+    if torch.cuda.device_count() < 2:
+        print(f"\nddp scaling: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+        return
+    b = train.PRESETS["large"]["batch_size"]
+    print(f"\nddp scaling: --preset=large, {iters} steps; tok/s on 1 GPU at batch {2 * b} and {b}, on 2 GPUs at {b} a "
+          f"rank;\nscaling: 2 GPUs over 1 GPU at {2 * b} (the same global batch) and at {b} (the same batch a GPU); "
+          f"loss diff: the op sets' largest |difference| over 100 steps at global batch {2 * b}")
+    print(f"{'dtype':<6} {'op set':<7} {f'1 GPU B{2 * b}':>12} {f'1 GPU B{b}':>12} {'2 GPUs':>12} {'scaling':>8} "
+          f"{f'vs B{b}':>8} {'loss diff 1 GPU':>16} {'2 GPUs':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("fp32", "bf16"):
+            common = ["--preset=large", f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
+                      "--sample_len=0", "--plot=false", f"--dtype={dtype}"]
+            runs = {"one2": (_train_run, 2 * b), "one": (_train_run, b), "two": (_torchrun, b)}
+            res = {}
+            for name, (launch, batch) in runs.items():
+                out = os.path.join(tmp, f"{dtype}_{name}")
+                p = launch(*common, f"--out_dir={out}", f"--batch_size={batch}", timeout=900)
+                if p.returncode:
+                    print(f"{dtype} {name}: exit {p.returncode}\n{p.stderr[-1500:]}")
+                    rows.append(dict(op="ddp", shape="large", dtype=dtype, check_ok=False))
+                    break
+                res[name] = json.load(open(os.path.join(out, "results.json")))
+            else:
+                bench_ddp_rows(rows, dtype, res)
+
+
+def bench_ddp_rows(rows, dtype, res):
+    """bench_ddp_scaling's rows for one dtype, from the three runs' results.json."""
+    diff = {n: res[n]["max_abs_loss_diff_first_100"] for n in res}
+    for ops in ("torch", "cuda"):
+        tps = {n: res[n]["op_sets"][ops]["tokens_per_s"] for n in res}
+        scaling, per_gpu = tps["two"] / tps["one2"], tps["two"] / tps["one"]
+        print(f"{dtype:<6} {ops:<7} {tps['one2']:>12,.0f} {tps['one']:>12,.0f} {tps['two']:>12,.0f} {scaling:>7.2f}x "
+              f"{per_gpu:>7.2f}x {diff['one2']:>16.2e} {diff['two']:>9.2e}", flush=True)
+        rows.append(dict(op="ddp", shape="large", dtype=dtype, op_set=ops, tok_s=tps, scaling=scaling,
+                         scaling_same_batch=per_gpu, loss_diff_one_gpu=diff["one2"], loss_diff_two_gpus=diff["two"]))
+
+
+# ==== script tests: data.py (CPU) ====
+
 
 BODY = ("The Wonderful Wizard of Oz\n\nby L. Frank Baum\n\n"
         "Dorothy lived in the midst of the great Kansas prairies.\n“Toto,” she said.")
@@ -1027,8 +4707,10 @@ for _fn in (data_clean_text_gutenberg, data_clean_text_no_markers, data_download
             data_out_dir_lock_replaced_file):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
-# -----------------------------------------------------------------------------
-# train.py on the CPU: a one-layer, 32-wide model on a small generated text, a few seconds per run.
+
+# ==== script tests: train.py on the CPU ====
+# a one-layer, 32-wide model on a small generated text, a few seconds per run.
+
 
 _TRAIN_TINY = ["--device=cpu", "--eval_interval=3", "--eval_iters=2", "--log_interval=2", "--batch_size=4",
                "--block_size=16", "--n_embd=32", "--n_head=2", "--n_layer=1", "--sample_len=20", "--plot=false"]
@@ -1856,8 +5538,10 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_out_of_memory, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
-# -----------------------------------------------------------------------------
-# inference.py: the KV cache, the MoE feed-forward and the command line, on the CPU at tiny sizes
+
+# ==== script tests: inference.py ====
+# the KV cache, the MoE feed-forward and the command line, on the CPU at tiny sizes
+
 
 _INF_TINY = ["--device=cpu", "--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=4",
              "--seeds=0", "--max_new_tokens=12", "--prompt=Oz", "--models=dense,moe"]
@@ -3002,8 +6686,9 @@ def inference_megakernel_refuses():
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
 
-# -----------------------------------------------------------------------------
-# mHC on the CPU: the incrementing-token task, the composite gains, the residual variants, the depth sweep
+
+# ==== script tests: mHC on the CPU ====
+# the incrementing-token task, the composite gains, the residual variants, the depth sweep
 
 
 def data_call_timer(device="cpu"):
@@ -3296,8 +6981,10 @@ for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mh
             train_residual_option):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
-# -----------------------------------------------------------------------------
-# the README's commands, run as a newcomer runs them: in order, on a fresh copy of the repo
+
+# ==== script tests: the README's commands ====
+# run as a newcomer runs them: in order, on a fresh copy of the repo
+
 
 README_TINY = {  # appended to each README command this test runs: the CPU, tiny sizes, a few steps
     "train.py": ["--device=cpu", "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=3",
@@ -3374,8 +7061,9 @@ def _readme_commands_share_out_dir():
 
 add("readme/commands_in_order", readme_commands_in_order, gpu=False)
 
-# -----------------------------------------------------------------------------
-# test_ops.py --bench without a GPU (CPU): the advice must fit the machine
+
+# ==== script tests: test_ops.py --bench without a GPU (CPU) ====
+# the advice must fit the machine
 
 
 def bench_without_gpu():
@@ -3398,8 +7086,9 @@ def bench_without_gpu():
 
 add("bench/without_gpu", bench_without_gpu, gpu=False)
 
-# -----------------------------------------------------------------------------
-# the references themselves (CPU): the GPU cases lean on these two rules
+
+# ==== script tests: the references themselves (CPU), and --sanitize's logs ====
+# the GPU cases lean on the references' rules; the sanitizer's summaries are read from canned logs
 
 
 def ref_topk_order():
@@ -3565,2120 +7254,11 @@ add("sanitize/summary_of_logs", sanitizer_summary_of_logs, gpu=False)
 add("sanitize/resume", sanitizer_resume, gpu=False)
 add("sanitize/left_out", sanitizer_left_out, gpu=False)
 
-# -----------------------------------------------------------------------------
-# GPU cases. Inputs are unit normals unless a case says otherwise; tolerances are absolute
-# against the float64 reference, (atol, rtol) where outputs span many magnitudes.
 
-
-def rand(*shape, scale=1.0):
-    return torch.randn(*shape, device=DEV) * scale
-
-
-def misaligned(*shape):
-    """Unit normals in a contiguous view that starts one float into its allocation, so its data pointer
-    is not 16-byte aligned: 16-byte loads of it need a copy or the scalar path. Checked here, so a
-    case built on it cannot become an aligned one unnoticed."""
-    t = rand(1 + math.prod(shape))[1:].view(*shape)
-    assert t.data_ptr() % 16, f"misaligned({shape}) is 16-byte aligned"
-    return t
-
-
-def mm_tol(*dims):
-    # rounding in an fp32 dot product grows with its length; 1e-4*sqrt(n) leaves room for any fp32
-    # summation order yet catches TF32 slipping in (~1e-3*sqrt(n)) and any indexing slip (O(1))
-    return 1e-4 * math.sqrt(max(dims))
-
-
-def t_matmul(M, K, N, batch=None, a_t=False, b_step=1):
-    lead = (batch,) if batch else ()
-    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
-    b = rand(*lead, K, N * b_step)[..., ::b_step]
-    compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(M, K, N), mm_tol(M, K, N), a=a, b=b)
-
-
-def t_linear(lead, K, N, bias=True, transposed=False):
-    # transposed: x and weight arrive as transposed views, as after a head split or with a tied weight
-    x = rand(*lead[::-1], K).transpose(0, 1) if transposed else rand(*lead, K)
-    w = rand(K, N).t() if transposed else rand(N, K)
-    tol = mm_tol(math.prod(lead), K, N)
-    if bias:
-        compare(lambda ops, x, w, b: ops.linear(x, w, b), tol, tol, x=x, w=w, b=rand(N))
-    else:
-        compare(lambda ops, x, w: ops.linear(x, w), tol, tol, x=x, w=w)
-
-
-for _dims in ((1, 1, 1), (17, 33, 65), (127, 1, 255), (129, 65, 17), (64, 128, 16), (255, 257, 127),
-              (1000, 1100, 700)):
-    add("matmul/" + "x".join(map(str, _dims)), t_matmul, *_dims)
-add("matmul/3x17x33x65", t_matmul, 17, 33, 65, batch=3)
-add("matmul/2x128x64x200", t_matmul, 128, 64, 200, batch=2)
-add("matmul/33x65x17_aT_bstep2", t_matmul, 33, 65, 17, a_t=True, b_step=2)
-add("matmul/100x300x130_aT", t_matmul, 100, 300, 130, a_t=True)
-add("matmul/3x17x33x65_aT_bstep2", t_matmul, 17, 33, 65, batch=3, a_t=True, b_step=2)
-# few output tiles and a long K: the kernel splits K and adds the partial products
-add("matmul/33x5000x65_splitK", t_matmul, 33, 5000, 65)
-add("matmul/3x40x2001x50_splitK_aT", t_matmul, 40, 2001, 50, batch=3, a_t=True)
-# On Hopper, products of 512^3 and up with every dim >= 128 take the pack + wgmma kernel: ragged
-# edges in every dim, transposes, a batch, a strided operand, split K, and a misaligned pointer
-add("matmul/257x515x1031_wgmma", t_matmul, 257, 515, 1031)
-add("matmul/2x300x700x333_wgmma_aT_bstep2", t_matmul, 300, 700, 333, batch=2, a_t=True, b_step=2)
-add("matmul/130x8200x129_wgmma_splitK", t_matmul, 130, 8200, 129)
-add("matmul/200x700x1000_wgmma_misaligned", lambda: compare(lambda ops, a, b: ops.matmul(a, b), mm_tol(200, 700, 1000),
-    mm_tol(200, 700, 1000), a=misaligned(200, 700), b=misaligned(700, 1000)))
-
-
-def t_matmul_tall(M, K, N):
-    # Hopper's pack pass runs over 128-row tiles on grid.y, which stops at 65535 (8.4M rows): M = 65537 * 128
-    # + 1 rows are packed in two launches, of 65535 tiles and of 3, the last of one row (one launch of them
-    # all failed; elsewhere the mma.sync kernel runs, rows on grid.x). Checked in slices of rows, so the
-    # float64 reference stays small.
-    past_grid_limit()
-    a, b = rand(M, K), rand(K, N)
-    c = kernels.matmul(a, b)
-    for r0 in range(0, M, 1 << 20):
-        check(f"rows_{r0}", c[r0:r0 + (1 << 20)], a[r0:r0 + (1 << 20)].double() @ b.double(), mm_tol(K))
-    return f"{(M + (1 << 20) - 1) >> 20} slices of rows"
-
-
-add("matmul/8388737x128x128_pack_rows_past_grid_y", t_matmul_tall, 8388737, 128, 128)
-
-
-def t_matmul_special(M, K, N, batch=None, a_t=False, linear=False, bias=False):
-    # +-inf and NaN operands give what an fp32 product gives: +-inf where infinite terms of one sign meet
-    # finite ones, NaN for inf * 0, inf - inf or a NaN term (3xTF32 alone gives NaN wherever an inf reaches).
-    # Rows 0-3 put them at the start of K, rows 4-6 in its middle and at its end (split K's later splits;
-    # row 6's inf and -inf in different splits of a long K), and row 5's NaN at k = 0 sits right after row
-    # 4's last element in a row-major a: a sum that read past K would turn row 4's inf into NaN.
-    lead = (batch,) if batch else ()
-    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
-    b = rand(*lead, K, N)
-    inf, nan = float("inf"), float("nan")
-    a[..., 0, 1], a[..., 1, 2], a[..., 2, 1], a[..., 2, 2], a[..., 3, 4] = inf, -inf, inf, inf, nan
-    a[..., 4, K - 1], a[..., 5, 0], a[..., 5, K // 2], a[..., 6, 1], a[..., 6, K - 1] = inf, nan, -inf, inf, -inf
-    b[..., 5, 0], b[..., 1, 3] = -inf, 0.0  # column 0 meets an inf in every row; rows 0, 2 and 6 meet a zero
-    bias_t = rand(N) if bias else None
-    ours = (kernels.linear(a, b.transpose(-1, -2), bias_t) if linear else kernels.matmul(a, b)).double().cpu()
-    ref = a.double().cpu() @ b.double().cpu() + (bias_t.double().cpu() if bias else 0.0)
-    check_nonfinite("out", ours, ref, mm_tol(M, K, N))
-    return f"{int(ref.isnan().sum())} NaN, {int(ref.isposinf().sum())} +inf, {int(ref.isneginf().sum())} -inf as fp32's"
-
-
-add("matmul_special/17x33x65", t_matmul_special, 17, 33, 65)
-add("matmul_special/3x17x33x65_aT", t_matmul_special, 17, 33, 65, batch=3, a_t=True)
-add("matmul_special/33x5000x65_splitK", t_matmul_special, 33, 5000, 65)
-add("matmul_special/linear_40x64x24_bias", t_matmul_special, 40, 64, 24, linear=True, bias=True)
-add("matmul_special/257x515x1031_wgmma", t_matmul_special, 257, 515, 1031)
-add("matmul_special/2x300x700x333_wgmma_aT", t_matmul_special, 300, 700, 333, batch=2, a_t=True)
-add("matmul_special/130x8200x129_wgmma_splitK", t_matmul_special, 130, 8200, 129)
-# linear's weight is B transposed; 144 output tiles fill an H100 (132 SMs), so K is not split and the
-# bias is added in the wgmma epilogue itself
-add("matmul_special/linear_2048x192x1152_wgmma_bias", t_matmul_special, 2048, 192, 1152, linear=True, bias=True)
-add("matmul_special/linear_600x700x500_wgmma_splitK", t_matmul_special, 600, 700, 500, linear=True)
-
-# bf16 (Hopper): one bf16 rounding of each output (rtol 2^-8), plus fp32 accumulation error over the
-# K products (atol 1e-4 * sqrt(K), far below an indexing slip's O(sqrt(K)))
-def bf16_tol(K):
-    return (1e-4 * math.sqrt(max(K, 1)), 2**-8)
-
-
-def check_bf16(label, ours, twin, ref, tol, twin_nonfinite_ok=False):
-    """ours against the float64 reference within tol, and no less accurate than PyTorch's bf16 twin:
-    ours' max error at most twice the twin's plus tol's atol. (cuBLAS may add split-K partials in
-    bf16, so the twin can be the less accurate of the two.) twin_nonfinite_ok: where the twin is known
-    to break (SDPA's bf16 backends on a zero or negative scale), a twin that is not finite is reported
-    and leaves the float64 check alone."""
-    check(label, ours, ref, tol)
-    if twin_nonfinite_ok and not twin.isfinite().all():
-        CHECKS.append(f"{label}(torch) not finite")
-        return
-    err = (ours.double() - ref.double()).abs().max().item() if ours.numel() else 0.0
-    twin_err = (twin.double() - ref.double()).abs().max().item() if twin.numel() else 0.0
-    assert err <= 2 * twin_err + tol[0], f"{label}: max|err| {err:.2e}, torch's bf16 {twin_err:.2e}"
-    CHECKS.append(f"{label}(torch) {twin_err:.1e}")
-
-
-def compare_bf16(f, K, grad=True, tol=None, hopper=True, dy=None, twin_nonfinite_ok=False, **inputs):
-    """f(kernels, **inputs) on bf16 inputs against two references: f(REF) in float64 on the same
-    bf16-rounded values, and PyTorch's own bf16 op (its twin), through check_bf16. With grad, one
-    bf16 dy (random unless given) goes back through all three and every float input's gradient is
-    held to the same. tol: bf16_tol(K) unless given, as (atol, rtol) or a dict by 'out' and input
-    name. hopper=False: the op runs from compute capability 8.0 (mma.sync), not only on wgmma. Float
-    inputs already in bf16 reach our op as they are (same memory, strides and offset)."""
-    if hopper and torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    if torch.cuda.get_device_capability() < (8, 0):
-        raise Skip("bf16 tensor-core products need compute capability 8.0")
-    tol = tol or bf16_tol(K)
-    tol_of = (lambda n: tol[n]) if isinstance(tol, dict) else (lambda n: tol)
-
-    def leaves(dtype):
-        return {n: t.detach().to(torch.bfloat16).to(dtype).requires_grad_(grad) if t.is_floating_point() else t
-                for n, t in inputs.items()}
-    ours_in, twin_in, ref_in = leaves(torch.bfloat16), leaves(torch.bfloat16), leaves(torch.float64)
-    out, twin, ref = f(kernels, **ours_in), f(REF, **twin_in), f(REF, **ref_in)
-    assert out.dtype == torch.bfloat16, f"output dtype {out.dtype}, expected bfloat16"
-    check_bf16("out", out, twin, ref, tol_of("out"), twin_nonfinite_ok)
-    if not grad:
-        return
-    dy = torch.randn(out.shape, device=out.device, dtype=out.dtype) if dy is None else dy  # as in compare()
-    for y in (out, twin):
-        y.backward(dy)
-    ref.backward(dy.double())
-    for n, t in inputs.items():
-        if t.is_floating_point():
-            assert ours_in[n].grad is not None and ours_in[n].grad.dtype == torch.bfloat16, f"d{n}: no bf16 gradient"
-            check_bf16("d" + n, ours_in[n].grad, twin_in[n].grad, ref_in[n].grad, tol_of(n), twin_nonfinite_ok)
-
-
-def t_matmul_bf16(M, K, N, batch=None, a_t=False, b_t=False):
-    lead = (batch,) if batch else ()
-    a = rand(*lead, K, M).transpose(-1, -2) if a_t else rand(*lead, M, K)
-    b = rand(*lead, N, K).transpose(-1, -2) if b_t else rand(*lead, K, N)
-    # the backward's products are K-long over M (db) and N (da): the longest sets the tolerance
-    compare_bf16(lambda ops, a, b: ops.matmul(a, b), max(M, K, N), a=a, b=b)
-
-
-def t_linear_bf16(lead, K, N, bias=True):
-    x, w = rand(*lead, K), rand(N, K)
-    if bias:
-        compare_bf16(lambda ops, x, w, b: ops.linear(x, w, b), max(math.prod(lead), K, N), x=x, w=w, b=rand(N))
-    else:
-        compare_bf16(lambda ops, x, w: ops.linear(x, w), max(math.prod(lead), K, N), x=x, w=w)
-
-
-# Tiles are 128 x BN x 64, BN 256 or 192 by the rounds of tiles over the SMs, 128 or 64 where even those
-# fill under half the SMs and K is too short to split (most of the small cases here: 64, with 8 stages;
-# 1000x200x1536: 128, with 6): sizes of 1, odd sizes (rows that are not 16-byte multiples get padded
-# copies), exact tiles, many K tiles, every operand orientation, a batch. Outputs whose rows are 16-byte
-# multiples (N = 200, 256, 264, 2600, 3072, ...) are stored through the copy engine, the others from
-# registers.
-for _dims in ((1, 1, 1), (17, 33, 65), (128, 64, 256), (257, 515, 1031), (300, 2048, 200)):
-    add("matmul_bf16/" + "x".join(map(str, _dims)), t_matmul_bf16, *_dims)
-add("matmul_bf16/3x129x72x264_aT", t_matmul_bf16, 129, 72, 264, batch=3, a_t=True)
-add("matmul_bf16/2x200x136x300_bT", t_matmul_bf16, 200, 136, 300, batch=2, b_t=True)
-add("matmul_bf16/130x520x260_aT_bT", t_matmul_bf16, 130, 520, 260, a_t=True, b_t=True)
-add("matmul_bf16/1000x200x1536_aT", t_matmul_bf16, 1000, 200, 1536, a_t=True)
-# more tiles than SMs: each persistent block walks several tiles (and batch entries), its stage ring
-# (4 stages, 5 K steps a tile) wrapping in the middle of a tile
-add("matmul_bf16/3x1100x300x2600", t_matmul_bf16, 1100, 300, 2600, batch=3)
-# 256-wide tiles (2 rounds against 3 at 192) over 13 K tiles, 184 of them: the blocks with a second tile store
-# their first while the second's first products run, across the batch entries; the last row and column of
-# tiles clipped (2900 and 1000)
-add("matmul_bf16/2x2900x800x1000", t_matmul_bf16, 2900, 800, 1000, batch=2)
-# split-K (few tiles, long K): 8 splits of 2 tiles, the lower one 2 rows tall, the last split shorter
-# (2 of 65 K tiles); a batch of M-major A split 5 ways (300x2048x200 above splits 4 ways)
-add("matmul_bf16/130x4100x72", t_matmul_bf16, 130, 4100, 72)
-add("matmul_bf16/2x77x3000x260_aT", t_matmul_bf16, 77, 3000, 260, batch=2, a_t=True)
-# (4, 2000) rows: the weight gradient is 200 x 96 over K = 8000, split along K
-# (2, 300) x 384 -> 1152: the large preset's qkv width, six 192-wide tiles, its bias gradient 4 columns a thread.
-# (8, 1024) rows: 768 and 384 output tiles, several per persistent block, so each block restages the
-# bias between tiles, through the copy-engine store (N = 3072) and from registers (N = 1031).
-# The bias gradient comes from the weight gradient's product dy^T x (A's row sums over the tokens):
-# (2, 1500) x 520 -> 130 has two tile rows (the lower one 2 rows tall) and three tile columns, of which
-# only the first adds, over 5 splits of 3000 tokens; (2, 200) x 1100 -> 4200, 198 tiles unsplit, has
-# each block walk several tiles (its stage ring wrapping inside one, its row sums restarting); one
-# token, no tokens, and one output (M = 1, A copied into padded rows). in_features = 0 has no product
-# and sums the columns on their own. (4, 1425) x 800 -> 1000: 180 tiles 256 wide, 48 blocks with two, which
-# store the first, with its bias, while the second's first products run.
-for _lead, _K, _N, _bias in (((2, 7), 33, 65, True), ((3, 100), 768, 3072, True), ((4, 1000), 64, 96, False),
-                             ((4, 2000), 96, 200, True), ((2, 300), 384, 1152, True), ((8, 1024), 256, 3072, True),
-                             ((8, 1024), 256, 1031, True), ((2, 1500), 520, 130, True), ((2, 200), 1100, 4200, True),
-                             ((1,), 40, 3, True), ((0,), 32, 64, True), ((3, 7), 24, 1, True),
-                             ((3, 5), 0, 64, True),  # in_features = 0: out = bias
-                             ((4, 1425), 800, 1000, True)):
-    add(f"linear_bf16/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias, t_linear_bf16, _lead, _K, _N,
-        bias=_bias)
-
-
-def t_linear_bf16_one_output_strided_dy():
-    # one output feature and a dy whose size-1 dim has a stride other than 1 (as a transpose downstream
-    # leaves it): the stride of a size-1 dim means nothing, and the bias gradient's row sums must not ask it
-    dy = torch.randn(3, 1, 7, device=DEV).to(BF16).transpose(1, 2)
-    compare_bf16(lambda ops, x, w, b: ops.linear(x, w, b), 21, dy=dy, x=rand(3, 7, 24), w=rand(1, 24), b=rand(1))
-
-
-add("linear_bf16/3x7x24_to_1_bias_strided_dy", t_linear_bf16_one_output_strided_dy)
-
-
-def t_linear_master(lead, K, N, bias=True, grad=True):
-    # mixed precision's linear: a bf16 x with the fp32 master weight and bias, against autocast's F.linear
-    # (weight and bias cast to bf16). The weight and bias hold bf16 values, so the float64 reference
-    # multiplies what our kernel does; their gradients must come back in fp32. grad=False with one row:
-    # the GEMV path, which rounds the weight first.
-    if grad and torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    x, w, b = rand(*lead, K).to(BF16), rand(N, K).to(BF16).float(), rand(N).to(BF16).float()
-    tol = bf16_tol(max(math.prod(lead), K, N))
-    grad_tol = tol if grad else None
-    if bias:
-        compare_dtypes(lambda x, w, b: kernels.linear(x, w, b), lambda x, w, b: F.linear(x, w.to(x.dtype), b.to(
-            x.dtype)), tol, grad_tol, x=x, w=w, b=b)
-    else:
-        compare_dtypes(lambda x, w: kernels.linear(x, w), lambda x, w: F.linear(x, w.to(x.dtype)), tol, grad_tol,
-                       x=x, w=w)
-
-
-# odd sizes (padded copies of the rounded weight), the weight gradient split along K (fp32 through the
-# split-K sum), the large preset's qkv width, no bias, K = 0 (out = bias), one row through the GEMV
-for _lead, _K, _N, _bias, _grad in (((2, 7), 33, 65, True, True), ((4, 2000), 96, 200, True, True),
-                                    ((2, 1500), 520, 130, True, True),
-                                    ((2, 300), 384, 1152, True, True), ((3, 100), 768, 3072, False, True),
-                                    ((3, 5), 0, 64, True, True), ((1,), 768, 3072, True, False)):
-    add(f"linear_bf16_master/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_gemv" * (not _grad),
-        t_linear_master, _lead, _K, _N, bias=_bias, grad=_grad)
-
-
-for _lead, _K, _N, _bias, _tr in (((1,), 1, 1, True, False), ((2, 7), 33, 65, True, False),
-                                  ((2, 7), 33, 65, False, False), ((3, 100), 768, 3072, True, False),
-                                  ((5,), 1000, 17, False, False), ((2, 7), 33, 65, True, True),
-                                  ((4, 1000), 64, 96, True, False),  # weight grad splits K = 4000
-                                  ((3, 5), 0, 64, True, False)):  # in_features = 0: out = bias, like F.linear
-    add(f"linear/{'x'.join(map(str, _lead))}x{_K}_to_{_N}" + "_bias" * _bias + "_transposed" * _tr,
-        t_linear, _lead, _K, _N, bias=_bias, transposed=_tr)
-
-# y = xhat * w + b with |xhat| up to ~4 and |w| up to ~3: a few fp32 ulps of ~10
-LN_TOL, LN_GRAD_TOL = 2e-5, 1e-4
-
-
-def t_layernorm(shape, transposed=False, eps=1e-5):
-    C = shape[-1]
-    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
-    # width 1: var = 0, so rstd = 1/sqrt(eps) ~ 316 multiplies the rounding of dy*w - mean(dy*w),
-    # which is exactly 0 in float64
-    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
-    # dw and db add one term per row: their fp32 rounding grows like the square root of the rows
-    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
-    compare(lambda ops, x, w, b: ops.layernorm(x, w, b, eps=eps), LN_TOL, dict(x=grad_tol, w=sum_tol, b=sum_tol),
-            x=x, w=rand(C), b=rand(C))
-
-
-# The weight gradients' column sums ride on the dx pass up to 2048 units a row (8192 columns 4-wide):
-# a warp a row, 8 rows a block (4 where a thread caches 8 units), or a block a row. The blocks walk the
-# rows a grid apart, as many blocks as the GPU holds, so these row counts (past an H100's 132 SMs' worth)
-# make each block sum several rows: 40000 x 127 and 3000 x 1001 (one-wide loads), 5000 x 388, 3000 x
-# 1000, 3000 x 1536, 600 x 8192. Wider rows sum in a pass of their own (4 x 65536).
-for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
-               (5000, 388), (3000, 127), (40000, 127), (3000, 1000), (3000, 1001), (3000, 1536), (600, 8192),
-               (4, 65536)):
-    add("layernorm/" + "x".join(map(str, _shape)), t_layernorm, _shape)
-add("layernorm/37x768_transposed", t_layernorm, (37, 768), transposed=True)
-add("layernorm/37x768_eps1e-3", t_layernorm, (37, 768), eps=1e-3)
-
-
-def t_rmsnorm(shape, transposed=False, eps=1e-5):
-    # y = xhat * w as in layernorm (xhat = x * rstd), so the same tolerances, and the same x10 for
-    # width 1, where dx = rstd * g * (1 - xhat^2) cancels
-    C = shape[-1]
-    x = rand(*shape[::-1]).t() if transposed else rand(*shape)
-    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
-    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)  # as in t_layernorm
-    compare(lambda ops, x, w: ops.rmsnorm(x, w, eps=eps), LN_TOL, dict(x=grad_tol, w=sum_tol), x=x, w=rand(C))
-
-
-for _shape in ((1, 1), (37, 1), (1, 127), (37, 127), (1, 768), (37, 768), (2, 7, 768), (1, 4097), (3, 4097),
-               (5000, 388), (3000, 1000), (20000, 255), (600, 8192), (4, 65536)):
-    add("rmsnorm/" + "x".join(map(str, _shape)), t_rmsnorm, _shape)
-add("rmsnorm/37x768_transposed", t_rmsnorm, (37, 768), transposed=True)
-add("rmsnorm/37x768_eps1e-3", t_rmsnorm, (37, 768), eps=1e-3)
-add("empty/rmsnorm_0x768", t_rmsnorm, (0, 768))
-
-
-def t_add_norm(kind, shape, use=("s", "y"), y_misaligned=False):
-    """add_layernorm / add_rmsnorm in fp32: (s, norm(s)), s = x + y. use: the outputs the caller goes on
-    with, so the backward meets both gradients, the norm's alone (s unused: the model's final norm) or
-    s's alone (the norm unused; its weights then get no gradient and are left out of the check).
-    y_misaligned: y starts one float into its allocation, so the kernels take their one-wide path."""
-    C = shape[-1]
-    w, b = rand(C), rand(C)
-    y = misaligned(*shape) if y_misaligned else rand(*shape)
-    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)  # as in t_layernorm
-    sum_tol = grad_tol * max(1.0, (math.prod(shape[:-1]) / 1000) ** 0.5)
-
-    def pick(out):
-        return out if len(use) == 2 else out[("s", "y").index(use[0])]
-    if "y" not in use:  # weights in x's dtype, as the reference runs in float64
-        compare(lambda ops, x, y: pick(getattr(ops, "add_" + kind)(
-            x, y, w.to(x.dtype), *([b.to(x.dtype)] if kind == "layernorm" else []))), LN_TOL, grad_tol,
-            x=rand(*shape), y=y)
-    elif kind == "layernorm":
-        compare(lambda ops, x, y, w, b: pick(ops.add_layernorm(x, y, w, b)), LN_TOL,
-                dict(x=grad_tol, y=grad_tol, w=sum_tol, b=sum_tol), x=rand(*shape), y=y, w=w, b=b)
-    else:
-        compare(lambda ops, x, y, w: pick(ops.add_rmsnorm(x, y, w)), LN_TOL, dict(x=grad_tol, y=grad_tol, w=sum_tol),
-                x=rand(*shape), y=y, w=w)
-
-
-# widths as for the norms: 1 (zero variance), odd (one column a thread), 768 (4 a thread, a warp a row),
-# 1536 and 4096 (256 threads a row), 9001 and 65536 (1024 threads, rows past the register cache: the tail
-# loops form s on their first pass and re-read it); a misaligned y (the one-wide path at a 4-wide width)
-for _kind in ("layernorm", "rmsnorm"):
-    for _shape in ((1, 1), (37, 127), (2, 7, 768), (3, 1536), (5, 4096), (2, 9001), (2, 65536), (3000, 388)):
-        add(f"add_{_kind}/" + "x".join(map(str, _shape)), t_add_norm, _kind, _shape)
-    add(f"add_{_kind}/37x768_y_misaligned", t_add_norm, _kind, (37, 768), y_misaligned=True)
-    add(f"add_{_kind}/37x768_norm_only", t_add_norm, _kind, (37, 768), use=("y",))
-    add(f"add_{_kind}/37x768_sum_only", t_add_norm, _kind, (37, 768), use=("s",))
-
-# probabilities run from 1 down to 1e-7 and below, so the bound is mostly relative
-SM_TOL, SM_GRAD_TOL = (1e-7, 1e-5), (1e-6, 1e-5)
-
-
-def t_softmax(shape, scale=1.0, transposed=False):
-    x = rand(*shape[::-1], scale=scale).t() if transposed else rand(*shape, scale=scale)
-    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, x=x)
-
-
-for _shape, _scale in (((1, 1), 1), ((37, 17), 1), ((2, 5, 17), 1), ((37, 1000), 1), ((37, 1000), 100),
-                       ((4, 50304), 1), ((4, 50304), 100)):
-    add("softmax/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1), t_softmax, _shape, _scale)
-add("softmax/37x1000_transposed", t_softmax, (37, 1000), transposed=True)
-
-GELU_TOL, GELU_GRAD_TOL = (1e-6, 1e-5), (2e-6, 2e-5)
-
-
-def t_gelu(shape, approximate, scale=1.0):
-    compare(lambda ops, x: ops.gelu(x, approximate=approximate), GELU_TOL, GELU_GRAD_TOL,
-            x=rand(*shape, scale=scale))
-
-
-for _mode in ("none", "tanh"):
-    for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
-        add(f"gelu/{_mode}/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1),
-            t_gelu, _shape, _mode, _scale)
-
-
-def t_silu(shape, scale=1.0):
-    compare(lambda ops, x: ops.silu(x), GELU_TOL, GELU_GRAD_TOL, x=rand(*shape, scale=scale))
-
-
-def t_swiglu(shape, scale=1.0, layout="contiguous"):
-    # halves: a and b are the two halves of one projection's output (strided views, copied first);
-    # misaligned: 4 bytes into an allocation, so the kernel's 16-byte loads must not be used
-    if layout == "halves":
-        a, b = rand(*shape[:-1], 2 * shape[-1], scale=scale).chunk(2, dim=-1)
-    elif layout == "misaligned":
-        n = math.prod(shape)
-        a, b = (rand(1 + n, scale=scale)[1:].view(shape) for _ in range(2))
-        assert a.data_ptr() % 16 and b.data_ptr() % 16
-    else:
-        a, b = rand(*shape, scale=scale), rand(*shape, scale=scale)
-    compare(lambda ops, a, b: ops.swiglu(a, b), GELU_TOL, GELU_GRAD_TOL, a=a, b=b)
-
-
-for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
-    _suffix = "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
-    add("silu/" + _suffix, t_silu, _shape, _scale)
-    add("swiglu/" + _suffix, t_swiglu, _shape, _scale)
-add("swiglu/37x1000_halves", t_swiglu, (37, 1000), layout="halves")
-add("swiglu/37x1000_misaligned", t_swiglu, (37, 1000), layout="misaligned")
-add("empty/swiglu_0x64", t_swiglu, (0, 64))
-
-# |out| is a sum of two products of |x| <= ~5 and |cos|, |sin| <= 1: an ulp of ~8 is 1e-6
-ROPE_TOL = (2e-6, 1e-5)
-
-
-def rope_tables(T, D, offset=0):
-    """cos, sin (T, D/2) of positions offset .. offset + T - 1, as train.GPT builds them."""
-    freq = train.ROPE_THETA ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    angles = torch.arange(offset, offset + T, dtype=torch.float64)[:, None] * freq
-    return angles.cos().float().to(DEV), angles.sin().float().to(DEV)
-
-
-def t_rope(B, H, T, D, offset=0, layout="contiguous"):
-    # bshd: (B, T, H, D) memory seen through a transpose; qkv: the key slice of a fused (B, T, 3HD)
-    # projection, as the model passes it (read in place, strided)
-    if layout == "bshd":
-        x = rand(B, T, H, D).transpose(1, 2)
-    elif layout == "qkv":
-        x = rand(B, T, 3 * H * D)[..., H * D:2 * H * D].view(B, T, H, D).transpose(1, 2)
-    else:
-        x = rand(B, H, T, D)
-    cos, sin = rope_tables(T, D, offset)
-    # the tables are constants, not inputs: they get no gradient
-    compare(lambda ops, x: ops.rope(x, cos.to(x.dtype), sin.to(x.dtype)), ROPE_TOL, ROPE_TOL, x=x)
-    # the forward rounds each product as PyTorch's twin does: equal bit for bit in fp32
-    ours, twin = kernels.rope(x, cos, sin), train.TORCH_OPS.rope(x, cos, sin)
-    assert torch.equal(ours, twin), f"not bitwise equal to the fp32 twin: max diff {(ours - twin).abs().max():.1e}"
-
-
-for _B, _H, _T, _D, _off, _layout in ((1, 1, 1, 2, 0, "contiguous"), (2, 3, 17, 64, 0, "contiguous"),
-                                      (2, 3, 1, 64, 1000, "contiguous"), (1, 8, 1, 96, 255, "contiguous"),
-                                      (3, 5, 33, 6, 7, "contiguous"), (2, 3, 17, 64, 0, "bshd"),
-                                      (2, 4, 65, 32, 0, "qkv"), (4, 8, 256, 128, 0, "contiguous"),
-                                      (1, 2, 4097, 64, 0, "qkv")):
-    add(f"rope/b{_B}h{_H}t{_T}d{_D}" + f"_from{_off}" * (_off != 0) + f"_{_layout}" * (_layout != "contiguous"),
-        t_rope, _B, _H, _T, _D, _off, _layout)
-add("empty/rope_b2h3t0d64", t_rope, 2, 3, 0, 64)
-
-# forward is a copy: exact. A weight-gradient row sums one dy row per use of its index, in token
-# order: fp32 rounding grows with the count
-EMB_GRAD_TOL_PER_USE = 1e-6
-
-
-def t_embedding(idx_shape, V, C):
-    idx = torch.randint(0, V, idx_shape, device=DEV)
-    flat = idx.view(-1)
-    flat[::3] = V - 1  # one index repeated many times, and the last row
-    flat[-1] = 0
-    uses = torch.bincount(flat).max().item()
-    compare(lambda ops, idx, w: ops.embedding(idx, w), 0.0, EMB_GRAD_TOL_PER_USE * uses, idx=idx, w=rand(V, C))
-
-
-for _idx_shape, _V, _C in (((7,), 50, 33), ((16, 33), 10, 768), ((1,), 1, 1), ((4, 64), 50304, 64),
-                           ((1,), 7, 5), ((3, 1001), 1, 5), ((4097,), 65, 129), ((8192,), 3, 768)):
-    add(f"embedding/{'x'.join(map(str, _idx_shape))}_of_{_V}x{_C}", t_embedding, _idx_shape, _V, _C)
-
-
-def t_embedding_wide(idx_shape, V, C):
-    # The backward's column tiles (256 units) run over grid.y, which stops at 65535: an odd C (one-wide
-    # loads) of 16777217 makes 65537 tiles, which the blocks walk a grid apart (one launch of them all
-    # failed). 40 indices of 3 make runs that cross the chunks of 32, so both backward kernels walk them.
-    past_grid_limit()
-    t_embedding(idx_shape, V, C)
-
-
-add("embedding/40_of_3x16777217_column_tiles_past_grid_y", t_embedding_wide, (40,), 3, 16777217)
-
-
-def t_embedding_deterministic(n, V, C, run=None):
-    # Two backward passes give bitwise the same weight gradient. The backward sorts the indices and
-    # cuts the sorted list into chunks of 32: few distinct indices make runs that span many chunks;
-    # run=r makes every run exactly r long (r = 32: runs end on chunk boundaries), in shuffled order.
-    idx = (torch.arange(n, device=DEV) // run)[torch.randperm(n, device=DEV)] if run else \
-        torch.randint(0, V, (n,), device=DEV)
-    w, dy = rand(V, C).requires_grad_(), rand(n, C)
-    dws = [torch.autograd.grad(kernels.embedding(idx, w), w, dy)[0] for _ in range(2)]
-    assert torch.equal(dws[0], dws[1]), \
-        f"two backward passes differ, by up to {(dws[0] - dws[1]).abs().max().item():.2e}"
-    ref = torch.zeros(V, C, dtype=torch.float64, device=DEV).index_add_(0, idx, dy.double())
-    check("dw", dws[0], ref, EMB_GRAD_TOL_PER_USE * torch.bincount(idx, minlength=V).max().item())
-    return "bitwise identical twice"
-
-
-for _n, _V, _C, _run in ((8192, 3, 768, None), (8192, 3, 7, None), (5000, 1, 33, None), (1, 1, 1, None),
-                         (1, 5, 64, None), (1000, 50304, 64, None), (96, 3, 64, 32), (99, 3, 5, 33),
-                         (4096, 128, 128, 32)):
-    add(f"embedding/bwd_deterministic_{_n}_of_{_V}x{_C}" + f"_runs{_run}" * bool(_run), t_embedding_deterministic,
-        _n, _V, _C, _run)
-
-# the loss is ~log V; gradients are (p - onehot) / N, down to ~1e-9, hence the relative part
-CE_TOL, CE_GRAD_TOL = (1e-5, 1e-5), (1e-8, 1e-5)
-
-
-def t_cross_entropy(N, V, scale=1.0):
-    targets = torch.randint(0, V, (N,), device=DEV)
-    targets[0], targets[-1] = V - 1, 0
-    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL,
-            logits=rand(N, V, scale=scale), targets=targets)
-
-
-for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (1, 50304, 1), (37, 50304, 1), (37, 65, 30)):
-    add(f"cross_entropy/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy, _N, _V, _scale)
-
-
-# NaN and inf pass through as PyTorch passes them on (as its fp64 twin does): a row holding a NaN or +inf, or
-# all -inf, normalizes to NaN, except that RMSNorm's rstd becomes 0 at an inf, which leaves the row 0 with NaN
-# where the inf was; softmax gives 0 where -inf meets finite values and NaN where +inf or NaN is; cross-entropy
-# a NaN loss and NaN row gradients for such rows, +inf for a target at -inf. The checks hold every NaN and
-# inf to the twin's positions and the rest to the usual tolerances.
-def nonfinite_rows(R, C):
-    """R x C unit normals (R >= 6, C >= 3) but for a NaN in row 0, +inf in row 1, -inf in row 2, +inf and -inf
-    in row 3, and row 4 all -inf."""
-    nan, inf = float("nan"), float("inf")
-    x = rand(R, C)
-    x[0, C // 2], x[1, 0], x[2, C - 1], x[3, 1], x[3, 2] = nan, inf, -inf, inf, -inf
-    x[4] = -inf
-    return x
-
-
-def t_norm_nonfinite(kind, R, C):
-    sum_tol = LN_GRAD_TOL * max(1.0, (R / 1000) ** 0.5)  # as in t_layernorm
-    if kind == "layernorm":
-        compare(lambda ops, x, w, b: ops.layernorm(x, w, b), LN_TOL, dict(x=LN_GRAD_TOL, w=sum_tol, b=sum_tol),
-                nonfinite=True, x=nonfinite_rows(R, C), w=rand(C), b=rand(C))
-    else:  # against the formula: PyTorch's CUDA rms_norm turns a row holding inf into NaN throughout
-        compare(lambda ops, x, w: ops.rmsnorm(x, w) if ops is kernels else rmsnorm_formula(x, w), LN_TOL,
-                dict(x=LN_GRAD_TOL, w=sum_tol), nonfinite=True, x=nonfinite_rows(R, C), w=rand(C))
-
-
-def rmsnorm_formula(x, w, eps=train.LN_EPS):
-    """RMSNorm as its formula reads: a row holding inf gives its finite entries 0 (their rstd is 0) and the inf
-    NaN, as ours and PyTorch's CPU rms_norm do."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def t_softmax_nonfinite(R, C):
-    compare(lambda ops, x: ops.softmax(x), SM_TOL, SM_GRAD_TOL, nonfinite=True, x=nonfinite_rows(R, C))
-
-
-def t_cross_entropy_nonfinite(kind, N, V):
-    """kind 'nan_inf': nonfinite_rows' logits, a NaN loss; 'neg_inf_off_target': -inf in every row, never at
-    the target, a finite loss; 'neg_inf_at_target': also row 0's target at -inf (an infinite loss) and row 1
-    -inf but at its target (a zero loss and zero gradient for that row)."""
-    targets = torch.randint(0, V, (N,), device=DEV)
-    inf = float("inf")
-    if kind == "nan_inf":
-        logits = nonfinite_rows(N, V)
-    else:
-        logits = rand(N, V)
-        logits[torch.arange(N, device=DEV), (targets + 1) % V] = -inf
-        if kind == "neg_inf_at_target":
-            logits[0, targets[0]] = -inf
-            logits[1] = -inf
-            logits[1, targets[1]] = 0.5
-    compare(lambda ops, logits, targets: ops.cross_entropy(logits, targets), CE_TOL, CE_GRAD_TOL, nonfinite=True,
-            logits=logits, targets=targets)
-
-
-for _R, _C in ((37, 768), (8, 65536)):  # 65536: rows past the register cache, and the norms' separate column sums
-    for _kind in ("layernorm", "rmsnorm"):
-        add(f"{_kind}/nonfinite_{_R}x{_C}", t_norm_nonfinite, _kind, _R, _C)
-for _R, _C in ((37, 17), (8, 50304)):
-    add(f"softmax/nonfinite_{_R}x{_C}", t_softmax_nonfinite, _R, _C)
-for _kind, _V in (("nan_inf", 65), ("nan_inf", 50304), ("neg_inf_off_target", 65), ("neg_inf_at_target", 65)):
-    add(f"cross_entropy/nonfinite_{_kind}_37x{_V}", t_cross_entropy_nonfinite, _kind, 37, _V)
-
-
-@mutant("nonfinite_swallowed", "layernorm/nonfinite_37x768", "rmsnorm/nonfinite_37x768", "softmax/nonfinite_37x17",
-        "cross_entropy/nonfinite_nan_inf_37x65", "cross_entropy/nonfinite_neg_inf_at_target_37x65")
-def _nonfinite_swallowed():
-    """The row ops' outputs with NaN and inf turned into numbers, as a kernel that clamped or skipped them would
-    give."""
-    with contextlib.ExitStack() as stack:
-        for name in ("layernorm", "rmsnorm", "softmax", "cross_entropy"):
-            op = getattr(kernels, name)
-            stack.enter_context(unittest.mock.patch.object(
-                kernels, name, lambda *args, _op=op, **kw: torch.nan_to_num(_op(*args, **kw))))
-        yield
-
-
-def t_gemv(N, K, bias=False, x_step=1):
-    w, x = rand(N, K), rand(K * x_step)[::x_step]
-    if bias:
-        compare(lambda ops, w, x, b: ops.gemv(w, x, b), mm_tol(K), w=w, x=x, b=rand(N))
-    else:
-        compare(lambda ops, w, x: ops.gemv(w, x), mm_tol(K), w=w, x=x)
-
-
-for _N, _K, _bias, _step in ((1, 1, False, 1), (1, 1, True, 1), (3072, 768, False, 1), (3072, 768, True, 1),
-                             (4096, 4096, False, 1), (4096, 4096, True, 1), (37, 1001, False, 1),
-                             (1000, 1001, True, 1), (3072, 768, True, 2)):
-    add(f"gemv/{_N}x{_K}" + "_bias" * _bias + f"_xstep{_step}" * (_step != 1), t_gemv, _N, _K, _bias, _step)
-
-
-# Programmatic dependent launch (kernels.set_pdl, on by default): on a compute capability 9.0 GPU our row,
-# elementwise, embedding, GEMV, kv_write and attention-forward kernels may be launched while the kernel
-# ahead of them runs, and wait inside for it. Here a LayerNorm of one 2^22-wide row (one block, a long
-# time) writes, over memory that held NaN just before (the caching allocator hands the freed block
-# back: checked), the x of a GEMV that is launched as soon as that block starts; then a LayerNorm, a
-# GEMV and a cross-entropy, each reading what the one before wrote. A kernel that read before its
-# wait would see NaN or stale values; with launches early and ordinary, the same bits.
-def t_gemv_pdl_chain(N, K):
-    if torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("early launches need a compute capability 9.0 GPU")
-    C = 1 << 22
-    x, ln_w, ln_b = rand(C), rand(C), rand(C)
-    w1, w2, ln2_w, ln2_b = rand(N, K), rand(N, N), rand(N), rand(N)
-    tgt = torch.tensor([N // 3], device=DEV)
-
-    def chain(pdl):
-        kernels.set_pdl(pdl)
-        try:
-            poison = torch.full_like(x, float("nan"))
-            ptr = poison.data_ptr()
-            del poison
-            h = kernels.layernorm(x, ln_w, ln_b)
-            assert h.data_ptr() == ptr, "the norm's output did not reuse the NaN-filled block: nothing would be tested"
-            y1 = kernels.gemv(w1, h[-K:])
-            y2 = kernels.gemv(w2, kernels.layernorm(y1, ln2_w, ln2_b))
-            return y1, y2, kernels.cross_entropy(y2[None], tgt)
-        finally:
-            kernels.set_pdl(True)
-    early, ordinary = chain(True), chain(False)
-    h_ref = REF.layernorm(x.double(), ln_w.double(), ln_b.double())[-K:]
-    ref1 = REF.gemv(w1.double(), h_ref)
-    ref2 = REF.gemv(w2.double(), REF.layernorm(ref1, ln2_w.double(), ln2_b.double()))
-    check("gemv_after_long_norm", early[0], ref1, mm_tol(K))
-    check("gemv_after_norm", early[1], ref2, mm_tol(K, N))
-    check("cross_entropy_after_gemv", early[2], F.cross_entropy(ref2[None], tgt), mm_tol(K, N))
-    for a, b, what in zip(early, ordinary, ("first GEMV", "second GEMV", "cross-entropy")):
-        assert torch.equal(a, b), f"{what}: early launches changed the bits"
-
-
-for _N, _K in ((1000, 1001), (3072, 768), (512, 8192)):  # scalar loads; 16-byte; 8 rounds of loads a lane
-    add(f"gemv/pdl_chain_{_N}x{_K}", t_gemv_pdl_chain, _N, _K)
-
-
-# The KV cache write of decoding: the same bits as the torch op set's two index_copy_ calls. k and v
-# are strided views of one QKV output, as the model passes them; positions in any order.
-@torch.no_grad()
-def t_kv_write(B, H, T, S, D, positions, dtype, pad=0):
-    k_cache, v_cache = rand(B, H, S, D).to(dtype), rand(B, H, S, D).to(dtype)
-    qkv = rand(B, T, 3 * H * D + pad).to(dtype)  # pad: rows off 16 bytes, so the kernel copies value by value
-    k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1)[1:3])  # (B, H, T, D) views
-    pos = torch.tensor(positions, device=DEV)
-    ours, ref = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
-    kernels.kv_write(*ours, pos, k, v)
-    train.torch_kv_write(*ref, pos, k, v)
-    check("k_cache", ours[0], ref[0], 0.0)
-    check("v_cache", ours[1], ref[1], 0.0)
-
-
-for _B, _H, _T, _S, _D, _pos, _pad in ((1, 8, 1, 256, 96, [37], 0), (1, 16, 1, 1024, 128, [1023], 0),
-                                       (2, 3, 5, 40, 64, [7, 2, 39, 0, 5], 0), (2, 4, 3, 50, 64, [49, 0, 17], 1),
-                                       (1, 2, 3, 9, 5, [8, 0, 4], 0), (3, 1, 1, 1, 1, [0], 0)):
-    for _dt in ("fp32", "bf16"):
-        add(f"kv_write/{_dt}_b{_B}h{_H}t{_T}_cache{_S}_d{_D}" + "_padded" * _pad, t_kv_write, _B, _H, _T, _S, _D,
-            _pos, torch.float32 if _dt == "fp32" else torch.bfloat16, _pad)
-
-
-def t_linear_one_row(K, N, bias):
-    # one row without autograd (decoding) takes the GEMV kernel inside kernels.linear
-    with torch.no_grad():
-        compare(lambda ops, x, w, b: ops.linear(x, w, b), mm_tol(K), x=rand(1, 1, K), w=rand(N, K),
-                b=rand(N) if bias else None)
-
-
-for _K, _N, _bias in ((768, 2304, True), (768, 95, False), (1001, 37, True)):
-    add(f"linear/one_row_gemv_{_K}_to_{_N}" + "_bias" * _bias, t_linear_one_row, _K, _N, _bias)
-
-
-def t_expert_gemv(E, N, K, experts, bias=True):
-    e = torch.tensor(experts, device=DEV)
-    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(len(experts), K),
-            b=rand(E, N) if bias else None, e=e)
-
-
-for _E, _N, _K, _ex, _bias in ((8, 3072, 768, [5, 2], True), (8, 768, 3072, [7, 0], True), (1, 1, 1, [0], False),
-                               (4, 37, 1001, [3, 3, 1], True)):
-    add(f"expert_gemv/{_E}x{_N}x{_K}_experts{'-'.join(map(str, _ex))}" + "_bias" * _bias, t_expert_gemv,
-        _E, _N, _K, _ex, _bias)
-
-
-def t_expert_gemv_many_rows(S, E=4, N=37, K=64):
-    # grid.y runs over the rows of x and stops at 65535: S = 2 * 65535 + 3 takes three launches, the last of 3
-    # rows, each on its slice of x, y and experts (one launch of S rows failed: invalid configuration argument)
-    past_grid_limit()
-    e = torch.randint(0, E, (S,), device=DEV)
-    compare(lambda ops, w, x, b, e: ops.expert_gemv(w, x, b, e), mm_tol(K), w=rand(E, N, K), x=rand(S, K),
-            b=rand(E, N), e=e)
-
-
-add("expert_gemv/131073_rows_past_grid_y", t_expert_gemv_many_rows, 131073)
-
-# -----------------------------------------------------------------------------
-# bf16 row ops: bf16 activations in and out, fp32 arithmetic inside (mixed-precision training feeds the
-# norms fp32 and asks for bf16 out; bf16 inference is bf16 throughout). Held to the fp32 tolerances of
-# each op plus one bf16 rounding (2^-8 relative) wherever the checked tensor is bf16, and, as the bf16
-# matmul, to at most twice PyTorch's own error (its twin on the same dtypes) plus that atol.
-BF16 = torch.bfloat16
-
-
-def bf16_tolerance(dtype, tol):
-    atol, rtol = tol if isinstance(tol, tuple) else (tol, 0.0)
-    return (atol, max(rtol, 2**-8)) if dtype == BF16 else (atol, rtol)
-
-
-def on_both(f):
-    """f(ops, **inputs) as compare_dtypes' (ours, torch_fn) pair: the call stated once, on kernels and on its
-    twins (REF, train.TORCH_OPS)."""
-    return functools.partial(f, kernels), functools.partial(f, REF)
-
-
-def compare_dtypes(ours, torch_fn, tol, grad_tol=None, out_dtype=BF16, ref_fn=None, **inputs):
-    """ours(**inputs) on our kernels, every input in the dtype it comes in (bf16 or fp32; integer ones as
-    they are), against torch_fn on the same values twice: in float64 (the reference; ref_fn instead where
-    given) and in those dtypes with its result cast to out_dtype (PyTorch's own, the twin), through
-    check_bf16. For ops with a tuple of outputs, out_dtype is a tuple too. With grad_tol, one dy per
-    output, in its dtype, goes back through all three, and every float input's gradient must come back in
-    that input's dtype and pass the same checks."""
-    grad = grad_tol is not None
-
-    def leaves(cast):
-        return {n: cast(t).detach().requires_grad_(grad) if t.is_floating_point() else t for n, t in inputs.items()}
-    ours_in, twin_in, ref_in = leaves(lambda t: t), leaves(lambda t: t), leaves(lambda t: t.double())
-    outs, twins, refs = outputs(ours(**ours_in)), outputs(torch_fn(**twin_in)), outputs((ref_fn or torch_fn)(**ref_in))
-    dtypes = (out_dtype,) if isinstance(out_dtype, torch.dtype) else out_dtype
-    twins = [(label, t.to(dt)) for (label, t), dt in zip(twins, dtypes, strict=True)]
-    for (label, out), (_, twin), (_, ref), dt in zip(outs, twins, refs, dtypes, strict=True):
-        assert out.dtype == dt, f"{label} dtype {out.dtype}, expected {dt}"
-        check_bf16(label, out, twin, ref, bf16_tolerance(dt, tol))
-    if not grad:
-        return
-    dys = [torch.randn(out.shape, device=out.device, dtype=out.dtype) for _, out in outs]  # by shape, as in compare()
-    for results in (outs, twins):
-        torch.autograd.backward([t for _, t in results], dys)
-    torch.autograd.backward([t for _, t in refs], [d.double() for d in dys])
-    for n, t in ours_in.items():
-        if t.is_floating_point():
-            assert t.grad is not None and t.grad.dtype == t.dtype, f"d{n}: {None if t.grad is None else t.grad.dtype}, not {t.dtype}"
-            g = grad_tol[n] if isinstance(grad_tol, dict) else grad_tol
-            check_bf16("d" + n, t.grad, twin_in[n].grad, ref_in[n].grad, bf16_tolerance(t.dtype, g))
-
-
-NORM_MODES = {"bf16": (BF16, BF16), "fp32_to_bf16": (torch.float32, BF16), "bf16_to_fp32": (BF16, torch.float32)}
-
-
-def t_norm_bf16(kind, shape, mode):
-    # mode: x and weights' dtype -> y's (fp32_to_bf16: mixed-precision training's fp32 residual stream)
-    dt, out = NORM_MODES[mode]
-    C = shape[-1]
-    x, w, b = rand(*shape).to(dt), rand(C).to(dt), rand(C).to(dt)
-    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
-    if kind == "layernorm":
-        compare_dtypes(lambda x, w, b: kernels.layernorm(x, w, b, out_dtype=out),
-                       lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5), LN_TOL, grad_tol, out, x=x, w=w, b=b)
-    else:
-        compare_dtypes(lambda x, w: kernels.rmsnorm(x, w, out_dtype=out),
-                       lambda x, w: F.rms_norm(x, (C,), w, 1e-5), LN_TOL, grad_tol, out, x=x, w=w)
-
-
-for _kind in ("layernorm", "rmsnorm"):
-    for _shape, _mode in (((1, 1), "bf16"), ((37, 127), "bf16"), ((2, 7, 768), "bf16"), ((3, 4097), "bf16"),
-                          ((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 4097), "fp32_to_bf16"),
-                          ((37, 768), "bf16_to_fp32")):
-        add(f"{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_norm_bf16, _kind,
-            _shape, _mode)
-
-
-def t_add_norm_bf16(kind, shape, mode):
-    """add_layernorm / add_rmsnorm with bf16: mode 'fp32_to_bf16' is mixed-precision training (fp32 stream x
-    and sum s, bf16 sublayer output y and norm), 'bf16' is bf16 decoding (all bf16). The sum is rounded to
-    the stream's dtype, by our kernel and by a separate add alike; the float64 reference rounds it too
-    (forward only), or that one rounding, scaled up by the norm, would dominate the comparison."""
-    dt, out = NORM_MODES[mode]
-    C = shape[-1]
-    x, y, w, b = rand(*shape).to(dt), rand(*shape).to(out), rand(C).to(dt), rand(C).to(dt)
-    grad_tol = LN_GRAD_TOL * (10 if C == 1 else 1)
-
-    def twin(x, y, w, b=None):
-        s = x + y
-        s = s + (s.to(dt).to(s.dtype) - s).detach()
-        return s, (F.layer_norm(s, (C,), w, b, 1e-5) if b is not None else F.rms_norm(s, (C,), w, 1e-5))
-    if kind == "layernorm":
-        compare_dtypes(lambda x, y, w, b: kernels.add_layernorm(x, y, w, b, out_dtype=out), twin, LN_TOL, grad_tol,
-                       (dt, out), x=x, y=y, w=w, b=b)
-    else:
-        compare_dtypes(lambda x, y, w: kernels.add_rmsnorm(x, y, w, out_dtype=out), twin, LN_TOL, grad_tol, (dt, out),
-                       x=x, y=y, w=w)
-
-
-for _kind in ("layernorm", "rmsnorm"):
-    for _shape, _mode in (((37, 768), "fp32_to_bf16"), ((1, 127), "fp32_to_bf16"), ((3, 9001), "fp32_to_bf16"),
-                          ((2, 7, 768), "bf16"), ((37, 1), "bf16"), ((3, 9001), "bf16"),
-                          ((2, 16388), "bf16")):  # 4-wide bf16 rows past the register cache (16384 columns)
-        add(f"add_{_kind}_bf16/" + "x".join(map(str, _shape)) + f"_{_mode}" * (_mode != "bf16"), t_add_norm_bf16,
-            _kind, _shape, _mode)
-
-
-def t_softmax_bf16(shape, scale, out):
-    x = rand(*shape, scale=scale).to(BF16)
-    grad_tol = SM_GRAD_TOL
-    if out == BF16:
-        # the backward reads the saved bf16 y: dx_i = y_i (dy_i - sum_j dy_j y_j) carries y's rounding
-        # (2^-9 relative) times |dy_i| + |sum| + max|dy| <= 3 * 5 (dy ~ randn), an error relative to y_i,
-        # not to dx_i, which can cancel to far less
-        grad_tol = (2**-9 * 3 * 5 * torch.softmax(x.double(), -1).max().item(), SM_GRAD_TOL[1])
-    compare_dtypes(lambda x: kernels.softmax(x, out_dtype=out), REF.softmax, SM_TOL, grad_tol, out, x=x)
-
-
-for _shape, _scale, _out in (((1, 1), 1, BF16), ((37, 1000), 1, BF16), ((4, 50304), 100, BF16),
-                             ((4096, 8), 1, torch.float32), ((37, 1000), 1, torch.float32)):
-    add("softmax_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1) + "_to_fp32" * (_out != BF16),
-        t_softmax_bf16, _shape, _scale, _out)
-
-
-def t_activation_bf16(op, shape, scale=1.0, layout="contiguous"):
-    def x_():
-        if layout == "misaligned":  # 2 bytes into an allocation: no 16-byte loads
-            return rand(1 + math.prod(shape), scale=scale).to(BF16)[1:].view(shape)
-        return rand(*shape, scale=scale).to(BF16)
-    if op == "swiglu":
-        compare_dtypes(kernels.swiglu, REF.swiglu, GELU_TOL, GELU_GRAD_TOL, a=x_(), b=x_())
-        return
-    approximate = "tanh" if op == "gelu_tanh" else "none"
-    fns = {"gelu": (lambda ops, x: ops.gelu(x, approximate=approximate)), "silu": (lambda ops, x: ops.silu(x))}
-    compare_dtypes(*on_both(fns[op.split("_")[0]]), GELU_TOL, GELU_GRAD_TOL, x=x_())
-
-
-for _op in ("gelu", "gelu_tanh", "silu", "swiglu"):
-    for _shape, _scale, _layout in (((1,), 1, "contiguous"), ((17, 33), 1, "contiguous"),
-                                    ((8192, 768), 1, "contiguous"), ((1001,), 10, "contiguous"),
-                                    ((37, 1000), 1, "misaligned")):
-        add(f"{_op}_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
-            + f"_{_layout}" * (_layout != "contiguous"), t_activation_bf16, _op, _shape, _scale, _layout)
-
-
-def t_rope_bf16(B, H, T, D, layout):
-    # qkv: k's heads in place in a bf16 (B, T, 3 H D) projection (cast first: a cast of the view would copy it)
-    x = rand(B, T, 3 * H * D).to(BF16)[..., H * D:2 * H * D].view(B, T, H, D).transpose(1, 2) if layout == "qkv" \
-        else rand(B, H, T, D).to(BF16)
-    assert layout != "qkv" or not x.is_contiguous(), "the qkv case must hand the op a strided view"
-    cos, sin = rope_tables(T, D)
-    # the fp32 tables promote the twin's rotation to fp32 (and the reference's to float64)
-    compare_dtypes(lambda x: kernels.rope(x, cos, sin), lambda x: train.torch_rope(x, cos, sin), ROPE_TOL, ROPE_TOL,
-                   x=x)
-
-
-add("rope_bf16/b2h3t17d64", t_rope_bf16, 2, 3, 17, 64, "contiguous")
-add("rope_bf16/b2h4t65d32_qkv", t_rope_bf16, 2, 4, 65, 32, "qkv")
-
-
-def t_cross_entropy_bf16(N, V, scale=1.0):
-    targets = torch.randint(0, V, (N,), device=DEV)
-    targets[0], targets[-1] = V - 1, 0
-    # the loss is fp32 from bf16 logits (autocast's choice); the logits' gradient is bf16
-    compare_dtypes(*on_both(lambda ops, logits: ops.cross_entropy(logits, targets)), CE_TOL, CE_GRAD_TOL, torch.float32,
-                   logits=rand(N, V, scale=scale).to(BF16))
-
-
-for _N, _V, _scale in ((1, 65, 1), (37, 65, 1), (37, 50304, 1), (37, 65, 30)):
-    add(f"cross_entropy_bf16/{_N}x{_V}" + f"_x{_scale}" * (_scale != 1), t_cross_entropy_bf16, _N, _V, _scale)
-
-
-def t_embedding_bf16(idx_shape, V, C):
-    idx = torch.randint(0, V, idx_shape, device=DEV)
-    uses = int(torch.bincount(idx.view(-1), minlength=V).max())
-    # forward: a copy, exact (asserted bit for bit); backward: fp32 sums rounded once to bf16
-    w = rand(V, C).to(BF16)
-    assert torch.equal(kernels.embedding(idx, w), F.embedding(idx, w)), "the bf16 embedding forward is not exact"
-    compare_dtypes(*on_both(lambda ops, w: ops.embedding(idx, w)), 0.0, EMB_GRAD_TOL_PER_USE * uses, w=w)
-
-
-add("embedding_bf16/3x1001_of_1000x64", t_embedding_bf16, (3, 1001), 1000, 64)
-add("embedding_bf16/7_of_5x13", t_embedding_bf16, (7,), 5, 13)
-
-
-def t_gemv_bf16(N, K, bias, experts=None):
-    # decoding in bf16: bf16 weights and vector, fp32 sums over K, one rounding of the result
-    tol = bf16_tol(K)[0]
-    w = rand(*((4,) if experts else ()), N, K).to(BF16)
-    b = (rand(4, N) if experts else rand(N)).to(BF16) if bias else None
-    if experts:
-        e = torch.tensor(experts, device=DEV)
-        compare_dtypes(*on_both(lambda ops, w, x, b: ops.expert_gemv(w, x, b, e)), tol, w=w,
-                       x=rand(len(experts), K).to(BF16), b=b)
-    elif bias:
-        compare_dtypes(*on_both(lambda ops, w, x, b: ops.linear(x, w, b)), tol, w=w, x=rand(1, K).to(BF16),
-                       b=b)  # one row, no autograd: linear's GEMV path
-    else:
-        compare_dtypes(*on_both(lambda ops, w, x: ops.gemv(w, x)), tol, w=w, x=rand(K).to(BF16))
-
-
-for _N, _K, _bias, _ex in ((1, 1, False, None), (3072, 768, False, None), (4096, 4096, False, None),
-                           (37, 1001, False, None), (2304, 768, True, None), (95, 768, True, None),
-                           (768, 3072, True, [3, 0]), (37, 1001, True, [1, 1, 2])):
-    add(f"gemv_bf16/{_N}x{_K}" + "_bias" * _bias + ("_experts" + "-".join(map(str, _ex)) if _ex else ""),
-        torch.no_grad()(t_gemv_bf16), _N, _K, _bias, _ex)
-
-
-def t_topk_bf16(shape, k):
-    x = rand(*shape).to(BF16)
-    values, idx = kernels.topk(x, k)
-    ref_v, ref_i = topk_reference(x.float(), k)
-    assert values.dtype == BF16, f"values dtype {values.dtype}"
-    # bf16 rows tie often: the promised order (lower index first) is the test
-    assert torch.equal(values.float().cpu(), ref_v.float()) and torch.equal(idx.cpu(), ref_i), "top-k differs"
-    return f"{shape} k={k}: values and indices equal"
-
-
-add("topk_bf16/37x1000_k5", t_topk_bf16, (37, 1000), 5)
-add("topk_bf16/1x50304_k50", t_topk_bf16, (1, 50304), 50)
-
-
-BIG = 2.0 ** 100  # stands in for NaN (2 * BIG for inf) in the value comparison; exact in fp32 and fp64
-
-
-def t_topk(shape, k, kind=""):
-    # ties: values from -4..4, so rows are full of ties and the index order is the test; zeros: +0
-    # and -0 only, which tie; inf: +inf and -inf columns among the values; nan: two NaN columns and
-    # row 1 all NaN (NaN ranks largest, NaNs by index)
-    if kind == "ties":
-        x = torch.randint(-4, 5, shape, device=DEV).float()
-    elif kind == "zeros":
-        x = torch.zeros(shape, device=DEV).masked_fill_(torch.rand(shape, device=DEV) < 0.5, -0.0)
-    else:
-        x = rand(*shape)
-    if kind == "inf":
-        x[:, ::3] = float("inf")
-        x[:, 1::3] = float("-inf")
-    if kind == "nan":
-        x[:, 3] = float("nan")
-        x[::2, -1] = float("nan")
-        x[1:2] = float("nan")
-    values, idx = kernels.topk(x, k)
-    ref_values, ref_idx = topk_reference(x, k)
-    assert values.dtype == torch.float32 and idx.dtype == torch.int64, f"dtypes {values.dtype}, {idx.dtype}"
-    # NaN and +-inf stand in as finite numbers (an fp32 and an fp64 inf would not compare)
-    check("values", values.double().nan_to_num(BIG, 2 * BIG, -2 * BIG), ref_values.nan_to_num(BIG, 2 * BIG, -2 * BIG),
-          0.0)
-    check("idx", idx, ref_idx, 0.0)
-    if kind == "zeros":  # -0 and +0 tie, but each value is the one at its index
-        assert torch.equal(values.signbit(), x.gather(-1, idx).signbit()), "sign of a zero lost"
-
-
-# Paths: rows up to 512 with k <= 16 take one warp per row; otherwise one block holds a row of up to
-# 8192; wider rows with few rows are split into slices of ~4096 and merged; a block whose share is
-# wider than 8192 reads it in chunks (1 x 600000; 2048 rows of 8200 fill the GPU without splitting).
-for _shape, _k, _kind in (((4096, 8), 1, ""), ((4096, 8), 2, ""), ((4096, 8), 8, ""), ((1, 50304), 50, ""),
-                          ((37, 1000), 128, ""), ((2, 5, 300), 7, ""), ((5, 1), 1, ""), ((1, 1), 1, ""),
-                          ((4096, 8), 2, "ties"), ((64, 1000), 128, "ties"), ((16, 100), 10, "nan"),
-                          ((3, 16), 16, "ties"), ((3, 17), 17, ""), ((2, 512), 16, ""), ((2, 513), 16, "ties"),
-                          ((4, 512), 17, "ties"), ((3, 128), 128, "nan"), ((5, 300), 64, "zeros"),
-                          ((37, 1000), 128, "inf"), ((3, 8192), 128, "ties"), ((3, 8193), 128, "ties"),
-                          ((1, 8193), 1, "zeros"), ((1, 50304), 50, "ties"), ((1, 50304), 50, "nan"),
-                          ((1, 50304), 128, "zeros"), ((64, 50304), 50, ""), ((1, 262144), 128, ""),
-                          ((1, 262144), 128, "ties"), ((1, 600000), 128, ""), ((1, 600000), 100, "nan"),
-                          ((2048, 8200), 100, "ties")):
-    add(f"topk/{'x'.join(map(str, _shape))}_k{_k}" + f"_{_kind}" * bool(_kind), t_topk, _shape, _k, _kind)
-
-
-def sinkhorn_tol(scale):
-    """(atol, rtol) for P and dlogits when the logits are randn * scale. fp32 holds a logit of size s
-    to about s * 6e-8, and Sinkhorn carries that resolution into P and into the gradient. An fp32 CPU
-    emulation of the kernel's arithmetic, against float64, erred by up to 2e-6 at s = 30 and 2.2e-5
-    at s = 1e3 (M = 4096, n <= 8, iters 1 to 20), in P and in dlogits alike; a wrong half-step order
-    or a slip in the backward errs by ~0.1."""
-    return (1e-6 + scale * 1e-7, 1e-5)
-
-
-def t_sinkhorn(shape, scale, iters=20, transposed=False):
-    # transposed: the logits arrive as a non-contiguous view
-    logits = rand(*shape, scale=scale)
-    logits = logits.transpose(-1, -2) if transposed else logits
-    tol = sinkhorn_tol(scale)
-    compare(lambda ops, logits: ops.sinkhorn(logits, iters=iters), tol, tol, logits=logits)
-
-
-def t_sinkhorn_rows_sum_to_one(M):
-    # the last half-step normalises the rows: they sum to 1 up to a few fp32 ulps per entry, even
-    # where |logits| ~ 1e3 (the kernel subtracts each row's max before its log-sum-exp)
-    for n in (1, 2, 4, 8):
-        for scale in (1, 30, 1e3):
-            p = kernels.sinkhorn(rand(M, n, n, scale=scale))
-            check(f"n{n}_x{scale:g}", p.double().sum(-1), torch.ones(M, n, dtype=torch.float64, device=DEV), 2e-6)
-
-
-for _M in (1, 24, 4096):
-    for _n in (1, 2, 4, 8):
-        for _scale in (30, 1e3):
-            add(f"sinkhorn/{_M}x{_n}x{_n}_x{_scale:g}", t_sinkhorn, (_M, _n, _n), _scale)
-for _iters in (1, 7):
-    for _n in (1, 2, 4, 8):
-        for _scale in (30, 1e3):
-            add(f"sinkhorn/24x{_n}x{_n}_x{_scale:g}_iters{_iters}", t_sinkhorn, (24, _n, _n), _scale, iters=_iters)
-for _n in (1, 4, 8):  # 64 iterations: the backward's lse pass SINKHORN_LSE_SMEM and go to the workspace
-    add(f"sinkhorn/300x{_n}x{_n}_x30_iters64", t_sinkhorn, (300, _n, _n), 30, iters=64)
-for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for
-    add(f"sinkhorn/24x{_n}x{_n}_x30", t_sinkhorn, (24, _n, _n), 30)
-add("sinkhorn/2x12x4x4", t_sinkhorn, (2, 12, 4, 4), 1)
-add("sinkhorn/2x12x4x4_x30_transposed", t_sinkhorn, (2, 12, 4, 4), 30, transposed=True)
-add("sinkhorn/4096_rows_sum_to_1", t_sinkhorn_rows_sum_to_one, 4096)
-
-
-def t_hc_coeffs(lead, n, scale, iters=20):
-    # mhc-dynamic's coefficients: h (*lead, 2n + n^2) of randn * scale, alpha (3,) and bias (K,) of randn,
-    # so the logits alpha h + bias reach about 3 * scale. dalpha and dbias are sums over the tokens: their
-    # atol grows with the terms summed, at least 5x the errors these cases showed on an H100 (one token's
-    # terms lost from a sum err by ~0.1 to ~10)
-    K, M = 2 * n + n * n, math.prod(lead)
-    tol = sinkhorn_tol(3 * scale)
-    grad_tol = {"h": tol, "bias": (tol[0] + 1e-7 * M, 1e-4), "alpha": (tol[0] + 1e-8 * M * K * scale, 1e-4)}
-    compare(lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, iters), tol, grad_tol,
-            h=rand(*lead, K, scale=scale), alpha=rand(3), bias=rand(K))
-
-
-for _lead in ((1,), (24,), (4096,), (2, 65), (0,)):
-    for _n in (1, 2, 4, 8):
-        add(f"hc_coeffs/{'x'.join(map(str, _lead))}_n{_n}", t_hc_coeffs, _lead, _n, 1.0)
-for _n in (3, 5, 6, 7):  # the other sizes the kernel is compiled for, with larger logits
-    add(f"hc_coeffs/24_n{_n}_x30", t_hc_coeffs, (24,), _n, 30.0)
-add("hc_coeffs/300_n4_x30_iters7", t_hc_coeffs, (300,), 4, 30.0, iters=7)
-add("hc_coeffs/300_n4_x30_iters64", t_hc_coeffs, (300,), 4, 30.0, iters=64)  # lse in the workspace
-def t_hc_project(lead, n, C, x=None):
-    # mhc-dynamic's projection of the flattened streams, RMSNorm(x, w) phi^T, against F.rms_norm and F.linear:
-    # a dot product of length D = nC per output, and dw sums over the tokens, so tolerances as a matmul's
-    K, D = 2 * n + n * n, n * C
-    tol = mm_tol(math.prod(lead), D, K)
-    compare(lambda ops, x, w, phi: ops.hc_project(x, w, phi), tol, tol,
-            x=rand(*lead, D) if x is None else x, w=rand(D), phi=rand(K, D))
-
-
-# every n the kernels are compiled for; odd D takes the scalar path; D past one block's staged columns (n = 8 and
-# C >= 64, C = 768, n = 7 and C = 101) is summed over column ranges
-for _n in range(1, 9):
-    add(f"hc_project/5_n{_n}_C3", t_hc_project, (5,), _n, 3)
-for _lead, _n, _C in (((1,), 4, 256), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
-                      ((7,), 2, 1), ((12,), 4, 768), ((3,), 8, 2048), ((0,), 4, 8), ((130,), 4, 257),
-                      ((33,), 7, 101)):
-    add(f"hc_project/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_project, _lead, _n, _C)
-add("hc_project/9_n4_C64_misaligned", lambda: t_hc_project((9,), 4, 64, x=misaligned(9, 256)))
-
-
-def t_hc_pre(lead, n, C, used=(True, True, True), iters=20):
-    # hc_pre = hc_coeffs(hc_project(x flattened)) and the merge, against the twins in a row: the merged stream and
-    # H_post, H_res, and the gradients of all five inputs. phi / sqrt(D) keeps the projections near 1, so the
-    # logits alpha h + bias are a few units. used: which outputs the loss takes (an unused one's gradient is zeros)
-    K, D, M = 2 * n + n * n, n * C, math.prod(lead)
-    tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
-    chosen = [i for i, u in enumerate(used) if u]
-    def f(ops, x, w, phi, alpha, bias):  # one call, its unused outputs' gradients undefined
-        out = ops.hc_pre(x, w, phi, alpha, bias, iters)
-        return tuple(out[i] for i in chosen)
-    compare(f, tol, tol, x=rand(*lead, n, C), w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
-
-
-for _lead, _n, _C in (((1,), 1, 3), ((5,), 2, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
-                      ((12,), 4, 768), ((33,), 7, 101), ((0,), 4, 8), ((7,), 5, 1)):
-    add(f"hc_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_pre, _lead, _n, _C)
-add("hc_pre/24_n4_C64_merged_unused", t_hc_pre, (24,), 4, 64, used=(False, True, True))
-add("hc_pre/24_n4_C64_only_merged", t_hc_pre, (24,), 4, 64, used=(True, False, False))
-add("hc_pre/300_n4_C64_iters40", t_hc_pre, (300,), 4, 64, iters=40)  # the lse in the workspace
-
-
-def t_hc_mix_pre(lead, n, C, per_token=True, used=(True,) * 4, y_dtype=torch.float32):
-    # hc_mix_pre = the previous sublayer's stream_mix, then hc_pre of the mixed streams s, against the twins in a
-    # row: (s, merged, H_post, H_res) and the gradients of all eight inputs, the one of s (from the next sublayer)
-    # added to hc_pre's inside the op. used: which outputs the loss takes. y_dtype bf16: mixed precision's y
-    K, D, M = 2 * n + n * n, n * C, math.prod(lead)
-    tol = (max(mm_tol(M, D, K), sinkhorn_tol(3)[0]), 1e-5)
-    chosen = [i for i, u in enumerate(used) if u]
-    coef = lead if per_token else ()
-    inputs = dict(x=rand(*lead, n, C), h_res=rand(*coef, n, n, scale=0.5), h_post=rand(*coef, n), y=rand(*lead, C),
-                  w=rand(D), phi=rand(K, D, scale=D ** -0.5), alpha=rand(3), bias=rand(K))
-
-    def f(ops, x, h_res, h_post, y, w, phi, alpha, bias):  # one call: a bf16 y's gradient is not summed in bf16
-        out = ops.hc_mix_pre(x, h_res, h_post, y, w, phi, alpha, bias)
-        return tuple(out[i] for i in chosen)
-    if y_dtype == torch.float32:
-        compare(f, tol, tol, **inputs)
-    else:
-        inputs["y"] = inputs["y"].to(y_dtype)
-        compare_dtypes(*on_both(f), tol, tol, (torch.float32,) * len(chosen), **inputs)
-
-
-for _lead, _n, _C in (((1,), 1, 3), ((24,), 4, 256), ((4096,), 4, 256), ((2, 65), 3, 37), ((300,), 8, 64),
-                      ((12,), 4, 768), ((0,), 4, 8)):
-    add(f"hc_mix_pre/{'x'.join(map(str, _lead))}_n{_n}_C{_C}", t_hc_mix_pre, _lead, _n, _C)
-add("hc_mix_pre/24_n4_C64_static", t_hc_mix_pre, (24,), 4, 64, per_token=False)
-add("hc_mix_pre/24_n4_C64_streams_unused", t_hc_mix_pre, (24,), 4, 64, used=(False, True, True, True))
-add("hc_mix_pre/24_n4_C64_post_res_unused", t_hc_mix_pre, (24,), 4, 64, used=(True, True, False, False))
-add("hc_mix_pre_bf16/37_n4_C256", t_hc_mix_pre, (37,), 4, 256, y_dtype=BF16)
-add("hc_mix_pre_bf16/5_n3_C7", t_hc_mix_pre, (5,), 3, 7, y_dtype=BF16)
-add("hc_mix_pre_bf16/24_n4_C64_static", t_hc_mix_pre, (24,), 4, 64, per_token=False, y_dtype=BF16)
-
-add("empty/sinkhorn_0x4x4", t_sinkhorn, (0, 4, 4), 1)
-add("empty/sinkhorn_2x0x8x8", t_sinkhorn, (2, 0, 8, 8), 1)
-
-# Stream mixing (mhc.py's hyper-connections). out, dx and dy sum at most n + 1 <= 9 products: a few
-# fp32 ulps of values up to ~20. The coefficient gradients sum `terms` products (C of them per token,
-# times the tokens when static); an fp32 CPU emulation of the kernels' summation order erred by up to
-# 5e-4 at 1M terms (|ref| ~ 2e3), 2e-5 at 1000; an indexing slip errs by O(|ref|).
-STREAM_TOL = (1e-5, 1e-5)
-
-
-def stream_coef_tol(terms):
-    return (1e-5 * math.sqrt(max(terms, 1)), 1e-5)
-
-
-def stream_x(lead, n, C, layout):
-    """x (*lead, n, C): contiguous; 'transposed', a (..., C, n) tensor's view (copied by the op);
-    'misaligned', contiguous at an offset of one float (not 16-byte aligned: the scalar path)."""
-    if layout == "transposed":
-        return rand(*lead, C, n).transpose(-1, -2)
-    if layout == "misaligned":
-        return misaligned(*lead, n, C)
-    return rand(*lead, n, C)
-
-
-def t_stream_merge(lead, n, C, per_token, layout="contiguous"):
-    coef = lead if per_token else ()
-    terms = C * (1 if per_token else math.prod(lead))
-    compare(lambda ops, x, h: ops.stream_merge(x, h), STREAM_TOL, dict(x=STREAM_TOL, h=stream_coef_tol(terms)),
-            x=stream_x(lead, n, C, layout), h=rand(*coef, n))
-
-
-def mix_op(merge, used=(True, True)):
-    """f(ops, **inputs): stream_mix, or with merge stream_mix_merge (the mix and the next sublayer's merge of it,
-    both outputs and both gradients going through one kernel each way), which takes h_pre too. used: which of
-    stream_mix_merge's outputs the loss takes (an unused one's gradient comes back undefined: zeros)."""
-    if merge:
-        def f(ops, x, h_res, h_post, y, h_pre):  # one call
-            return tuple(o for o, u in zip(ops.stream_mix_merge(x, h_res, h_post, y, h_pre), used, strict=True) if u)
-        return f
-    return lambda ops, x, h_res, h_post, y: ops.stream_mix(x, h_res, h_post, y)
-
-
-def mix_inputs(n, coef, x, y, merge):
-    inputs = dict(x=x, h_res=rand(*coef, n, n), h_post=rand(*coef, n), y=y)
-    if merge:
-        inputs["h_pre"] = rand(*coef, n)
-    return inputs
-
-
-def t_stream_mix(lead, n, C, per_token, layout="contiguous", merge=False, used=(True, True)):
-    coef = lead if per_token else ()
-    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
-    compare(mix_op(merge, used), STREAM_TOL, dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
-            unreached=() if used[1] else ("h_pre",),  # merged unused: h_pre reaches nothing
-            **mix_inputs(n, coef, stream_x(lead, n, C, layout), rand(*lead, C), merge))
-
-
-def t_stream_mix_bf16(lead, n, C, per_token, merge, y_misaligned=False):
-    """Mixed precision (--dtype=bf16): fp32 streams and coefficients, the sublayer's output y in bf16; fp32 math,
-    dy back in bf16. Against the twin with y's bf16 values (mhc.stream_mix_torch, autocast off) and float64."""
-    coef = lead if per_token else ()
-    ctol = stream_coef_tol(C * (1 if per_token else math.prod(lead)))
-    y = rand(*lead, C).to(BF16)
-    if y_misaligned:  # 2 bytes into its allocation: not 8-byte aligned, the scalar path
-        y = torch.empty(1 + y.numel(), dtype=BF16, device=DEV)[1:].view(y.shape).copy_(y)
-    compare_dtypes(*on_both(mix_op(merge)), STREAM_TOL,
-                   dict(x=STREAM_TOL, y=STREAM_TOL, h_res=ctol, h_post=ctol, h_pre=ctol),
-                   (torch.float32,) * (2 if merge else 1), **mix_inputs(n, coef, rand(*lead, n, C), y, merge))
-
-
-# (leading dims, n, C, per-token coefficients): n = 1, 2, 4, 8 (and 3, 5, 6, 7 once), C = 1, 7, 256,
-# 1000, tokens = 1, 37, 4096, each static and per token somewhere; and 65536 static tokens, so that each warp
-# of the backward walks dozens of them (stream_coef_rows)
-STREAM_CASES = [((1,), 1, 1, False), ((1,), 8, 1000, True), ((37,), 1, 256, True), ((37,), 2, 7, False),
-                ((37,), 4, 1000, False), ((37,), 8, 7, True), ((1, 37), 4, 256, True), ((1, 37), 8, 256, False),
-                ((32, 128), 4, 256, False), ((32, 128), 4, 256, True), ((4096,), 2, 1000, True),
-                ((4096,), 8, 7, False), ((32, 128), 1, 1, True), ((37,), 3, 20, True), ((37,), 5, 12, False),
-                ((37,), 6, 1000, True), ((37,), 7, 256, False), ((64, 1024), 2, 4, False)]
-for _op, _t in (("stream_merge", t_stream_merge), ("stream_mix", t_stream_mix),
-                ("stream_mix_merge", functools.partial(t_stream_mix, merge=True))):
-    for _lead, _n, _C, _tok in STREAM_CASES:
-        add(f"{_op}/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"), _t, _lead, _n, _C,
-            _tok)
-    for _tok in (False, True):
-        for _layout in ("transposed", "misaligned"):
-            add(f"{_op}/37x4x256_{'per_token' if _tok else 'static'}_{_layout}", _t, (37,), 4, 256, _tok, _layout)
-        add(f"empty/{_op}_0x4x256_{'per_token' if _tok else 'static'}", _t, (0,), 4, 256, _tok)
-    add(f"empty/{_op}_5x4x0_static", _t, (5,), 4, 0, False)  # C = 0: zero coefficient gradients
-for _tok, _used in ((False, (False, True)), (True, (True, False))):
-    add(f"stream_mix_merge/37x4x256_{'per_token' if _tok else 'static'}_{'merged' if _used[0] else 'streams'}_unused",
-        functools.partial(t_stream_mix, merge=True, used=_used), (37,), 4, 256, _tok)
-for _merge in (False, True):
-    _op = "stream_mix_merge" if _merge else "stream_mix"
-    for _lead, _n, _C, _tok in (((37,), 4, 256, False), ((37,), 4, 256, True), ((2, 65), 8, 768, True),
-                                ((4096,), 4, 256, False), ((37,), 3, 7, True), ((1,), 1, 1, False)):
-        add(f"{_op}_bf16/{'x'.join(map(str, _lead))}x{_n}x{_C}_" + ("per_token" if _tok else "static"),
-            t_stream_mix_bf16, _lead, _n, _C, _tok, _merge)
-    add(f"{_op}_bf16/37x4x256_per_token_y_misaligned", t_stream_mix_bf16, (37,), 4, 256, True, _merge, True)
-
-ATTN_IMPLS = {"fused-fp32": dict(mode="fused", precision="fp32"),
-              "fused-tf32": dict(mode="fused", precision="tf32"),
-              "tiled": dict(mode="tiled")}
-# (out, grads) for unit-scale inputs; tf32 keeps 10 mantissa bits of q, k, P and v
-ATTN_TOL = {"fused-fp32": (1e-4, 2e-4), "tiled": (1e-4, 2e-4), "fused-tf32": (5e-3, 1e-2)}
-
-
-def packed_qkv(B, S, H, Hkv, D, dtype=torch.float32):
-    """q, k, v as the model's attention makes them: head views (B, H, S, D) of one (B, S, (H + 2 Hkv) D)
-    projection, rows (H + 2 Hkv) D apart."""
-    parts = rand(B, S, (H + 2 * Hkv) * D).to(dtype).split([H * D, Hkv * D, Hkv * D], dim=2)
-    return [t.view(B, S, -1, D).transpose(1, 2) for t in parts]
-
-
-def attention_recording_layout(impl, seen, ours_kw=None, **kw):
-    """ops.attention(q, k, v, **kw) that notes, for our fused op, whether out came back in (B, S, H, D)
-    memory (the heads side by side, which the next projection reads without a copy). ours_kw: more
-    arguments for our op alone."""
-    def f(ops, q, k, v):
-        ours = (ours_kw or {}) if ops is kernels else {}
-        out = ops.attention(q, k, v, **kw, **ATTN_IMPLS.get(impl, {}), **ours)
-        if ops is kernels:
-            seen["out_bshd"] = out.transpose(1, 2).is_contiguous()
-        return out
-    return f
-
-
-def t_attention(impl, B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False):
-    def qkv(S, heads, m=1):
-        # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
-        return rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)
-    Hkv = kv_heads or H  # fewer: grouped-query attention
-    tol, g = ATTN_TOL[impl]
-    # q scaled by m: score rounding grows m-fold, and dk = dS^T q is m times larger on top of that;
-    # a shared K/V head's gradient sums H / Hkv heads' terms, its rounding error ~sqrt of that
-    group = math.sqrt(H // Hkv)
-    grad_tol = dict(q=g * mag, k=g * mag * mag * group, v=g * mag * group)
-    # packed: q, k, v views of one projection (Sq == Sk), read in place by the fused kernels
-    q, k, v = packed_qkv(B, Sq, H, Hkv, D) if packed else (qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv))
-    # packed: dout in (B, S, H, D) memory too, as the gradient of the model's heads side by side
-    dy = rand(B, Sq, H, D).transpose(1, 2) if packed else None
-    seen = {}
-    compare(attention_recording_layout(impl, seen, causal=causal, scale=scale), tol * mag, grad_tol, dy=dy,
-            q=q, k=k, v=v)
-    if impl != "tiled":
-        assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
-
-
-_C = True  # causal
-ATTN_CASES = [  # impl, B, H, Sq, Sk, D, causal, extras
-    ("fused-fp32", 1, 1, 1, 1, 64, False, {}),
-    ("fused-fp32", 2, 3, 1, 1, 32, _C, {}),
-    ("fused-fp32", 2, 3, 17, 17, 32, False, {}),
-    ("fused-fp32", 2, 3, 17, 17, 64, _C, {}),
-    ("fused-fp32", 2, 3, 17, 17, 128, _C, {}),
-    ("fused-fp32", 2, 3, 17, 17, 96, _C, {}),
-    ("fused-fp32", 2, 3, 1000, 1000, 96, _C, {}),
-    ("fused-fp32", 1, 8, 1, 256, 96, _C, {}),
-    ("fused-fp32", 2, 3, 64, 64, 64, False, {}),
-    ("fused-fp32", 2, 3, 64, 64, 128, _C, {}),
-    ("fused-fp32", 2, 3, 1000, 1000, 32, False, {}),
-    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, {}),
-    ("fused-fp32", 2, 3, 1000, 1000, 128, False, {}),
-    ("fused-fp32", 2, 3, 2048, 2048, 64, _C, {}),
-    ("fused-fp32", 1, 2, 2048, 2048, 128, False, {}),
-    ("fused-fp32", 2, 3, 1, 17, 128, False, {}),
-    ("fused-fp32", 2, 3, 1, 1000, 64, _C, {}),
-    ("fused-fp32", 2, 3, 17, 64, 64, _C, {}),
-    ("fused-fp32", 2, 3, 64, 1000, 32, _C, {}),
-    ("fused-fp32", 2, 3, 17, 2048, 128, _C, {}),
-    ("fused-fp32", 2, 3, 64, 2048, 64, False, {}),
-    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(mag=30)),
-    ("fused-fp32", 2, 3, 64, 64, 128, False, dict(mag=30)),
-    ("fused-fp32", 2, 3, 1, 2048, 64, _C, dict(mag=30)),
-    ("fused-fp32", 2, 3, 64, 64, 64, False, dict(scale=0.3)),
-    # the forward's row max runs over raw scores: a negative scale runs as -q, a zero one gives uniform weights
-    ("fused-fp32", 2, 3, 100, 100, 64, _C, dict(scale=-0.3)),
-    ("fused-fp32", 2, 3, 17, 70, 64, _C, dict(scale=0.0)),
-    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
-    ("fused-fp32", 2, 3, 1000, 1000, 64, _C, dict(packed=True)),
-    ("fused-tf32", 2, 6, 256, 256, 64, _C, dict(packed=True)),
-    ("tiled", 1, 1, 1, 1, 64, False, {}),
-    ("tiled", 2, 3, 17, 17, 32, _C, dict(scale=0.3)),
-    ("tiled", 2, 3, 17, 17, 48, False, {}),
-    ("tiled", 2, 3, 64, 64, 128, False, {}),
-    ("tiled", 2, 3, 1000, 1000, 64, _C, {}),
-    ("tiled", 2, 3, 2048, 2048, 64, False, {}),
-    ("tiled", 2, 3, 1, 64, 64, _C, {}),
-    ("tiled", 2, 3, 17, 1000, 128, _C, {}),
-    ("tiled", 2, 3, 1000, 1000, 64, False, dict(mag=30)),
-    ("tiled", 2, 3, 17, 64, 32, _C, dict(mag=30)),
-    ("tiled", 2, 3, 64, 64, 64, _C, dict(bshd=True)),
-    ("fused-tf32", 2, 3, 17, 17, 128, False, {}),
-    ("fused-tf32", 2, 3, 64, 64, 64, False, {}),
-    ("fused-tf32", 2, 3, 1000, 1000, 64, _C, {}),
-    ("fused-tf32", 2, 3, 2048, 2048, 128, _C, {}),
-    ("fused-tf32", 2, 3, 1, 1000, 32, _C, {}),
-    # grouped-query attention: H query heads over kv_heads K/V heads (1: multi-query)
-    ("fused-fp32", 2, 8, 17, 17, 64, _C, dict(kv_heads=2)),
-    ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
-    ("fused-fp32", 1, 8, 2048, 2048, 128, False, dict(kv_heads=1)),
-    ("fused-fp32", 2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
-    ("fused-fp32", 2, 4, 64, 300, 32, _C, dict(kv_heads=2)),
-    ("fused-fp32", 1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
-    ("fused-fp32", 1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
-    ("fused-fp32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
-    ("fused-tf32", 2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
-    ("tiled", 2, 8, 17, 17, 48, _C, dict(kv_heads=2)),
-    ("tiled", 2, 6, 1, 64, 64, _C, dict(kv_heads=3)),
-    ("tiled", 2, 8, 1000, 1000, 64, False, dict(kv_heads=1)),
-    ("tiled", 2, 4, 64, 64, 64, _C, dict(kv_heads=2, bshd=True)),
-]
-for _impl, _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_CASES:
-    _name = f"attention/{_impl}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
-    _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
-    add(_name, t_attention, _impl, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
-
-
-def t_attention_long(dtype, H, Hkv, Sq, Sk, D, causal, rel):
-    """Attention past the 65535 blocks a grid.y takes: the mma.sync kernels' forward has a block for every 64
-    query rows of a K/V head (128 in bf16 at D <= 64), their backward one for every 64 keys and every 64
-    queries of a head, and both fold these blocks with the heads into grid.x (a grid.y of them failed:
-    invalid configuration argument). Outputs and gradients that sum millions of terms are far from unit
-    scale, so each is held to rel[name] of its own largest magnitude; a block that misses or misplaces its
-    rows is off by all of it. The fp32 gradients that sum over millions of rows or keys drift in our
-    kernels: on an H200, dk and dv over 2.1M query rows of two heads 2.5e-2 and 3.8e-2 of their largest
-    entry, dq over 4.2M keys 3.0e-2, where PyTorch's fp32 SDPA stays under 2e-5: held to 8e-2 here, a limit
-    of the mma.sync backward's accumulation over long sequences that these cases state, not hide."""
-    past_grid_limit()
-    q, k, v, dy = rand(1, H, Sq, D), rand(1, Hkv, Sk, D), rand(1, Hkv, Sk, D), rand(1, H, Sq, D)
-    ours_in = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out = kernels.attention(*ours_in, causal=causal)
-    ours = (out, *torch.autograd.grad(out, ours_in, dy.to(dtype)))
-    ref_in = [t.detach().double().requires_grad_() for t in ours_in]
-    ref = REF.attention(*ref_in, causal=causal)
-    refs = (ref, *torch.autograd.grad(ref, ref_in, dy.to(dtype).double()))
-    for label, a, r in zip(("out", "dq", "dk", "dv"), ours, refs, strict=True):
-        check(label, a, r, rel.get(label, rel["default"]) * r.abs().max().item())
-
-
-# fp32, 2 query heads a K/V head: 4.2M rows of whole 64-row tiles (the forward's heaviest-first order over
-# the group); 4.2M keys, causal, in the backward; bf16 at D = 32 (mma.sync, 128 rows a forward block): 8.4M
-# rows of a ragged last tile forward, 4.2M queries backward
-for _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel in (
-        (torch.float32, 2, 1, 2097152, 96, 32, False, dict(default=1e-3, dk=8e-2, dv=8e-2)),
-        (torch.float32, 2, 1, 65, 4194305, 32, True, dict(default=1e-3, dq=8e-2)),
-        (BF16, 2, 1, 4194305, 64, 32, False, dict(default=2e-2))):
-    add(f"attention/fused-{'bf16' if _dt == BF16 else 'fp32'}/long_h{_H}kv{_Hkv}_q{_Sq}k{_Sk}_d{_D}"
-        + "_causal" * _causal + "_past_grid_y", t_attention_long, _dt, _H, _Hkv, _Sq, _Sk, _D, _causal, _rel)
-
-
-def t_attention_misaligned(impl):
-    # q, k, v and dout each start 4 bytes into an allocation: the fused kernels' 16-byte copies
-    # (cp.async) must not see that, nor may the tiled path's matmuls. `seen` holds each one's address
-    # mod 16 as our op received it (dout: as autograd hands it to the attention's backward).
-    B, H, S, D = 2, 3, 17, 64
-    seen = {}
-
-    def f(ops, q, k, v):
-        out = ops.attention(q, k, v, **ATTN_IMPLS[impl])
-        if ops is kernels:
-            seen.update({n: t.data_ptr() % 16 for n, t in (("q", q), ("k", k), ("v", v))})
-            out.register_hook(lambda g: seen.update(dout=g.data_ptr() % 16))
-        return out
-
-    tol, g = ATTN_TOL[impl]
-    compare(f, tol, g, dy=misaligned(B, H, S, D), q=misaligned(B, H, S, D), k=misaligned(B, H, S, D),
-            v=misaligned(B, H, S, D))
-    assert sorted(seen) == ["dout", "k", "q", "v"] and all(seen.values()), f"address mod 16 seen by the op: {seen}"
-    return "q, k, v, dout at address mod 16 = " + ", ".join(str(seen[n]) for n in ("q", "k", "v", "dout"))
-
-
-for _impl in ("fused-fp32", "tiled"):
-    add(f"attention/{_impl}/misaligned_qkv_dout", t_attention_misaligned, _impl)
-
-
-def t_attention_joined_split():
-    """The model's path on the cuda op set: q, k, v split from one projection x by train.joined_split; the
-    fused backward writes dq, dk, dv side by side in one buffer, which the split's backward hands back as
-    x's gradient without a copy. x's gradient against float64 split + attention."""
-    B, S, H, Hkv, D = 2, 100, 4, 2, 64
-    joined, join = [], train.join_last
-
-    def recording(parts):
-        out = join(parts)
-        joined.append(out.data_ptr() == parts[0].data_ptr())
-        return out
-
-    def f(ops, x):
-        split = ops.split if ops is REF else train.joined_split
-        q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in split(x, [H * D, Hkv * D, Hkv * D]))
-        return ops.attention(q, k, v, causal=True)
-    with unittest.mock.patch.object(train, "join_last", recording):
-        tol, g = ATTN_TOL["fused-fp32"]
-        compare(f, tol, g * math.sqrt(H // Hkv), x=rand(B, S, (H + 2 * Hkv) * D))
-    assert joined == [True], f"the split's backward copied: {joined}"
-    return "dq, dk, dv joined in place"
-
-
-add("attention/fused-fp32/joined_split", t_attention_joined_split)
-
-
-def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
-    # A preallocated cache: keys past kv_len hold garbage (large values) that must not leak in.
-    k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
-    k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
-    kv_len = torch.tensor([n_valid], device=DEV)
-    with torch.no_grad():
-        compare(lambda ops, q, k, v, n: ops.attention(q, k, v, causal=causal, kv_len=n), ATTN_TOL["fused-fp32"][0],
-                q=rand(1, H, Sq, D), k=k, v=v, n=kv_len)
-
-
-for _H, _Sq, _cap, _n, _D in ((8, 1, 256, 1, 96), (8, 1, 256, 37, 96), (8, 1, 256, 256, 96), (8, 5, 256, 70, 96),
-                              (3, 17, 100, 17, 64), (2, 1, 64, 64, 32), (2, 64, 300, 129, 128)):
-    add(f"attention/kv_len/h{_H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D)
-add("attention/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_kv_len, 3, 17, 100, 40, 64, causal=False)
-# a cache of 4096 splits its key tiles over 16 blocks: with 37 valid keys 15 of them see none
-# fewer query rows a K/V head than a 64-row tile: 8 (2 heads x 4 queries, the first seeing one key), and 3
-# against 1024 keys at D = 128
-for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 256, 37, 96, 2), (8, 5, 256, 70, 64, 1), (8, 1, 4096, 4000, 128, 2),
-                                  (8, 1, 4096, 37, 128, 2), (8, 4, 300, 4, 64, 4), (4, 3, 1024, 1024, 128, 4)):
-    add(f"attention/kv_len/h{_H}_kv{_kv}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_kv_len, _H, _Sq, _cap, _n, _D,
-        kv_heads=_kv)
-
-
-# bf16 attention (fused only), against float64 on the same bf16-rounded inputs and against SDPA in
-# bf16 (check_bf16: ours within tolerance and no less accurate than twice SDPA's error plus atol).
-# P and dS are rounded to bf16 before their products, as in FlashAttention: each term of out = P V
-# and of the gradients carries a relative error up to 2^-9, and every output one bf16 rounding
-# (rtol 2^-8). The gradients sum P or dS terms over many queries or keys, and dk and dv over the
-# group's query heads. dS carries delta = rowsum(dO * out) from the bf16-rounded out (as
-# FlashAttention's does) and its own bf16 rounding: its error grows with the scale (relative to
-# 1/sqrt(D)) and with the softmax's sharpness (q scaled by mag); dk = dS^T q carries q's mag on top.
-# A sharp softmax leaves each output a few terms, whose P roundings do not average out: up to
-# 2^-9 * |v| with v unit normals (|v| up to ~4), 8e-3, where the terms cancel to a small output.
-def attn_bf16_tol(mag=1, group=1, scale_ratio=1.0):
-    g = 1e-2 * math.sqrt(group)
-    ds = 1.5 * g * scale_ratio * math.sqrt(mag)
-    return {"out": (4e-3 if mag == 1 else 8e-3, 2**-8), "q": (ds, 2**-7), "k": (ds * mag, 2**-7), "v": (g, 2**-7)}
-
-
-@contextlib.contextmanager
-def attention_wgmma(on):
-    """kernels.set_attention_wgmma(on) inside the block, the default (on) again after it."""
-    kernels.set_attention_wgmma(on)
-    try:
-        yield
-    finally:
-        kernels.set_attention_wgmma(True)
-
-
-def t_attention_bf16(B, H, Sq, Sk, D, causal, mag=1, scale=None, bshd=False, kv_heads=None, packed=False,
-                     wgmma=True, deterministic=True):
-    # wgmma=False: head size 64 on Hopper multiplies with mma.sync too (kernels.set_attention_wgmma);
-    # deterministic=False: on Hopper (D 64, 128) the backward adds dQ across key blocks
-    def qkv(S, heads, m=1):
-        # bshd: (B, S, H, D) memory seen through a transpose, as a fused qkv projection leaves it
-        return (rand(B, S, heads, D, scale=m).transpose(1, 2) if bshd else rand(B, heads, S, D, scale=m)).bfloat16()
-    Hkv = kv_heads or H
-    q, k, v = (packed_qkv(B, Sq, H, Hkv, D, torch.bfloat16) if packed
-               else (qkv(Sq, H, mag), qkv(Sk, Hkv), qkv(Sk, Hkv)))
-    assert not (bshd or packed) or not q.is_contiguous(), "the bshd case must hand the op a strided view"
-    tol = attn_bf16_tol(mag, H // Hkv, 1.0 if scale is None else abs(scale) * math.sqrt(D))
-    dy = rand(B, Sq, H, D).transpose(1, 2).bfloat16() if packed else None  # as in t_attention
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    if not wgmma and not hopper:
-        raise Skip("wgmma=False differs from the default only on compute capability 9.0")
-    if not deterministic and not (hopper and D in (64, 128)):
-        raise Skip("deterministic=False changes the backward only at head sizes 64 and 128 on compute capability 9.0")
-    seen = {}
-    with attention_wgmma(wgmma):
-        names = launched_kernels(lambda: compare_bf16(
-            attention_recording_layout("fused-bf16", seen, {"deterministic": deterministic}, causal=causal,
-                                       scale=scale), D, tol=tol, hopper=False, dy=dy,
-            twin_nonfinite_ok=scale is not None and scale <= 0, q=q, k=k, v=v))
-    assert seen["out_bshd"], "the fused op's out is not in (B, S, H, D) memory"
-    return attention_route_taken(names, wgmma, deterministic)
-
-
-@mutant("attention_deterministic_false_ignored", "attention/fused-bf16/b2h3_q1000k1000_d64_causal_deterministicFalse",
-        "attention/fused-bf16/b1h2_q2048k2048_d128_deterministicFalse")
-def _attention_deterministic_false_ignored():
-    real = kernels.attention
-    with unittest.mock.patch.object(kernels, "attention", lambda *a, **kw: real(*a, **{**kw, "deterministic": True})):
-        yield
-
-
-@mutant("attention_wgmma_false_ignored", "attention/fused-bf16/b2h3_q1000k1000_d64_causal_wgmmaFalse")
-def _attention_wgmma_false_ignored():
-    with unittest.mock.patch.object(kernels, "set_attention_wgmma", lambda on: None):
-        yield
-
-
-def attention_route_taken(names, wgmma, deterministic):
-    """Checks that a case named wgmma=False or deterministic=False ran that path (from the kernels' names), and
-    says so; the default cases return nothing."""
-    if wgmma and deterministic:
-        return None
-    ours = [n for n in names if "attention_" in n]
-    if not ours:  # the profiler saw nothing (e.g. under compute-sanitizer): the values were checked all the same
-        return "route not seen: the profiler recorded no kernel of ours"
-    if not wgmma:
-        assert not any("_tma_kernel" in n for n in ours), f"wgmma=False ran {sorted(set(ours))}"
-        return "ran mma.sync (no *_tma_kernel)"
-    assert any("attention_bwd_dq_finish_kernel" in n for n in ours), \
-        f"deterministic=False did not add dQ across key blocks: ran {sorted({n.split('<')[0] for n in ours})}"
-    return "dQ added across key blocks (attention_bwd_dq_finish_kernel ran)"
-
-
-ATTN_BF16_CASES = [  # B, H, Sq, Sk, D, causal, extras
-    (1, 1, 1, 1, 64, False, {}),
-    (2, 3, 1, 1, 32, _C, {}),
-    (2, 3, 17, 17, 32, False, {}),
-    (2, 3, 17, 17, 64, _C, {}),
-    (2, 3, 17, 17, 96, _C, {}),
-    (2, 3, 17, 17, 128, _C, {}),
-    (2, 3, 64, 64, 64, False, {}),
-    (2, 3, 1000, 1000, 32, False, {}),
-    (2, 3, 1000, 1000, 64, _C, {}),
-    (2, 3, 1000, 1000, 96, _C, {}),
-    (2, 3, 1000, 1000, 128, False, {}),
-    (2, 3, 2048, 2048, 64, _C, {}),
-    (1, 2, 2048, 2048, 128, False, {}),
-    (2, 3, 1, 17, 128, False, {}),
-    (2, 3, 1, 1000, 64, _C, {}),
-    (2, 3, 17, 64, 64, _C, {}),
-    (2, 3, 64, 1000, 32, _C, {}),
-    (2, 3, 17, 2048, 128, _C, {}),
-    (2, 3, 64, 2048, 96, False, {}),
-    (2, 3, 1000, 1000, 64, _C, dict(mag=30)),
-    (2, 3, 64, 64, 128, False, dict(mag=30)),
-    (2, 3, 1, 2048, 64, _C, dict(mag=30)),
-    (2, 3, 64, 64, 64, False, dict(scale=0.3)),
-    (2, 3, 100, 100, 64, _C, dict(scale=-0.3)),
-    (2, 3, 17, 70, 64, _C, dict(scale=0.0)),
-    (2, 3, 1000, 1000, 64, _C, dict(bshd=True)),
-    (2, 8, 17, 17, 64, _C, dict(kv_heads=2)),
-    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=2)),
-    (1, 8, 2048, 2048, 128, False, dict(kv_heads=1)),
-    (2, 6, 1, 1000, 96, _C, dict(kv_heads=3)),
-    (1, 8, 129, 129, 64, _C, dict(kv_heads=2, bshd=True)),
-    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=4, mag=30)),
-    (2, 3, 1000, 1000, 64, _C, dict(packed=True)),  # q, k, v in place in one projection's output
-    (4, 6, 256, 256, 64, _C, dict(packed=True)),
-    (1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
-    # many key blocks against few query tiles, 32-query tiles of the backward at D = 96 and 128
-    (1, 2, 300, 1000, 96, False, {}),
-    (1, 4, 129, 1100, 128, _C, dict(kv_heads=2)),
-    # the Hopper kernels (*_tma_kernel: D 64 and 128; the forward from 128 queries) at odd lengths,
-    # causal with Sq < Sk (queries aligned to the last keys: the diagonal off the tile grid), every scale
-    (1, 2, 200, 333, 128, _C, {}),
-    (1, 2, 130, 384, 64, _C, {}),
-    (2, 3, 130, 1, 128, False, {}),
-    (2, 3, 200, 200, 128, _C, dict(scale=0.3)),
-    (2, 3, 256, 256, 64, _C, dict(scale=-0.3)),
-    (2, 3, 300, 300, 64, False, dict(scale=0.0)),
-    (2, 3, 1000, 1000, 128, _C, dict(mag=30, bshd=True)),
-    (2, 8, 777, 777, 128, _C, dict(kv_heads=2, packed=True)),
-    # head size 64 on mma.sync as well (on Hopper it runs on wgmma by default)
-    (2, 3, 1000, 1000, 64, _C, dict(wgmma=False)),
-    (2, 8, 17, 17, 64, _C, dict(kv_heads=2, wgmma=False)),
-    (2, 3, 1, 2048, 64, _C, dict(mag=30, wgmma=False)),
-    # dQ added across key blocks (deterministic=False, at head sizes 64 and 128 on Hopper; skipped elsewhere)
-    (2, 3, 17, 17, 64, _C, dict(deterministic=False)),
-    (2, 3, 1000, 1000, 64, _C, dict(deterministic=False)),
-    (2, 3, 1000, 1000, 128, _C, dict(deterministic=False)),
-    (1, 2, 2048, 2048, 128, False, dict(deterministic=False)),
-    (1, 2, 200, 333, 128, _C, dict(deterministic=False)),
-    (1, 2, 130, 384, 64, _C, dict(deterministic=False)),
-    (2, 3, 130, 1, 128, False, dict(deterministic=False)),
-    (2, 8, 1000, 1000, 64, _C, dict(kv_heads=2, mag=30, deterministic=False)),
-    (1, 8, 129, 129, 128, _C, dict(kv_heads=2, bshd=True, deterministic=False)),
-    (2, 8, 777, 777, 128, _C, dict(kv_heads=2, packed=True, deterministic=False)),
-    (2, 3, 300, 300, 64, False, dict(scale=-0.3, deterministic=False)),
-]
-for _B, _H, _Sq, _Sk, _D, _causal, _extra in ATTN_BF16_CASES:
-    _name = f"attention/fused-bf16/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}" + "_causal" * _causal
-    _name += "".join(f"_{key}" if val is True else f"_{key}{val}" for key, val in _extra.items())
-    add(_name, t_attention_bf16, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
-
-
-def launched_kernels(fn):
-    """Names of the CUDA kernels fn() launches, as the profiler reports them."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def t_attention_bf16_wgmma_choice():
-    # Which kernels the bf16 attention runs, read from their names: on a compute capability 9.0 GPU the
-    # forward and both backward kernels of the Hopper design (*_tma_kernel) at head sizes 64 and 128;
-    # with set_attention_wgmma(False), and elsewhere, the mma.sync policy (AttnBf16) throughout.
-    if torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("wgmma needs compute capability 9.0")
-
-    def kind(name):
-        return "tma" if "_tma_kernel" in name else "AttnBf16Wg" if "AttnBf16Wg" in name else \
-            "AttnBf16" if "AttnBf16" in name else name
-    seen = {}
-    for D in (64, 128):
-        q, k, v = (rand(2, 4, 300, D).bfloat16().requires_grad_() for _ in range(3))
-        for on in (True, False):
-            with attention_wgmma(on):
-                names = launched_kernels(lambda: kernels.attention(q, k, v, causal=True).sum().backward())
-            if not names:  # not even PyTorch's own: the profiler saw nothing (e.g. under compute-sanitizer)
-                raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
-            for part in ("attention_fwd", "attention_bwd"):
-                kinds = sorted({kind(n) for n in names if part in n})
-                want = ["tma"] if on else ["AttnBf16"]
-                seen[(D, on, part)] = kinds
-                assert kinds == want, f"D={D} wgmma={on}: {part} ran {kinds}, expected {want}"
-    return "; ".join(f"D={D} wgmma={on}: {part.split('_')[1]} {k[0]}" for (D, on, part), k in seen.items())
-
-
-add("attention/fused-bf16/wgmma_choice", t_attention_bf16_wgmma_choice)
-
-
-def t_attention_bf16_deterministic(B, H, S, D, causal, kv_heads=None):
-    # Each gradient row is written by one block, its sums in a fixed order (dQ recomputes S and dP
-    # rather than adding across key blocks; dK and dV add a group's heads in order): three backward
-    # passes give bitwise the same gradients, many blocks running at a time.
-    Hkv = kv_heads or H
-    q, k, v = (rand(B, h, S, D).bfloat16().requires_grad_() for h in (H, Hkv, Hkv))
-    dy = rand(B, H, S, D).bfloat16()
-    runs = [torch.autograd.grad(kernels.attention(q, k, v, causal=causal), (q, k, v), dy) for _ in range(3)]
-    for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
-        for r in runs[1:]:
-            assert torch.equal(runs[0][i], r[i]), \
-                f"{name}: backward passes differ, by up to {(runs[0][i] - r[i]).float().abs().max().item():.2e}"
-    assert runs[0][0].abs().max() > 0, "dq is all zeros"
-    return "dq, dk, dv bitwise identical three times"
-
-
-for _B, _H, _S, _D, _causal, _kv in ((4, 8, 2048, 64, False, None), (4, 8, 2048, 64, True, None),
-                                     (2, 8, 1000, 128, True, 2), (1, 3, 1500, 96, False, None)):
-    add(f"attention/fused-bf16/bwd_deterministic_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal
-        + f"_kv_heads{_kv}" * bool(_kv), t_attention_bf16_deterministic, _B, _H, _S, _D, _causal, _kv)
-
-
-def t_attention_bf16_add_dq(B, H, S, D, causal, kv_heads=None):
-    # deterministic=False on Hopper: one kernel adds dQ across key blocks (its finish kernel writes dq)
-    # and the dQ kernel does not run; dk and dv are the deterministic kernel's bit for bit, dq agrees
-    # with the deterministic one's to bf16 rounding (the fp32 sums' order differs).
-    if torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("the Hopper backward needs compute capability 9.0")
-    Hkv = kv_heads or H
-    q, k, v = (rand(B, h, S, D).bfloat16().requires_grad_() for h in (H, Hkv, Hkv))
-    dy = rand(B, H, S, D).bfloat16()
-    det = torch.autograd.grad(kernels.attention(q, k, v, causal=causal), (q, k, v), dy)
-    fast = []
-    names = launched_kernels(lambda: fast.extend(torch.autograd.grad(
-        kernels.attention(q, k, v, causal=causal, deterministic=False), (q, k, v), dy)))
-    if not names:
-        raise Skip("the profiler recorded no CUDA kernel, so the kernels' names cannot be read")
-    ran = {n.split("<")[0].split()[-1] for n in names if "attention_bwd" in n}
-    assert ran == {"attention_bwd_dkv_tma_kernel", "attention_bwd_dq_finish_kernel"}, f"backward ran {sorted(ran)}"
-    for name, i in (("dk", 1), ("dv", 2)):
-        assert torch.equal(det[i], fast[i]), \
-            f"{name} differs from the deterministic path's by {(det[i] - fast[i]).float().abs().max().item():.2e}"
-    err = ((det[0] - fast[0]).float().abs().max() / det[0].float().abs().max()).item()
-    assert err < 2e-2, f"dq: max |deterministic - added| / max |dq| = {err:.2e}"  # ~2 bf16 steps of the max
-    return f"dk, dv bitwise equal; dq max diff / max {err:.1e}; ran {sorted(ran)}"
-
-
-for _B, _H, _S, _D, _causal, _kv in ((2, 4, 1000, 64, True, None), (2, 4, 777, 128, False, None),
-                                     (1, 8, 1500, 128, True, 2)):
-    add(f"attention/fused-bf16/add_dq_b{_B}h{_H}_s{_S}_d{_D}" + "_causal" * _causal + f"_kv_heads{_kv}" * bool(_kv),
-        t_attention_bf16_add_dq, _B, _H, _S, _D, _causal, _kv)
-
-
-def misaligned_bf16(*shape):
-    t = rand(1 + math.prod(shape)).bfloat16()[1:].view(*shape)
-    assert t.data_ptr() % 16, f"misaligned_bf16({shape}) is 16-byte aligned"
-    return t
-
-
-def t_attention_bf16_misaligned():
-    # q, k, v and dout each start 2 bytes into an allocation (see t_attention_misaligned). The
-    # references get aligned copies: SDPA's bf16 path (cuDNN on Hopper, torch 2.11) fails on these.
-    B, H, S, D = 2, 3, 17, 64
-    seen = {}
-
-    def f(ops, q, k, v):
-        if ops is not kernels:
-            return ops.attention(q.clone(), k.clone(), v.clone()) * 1.0  # * 1.0: an aligned dout too
-        out = ops.attention(q, k, v)
-        seen.update({n: t.data_ptr() % 16 for n, t in (("q", q), ("k", k), ("v", v))})
-        out.register_hook(lambda g: seen.update(dout=g.data_ptr() % 16))
-        return out
-
-    compare_bf16(f, D, tol=attn_bf16_tol(), hopper=False, dy=misaligned_bf16(B, H, S, D),
-                 q=misaligned_bf16(B, H, S, D), k=misaligned_bf16(B, H, S, D), v=misaligned_bf16(B, H, S, D))
-    assert sorted(seen) == ["dout", "k", "q", "v"] and all(seen.values()), f"address mod 16 seen by the op: {seen}"
-    return "q, k, v, dout at address mod 16 = " + ", ".join(str(seen[n]) for n in ("q", "k", "v", "dout"))
-
-
-add("attention/fused-bf16/misaligned_qkv_dout", t_attention_bf16_misaligned)
-
-
-def t_attention_bf16_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
-    # the cache's keys past kv_len hold large values that must not leak in (see t_attention_kv_len)
-    k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
-    k[:, :, n_valid:], v[:, :, n_valid:] = 1e4, -1e4
-    kv_len = torch.tensor([n_valid], device=DEV)
-    with torch.no_grad():
-        compare_bf16(lambda ops, q, k, v, n: ops.attention(q, k, v, causal=causal, kv_len=n), D, grad=False,
-                     tol=attn_bf16_tol(), hopper=False, q=rand(1, H, Sq, D), k=k, v=v, n=kv_len)
-
-
-# one query per head against caches of 1024 and 8192 keys (the key tiles split over blocks, some
-# seeing no valid key), a few queries, grouped heads, every head size
-for _H, _Sq, _cap, _n, _D, _kv in ((8, 1, 1024, 1000, 64, None), (8, 1, 8192, 8000, 128, None),
-                                  (8, 1, 8192, 37, 128, 2), (8, 1, 256, 1, 96, None), (8, 5, 256, 70, 64, 1),
-                                  (3, 17, 100, 17, 32, None), (2, 64, 300, 129, 128, None), (8, 4, 300, 4, 64, 4),
-                                  (4, 3, 1024, 1024, 128, None), (2, 8, 1024, 1000, 32, None)):
-    add(f"attention/fused-bf16/kv_len/h{_H}_kv{_kv or _H}_q{_Sq}_cap{_cap}_len{_n}_d{_D}", t_attention_bf16_kv_len,
-        _H, _Sq, _cap, _n, _D, kv_heads=_kv)
-add("attention/fused-bf16/kv_len/h3_q17_cap100_len40_d64_noncausal", t_attention_bf16_kv_len, 3, 17, 100, 40, 64,
-    causal=False)
-
-
-def op_sets_same_names():
-    # the kernels module's ops are train.OP_NAMES, and both op sets expose them under the same names
-    # (plus split, which is no kernel)
-    # (set_pdl and set_attention_wgmma are launch settings, no ops; decode_megakernel and its helpers decode
-    # a whole model, whose step on either op set is its twin: inference/gpu_megakernel_step)
-    settings = ("set_pdl", "set_attention_wgmma")
-    ours = sorted(n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n))
-                  and n not in settings and not n.startswith("decode_megakernel"))
-    assert ours == train.OP_NAMES, f"kernels: {ours}\ntorch op set: {train.OP_NAMES}"
-    cuda = train.cuda_op_set(kernels, 64)
-    assert sorted(vars(cuda)) == sorted(vars(train.TORCH_OPS)), "cuda and torch op sets differ in names"
-    return f"{len(ours)} ops: {', '.join(ours)}"
-
-
-add("opsets/same_names", op_sets_same_names)
-
-# -----------------------------------------------------------------------------
-# dispatcher ops: the ops registered as kernels::<name> pass torch.library.opcheck (schema, autograd
-# registration, the meta version against the CUDA one in shapes, strides and dtypes, and AOT autograd's
-# tracing of forward and backward), and a function of them compiles with fullgraph=True, no graph break.
-# test_aot_dispatch_dynamic is not run: the meta versions are C++ functions of static shapes.
-OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
-
-
-def _leaf(*shape, dtype=torch.float32, grad=True):
-    return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
-
-
-def _megakernel_supported(dt):
-    return kernels.decode_megakernel_why_not(64, 2, 2, 1, torch.empty((), dtype=dt).element_size()) is None
-
-
-def _megakernel_case(plain, dt):
-    """decode_megakernel's opcheck cases where the GPU runs it (Hopper): a 1-layer model 64 wide, 2 heads, 11
-    tokens, a cache of 64 positions: gpt, llama (one K/V head, SwiGLU 192 wide, with its RoPE tables), and gpt
-    with a mixture of 3 experts of which a token takes 2 (top_k)."""
-    if not _megakernel_supported(dt):
-        return []
-    C, H = 64, train.swiglu_hidden(64)
-    gpt = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
-           (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
-    llama = [(11, C), (C,), (C,), (2 * C, C), (C, C), (C,), (H, C), (H, C), (C, H)]
-    E = 3
-    moe = gpt[:12] + [(E, 4 * C, C), (E, 4 * C), (E, C, 4 * C), (E, C), (E, C)]
-    cases = []
-    for name, shapes, n_kv, kw in (("gpt", gpt, 2, {}),
-                                   ("llama", llama, 1, dict(rope_cos=torch.rand(64, 16, device=DEV),
-                                                            rope_sin=torch.rand(64, 16, device=DEV))),
-                                   ("gpt_moe", moe, 2, dict(top_k=2))):
-        workspace = torch.zeros(kernels.decode_megakernel_workspace_floats(C, 2, kw.get("top_k", 0)), device=DEV)
-        args = ([plain(*s) for s in shapes], torch.tensor([[3]], device=DEV), torch.tensor([5], device=DEV),
-                plain(1, 1, n_kv, 64, 32), plain(1, 1, n_kv, 64, 32), plain(11), workspace, 2)
-        cases.append((f"decode_megakernel_{name}", torch.ops.kernels.decode_megakernel, args, kw))
-    return cases
-
-
-def opcheck_cases(dt):
-    """(name, op, args, kwargs) for every dispatcher op at awkward shapes in dtype dt; the forward ops'
-    float inputs require grad (autograd is checked), the backward ops' do not."""
-    x, C = _leaf(5, 7, 37, dtype=dt), 37
-    w, b, y = _leaf(C, dtype=dt), _leaf(C, dtype=dt), _leaf(5, 7, C, dtype=dt)
-    plain = lambda *shape, dtype=dt: _leaf(*shape, dtype=dtype, grad=False)  # noqa: E731
-    k = torch.ops.kernels
-    cases = [("softmax", k.softmax, (x,), {}), ("softmax_fp32_out", k.softmax, (x,), {"out_dtype": torch.float32}),
-             ("softmax_backward", k.softmax_backward, (plain(5, 37), plain(5, 37), dt), {}),
-             ("gelu", k.gelu, (x,), {}), ("gelu_tanh", k.gelu, (x,), {"approximate": "tanh"}),
-             ("gelu_backward", k.gelu_backward, (plain(3, 41), plain(3, 41), "tanh"), {}),
-             ("silu", k.silu, (x,), {}), ("silu_backward", k.silu_backward, (plain(3, 41), plain(3, 41)), {}),
-             ("swiglu", k.swiglu, (x, _leaf(5, 7, 37, dtype=dt)), {}),
-             ("swiglu_backward", k.swiglu_backward, (plain(3, 41), plain(3, 41), plain(3, 41)), {}),
-             ("layernorm", k.layernorm, (x, w, b), {}), ("rmsnorm", k.rmsnorm, (x, w), {"eps": 1e-6}),
-             ("add_layernorm", k.add_layernorm, (x, y, w, b), {}), ("add_rmsnorm", k.add_rmsnorm, (x, y, w), {}),
-             ("norm_forward", k.norm_forward, (plain(5, 37), None, plain(37), plain(37), 1e-5, None), {})]
-    if dt == torch.float32:  # the mixed-precision form: an fp32 stream normalised into bf16
-        y16 = _leaf(5, 7, C, dtype=BF16)
-        cases.append(("add_layernorm_bf16_out", k.add_layernorm, (x, y16, w, b), {"out_dtype": BF16}))
-    ang = torch.rand(5, 4, device=DEV) * 6.28
-    cos, sin = ang.cos(), ang.sin()
-    idx, tgt = torch.randint(0, 11, (3, 7), device=DEV), torch.randint(0, 37, (9,), device=DEV)
-    lse = k.cross_entropy_forward(plain(9, 37), tgt)[1]
-    cases += [("rope", k.rope, (_leaf(2, 3, 5, 8, dtype=dt), cos, sin), {}),
-              ("rope_backward", k.rope_backward, (plain(2, 3, 5, 8), cos, sin), {}),
-              ("embedding", k.embedding, (idx, _leaf(11, 37, dtype=dt)), {}),
-              ("embedding_backward", k.embedding_backward, (idx, plain(3, 7, 37), 11), {}),
-              ("cross_entropy", k.cross_entropy, (_leaf(9, 37, dtype=dt), tgt), {}),
-              ("cross_entropy_forward", k.cross_entropy_forward, (plain(9, 37), tgt), {}),
-              ("cross_entropy_backward", k.cross_entropy_backward,
-               (plain(9, 37), tgt, lse, torch.ones((), device=DEV)), {})]
-    x2, w2, b2 = _leaf(5, 7, 37, dtype=dt), _leaf(19, 37, dtype=dt), _leaf(19, dtype=dt)
-    q, kk, v = _leaf(2, 4, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt)
-    pq, pk, pv = plain(2, 4, 17, 64), plain(2, 2, 17, 64), plain(2, 2, 17, 64)
-    out, lse_log2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None)
-    cases += [("linear", k.linear, (x2, w2, b2), {}), ("linear_no_bias", k.linear, (x2, w2, None), {}),
-              ("linear_one_row", k.linear, (_leaf(37, dtype=dt), w2, b2), {}),
-              ("linear_backward", k.linear_backward, (plain(5, 7, 19), plain(5, 7, 37), plain(19, 37), True), {}),
-              ("matmul", k.matmul, (_leaf(33, 17, dtype=dt), _leaf(17, 9, dtype=dt)), {}),
-              ("matmul_batched", k.matmul, (_leaf(2, 33, 17, dtype=dt), _leaf(2, 17, 9, dtype=dt)), {}),
-              ("matmul_backward", k.matmul_backward, (plain(2, 33, 9), plain(2, 33, 17), plain(2, 17, 9)), {}),
-              ("attention_causal_gqa", k.attention, (q, kk, v), {"causal": True}),
-              ("attention_added_dq", k.attention, (q, kk, v), {"causal": True, "deterministic": False}),
-              ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None), {}),
-              ("attention_fused_backward", k.attention_fused_backward,
-               (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True, True), {}),
-              ("attention_kv_len", k.attention, (pq[:, :, :1], pk, pv),
-               {"causal": True, "kv_len": torch.tensor([9], device=DEV)}),
-              ("gemv", k.gemv, (plain(19, 37), plain(37), plain(19)), {}),
-              ("expert_gemv", k.expert_gemv, (plain(4, 19, 37), plain(3, 37), plain(4, 19),
-                                              torch.tensor([3, 0, 3], device=DEV)), {}),
-              ("kv_write", k.kv_write, (plain(2, 2, 16, 64), plain(2, 2, 16, 64), torch.tensor([4, 9], device=DEV),
-                                        plain(2, 2, 2, 64), plain(2, 2, 2, 64)), {}),
-              ("topk", k.topk, (plain(5, 100), 7), {}),
-              *_megakernel_case(plain, dt)]
-    qkv = _leaf(2, 17, (4 + 2 + 2) * 64, dtype=dt)  # the model's q, k, v: views of one projection
-    pq2, pk2, pv2 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], -1))
-    cases += [("attention_packed_qkv", k.attention, (pq2, pk2, pv2), {"causal": True}),
-              ("layernorm_transposed_x", k.layernorm, (_leaf(4, 37, 6, dtype=dt).transpose(1, 2), w, b), {})]
-    if dt == BF16:  # mixed precision: a bf16 x with the fp32 master weight and bias
-        cases.append(("linear_master_weight", k.linear, (x2, _leaf(19, 37), _leaf(19)), {}))
-    packed = plain(2, 17, (4 + 2 + 2) * 64)  # the backward of q, k, v viewed from one buffer writes one buffer
-    pq3, pk3, pv3 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in packed.split([4 * 64, 2 * 64, 2 * 64], -1))
-    out3, lse3 = k.attention_fused(pq3, pk3, pv3, True, 0.125, True, None)
-    cases.append(("attention_fused_backward_packed", k.attention_fused_backward_packed,
-                  (pq3, pk3, pv3, out3, lse3, plain(2, 4, 17, 64), True, 0.125, True, True), {}))
-    if dt == torch.float32:  # the mHC ops and tiled attention take float32 only; static and per-token coefficients
-        xs, ys = _leaf(2, 3, 4, 37), _leaf(2, 3, 37)
-        tiled_qkv = (plain(2, 4, 9, 40), plain(2, 2, 11, 40), plain(2, 2, 11, 40))
-        cases += [("sinkhorn", k.sinkhorn, (_leaf(3, 5, 4, 4),), {"iters": 7}),
-                  ("sinkhorn_backward", k.sinkhorn_backward, (plain(3, 4, 4), plain(3, 4, 4), 5), {}),
-                  ("hc_coeffs", k.hc_coeffs, (_leaf(2, 3, 15), _leaf(3), _leaf(15)), {"iters": 5}),
-                  ("hc_project", k.hc_project, (_leaf(2, 3, 12), _leaf(12), _leaf(8, 12)), {}),
-                  ("hc_project_forward", k.hc_project_forward, (plain(5, 12), plain(12), plain(8, 12), 1e-5), {}),
-                  ("hc_pre", k.hc_pre, (_leaf(2, 3, 4, 5), _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
-                  ("hc_pre_forward", k.hc_pre_forward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
-                                                        1e-5), {}),
-                  ("hc_mix_pre", k.hc_mix_pre, (_leaf(2, 3, 4, 5), _leaf(2, 3, 4, 4), _leaf(2, 3, 4), _leaf(2, 3, 5),
-                                                _leaf(20), _leaf(24, 20), _leaf(3), _leaf(24)), {"iters": 5}),
-                  ("hc_mix_pre_forward", k.hc_mix_pre_forward,
-                   (plain(5, 2, 3), plain(5, 2, 2), plain(5, 2), plain(5, 3), plain(6), plain(8, 6), plain(3), plain(8), 3,
-                    1e-5), {}),
-                  ("hc_mix_pre_backward", k.hc_mix_pre_backward,
-                   (plain(5, 2, 3), plain(5, 2, 2), plain(5, 2), plain(5, 3), plain(5, 2, 3), plain(6), plain(8, 6),
-                    plain(3), plain(8), plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 2, 3), plain(5, 3),
-                    plain(5, 2), plain(5, 2, 2), 3), {}),
-                  ("hc_pre_backward", k.hc_pre_backward, (plain(5, 2, 3), plain(6), plain(8, 6), plain(3), plain(8),
-                                                          plain(5, 8), plain(5).abs(), plain(5, 2), plain(5, 3),
-                                                          plain(5, 2), plain(5, 2, 2), 3), {}),
-                  ("hc_project_backward", k.hc_project_backward, (plain(5, 12), plain(12), plain(8, 12), plain(5, 8),
-                                                                  plain(5).abs(), plain(5, 8)), {}),
-                  ("hc_coeffs_backward", k.hc_coeffs_backward, (plain(5, 24), plain(3), plain(24), plain(5, 4),
-                                                                plain(5, 4), plain(5, 4, 4), 3), {}),
-                  ("stream_merge", k.stream_merge, (xs, _leaf(4)), {}),
-                  ("stream_merge_per_token", k.stream_merge, (xs, _leaf(2, 3, 4)), {}),
-                  ("stream_merge_backward", k.stream_merge_backward, (plain(2, 3, 4, 37), plain(4), plain(2, 3, 37)),
-                   {}),
-                  ("stream_mix", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), ys), {}),
-                  ("stream_mix_per_token", k.stream_mix, (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), ys), {}),
-                  ("stream_mix_bf16_y", k.stream_mix, (xs, _leaf(4, 4), _leaf(4), _leaf(2, 3, 37, dtype=BF16)), {}),
-                  ("stream_mix_merge", k.stream_mix_merge, (xs, _leaf(4, 4), _leaf(4), ys, _leaf(4)), {}),
-                  ("stream_mix_merge_per_token", k.stream_mix_merge,
-                   (xs, _leaf(2, 3, 4, 4), _leaf(2, 3, 4), _leaf(2, 3, 37, dtype=BF16), _leaf(2, 3, 4)), {}),
-                  ("stream_mix_merge_backward", k.stream_mix_merge_backward,
-                   (plain(2, 3, 4, 37), plain(4, 4), plain(4), plain(2, 3, 37), plain(4), plain(2, 3, 4, 37),
-                    plain(2, 3, 37)), {}),
-                  ("attention_tiled", k.attention, (_leaf(2, 4, 9, 40), _leaf(2, 2, 11, 40), _leaf(2, 2, 11, 40)),
-                   {"causal": True, "mode": "tiled"}),
-                  ("attention_tiled_forward", k.attention_tiled, (*tiled_qkv, True, 0.125), {}),
-                  ("attention_tiled_backward", k.attention_tiled_backward,
-                   (*tiled_qkv, k.attention_tiled(*tiled_qkv, True, 0.125)[1], plain(2, 4, 9, 40), 0.125), {}),
-                  ("stream_mix_backward", k.stream_mix_backward,
-                   (plain(2, 3, 4, 37), plain(4, 4), plain(4), plain(2, 3, 37), plain(2, 3, 4, 37)), {})]
-    r = k.norm_forward(plain(5, 37), None, plain(37), plain(37), 1e-5, None)  # y, rstd, mean
-    cases.append(("norm_backward", k.norm_backward, (plain(5, 37), plain(37), r[2], r[1], plain(5, 37), None, dt,
-                                                      False), {}))
-    return cases
-
-
-def t_attention_nan_scale(dt):
-    # scale=nan: every score NaN, so every output and gradient, as SDPA gives them
-    q, k, v = (_leaf(2, 3, 17, 64, dtype=dt) for _ in range(3))
-    out = kernels.attention(q, k, v, scale=float("nan"))
-    twin = F.scaled_dot_product_attention(q, k, v, scale=float("nan"))
-    assert out.isnan().all() and twin.isnan().all(), f"ours {out.isnan().float().mean():.2f} NaN"
-    out.sum().backward()
-    assert all(t.grad.isnan().all() for t in (q, k, v)), "a gradient is not all NaN"
-    return "out and dq, dk, dv all NaN, as SDPA's out"
-
-
-def t_norm_views(dt):
-    # the norms' gradients for x and weight given as views (a transposed x, a strided weight), against the
-    # float64 reference: the backward reads its rows from contiguous copies
-    C = 37
-    x = rand(4, C, 6).transpose(1, 2).to(dt)
-    w, b = rand(2 * C)[::2].to(dt), rand(C).to(dt)
-    tol = (2e-2, 2e-2) if dt == BF16 else 1e-4
-    compare_dtypes(*on_both(lambda ops, x, w, b: ops.layernorm(x, w, b)), tol, tol, out_dtype=dt, x=x, w=w, b=b)
-    compare_dtypes(*on_both(lambda ops, x, w: ops.rmsnorm(x, w)), tol, tol, out_dtype=dt, x=x, w=w)
-
-
-def t_opcheck(dt):
-    done = []
-    for name, op, args, kwargs in opcheck_cases(dt):
-        try:
-            torch.library.opcheck(op.default, args, kwargs, test_utils=OPCHECK_TESTS)
-        except Exception as e:
-            raise AssertionError(f"{name}: {one_line(e)}") from e
-        done.append(name)
-    return f"{len(done)} cases x {len(OPCHECK_TESTS)} checks: {', '.join(done)}"
-
-
-def t_opcheck_covers_every_op():
-    # every op registered as kernels::<name> has an opcheck case, in one dtype or the other (the
-    # megakernel's where this GPU runs it)
-    registered = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
-                  if n.startswith("kernels::")}
-    if not _megakernel_supported(torch.float32):
-        registered.discard("decode_megakernel")
-    checked = {op._qualified_op_name.split("::")[1]
-               for dt in (torch.float32, BF16) for _, op, _, _ in opcheck_cases(dt)}
-    assert registered <= checked, f"ops with no opcheck case: {sorted(registered - checked)}"
-    return f"{len(registered)} ops registered, each with a case"
-
-
-def t_compile_fullgraph(dt):
-    # a pre-norm feed-forward of our ops, compiled whole; forward and gradients equal to eager's
-    import torch._dynamo
-    C = 64
-
-    def block(x, y, w, b, wg):
-        s, h = kernels.add_layernorm(x, y, w, b)
-        h = kernels.swiglu(kernels.gelu(h, approximate="tanh"), kernels.silu(h * wg))
-        return (s + kernels.rmsnorm(h, w)).float().pow(2).mean() + kernels.softmax(h, out_dtype=torch.float32).sum()
-
-    leaves = [_leaf(3, 17, C, dtype=dt), _leaf(3, 17, C, dtype=dt), _leaf(C, dtype=dt), _leaf(C, dtype=dt),
-              _leaf(C, dtype=dt)]
-    explain = torch._dynamo.explain(block)(*leaves)
-    assert explain.graph_break_count == 0, f"{explain.graph_break_count} graph breaks: {explain.break_reasons}"
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True)
-    eager_out, comp_out = block(*leaves), compiled(*leaves)
-    eager_grads = torch.autograd.grad(eager_out, leaves)
-    comp_grads = torch.autograd.grad(comp_out, leaves)
-    tol = 1e-5 if dt == torch.float32 else 2e-2
-    check("out", comp_out, eager_out, (tol, tol))
-    for i, (g_c, g_e) in enumerate(zip(comp_grads, eager_grads)):
-        check(f"d{i}", g_c, g_e, (tol, tol))
-    return f"{explain.graph_count} graph, 0 breaks"
-
-
-def t_autocast_policy():
-    # torch.autocast(bfloat16) around our fp32 calls makes the bf16 policy's casts (bindings.cpp's autocast
-    # section): outputs and gradients equal, bit for bit and dtype for dtype, to the same calls with those
-    # casts written out. The cuda op set's --dtype=bf16 is this autocast around its fp32 op set.
-    if torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("bf16 products run on Hopper's wgmma (compute capability 9.0)")
-    k, bf, f32, C = kernels, BF16, torch.float32, 64
-
-    def b16(t):
-        return t.to(bf)
-    qkv, qkv24 = [(2, 3, 17, 64)] * 3, [(2, 3, 17, 24)] * 3  # 24: a head size the fused kernels lack
-    cases = (  # name, the call under autocast, the call with autocast's casts written out, leaf shapes
-        # (float32 leaves, or (shape, dtype))
-        ("linear", lambda x, w, b: k.linear(x, w, b), lambda x, w, b: k.linear(b16(x), w, b),
-         [(5, 7, C), (48, C), (48,)]),
-        ("matmul", k.matmul, lambda a, m: k.matmul(b16(a), b16(m)), [(37, C), (C, 24)]),
-        ("layernorm", k.layernorm, lambda x, w, b: k.layernorm(x, w, b, out_dtype=bf), [(37, C), (C,), (C,)]),
-        ("rmsnorm", k.rmsnorm, lambda x, w: k.rmsnorm(x, w, out_dtype=bf), [(37, C), (C,)]),
-        ("add_layernorm", k.add_layernorm, lambda x, y, w, b: k.add_layernorm(x, y, w, b, out_dtype=bf),
-         [(37, C), ((37, C), bf), (C,), (C,)]),  # y: a sublayer's output, bf16 under autocast
-        ("add_rmsnorm", k.add_rmsnorm, lambda x, y, w: k.add_rmsnorm(x, y, w, out_dtype=bf),
-         [(37, C), ((37, C), bf), (C,)]),
-        ("softmax of bf16", lambda x: k.softmax(b16(x)), lambda x: k.softmax(b16(x), out_dtype=f32), [(37, C)]),
-        ("attention fused", lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="fused"),
-         lambda q, kk, v: k.attention(b16(q), b16(kk), b16(v), causal=True, mode="fused"), qkv),
-        ("attention tiled", lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="tiled"),
-         lambda q, kk, v: k.attention(q, kk, v, causal=True, mode="tiled").to(bf), qkv24),
-        ("gelu, as called", k.gelu, k.gelu, [(37, C)]),
-    )
-    for name, under, written, shapes in cases:
-        leaves = [_leaf(*s[0], dtype=s[1]) if isinstance(s[0], tuple) else _leaf(*s) for s in shapes]
-        copies = [t.detach().clone().requires_grad_() for t in leaves]
-        with torch.autocast("cuda", dtype=bf):
-            got = outputs(under(*leaves))
-        want = outputs(written(*copies))
-        dys = [torch.randn_like(t) for _, t in want]
-        for (label, g), (_, w) in zip(got, want, strict=True):
-            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} {label}: {g.dtype} vs {w.dtype}, or values differ"
-        grads = torch.autograd.grad([t for _, t in got], leaves, dys)
-        for i, (g, w) in enumerate(zip(grads, torch.autograd.grad([t for _, t in want], copies, dys))):
-            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} d{i}: {g.dtype} vs {w.dtype}, or values differ"
-    return f"{len(cases)} calls: outputs and gradients bit-identical to the casts written out"
-
-
-add("dispatcher/opcheck_covers_every_op", t_opcheck_covers_every_op)
-add("dispatcher/autocast_policy", t_autocast_policy)
-for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
-    add(f"dispatcher/opcheck_{_tag}", t_opcheck, _dt)
-    add(f"dispatcher/attention_nan_scale_{_tag}", t_attention_nan_scale, _dt)
-    add(f"dispatcher/norm_views_{_tag}", t_norm_views, _dt)
-    add(f"dispatcher/compile_fullgraph_{_tag}", t_compile_fullgraph, _dt)
-
-# -----------------------------------------------------------------------------
-# stress: the ops whose backward is several kernels handing partial results on through memory (the
-# embedding's sort and run sums, cross-entropy's loss and gradient, the norms' partial column sums,
-# attention's dK and dV summed over a group's heads, split-K products and their reduction). Each runs
-# once, eagerly, for the reference bits; then STRESS_REPS times on a side stream, where the allocator
-# hands out reused memory, and STRESS_REPS replays of one CUDA graph of it. A missing dependency between
-# two of those kernels, a workspace read before it is written or a race inside one shows as a repetition
-# that differs from the first in any bit.
-
-STRESS_REPS = under_tool(200, 5)  # the tools slow each repetition many times over
-
-
-def same_bits(first, got, where):
-    for i, (a, b) in enumerate(zip(first, got, strict=True)):
-        if not torch.equal(a, b):
-            diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
-            raise AssertionError(f"{where}: result {i} differs from the first run by up to {diff:.2e}")
-
-
-def stress(fn):
-    """fn() -> tensors (outputs and gradients): bitwise the same on every repetition and replay."""
-    first = [t.clone() for t in fn()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for r in range(STRESS_REPS):
-            same_bits(first, fn(), f"side-stream repetition {r}")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # the side stream's runs were its warm-up
-        captured = fn()
-    for r in range(STRESS_REPS):
-        graph.replay()
-        same_bits(first, captured, f"graph replay {r}")
-    return f"{STRESS_REPS} side-stream runs and {STRESS_REPS} graph replays bitwise equal to the first"
-
-
-def grads(out, leaves):
-    """out and d(out . dy)/d(leaves) for a fixed dy, as a tuple (no .grad accumulates). out is returned
-    detached: a result that kept this run's autograd graph alive would keep its leaves' gradient
-    accumulators on the stream of this run, and a CUDA graph captured later would have to wait on it."""
-    dy = torch.linspace(-1, 1, out.numel(), device=DEV).view_as(out).to(out.dtype) if out.dim() else torch.ones_like(out)
-    return (out.detach(), *torch.autograd.grad(out, leaves, dy))
-
-
-def t_stress_embedding(idx_shape, V, C, dtype):
-    idx = torch.randint(0, V, idx_shape, device=DEV)
-    w = rand(V, C).to(dtype).requires_grad_()
-    return stress(lambda: grads(kernels.embedding(idx, w), [w]))
-
-
-def t_stress_cross_entropy(N, V, dtype):
-    logits, targets = rand(N, V).to(dtype).requires_grad_(), torch.randint(0, V, (N,), device=DEV)
-    return stress(lambda: grads(kernels.cross_entropy(logits, targets), [logits]))
-
-
-def t_stress_norm(kind, R, C, dtype):
-    x, w, b = (rand(*shape).to(dtype).requires_grad_() for shape in ((R, C), (C,), (C,)))
-    if kind == "layernorm":
-        return stress(lambda: grads(kernels.layernorm(x, w, b), [x, w, b]))
-    return stress(lambda: grads(kernels.rmsnorm(x, w), [x, w]))
-
-
-def t_stress_attention(B, H, Hkv, S, D, dtype):
-    q = rand(B, H, S, D).to(dtype).requires_grad_()
-    k, v = (rand(B, Hkv, S, D).to(dtype).requires_grad_() for _ in range(2))
-    return stress(lambda: grads(kernels.attention(q, k, v, causal=True), [q, k, v]))
-
-
-def t_stress_linear(lead, K, N, dtype):
-    # few output tiles, many tokens: the weight gradient's K (the tokens) is split, the splits summed after
-    if dtype == BF16 and torch.cuda.get_device_capability() != (9, 0):
-        raise Skip("bf16 matmul runs on Hopper's wgmma (compute capability 9.0)")
-    x, w, b = (rand(*shape).to(dtype).requires_grad_() for shape in ((*lead, K), (N, K), (N,)))
-    return stress(lambda: grads(kernels.linear(x, w, b), [x, w, b]))
-
-
-for _dt, _tag in ((torch.float32, "fp32"), (BF16, "bf16")):
-    add(f"stress/embedding_3x1001_of_1000x64_{_tag}", t_stress_embedding, (3, 1001), 1000, 64, _dt)
-    add(f"stress/cross_entropy_777x1001_{_tag}", t_stress_cross_entropy, 777, 1001, _dt)
-    add(f"stress/layernorm_3000x1000_{_tag}", t_stress_norm, "layernorm", 3000, 1000, _dt)
-    add(f"stress/attention_b2h8kv2_s1000_d128_causal_{_tag}", t_stress_attention, 2, 8, 2, 1000, 128, _dt)
-    add(f"stress/linear_4x2000x96_to_200_{_tag}", t_stress_linear, (4, 2000), 96, 200, _dt)
-# runs that span many 32-position chunks, rows that are not 16-byte multiples; a warp a row
-add("stress/embedding_4097_of_5x129_fp32", t_stress_embedding, (4097,), 5, 129, torch.float32)
-add("stress/rmsnorm_5000x388_fp32", t_stress_norm, "rmsnorm", 5000, 388, torch.float32)
-
-# -----------------------------------------------------------------------------
-# train.py on the GPU: the training step reproduces itself bit for bit, the two op sets train alike,
-# and so does the compiled torch step (--compile). All run train.train_op_set, the loop of
-# `python train.py` (the cuda op set graphed, as by default), on a generated text, so they never skip
-# for want of the book.
+# ==== script tests: train.py on the GPU ====
+# the training step reproduces itself bit for bit, the two op sets train alike, and so does the
+# compiled torch step (--compile). All run train.train_op_set, the loop of `python train.py` (the cuda
+# op set graphed, as by default), on a generated text, so they never skip for want of the book.
 
 
 def gpu_train_text(n_words=4000):
@@ -6016,1175 +7596,7 @@ for _arch, _res in (("gpt", "baseline"), ("llama", "baseline"), ("gpt", "mhc-dyn
     add(f"train/gpu_first_step_grads_{_arch}_{_res}", train_gpu_first_step_grads, _arch, _res)
 
 
-# Empty inputs (an expert that receives no tokens, an empty batch): empty outputs and zero gradients.
-add("empty/linear_0x300_to_64_bias", t_linear, (0,), 300, 64)
-add("empty/matmul_0x256x64", t_matmul, 0, 256, 64)
-add("empty/layernorm_0x768", t_layernorm, (0, 768))
-add("empty/attention_fused_q0k5", t_attention, "fused-fp32", 1, 2, 0, 5, 64, False)
-add("empty/attention_fused-bf16_q0k5", t_attention_bf16, 1, 2, 0, 5, 64, False)
-
-
-def raised_message(exc_type, call, what=""):
-    """The message of the exc_type that call() must raise (AssertionError when it raises none)."""
-    try:
-        call()
-    except exc_type as e:
-        return str(e)
-    raise AssertionError(f"no {exc_type.__name__} raised{what}")
-
-
-def expect_error(exc_type, call, *names):
-    """call() raises exc_type whose message names each of names (a tuple: any of them), and the GPU
-    stays usable afterwards."""
-    msg = raised_message(exc_type, call)
-    for alternatives in names:
-        alternatives = alternatives if isinstance(alternatives, tuple) else (alternatives,)
-        assert any(re.search(rf"\b{re.escape(a)}\b", msg) for a in alternatives), \
-            f"message does not name {' or '.join(alternatives)}: {one_line(msg)}"
-    torch.cuda.synchronize()
-    assert (torch.ones(4, device=DEV) * 2).sum().item() == 8, "GPU unusable after the error"
-    return f"{exc_type.__name__}: {one_line(msg)[:120]}"
-
-
-def _qkv(*shapes):
-    return [rand(*s) for s in shapes]
-
-
-def _pos(*positions):  # int64 cache positions on the GPU
-    return torch.tensor(positions, device=DEV)
-
-
-BAD_CASES = [  # name, exception, call, words its message must hold
-    ("layernorm_cpu_x", RuntimeError, lambda: kernels.layernorm(torch.randn(4, 8), rand(8), rand(8)),
-     ("layernorm", "x")),
-    ("linear_cpu_weight", RuntimeError, lambda: kernels.linear(rand(4, 8), torch.randn(5, 8)), ("linear", "weight")),
-    ("softmax_float64_x", RuntimeError, lambda: kernels.softmax(rand(4, 8).double()), ("softmax", "x")),
-    ("matmul_float64_b", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(8, 5).double()), ("matmul", "b")),
-    ("linear_K_mismatch", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 9)), ("linear", ("x", "weight"))),
-    ("matmul_inner_dim", RuntimeError, lambda: kernels.matmul(rand(4, 8), rand(9, 5)), ("matmul", ("a", "b"))),
-    ("matmul_bf16_with_float32", RuntimeError, lambda: kernels.matmul(rand(4, 8).bfloat16(), rand(8, 5)),
-     ("matmul", "b", "BFloat16")),
-    ("linear_bf16_float32_bias", RuntimeError,
-     lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8).bfloat16(), rand(5)), ("linear", "bias", "BFloat16")),
-    ("linear_float32_x_bf16_weight", RuntimeError, lambda: kernels.linear(rand(4, 8), rand(5, 8).bfloat16()),
-     ("linear", "weight", "Float")),  # the fp32 master weight goes with a bf16 x, not the other way round
-    ("linear_master_weight_bf16_bias", RuntimeError,
-     lambda: kernels.linear(rand(4, 8).bfloat16(), rand(5, 8), rand(5).bfloat16()), ("linear", "bias", "Float")),
-    ("matmul_float16_a", RuntimeError, lambda: kernels.matmul(rand(4, 8).half(), rand(8, 5).half()),
-     ("matmul", "a", "bfloat16")),
-    ("layernorm_weight_size", RuntimeError, lambda: kernels.layernorm(rand(4, 8), rand(7), rand(8)),
-     ("layernorm", "weight")),
-    ("rmsnorm_weight_size", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8), rand(7)), ("rmsnorm", "weight")),
-    ("rmsnorm_cpu_x", RuntimeError, lambda: kernels.rmsnorm(torch.randn(4, 8), rand(8)), ("rmsnorm", "x")),
-    ("sinkhorn_n9", ValueError, lambda: kernels.sinkhorn(rand(4, 9, 9)), ("sinkhorn", "n")),
-    ("hc_coeffs_K10", ValueError, lambda: kernels.hc_coeffs(rand(4, 10), rand(3), rand(10)), ("hc_coeffs", "2n + n^2")),
-    ("hc_coeffs_K99", ValueError, lambda: kernels.hc_coeffs(rand(4, 99), rand(3), rand(99)), ("hc_coeffs", "h")),
-    ("hc_coeffs_alpha_size", RuntimeError, lambda: kernels.hc_coeffs(rand(4, 24), rand(4), rand(24)),
-     ("hc_coeffs", "alpha")),
-    ("hc_coeffs_bias_size", RuntimeError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(23)),
-     ("hc_coeffs", "bias")),
-    ("hc_coeffs_cpu", RuntimeError, lambda: kernels.hc_coeffs(torch.randn(4, 24), rand(3), rand(24)),
-     ("hc_coeffs", "h")),
-    ("hc_project_K10", ValueError, lambda: kernels.hc_project(rand(4, 12), rand(12), rand(10, 12)), ("hc_project", "phi")),
-    ("hc_project_phi_cols", RuntimeError, lambda: kernels.hc_project(rand(4, 12), rand(12), rand(8, 13)),
-     ("hc_project", "phi")),
-    ("hc_project_weight_size", RuntimeError, lambda: kernels.hc_project(rand(4, 12), rand(11), rand(8, 12)),
-     ("hc_project", "weight")),
-    ("hc_project_cpu", RuntimeError, lambda: kernels.hc_project(torch.randn(4, 12), rand(12), rand(8, 12)),
-     ("hc_project", "x")),
-    ("hc_project_D0", RuntimeError, lambda: kernels.hc_project(rand(4, 0), rand(0), rand(8, 0)), ("hc_project", "x")),
-    ("hc_mix_pre_phi_rows", RuntimeError,
-     lambda: kernels.hc_mix_pre(rand(4, 2, 3), rand(4, 2, 2), rand(4, 2), rand(4, 3), rand(6), rand(15, 6), rand(3),
-                                rand(15)), ("hc_mix_pre", "phi", "8")),
-    ("hc_mix_pre_y_float64", RuntimeError,
-     lambda: kernels.hc_mix_pre(rand(4, 2, 3), rand(4, 2, 2), rand(4, 2), rand(4, 3).double(), rand(6), rand(8, 6),
-                                rand(3), rand(8)), ("hc_mix_pre", "y", "float32 or bfloat16")),
-    ("hc_pre_phi_rows", RuntimeError, lambda: kernels.hc_pre(rand(4, 2, 3), rand(6), rand(15, 6), rand(3), rand(15)),
-     ("hc_pre", "phi")),
-    ("hc_pre_x_dims", RuntimeError, lambda: kernels.hc_pre(rand(6), rand(6), rand(8, 6), rand(3), rand(8)),
-     ("hc_pre", "x")),
-    ("hc_coeffs_iters0", ValueError, lambda: kernels.hc_coeffs(rand(4, 24), rand(3), rand(24), iters=0),
-     ("hc_coeffs", "iters")),
-    ("sinkhorn_not_square", RuntimeError, lambda: kernels.sinkhorn(rand(4, 3)), ("sinkhorn", "logits")),
-    ("sinkhorn_iters0", ValueError, lambda: kernels.sinkhorn(rand(2, 4, 4), iters=0), ("sinkhorn", "iters")),
-    ("sinkhorn_float64", RuntimeError, lambda: kernels.sinkhorn(rand(2, 4, 4).double()), ("sinkhorn", "logits")),
-    ("sinkhorn_cpu", RuntimeError, lambda: kernels.sinkhorn(torch.randn(2, 4, 4)), ("sinkhorn", "logits")),
-    ("stream_merge_n9", ValueError, lambda: kernels.stream_merge(rand(4, 9, 8), rand(9)), ("stream_merge", "n")),
-    ("stream_mix_n9", ValueError, lambda: kernels.stream_mix(rand(4, 9, 8), rand(9, 9), rand(9), rand(4, 8)),
-     ("stream_mix", "n")),
-    ("stream_mix_y_C", RuntimeError, lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(2), rand(4, 7)),
-     ("stream_mix", "y")),
-    ("stream_merge_h_n", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(3)), ("stream_merge", "h")),
-    ("stream_merge_h_tokens", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(5, 2)),
-     ("stream_merge", "h")),
-    ("stream_mix_h_res_shape", RuntimeError,
-     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 3), rand(2), rand(4, 8)), ("stream_mix", "h_res")),
-    ("stream_mix_static_res_per_token_post", RuntimeError,
-     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(4, 2), rand(4, 8)), ("stream_mix", "h_res", "h_post")),
-    ("stream_merge_cpu_x", RuntimeError, lambda: kernels.stream_merge(torch.randn(4, 2, 8), rand(2)),
-     ("stream_merge", "x")),
-    ("stream_mix_cpu_y", RuntimeError,
-     lambda: kernels.stream_mix(rand(4, 2, 8), rand(2, 2), rand(2), torch.randn(4, 8)), ("stream_mix", "y")),
-    ("stream_merge_float64_h", RuntimeError, lambda: kernels.stream_merge(rand(4, 2, 8), rand(2).double()),
-     ("stream_merge", "h")),
-    ("stream_mix_float64_x", RuntimeError,
-     lambda: kernels.stream_mix(rand(4, 2, 8).double(), rand(2, 2), rand(2), rand(4, 8)), ("stream_mix", "x")),
-    ("topk_k_above_row", ValueError, lambda: kernels.topk(rand(4, 8), 9), ("k",)),
-    ("topk_k_zero", ValueError, lambda: kernels.topk(rand(4, 8), 0), ("k",)),
-    ("topk_k_above_128", ValueError, lambda: kernels.topk(rand(2, 1000), 129), ("k",)),
-    ("attention_B_mismatch", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (1, 3, 17, 64), (1, 3, 17, 64))), ("attention", ("q", "k", "v"))),
-    ("attention_H_mismatch", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 2, 17, 64), (2, 2, 17, 64))), ("attention", ("q", "k", "v"))),
-    ("attention_gqa_heads_not_multiple", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 6, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
-    ("attention_more_kv_heads_than_q", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 2, 17, 64), (2, 4, 17, 64), (2, 4, 17, 64))), ("attention", "q", "k")),
-    ("attention_zero_heads", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 0, 17, 64), (2, 1, 17, 64), (2, 1, 17, 64))), ("attention", "q", "head")),
-    ("rope_odd_D", ValueError, lambda: kernels.rope(rand(2, 3, 5, 7), rand(5, 3), rand(5, 3)), ("rope", "D")),
-    ("rope_table_shape", RuntimeError, lambda: kernels.rope(rand(2, 3, 5, 8), rand(4, 4), rand(4, 4)),
-     ("rope", "cos", "sin")),
-    ("rope_table_grad", RuntimeError,
-     lambda: kernels.rope(rand(2, 3, 5, 8), rand(5, 4).requires_grad_(), rand(5, 4)), ("rope", "cos")),
-    ("rope_cpu_x", RuntimeError, lambda: kernels.rope(torch.randn(2, 3, 5, 8), rand(5, 4), rand(5, 4)), ("rope", "x")),
-    ("rope_3d_x", RuntimeError, lambda: kernels.rope(rand(3, 5, 8), rand(5, 4), rand(5, 4)), ("rope", "x")),
-    ("swiglu_shape_mismatch", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 9)), ("swiglu", "a", "b")),
-    ("swiglu_float64_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 8).double()), ("swiglu", "b")),
-    ("silu_cpu_x", RuntimeError, lambda: kernels.silu(torch.randn(4, 8)), ("silu", "x")),
-    ("attention_D_mismatch", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 32), (2, 3, 17, 32))), ("attention", ("q", "k", "v"))),
-    ("attention_kv_length_mismatch", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64), (2, 3, 16, 64))), ("attention", ("k", "v"))),
-    ("attention_fused_D48", ValueError,
-     lambda: kernels.attention(*_qkv(*[(2, 3, 17, 48)] * 3), mode="fused"), ("32", "64", "128")),
-    ("attention_float64_v", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).double()),
-     ("attention", "v")),
-    ("attention_bf16_q_float32_k", RuntimeError,
-     lambda: kernels.attention(rand(2, 3, 17, 64).bfloat16(), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
-     ("attention", "k", "BFloat16", "like", "q")),
-    ("attention_float32_q_bf16_v", RuntimeError,
-     lambda: kernels.attention(*_qkv((2, 3, 17, 64), (2, 3, 17, 64)), rand(2, 3, 17, 64).bfloat16()),
-     ("attention", "v", "Float", "q")),
-    ("attention_bf16_tiled", ValueError,
-     lambda: kernels.attention(*[t.bfloat16() for t in _qkv(*[(2, 3, 17, 64)] * 3)], mode="tiled"),
-     ("attention", "bfloat16", "fused")),
-    ("attention_cpu_q", RuntimeError,
-     lambda: kernels.attention(torch.randn(2, 3, 17, 64), *_qkv((2, 3, 17, 64), (2, 3, 17, 64))),
-     ("attention", "q")),
-    # the KV cache write: one dtype, shapes that fit the cache, contiguous caches, no gradient
-    ("kv_write_bf16_k", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).bfloat16(),
-                              rand(1, 2, 1, 8)),
-     ("kv_write", "k", "Float", "k_cache")),
-    ("kv_write_heads_mismatch", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 3, 1, 8), rand(1, 3, 1, 8)),
-     ("kv_write", "k", "shape")),
-    ("kv_write_positions_length", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3, 4), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
-     ("kv_write", "positions", "shape")),
-    ("kv_write_int32_positions", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3).int(), rand(1, 2, 1, 8),
-                              rand(1, 2, 1, 8)),
-     ("kv_write", "positions")),
-    ("kv_write_strided_cache", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 16)[..., ::2], rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8),
-                              rand(1, 2, 1, 8)), ("kv_write", "contiguous")),
-    ("kv_write_cpu_cache", RuntimeError,
-     lambda: kernels.kv_write(torch.randn(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8), rand(1, 2, 1, 8)),
-     ("kv_write", "k_cache")),
-    ("kv_write_v_shape", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8), rand(1, 2, 2, 8)),
-     ("kv_write", "v", "shape")),
-    ("kv_write_strided_k", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 16)[..., ::2],
-                              rand(1, 2, 1, 8)), ("kv_write", "k", "contiguous")),
-    ("kv_write_grad", RuntimeError,
-     lambda: kernels.kv_write(rand(1, 2, 9, 8), rand(1, 2, 9, 8), _pos(3), rand(1, 2, 1, 8).requires_grad_(),
-                              rand(1, 2, 1, 8)), ("kv_write", "no_grad")),
-    # bf16 row ops: one dtype for an op's inputs, and out_dtype float32 or bfloat16
-    ("layernorm_bf16_weight_float32_x", RuntimeError,
-     lambda: kernels.layernorm(rand(4, 8), rand(8).bfloat16(), rand(8)), ("layernorm", "weight", "Float")),
-    ("layernorm_out_float16", ValueError,
-     lambda: kernels.layernorm(rand(4, 8), rand(8), rand(8), out_dtype=torch.float16), ("layernorm", "out_dtype")),
-    ("rmsnorm_float16_x", RuntimeError, lambda: kernels.rmsnorm(rand(4, 8).half(), rand(8).half()), ("rmsnorm", "x")),
-    # the residual add: y has x's shape, the norm's output dtype, x's device
-    ("add_layernorm_y_shape", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), rand(4, 7), rand(8), rand(8)),
-     ("add_layernorm", "y", "shape")),
-    ("add_layernorm_y_float32_out_bf16", RuntimeError,
-     lambda: kernels.add_layernorm(rand(4, 8), rand(4, 8), rand(8), rand(8), out_dtype=torch.bfloat16),
-     ("add_layernorm", "y", "BFloat16", "out_dtype")),
-    ("add_layernorm_y_none", RuntimeError, lambda: kernels.add_layernorm(rand(4, 8), None, rand(8), rand(8)),
-     ("add_layernorm", "y")),
-    ("add_rmsnorm_y_none_x_requires_grad", RuntimeError,  # autograd's path would have read None as no addend
-     lambda: kernels.add_rmsnorm(rand(4, 8).requires_grad_(), None, rand(8)), ("add_rmsnorm", "y", "None")),
-    ("layernorm_bias_none", RuntimeError,  # norm_forward would read an undefined bias as RMSNorm
-     lambda: kernels.layernorm(rand(4, 8), rand(8), None), ("layernorm", "bias", "None")),
-    ("add_layernorm_bias_none_x_requires_grad", RuntimeError,
-     lambda: kernels.add_layernorm(rand(4, 8).requires_grad_(), rand(4, 8), rand(8), None),
-     ("add_layernorm", "bias", "None")),
-    ("add_layernorm_bf16_x_float32_y", RuntimeError,
-     lambda: kernels.add_layernorm(rand(4, 8).bfloat16(), rand(4, 8), rand(8).bfloat16(), rand(8).bfloat16(),
-                                   out_dtype=torch.float32), ("add_layernorm", "y", "bfloat16")),
-    ("add_rmsnorm_cpu_y", RuntimeError, lambda: kernels.add_rmsnorm(rand(4, 8), torch.randn(4, 8), rand(8)),
-     ("add_rmsnorm", "y")),
-    ("add_rmsnorm_bf16_x_float32_weight", RuntimeError,
-     lambda: kernels.add_rmsnorm(rand(4, 8).bfloat16(), rand(4, 8).bfloat16(), rand(8)), ("add_rmsnorm", "weight")),
-    ("softmax_out_float64", ValueError, lambda: kernels.softmax(rand(4, 8), out_dtype=torch.float64),
-     ("softmax", "out_dtype")),
-    ("swiglu_bf16_a_float32_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8).bfloat16(), rand(4, 8)),
-     ("swiglu", "b", "BFloat16")),
-    ("gemv_bf16_weight_float32_x", RuntimeError, lambda: kernels.gemv(rand(8, 4).bfloat16(), rand(4)),
-     ("gemv", "x", "BFloat16")),
-    ("expert_gemv_bf16_float32_bias", RuntimeError,
-     lambda: kernels.expert_gemv(rand(2, 8, 4).bfloat16(), rand(1, 4).bfloat16(), rand(2, 8),
-                                 torch.zeros(1, dtype=torch.long, device=DEV)), ("expert_gemv", "bias")),
-    # embedding and cross_entropy: int64 indices on the GPU, a 2-D weight and logits, one target a row (also
-    # through autograd, where a weight or the logits require grad)
-    ("embedding_int32_idx", RuntimeError, lambda: kernels.embedding(_pos(3, 1).int(), rand(5, 8)),
-     ("embedding", "idx", "int64")),
-    ("embedding_float_idx_weight_requires_grad", RuntimeError,
-     lambda: kernels.embedding(rand(2), rand(5, 8).requires_grad_()), ("embedding", "idx", "int64")),
-    ("embedding_cpu_idx", RuntimeError, lambda: kernels.embedding(torch.tensor([3, 1]), rand(5, 8)),
-     ("embedding", "idx", "CUDA")),
-    ("embedding_cpu_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), torch.randn(5, 8)),
-     ("embedding", "weight", "CUDA")),
-    ("embedding_1d_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(8)),
-     ("embedding", "weight", "2-D")),
-    ("embedding_3d_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(2, 5, 8)),
-     ("embedding", "weight", "2-D")),
-    ("embedding_float64_weight", RuntimeError, lambda: kernels.embedding(_pos(3, 1), rand(5, 8).double()),
-     ("embedding", "weight", "float32")),
-    ("cross_entropy_int32_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2, 3).int()),
-     ("cross_entropy", "targets", "int64")),
-    ("cross_entropy_float_targets_logits_requires_grad", RuntimeError,
-     lambda: kernels.cross_entropy(rand(4, 7).requires_grad_(), rand(4)), ("cross_entropy", "targets", "int64")),
-    ("cross_entropy_cpu_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), torch.tensor([0, 1, 2, 3])),
-     ("cross_entropy", "targets", "CUDA")),
-    ("cross_entropy_cpu_logits", RuntimeError, lambda: kernels.cross_entropy(torch.randn(4, 7), _pos(0, 1, 2, 3)),
-     ("cross_entropy", "logits", "CUDA")),
-    ("cross_entropy_float64_logits", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7).double(), _pos(0, 1, 2, 3)),
-     ("cross_entropy", "logits", "float32")),
-    ("cross_entropy_3d_logits", RuntimeError, lambda: kernels.cross_entropy(rand(2, 4, 7), _pos(0, 1)),
-     ("cross_entropy", "logits", "2-D")),
-    ("cross_entropy_2d_targets", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2, 3).view(4, 1)),
-     ("cross_entropy", "targets", "shape")),
-    ("cross_entropy_N_mismatch", RuntimeError, lambda: kernels.cross_entropy(rand(4, 7), _pos(0, 1, 2)),
-     ("cross_entropy", "targets", "shape")),
-    ("cross_entropy_N_mismatch_logits_requires_grad", RuntimeError,
-     lambda: kernels.cross_entropy(rand(4, 7).requires_grad_(), _pos(0, 1, 2, 3, 4)), ("cross_entropy", "targets")),
-    # string arguments: only the values the op knows
-    ("gelu_approximate_exact", ValueError, lambda: kernels.gelu(rand(4, 8), approximate="exact"),
-     ("gelu", "approximate", "exact")),
-    ("gelu_approximate_Tanh_x_requires_grad", ValueError,
-     lambda: kernels.gelu(rand(4, 8).requires_grad_(), approximate="Tanh"), ("gelu", "approximate", "Tanh")),
-    ("attention_mode_flash", ValueError, lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), mode="flash"),
-     ("attention", "mode", "flash")),
-    ("attention_precision_fp16", ValueError,
-     lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), precision="fp16"), ("attention", "precision", "fp16")),
-    # kv_len: one int64 on q's GPU, fused mode, no gradient
-    ("attention_kv_len_int32", RuntimeError,
-     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5).int()),
-     ("attention", "kv_len", "int64")),
-    ("attention_kv_len_cpu", RuntimeError,
-     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True,
-                               kv_len=torch.tensor([5])), ("attention", "kv_len", "CUDA")),
-    ("attention_kv_len_two_elements", RuntimeError,
-     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5, 6)),
-     ("attention", "kv_len", "1-element")),
-    ("attention_kv_len_tiled", ValueError,
-     lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, mode="tiled",
-                               kv_len=_pos(5)), ("attention", "kv_len", "fused")),
-    ("attention_kv_len_q_requires_grad", RuntimeError,
-     lambda: kernels.attention(rand(1, 2, 1, 32).requires_grad_(), *_qkv((1, 2, 9, 32), (1, 2, 9, 32)), causal=True,
-                               kv_len=_pos(5)), ("attention", "kv_len", "no_grad")),
-    # shapes: a 3-D matmul's batches, gemv's one vector
-    ("matmul_3d_batch_mismatch", RuntimeError, lambda: kernels.matmul(rand(2, 4, 8), rand(3, 8, 5)),
-     ("matmul", "a", "b", "batch")),
-    ("gemv_2d_x", RuntimeError, lambda: kernels.gemv(rand(8, 4), rand(1, 4)), ("gemv", "x", "shape")),
-]
-for _name, _exc, _call, _words in BAD_CASES:
-    add("bad/" + _name, expect_error, _exc, _call, *_words)
-
-
-# Out-of-range indices (embedding's idx, cross_entropy's targets, expert_gemv's experts, kv_write's
-# positions) are found by the kernels on the device, so the call itself does not raise (it would have to
-# wait for the GPU): the bad rows come out NaN (a bad kv_write position writes nothing), and the next
-# call of any op, or kernels.check_errors(), raises a ValueError that names the op, the argument, the
-# value and the valid range. Raised once, it is gone.
-
-def expect_index_error(call, op, arg, value, limit):
-    msg = raised_message(ValueError, call, f" for {op}'s {arg} = {value}")
-    want = f"{op}: {arg} out of range in an earlier call: got {value}, values must be in [0, {limit})"
-    assert want in msg, f"the message {one_line(msg)!r} lacks {want!r}"
-    kernels.check_errors()  # raised once: nothing is left pending
-    assert kernels.softmax(rand(2, 3)).isfinite().all(), "the op after the error failed"
-    return msg
-
-
-def bad_embedding_idx(bad):
-    V, C = 65, 33
-    w, dy = rand(V, C).requires_grad_(), rand(2, 3, C)
-    idx = torch.tensor([[3, bad, 64], [0, 5, 3]], device=DEV)
-    out = kernels.embedding(idx, w)  # no error yet: the indices are only read on the device
-    good = (idx >= 0) & (idx < V)
-    assert out[~good].isnan().all(), f"the row of idx {bad} is not NaN: {out[~good]}"
-    assert torch.equal(out[good], w.detach()[idx[good]]), "the other rows are not weight's"
-    # the backward drops the bad token and sums the others
-    dw = torch.autograd.grad(out, w, dy)[0]
-    ref = torch.zeros(V, C, dtype=torch.float64, device=DEV).index_add_(0, idx[good], dy[good].double())
-    check("dw", dw, ref, 1e-6 * 3)
-    expect_index_error(lambda: kernels.layernorm(rand(2, 4), rand(4), rand(4)), "embedding", "idx", bad, V)
-    kernels.embedding(idx, w)
-    return one_line(expect_index_error(kernels.check_errors, "embedding", "idx", bad, V))
-
-
-def bad_cross_entropy_target(bad):
-    N, V, row = 37, 65, 5
-    logits = rand(N, V).requires_grad_()
-    targets = torch.randint(0, V, (N,), device=DEV)
-    targets[row] = bad
-    loss = kernels.cross_entropy(logits, targets)
-    assert loss.isnan(), f"loss {loss.item()} with target {bad} is not NaN"
-    dx = torch.autograd.grad(loss, logits)[0]
-    assert dx[row].isnan().all(), f"the gradient of the row with target {bad} is not NaN"
-    keep = torch.arange(N, device=DEV) != row
-    x64 = logits.detach().double().requires_grad_()
-    ref = torch.autograd.grad(F.cross_entropy(x64[keep], targets[keep], reduction="sum") / N, x64)[0]
-    check("dlogits_other_rows", dx[keep], ref[keep], CE_GRAD_TOL)
-    expect_index_error(lambda: kernels.gelu(rand(3)), "cross_entropy", "targets", bad, V)
-    kernels.cross_entropy(logits, targets)
-    return one_line(expect_index_error(kernels.check_errors, "cross_entropy", "targets", bad, V))
-
-
-def bad_expert(bad):
-    E, N, K = 4, 37, 1001
-    w, x, b = rand(E, N, K), rand(3, K), rand(E, N)
-    experts = torch.tensor([1, bad, 3], device=DEV)
-    y = kernels.expert_gemv(w, x, b, experts)
-    assert y[1].isnan().all(), f"the row of expert {bad} is not NaN"
-    keep = torch.tensor([0, 2], device=DEV)
-    check("other_rows", y[keep], REF.expert_gemv(w.double(), x[keep].double(), b.double(), experts[keep]), mm_tol(K))
-    expect_index_error(lambda: kernels.topk(rand(4, 8), 2), "expert_gemv", "experts", bad, E)
-    kernels.expert_gemv(w, x, b, experts)
-    return one_line(expect_index_error(kernels.check_errors, "expert_gemv", "experts", bad, E))
-
-
-for _bad in (-1, 65):
-    add(f"embedding/bad_idx_{_bad}", bad_embedding_idx, _bad)
-    add(f"cross_entropy/bad_target_{_bad}", bad_cross_entropy_target, _bad)
-for _bad in (-1, 4):
-    add(f"expert_gemv/bad_expert_{_bad}", bad_expert, _bad)
-
-
-@torch.no_grad()
-def bad_cache_position(bad):
-    S = 16
-    k_cache, v_cache = torch.zeros(1, 2, S, 8, device=DEV), torch.zeros(1, 2, S, 8, device=DEV)
-    k, v = rand(1, 2, 2, 8), rand(1, 2, 2, 8)
-    kernels.kv_write(k_cache, v_cache, torch.tensor([3, bad], device=DEV), k, v)
-    assert torch.equal(k_cache[:, :, 3], k[:, :, 0]) and torch.equal(v_cache[:, :, 3], v[:, :, 0]), "row 3 not written"
-    assert k_cache.count_nonzero() == 16 and v_cache.count_nonzero() == 16, "something besides row 3 was written"
-    return one_line(expect_index_error(kernels.check_errors, "kv_write", "positions", bad, S))
-
-
-for _bad in (-1, 16):
-    add(f"kv_write/bad_position_{_bad}", bad_cache_position, _bad)
-
-
-def bad_index_in_cuda_graph():
-    # A captured embedding and cross_entropy, replayed with bad indices: the kernels record the error
-    # inside the graph; the first one (in stream order) is the one reported, the later one is dropped.
-    V, C, N = 10, 8, 4
-    w, logits = rand(V, C), rand(N, V)
-    idx, targets = torch.zeros(4, dtype=torch.long, device=DEV), torch.zeros(N, dtype=torch.long, device=DEV)
-
-    def step():
-        return kernels.embedding(idx, w), kernels.cross_entropy(logits, targets)
-
-    side = torch.cuda.Stream()  # one eager call on a side stream first, as capture requires
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, loss = step()
-
-    def replay(new_idx, new_targets):
-        idx.copy_(torch.tensor(new_idx))
-        targets.copy_(torch.tensor(new_targets))
-        graph.replay()
-
-    replay([1, 2, 12, 3], [0, 1, -3, 2])
-    expect_index_error(kernels.check_errors, "embedding", "idx", 12, V)
-    assert out[2].isnan().all() and torch.equal(out[[0, 1, 3]], w[[1, 2, 3]]), "embedding rows after replay"
-    assert loss.isnan(), "cross-entropy with a bad target is not NaN"
-    replay([1, 2, 9, 3], [0, 1, -3, 2])
-    expect_index_error(kernels.check_errors, "cross_entropy", "targets", -3, V)
-    replay([1, 2, 9, 3], [0, 1, 9, 2])
-    kernels.check_errors()
-    assert torch.equal(out, w[idx]) and loss.isfinite(), "replay with good indices"
-    check("loss", loss, F.cross_entropy(logits.double(), targets), CE_TOL)
-    return "first error of the replay reported, then none"
-
-
-add("bad_index/cuda_graph_replay", bad_index_in_cuda_graph)
-
-# -----------------------------------------------------------------------------
-# benchmark: ours against PyTorch, same inputs, same run
-
-ONLY = ""    # --only: bench ops whose name contains it
-_FLUSH = []  # a 256 MB buffer, several times any L2, written before every timed rep
-
-
-SPIN_CYCLES = 1_000_000  # ~0.5 ms of GPU clock: longer than any row's host-side launch work
-
-
-def time_ms(fn, reps=50):
-    """Median ms of fn over reps with a cold L2; the flush sits outside the timed region. Before each
-    rep the GPU spins (torch.cuda._sleep) while the host queues the rep's launches, so a row times the
-    GPU's work, not Python's and autograd's launch overhead (which the training and inference
-    benchmarks measure end to end)."""
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(64 * 2**20, device=DEV))
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once_ms = (time.perf_counter() - t0) * 1e3
-    reps = max(10, min(reps, int(3000 / max(once_ms, 1e-3))))  # keep a slow op to ~3 s
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        _FLUSH[0].zero_()
-        torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def rel_check(ours, ref, tol):
-    """max |ours - ref| / max |ref| over the output, or over each gradient."""
-    pairs = zip(ours, ref) if isinstance(ours, (tuple, list)) else [(ours, ref)]
-    errs = [((o - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for o, r in pairs]
-    err = math.nan if any(math.isnan(e) for e in errs) else max(errs)
-    ok = err <= tol
-    return ok, f"{'ok' if ok else 'FAIL'} {err:.0e}"
-
-
-def topk_check(x, ours, ref, tol):
-    # indices of equal values may legally differ from torch's; the values and x[idx] may not
-    (values, idx), (ref_values, _) = ours, ref
-    ok = torch.equal(values, ref_values) and torch.equal(x.gather(-1, idx), values)
-    return ok, "ok exact" if ok else "FAIL"
-
-
-def md_row(cells):
-    return "| " + " | ".join(cells) + " |"
-
-
-def fmt(x, spec):
-    return "OOM" if x is None else format(x, spec)
-
-
-UNIT_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9, "M matrices/s": 1e6, "M tokens/s": 1e6}
-
-
-def print_header_once(rows):
-    if not rows:  # the first row of the table
-        print(md_row(["op", "shape", "pass", "torch ms", "ours ms", "torch/ours", "ours throughput", "check"]))
-        print(md_row(["---"] * 8))
-
-
-def grads_like(y):
-    """Random output gradients for y, a tensor or a tuple of them (one each)."""
-    return torch.randn_like(y) if torch.is_tensor(y) else tuple(torch.randn_like(t) for t in y)
-
-
-def bench_op(rows, op, shape, pas, f, inputs, work, unit, tol=1e-4, check_fn=rel_check, copy_rate=None):
-    """One table row: f(REF, *inputs) against f(kernels, *inputs). 'fwd' times f itself; 'bwd' times
-    torch.autograd.grad on a graph built once and retained, so the forward is not in it; 'fwd+bwd'
-    times a fresh forward and its torch.autograd.grad together (for ops whose cost is launches).
-    Given copy_rate (bench_copy's), ours is also shown as a fraction of it (of_copy)."""
-    if ONLY not in op:
-        return
-    print_header_once(rows)
-    if pas == "fwd":
-        def run_torch():
-            return f(REF, *inputs)
-
-        def run_ours():
-            return f(kernels, *inputs)
-    elif pas == "bwd":
-        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
-        wrt = [t for t in leaves if t.requires_grad]
-        y_torch, y_ours = f(REF, *leaves), f(kernels, *leaves)
-        dy = grads_like(y_torch)
-
-        def run_torch():
-            return torch.autograd.grad(y_torch, wrt, dy, retain_graph=True)
-
-        def run_ours():
-            return torch.autograd.grad(y_ours, wrt, dy, retain_graph=True)
-    else:
-        assert pas == "fwd+bwd", f"unknown pass {pas!r}"
-        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
-        wrt = [t for t in leaves if t.requires_grad]
-        dy = grads_like(f(REF, *leaves))
-
-        def run_torch():
-            return torch.autograd.grad(f(REF, *leaves), wrt, dy)
-
-        def run_ours():
-            return torch.autograd.grad(f(kernels, *leaves), wrt, dy)
-    ok, check_text = check_fn(run_ours(), run_torch(), tol)
-    torch_ms, ours_ms = time_ms(run_torch), time_ms(run_ours)
-    rate = work / (ours_ms * 1e-3) / UNIT_SCALE[unit]
-    of_copy = {} if copy_rate is None else {"of_copy": rate / copy_rate}
-    rows.append(dict(op=op, shape=shape, **{"pass": pas}, torch_ms=torch_ms, ours_ms=ours_ms,
-                     ratio=torch_ms / ours_ms, rate=rate, unit=unit, **of_copy, check_ok=ok, check=check_text))
-    print(md_row([op, shape, pas, f"{torch_ms:.4f}", f"{ours_ms:.4f}", f"{torch_ms / ours_ms:.2f}x",
-                  f"{rate:.1f} {unit}" + (f" ({of_copy['of_copy']:.0%} of copy)" if of_copy else ""), check_text]),
-          flush=True)
-
-
-def bench_bf16_row_ops(rows):
-    """bf16 activations against PyTorch's bf16 ops; the mixed-precision norm (fp32 residual in, bf16 out)
-    against what autocast runs for it, layer_norm in fp32 and the cast the next matmul makes."""
-    bf = BF16
-    R, C = 16384, 768  # the large preset's tokens per step and a 768-wide model
-    x32, w32, b32 = rand(R, C), rand(C), rand(C)
-    x, w, b = x32.to(bf), w32.to(bf), b32.to(bf)
-    bench_op(rows, "layernorm fp32->bf16", f"{R}x{C}", "fwd",
-             lambda ops, x, w, b: kernels.layernorm(x, w, b, out_dtype=bf) if ops is kernels
-             else F.layer_norm(x, (C,), w, b).to(bf), [x32, w32, b32], (4 + 2) * R * C, "GB/s", tol=1e-2)
-    for op, f, ins, n_in in (("layernorm bf16", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b], 1),
-                             ("gelu bf16", lambda ops, x: ops.gelu(x), [rand(R, 4 * C).to(bf)], 4),
-                             ("softmax bf16", lambda ops, x: ops.softmax(x), [x], 1)):
-        bench_op(rows, op, f"{R}x{n_in * C}", "fwd", f, ins, 2 * 2 * n_in * R * C, "GB/s", tol=1e-2)
-        bench_op(rows, op, f"{R}x{n_in * C}", "bwd", f, ins, 3 * 2 * n_in * R * C, "GB/s", tol=1e-2)
-    # The residual add that ends a sublayer with the norm that starts the next, at the large preset's shape
-    # (16384 tokens, 384 wide): fp32 stream + bf16 sublayer output -> fp32 stream, bf16 norm; against
-    # what autocast runs, the add, layer_norm in fp32 and the next matmul's cast. fwd reads x, y and writes
-    # s, y_norm (12 bytes an element); bwd reads s, dy_norm, ds and writes dx, dy (16), and the weight
-    # gradients read s and dy_norm again (6)
-    R2, C2 = 16384, 384
-    ins = [rand(R2, C2), rand(R2, C2).to(bf), rand(C2), rand(C2)]
-
-    def add_ln(ops, x, y, w, b):
-        if ops is kernels:
-            return kernels.add_layernorm(x, y, w, b, out_dtype=bf)
-        s = x + y
-        return s, F.layer_norm(s, (C2,), w, b).to(bf)
-    bench_op(rows, "add_layernorm fp32+bf16", f"{R2}x{C2}", "fwd", add_ln, ins, 12 * R2 * C2, "GB/s", tol=1e-2)
-    bench_op(rows, "add_layernorm fp32+bf16", f"{R2}x{C2}", "bwd", add_ln, ins, 22 * R2 * C2, "GB/s", tol=1e-2)
-    N, V = 16384, 65
-    ins = [rand(N, V).to(bf), torch.randint(0, V, (N,), device=DEV)]
-    for pas, nbytes in (("fwd", 2 * N * V), ("bwd", 4 * N * V)):
-        bench_op(rows, "cross_entropy bf16", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
-                 ins, nbytes, "GB/s", tol=1e-2)
-    # decoding reads each weight once: bf16 halves the bytes of the fp32 rows above
-    for N, K in ((3072, 768), (4096, 4096)):
-        bench_op(rows, "gemv bf16", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
-                 [rand(N, K).to(bf), rand(K).to(bf), rand(N).to(bf)], 2 * (N * K + K + 2 * N), "GB/s", tol=1e-2)
-
-
-def bench_copy(rows, x):
-    """A row for dst.copy_(x), device to device: the rate a kernel that reads x once and writes as much
-    can hope for (bytes read + written), timed like every row. Returns its GB/s."""
-    dst = torch.empty_like(x)
-    ms = time_ms(lambda: dst.copy_(x))
-    rate = 2 * x.numel() * x.element_size() / (ms * 1e-3) / UNIT_SCALE["GB/s"]
-    shape = "x".join(map(str, x.shape))
-    print_header_once(rows)
-    rows.append(dict(op="copy", shape=shape, **{"pass": "fwd"}, torch_ms=ms, rate=rate, unit="GB/s"))
-    print(md_row(["copy", shape, "fwd", f"{ms:.4f}", "-", "-", f"{rate:.1f} GB/s", "-"]), flush=True)
-    return rate
-
-
-def bench_ops(rows):
-    for n in (1024, 4096):
-        bench_op(rows, "matmul", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
-                 [rand(n, n), rand(n, n)], 2 * n**3, "TFLOP/s")
-    if torch.cuda.get_device_capability() == (9, 0):  # bf16 against cuBLAS's bf16 (fp32 accumulation)
-        bf = torch.bfloat16
-        for n in (1024, 4096, 8192):
-            bench_op(rows, "matmul bf16", f"{n}x{n}x{n}", "fwd", lambda ops, a, b: ops.matmul(a, b),
-                     [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
-        n = 4096
-        bench_op(rows, "matmul bf16", f"{n}x{n}x{n} a@b.T", "fwd", lambda ops, a, b: ops.matmul(a, b.t()),
-                 [rand(n, n).to(bf), rand(n, n).to(bf)], 2 * n**3, "TFLOP/s", tol=2e-2)
-        # 768 -> 3072: an MLP up-projection of width 768; the char GPT's large preset (width 384, 16384
-        # tokens a step): qkv, attention out, MLP up and down; its --arch=llama (no biases): qkv with 3 of
-        # 6 heads for keys and values, SwiGLU's fc and up, its proj; the default preset (width 128, 1024
-        # tokens). bwd: dx (N-major B) and dW (M-major A, K = the tokens: few output tiles, split along K).
-        shapes = [(16384, 768, 3072, True), (16384, 384, 1152, True), (16384, 384, 384, True),
-                  (16384, 384, 1536, True), (16384, 1536, 384, True), (16384, 384, 768, False),
-                  (16384, 384, 1024, False), (16384, 1024, 384, False), (1024, 128, 384, True),
-                  (1024, 128, 128, True), (1024, 128, 512, True), (1024, 512, 128, True)]
-        for M, K, N, bias in shapes:
-            ins = [rand(M, K).to(bf), rand(N, K).to(bf)] + ([rand(N).to(bf)] if bias else [])
-            name = f"{M}x{K}->{N}" + ("" if bias else " no bias")
-            for pas, flop in (("fwd", 2 * M * K * N), ("bwd", 4 * M * K * N)):
-                bench_op(rows, "linear bf16", name, pas, lambda ops, *xwb: ops.linear(*xwb), ins, flop, "TFLOP/s",
-                         tol=2e-2)
-    bench_bf16_row_ops(rows)
-    for R, C in ((8192, 768), (16384, 4096)):
-        x, w, b = rand(R, C), rand(C), rand(C)
-        nbytes = 4 * R * C
-        # fwd reads x and writes y; bwd reads x (or y) and dy and writes dx
-        row_ops = (("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
-                   ("rmsnorm", lambda ops, x, w: ops.rmsnorm(x, w), [x, w]),
-                   ("add_layernorm", lambda ops, x, y, w, b: ops.add_layernorm(x, y, w, b), [x, rand(R, C), w, b]),
-                   ("softmax", lambda ops, x: ops.softmax(x), [x]),
-                   ("gelu", lambda ops, x: ops.gelu(x), [x]),
-                   ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), [x]))
-        # At 256 MB a fwd row moves the bytes of a copy of x: it is also given as a fraction of the
-        # copy's rate, measured just before (the memory limit these kernels are held to).
-        copy_rate = None
-        if (R, C) == (16384, 4096) and any(ONLY in op for op in ("copy", *(r[0] for r in row_ops))):
-            copy_rate = bench_copy(rows, x)
-        # rows moved (fwd, bwd): add_layernorm reads x, y and writes s, y_norm; its backward reads s, dy_norm
-        # and ds and writes dx (which is also dy)
-        moved = {"add_layernorm": (4, 4)}
-        for op, f, ins in row_ops:
-            n_fwd, n_bwd = moved.get(op, (2, 3))
-            bench_op(rows, op, f"{R}x{C}", "fwd", f, ins, n_fwd * nbytes, "GB/s", copy_rate=copy_rate)
-            bench_op(rows, op, f"{R}x{C}", "bwd", f, ins, n_bwd * nbytes, "GB/s")
-    # SwiGLU's gate at a feed-forward's width (tokens x hidden): fwd reads a, b and writes y; bwd reads
-    # a, b, dy and writes da, db
-    R, C = 8192, 2048
-    a, b = rand(R, C), rand(R, C)
-    bench_op(rows, "silu", f"{R}x{C}", "fwd", lambda ops, a: ops.silu(a), [a], 4 * 2 * R * C, "GB/s")
-    bench_op(rows, "silu", f"{R}x{C}", "bwd", lambda ops, a: ops.silu(a), [a], 4 * 3 * R * C, "GB/s")
-    bench_op(rows, "swiglu", f"{R}x{C}", "fwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 3 * R * C, "GB/s")
-    bench_op(rows, "swiglu", f"{R}x{C}", "bwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 5 * R * C, "GB/s")
-    # RoPE on q as the model passes it: a strided head view of the fused QKV projection (the larger
-    # preset's shape, B 64, T 256, 6 heads of 64); reads x, writes the contiguous result (bwd: dy, dx)
-    B, T, H, D = 64, 256, 6, 64
-    x = rand(B, T, 3 * H * D)[..., :H * D].view(B, T, H, D).transpose(1, 2)
-    cos, sin = rope_tables(T, D)
-    for pas in ("fwd", "bwd"):
-        bench_op(rows, "rope", f"{B}x{H}x{T}x{D} qkv view", pas, lambda ops, x: ops.rope(x, cos, sin), [x],
-                 4 * 2 * x.numel(), "GB/s")
-    V, C, T = 50304, 768, 16 * 64
-    idx, w = torch.randint(0, V, (16, 64), device=DEV), rand(V, C)
-    # the weight gradient is a dense V x C table: writing it dominates the backward
-    for pas, nbytes in (("fwd", 4 * 2 * T * C), ("bwd", 4 * (T * C + V * C))):
-        bench_op(rows, "embedding", f"16x64 of {V}x{C}", pas, lambda ops, idx, w: ops.embedding(idx, w),
-                 [idx, w], nbytes, "GB/s")
-    for N, K in ((3072, 768), (4096, 4096)):
-        bench_op(rows, "gemv", f"{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.gemv(w, x, b),
-                 [rand(N, K), rand(K), rand(N)], 4 * (N * K + K + 2 * N), "GB/s")
-    # MoE decoding: 2 of 8 experts' (3072, 768) weights; only those two are read (PyTorch gathers a copy)
-    E, N, K, chosen = 8, 3072, 768, torch.tensor([5, 2], device=DEV)
-    bench_op(rows, "expert_gemv", f"2 of {E}x{N}x{K}+bias", "fwd", lambda ops, w, x, b: ops.expert_gemv(w, x, b, chosen),
-             [rand(E, N, K), rand(2, K), rand(E, N)], 4 * 2 * (N * K + K + 2 * N), "GB/s")
-    for shape, k in (((4096, 8), 2), ((1, 50304), 50), ((64, 50304), 50), ((1, 262144), 128)):
-        x = rand(*shape)
-        bench_op(rows, "topk", f"{shape[0]}x{shape[1]} k={k}", "fwd", lambda ops, x: ops.topk(x, k), [x],
-                 4 * x.numel(), "GB/s", check_fn=functools.partial(topk_check, x))
-    for N, V in ((8192, 65), (8192, 50304)):
-        ins = [rand(N, V), torch.randint(0, V, (N,), device=DEV)]
-        for pas, nbytes in (("fwd", 4 * N * V), ("bwd", 8 * N * V)):
-            bench_op(rows, "cross_entropy", f"{N}x{V}", pas, lambda ops, logits, t: ops.cross_entropy(logits, t),
-                     ins, nbytes, "GB/s")
-    # mHC's residual mixing: one 4x4 matrix per sublayer (M = 1) or per token, 20 iterations; eager PyTorch
-    # launches over ten small kernels per iteration in each direction, ours one kernel per pass
-    for M in (1, 24, 4096):
-        bench_op(rows, "sinkhorn", f"{M}x4x4 iters=20", "fwd+bwd", lambda ops, logits: ops.sinkhorn(logits, 20),
-                 [rand(M, 4, 4)], M, "M matrices/s")
-    # mhc-dynamic's coefficients for the sweep's 4096 tokens: PyTorch's scale, add, slices, sigmoids and
-    # Sinkhorn (and their sums over tokens backward) against one kernel each way
-    bench_op(rows, "hc_coeffs", "4096x24 n=4 iters=20", "fwd+bwd",
-             lambda ops, h, alpha, bias: ops.hc_coeffs(h, alpha, bias, 20), [rand(4096, 24), rand(3), rand(24)], 4096,
-             "M tokens/s")
-    # mhc-dynamic's projection at the sweep's shape (4096 tokens, 4 streams of 256) and 768 wide: PyTorch's
-    # RMSNorm and linear against one kernel each way. The bytes the pair must move: x read forward, x read and dx
-    # written backward
-    bench_op(rows, "hc_pre", "4096x4x256 iters=20", "fwd+bwd",
-             lambda ops, x, w, phi, a, b: ops.hc_pre(x, w, phi, a, b, 20),
-             [rand(4096, 4, 256), rand(1024), rand(24, 1024, scale=1 / 32), rand(3), rand(24)], 4096, "M tokens/s")
-    for M, D in ((4096, 4 * 256), (4096, 4 * 768)):
-        bench_op(rows, "hc_project", f"{M}x{D} n=4", "fwd+bwd", lambda ops, x, w, phi: ops.hc_project(x, w, phi),
-                 [rand(M, D), rand(D), rand(24, D)], 12 * M * D, "GB/s")
-    # mHC's stream mixing at the sweep's shape, static and per-token coefficients; the bytes each pass
-    # must move: merge fwd reads x, writes out; its bwd reads dout and x, writes dx. mix fwd reads x
-    # and y, writes out; its bwd reads dout, x and y, writes dx and dy. mix_merge writes merged too, and its
-    # bwd reads dmerged. Plus the coefficients: read by each pass, their gradient written.
-    B, T, n, C = 32, 128, 4, 256
-    M = B * T
-    for per_token in (False, True):
-        lead, kind = ((B, T), "per-token") if per_token else ((), "static")
-        x, y, h, h_res, h_post = rand(B, T, n, C), rand(B, T, C), rand(*lead, n), rand(*lead, n, n), rand(*lead, n)
-        k_merge, k_mix = n * (M if per_token else 1), (n * n + n) * (M if per_token else 1)
-        k_mm = k_mix + k_merge
-        shape = f"{B}x{T}x{n}x{C} {kind}"
-        for pas, nbytes in (("fwd", M * (n * C + C) + k_merge), ("fwd+bwd", M * (3 * n * C + 2 * C) + 3 * k_merge)):
-            bench_op(rows, "stream_merge", shape, pas, lambda ops, x, h: ops.stream_merge(x, h), [x, h], 4 * nbytes,
-                     "GB/s")
-        for pas, nbytes in (("fwd", M * (2 * n * C + C) + k_mix), ("fwd+bwd", M * (5 * n * C + 3 * C) + 3 * k_mix)):
-            bench_op(rows, "stream_mix", shape, pas, lambda ops, *ins: ops.stream_mix(*ins), [x, h_res, h_post, y],
-                     4 * nbytes, "GB/s")
-        for pas, nbytes in (("fwd", M * (2 * n * C + 2 * C) + k_mm), ("fwd+bwd", M * (5 * n * C + 5 * C) + 3 * k_mm)):
-            bench_op(rows, "stream_mix_merge", shape, pas, lambda ops, *ins: ops.stream_mix_merge(*ins),
-                     [x, h_res, h_post, y, h], 4 * nbytes, "GB/s")
-
-
-def attention_fns(causal):
-    """name -> f(q, k, v) for the four implementations compared."""
-    def ours(**kw):
-        return lambda q, k, v: kernels.attention(q, k, v, causal=causal, **kw)
-    return {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-            "tiled": ours(mode="tiled"),
-            "fused": ours(mode="fused", precision="fp32"),
-            "fused-tf32": ours(mode="fused", precision="tf32")}
-
-
-def fwd_bwd(fn, leaves, dout):
-    return torch.autograd.grad(fn(*leaves), leaves, dout)
-
-
-def time_attention(fns, pas, q, k, v, dout, kv_len=None):
-    """Each attention of fns (name -> f(q, k, v, ...)) on one pass: 'fwd', 'fwd+bwd' (the gradients of q, k
-    and v for dout) or 'decode' (a forward without autograd, attending to the first kv_len keys). Returns
-    each one's median ms and output, as two dicts by name; one that runs out of GPU memory gets ms None
-    and no output, and its memory is released before the next one runs."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    ms, outs = {}, {}
-    for name, fn in fns.items():
-        if pas == "decode":
-            run = functools.partial(torch.no_grad()(fn), q, k, v, kv_len=kv_len)
-        elif pas == "fwd":
-            run = functools.partial(fn, q, k, v)
-        else:
-            run = functools.partial(fwd_bwd, fn, leaves, dout)
-        try:
-            outs[name] = run()
-            ms[name] = time_ms(run)
-        except torch.cuda.OutOfMemoryError:
-            outs.pop(name, None)
-            ms[name] = None
-            torch.cuda.empty_cache()
-    return ms, outs
-
-
-ATTN_BENCH_BHD = (4, 8, 64)
-ATTN_BENCH_S = (128, 512, 1024, 2048, 4096)
-ATTN_MEMORY_S = (1024, 2048, 4096)
-
-
-def bench_attention(rows):
-    B, H, D = ATTN_BENCH_BHD
-    print(f"\nattention fp32, B={B} H={H} D={D}; SDPA = F.scaled_dot_product_attention, default backend")
-    cols = ["S", "causal", "pass", "SDPA ms", "tiled ms", "fused ms", "fused-tf32 ms", "SDPA/fused",
-            "SDPA/fused-tf32", "fused TFLOP/s", "check vs SDPA"]
-    print(md_row(cols))
-    print(md_row(["---"] * len(cols)))
-    for S in ATTN_BENCH_S:
-        for causal in (False, True):
-            q, k, v, dout = (rand(B, H, S, D) for _ in range(4))
-            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-            for pas, flop_mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):  # backward does 2.5x the forward's matmuls
-                ms, outs = time_attention(attention_fns(causal), pas, q, k, v, dout)
-                checks, all_ok = [], True
-                for name in ("tiled", "fused", "fused-tf32"):
-                    if name in outs and "sdpa" in outs:
-                        ok, text = rel_check(outs[name], outs["sdpa"], 1e-2 if name == "fused-tf32" else 2e-4)
-                        all_ok &= ok
-                        checks.append(f"{name} {text}")
-                    else:
-                        checks.append(f"{name} OOM")
-                ratio = {n: ms["sdpa"] / ms[n] if ms["sdpa"] and ms[n] else None for n in ("fused", "fused-tf32")}
-                tflops = flops * flop_mult / (ms["fused"] * 1e-3) / 1e12 if ms["fused"] else None
-                rows.append(dict(op="attention", shape=f"B{B} H{H} S{S} D{D}", causal=causal, **{"pass": pas},
-                                 sdpa_ms=ms["sdpa"], tiled_ms=ms["tiled"], fused_ms=ms["fused"],
-                                 fused_tf32_ms=ms["fused-tf32"], sdpa_over_fused=ratio["fused"],
-                                 sdpa_over_fused_tf32=ratio["fused-tf32"], fused_tflops=tflops,
-                                 check_ok=all_ok, check=", ".join(checks)))
-                print(md_row([str(S), str(causal), pas,
-                              *(fmt(ms[n], ".4f") for n in ("sdpa", "tiled", "fused", "fused-tf32")),
-                              fmt(ratio["fused"], ".2f") + "x", fmt(ratio["fused-tf32"], ".2f") + "x",
-                              fmt(tflops, ".1f"), ", ".join(checks)]), flush=True)
-
-
-GQA_BENCH = (4, 8, 2)  # B, H_q, H_kv: four query heads share each K/V head
-GQA_BENCH_S = (1024, 4096)
-GQA_DECODE_S = (256, 1024, 8192)  # one query per head against a cache this long, D 128, H_kv 8 (MHA) and 2
-
-
-def bench_gqa(rows):
-    """Grouped-query attention: ours against SDPA with the K/V heads repeated (the torch op set's twin)
-    and against SDPA's own enable_gqa; the ratio is to the faster of the two."""
-    B, H, Hkv = GQA_BENCH
-    print(f"\ngrouped-query attention fp32, causal, B={B} H_q={H} H_kv={Hkv}; SDPA with K/V repeated "
-          f"(repeat_interleave, the torch op set's twin) and SDPA enable_gqa=True")
-    cols = ["S", "D", "pass", "SDPA repeat ms", "SDPA enable_gqa ms", "fused ms", "best SDPA/fused", "check"]
-    print(md_row(cols))
-    print(md_row(["---"] * len(cols)))
-    fns = {"repeat": lambda q, k, v, **kw: train.TORCH_OPS.attention(q, k, v, causal=True, **kw),
-           "enable_gqa": lambda q, k, v, kv_len=None: F.scaled_dot_product_attention(
-               q, k, v, is_causal=kv_len is None, enable_gqa=True,
-               attn_mask=None if kv_len is None else torch.arange(k.shape[2], device=DEV) < kv_len),
-           "fused": lambda q, k, v, **kw: kernels.attention(q, k, v, causal=True, **kw)}
-    cases = [(S, D, pas, B, Hkv) for S in GQA_BENCH_S for D in (64, 128) for pas in ("fwd", "fwd+bwd")]
-    cases += [(S, 128, "decode", 1, h) for S in GQA_DECODE_S for h in (H, Hkv)]
-    for S, D, pas, b, hkv in cases:
-        k, v = rand(b, hkv, S, D), rand(b, hkv, S, D)
-        q, dout = (rand(b, H, 1 if pas == "decode" else S, D) for _ in range(2))
-        kv_len = torch.tensor([S - 1], device=DEV)  # a cache one short of full, as in decoding
-        ms, outs = time_attention(fns, pas, q, k, v, dout, kv_len)
-        best = min(t for n, t in ms.items() if n != "fused" and t)
-        ok, text = rel_check(outs["fused"], outs["repeat"], 2e-4)
-        rows.append(dict(op="attention gqa", shape=f"B{b} Hq{H} Hkv{hkv} S{S} D{D}", causal=True, **{"pass": pas},
-                         sdpa_repeat_ms=ms["repeat"], sdpa_enable_gqa_ms=ms["enable_gqa"], fused_ms=ms["fused"],
-                         best_sdpa_over_fused=best / ms["fused"], check_ok=ok, check=text))
-        print(md_row([str(S), str(D), pas + (f" (Sq=1, B=1, H_kv={hkv})" if pas == "decode" else ""),
-                      *(fmt(ms[n], ".4f") for n in fns), f"{best / ms['fused']:.2f}x", text]), flush=True)
-
-
-ATTN_BF16_BENCH = [  # B, H, Sq, Sk, D, causal, passes
-    # 16k tokens of a 2048-wide model at each length, as FlashAttention-3's paper measures
-    *[(16384 // S, 2048 // D, S, S, D, c, ("fwd", "fwd+bwd")) for D in (64, 128)
-      for S in (512, 1024, 2048, 4096, 8192, 16384) for c in (False, True)],
-    (64, 6, 256, 256, 64, True, ("fwd", "fwd+bwd")),  # the large preset's training step
-    *[(4, 8, 1, S, D, True, ("decode",)) for S in (1024, 8192) for D in (64, 128)],  # one new token per head
-]
-
-
-def bench_attention_bf16(rows):
-    """bf16 fused attention against SDPA in bf16 (its default backend) in the same run. Decode rows:
-    one query per head against a cache of Sk keys, kv_len = Sk - 1 (SDPA gets the equivalent mask),
-    rated by the K/V bytes read."""
-    print("\nattention bf16; SDPA = F.scaled_dot_product_attention in bf16, default backend (the repo's causal "
-          "alignment; a mask where it differs from is_causal); SDPA-FA2 = the same restricted to its "
-          "FlashAttention-2 backend (none where that takes no mask: decode)")
-    # on Hopper ours runs the forward and backward kernels of the Hopper design (D 64 and 128); "ours
-    # mma.sync" is the same call with kernels.set_attention_wgmma(False), the kernels other GPUs run;
-    # "ours, dQ added" is fwd+bwd with deterministic=False (dQ added across key blocks, as SDPA's cuDNN
-    # backward does)
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    cols = ["B", "H", "Sq", "Sk", "D", "causal", "pass", "SDPA ms", "SDPA-FA2 ms", "ours ms", "ours mma.sync ms",
-            "ours, dQ added ms", "SDPA/ours", "SDPA/ours, dQ added", "SDPA-FA2/ours", "ours rate", "check vs SDPA"]
-    print(md_row(cols))
-    print(md_row(["---"] * len(cols)))
-
-    def sdpa(q, k, v, kv_len=None):
-        return train.torch_attention(q, k, v, causal=causal, kv_len=kv_len)
-
-    def sdpa_fa2(q, k, v, kv_len=None):
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            return sdpa(q, k, v, kv_len)
-    fns = {"sdpa": sdpa, "sdpa-fa2": sdpa_fa2,
-           "ours": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, kv_len=kv_len),
-           "ours-added": lambda q, k, v, kv_len=None: kernels.attention(q, k, v, causal=causal, deterministic=False)}
-    for B, H, Sq, Sk, D, causal, passes in ATTN_BF16_BENCH:
-        q, dout = (rand(B, H, Sq, D).bfloat16() for _ in range(2))
-        k, v = (rand(B, H, Sk, D).bfloat16() for _ in range(2))
-        kv_len = torch.tensor([Sk - 1], device=DEV)
-        for pas in passes:
-            names = ("sdpa", "sdpa-fa2", "ours") + (("ours-added",) if pas == "fwd+bwd" else ())
-            ms, outs = time_attention({n: fns[n] for n in (names if pas != "decode" else ("sdpa", "ours"))}, pas, q,
-                                      k, v, dout, kv_len)
-            mma = None
-            if hopper and D in (64, 128):
-                with attention_wgmma(False):
-                    mma = time_attention({"ours": fns["ours"]}, pas, q, k, v, dout, kv_len)[0]["ours"]
-            ok, text = rel_check(outs["ours"], outs["sdpa"], 2e-2)
-            if pas == "decode":
-                rate, unit = 2 * B * H * Sk * D * 2 / (ms["ours"] * 1e-3) / 1e9, "GB/s"
-            else:  # matmul flops; the backward does 2.5x the forward's
-                flops = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0) * (3.5 if pas == "fwd+bwd" else 1.0)
-                rate, unit = flops / (ms["ours"] * 1e-3) / 1e12, "TFLOP/s"
-            ratio = ms["sdpa"] / ms["ours"]
-            fa2, added = ms.get("sdpa-fa2"), ms.get("ours-added")
-            rows.append(dict(op="attention bf16", shape=f"B{B} H{H} Sq{Sq} Sk{Sk} D{D}", causal=causal,
-                             **{"pass": pas}, sdpa_ms=ms["sdpa"], sdpa_fa2_ms=fa2, ours_ms=ms["ours"],
-                             ours_mma_sync_ms=mma, ours_added_ms=added, sdpa_over_ours=ratio,
-                             sdpa_over_ours_added=added and ms["sdpa"] / added,
-                             sdpa_fa2_over_ours=fa2 and fa2 / ms["ours"], rate=rate,
-                             unit=unit, check_ok=ok, check=text))
-            print(md_row([str(B), str(H), str(Sq), str(Sk), str(D), str(causal), pas, f"{ms['sdpa']:.4f}",
-                          fmt(fa2, ".4f") if fa2 else "-", f"{ms['ours']:.4f}", fmt(mma, ".4f") if mma else "-",
-                          fmt(added, ".4f") if added else "-", f"{ratio:.2f}x",
-                          f"{ms['sdpa'] / added:.2f}x" if added else "-",
-                          f"{fa2 / ms['ours']:.2f}x" if fa2 else "-", f"{rate:.1f} {unit}", text]), flush=True)
-
-
-def peak_extra_mb(fn, leaves, dout):
-    """Peak memory of one forward+backward above what was allocated before it (inputs excluded)."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        grads = fwd_bwd(fn, leaves, dout)
-        torch.cuda.synchronize()
-    except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return None
-    del grads
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def bench_attention_memory(rows):
-    B, H, D = ATTN_BENCH_BHD
-    names = ("sdpa", "tiled", "fused")
-    print(f"\nattention peak extra memory, forward+backward, B={B} H={H} D={D}, causal=False (MB; inputs excluded)")
-    print(md_row(["S", "SDPA MB", "tiled MB", "fused MB"]))
-    print(md_row(["---"] * 4))
-    for S in ATTN_MEMORY_S:
-        leaves = [rand(B, H, S, D).requires_grad_() for _ in range(3)]
-        dout = rand(B, H, S, D)
-        fns = attention_fns(False)
-        mb = {n: peak_extra_mb(fns[n], leaves, dout) for n in names}
-        rows.append(dict(op="attention memory", shape=f"B{B} H{H} S{S} D{D}", causal=False,
-                         **{f"{n}_mb": mb[n] for n in names}))
-        print(md_row([str(S)] + [fmt(mb[n], ".0f") for n in names]), flush=True)
-
-
-def bench_call_overhead(rows, calls=2000):
-    """Microseconds an eager call of an op takes at a size where the launch is all of it (forward alone,
-    and forward + backward with gradients wanted): what the Python-to-kernel path costs per call, ours
-    against the twin's. One sync after all the calls, none inside."""
-    print(f"\n{'call overhead':<34} {'ours us':>9} {'torch us':>9}")
-    x, w, b = rand(4, 64), rand(64), rand(64)
-    cases = (("gelu", lambda ops, x: ops.gelu(x), [x]), ("layernorm", lambda ops, x, w, b: ops.layernorm(x, w, b), [x, w, b]),
-             ("linear", lambda ops, x, w: ops.linear(x, w), [x, rand(64, 64)]), ("softmax", lambda ops, x: ops.softmax(x), [x]))
-    for name, f, inputs in cases:
-        for grad in (False, True):
-            leaves = [t.detach().requires_grad_(grad) for t in inputs]
-            per_call = {}
-            for side, ops in (("ours", kernels), ("torch", REF)):
-                def once():
-                    y = f(ops, *leaves)
-                    if grad:
-                        y.sum().backward()
-                for _ in range(20):  # warm-up: library handles, the caching allocator
-                    once()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    once()
-                torch.cuda.synchronize()
-                per_call[side] = 1e6 * (time.perf_counter() - t0) / calls
-            what = f"{name} {'fwd+bwd' if grad else 'fwd'}"
-            print(f"{what:<34} {per_call['ours']:>9.1f} {per_call['torch']:>9.1f}")
-            rows.append(dict(op=name, shape="call overhead", direction="fwd+bwd" if grad else "fwd",
-                             ours_us=per_call["ours"], torch_us=per_call["torch"]))
-
-
-def bench_ddp_scaling(rows, iters=200):
-    """train.py --preset=large, both op sets, fp32 and bf16, on one GPU at twice the preset's batch and at
-    the preset's batch, and through torchrun on two GPUs at the preset's batch a rank (the first run's
-    global batch): tokens/s of each, the scaling against each one-GPU run, and the op sets' largest loss
-    difference over the first 100 steps at the global batch, on one GPU and on two (results.json's)."""
-    if torch.cuda.device_count() < 2:
-        print(f"\nddp scaling: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
-        return
-    b = train.PRESETS["large"]["batch_size"]
-    print(f"\nddp scaling: --preset=large, {iters} steps; tok/s on 1 GPU at batch {2 * b} and {b}, on 2 GPUs at {b} a "
-          f"rank;\nscaling: 2 GPUs over 1 GPU at {2 * b} (the same global batch) and at {b} (the same batch a GPU); "
-          f"loss diff: the op sets' largest |difference| over 100 steps at global batch {2 * b}")
-    print(f"{'dtype':<6} {'op set':<7} {f'1 GPU B{2 * b}':>12} {f'1 GPU B{b}':>12} {'2 GPUs':>12} {'scaling':>8} "
-          f"{f'vs B{b}':>8} {'loss diff 1 GPU':>16} {'2 GPUs':>9}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in ("fp32", "bf16"):
-            common = ["--preset=large", f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
-                      "--sample_len=0", "--plot=false", f"--dtype={dtype}"]
-            runs = {"one2": (_train_run, 2 * b), "one": (_train_run, b), "two": (_torchrun, b)}
-            res = {}
-            for name, (launch, batch) in runs.items():
-                out = os.path.join(tmp, f"{dtype}_{name}")
-                p = launch(*common, f"--out_dir={out}", f"--batch_size={batch}", timeout=900)
-                if p.returncode:
-                    print(f"{dtype} {name}: exit {p.returncode}\n{p.stderr[-1500:]}")
-                    rows.append(dict(op="ddp", shape="large", dtype=dtype, check_ok=False))
-                    break
-                res[name] = json.load(open(os.path.join(out, "results.json")))
-            else:
-                bench_ddp_rows(rows, dtype, res)
-
-
-def bench_ddp_rows(rows, dtype, res):
-    """bench_ddp_scaling's rows for one dtype, from the three runs' results.json."""
-    diff = {n: res[n]["max_abs_loss_diff_first_100"] for n in res}
-    for ops in ("torch", "cuda"):
-        tps = {n: res[n]["op_sets"][ops]["tokens_per_s"] for n in res}
-        scaling, per_gpu = tps["two"] / tps["one2"], tps["two"] / tps["one"]
-        print(f"{dtype:<6} {ops:<7} {tps['one2']:>12,.0f} {tps['one']:>12,.0f} {tps['two']:>12,.0f} {scaling:>7.2f}x "
-              f"{per_gpu:>7.2f}x {diff['one2']:>16.2e} {diff['two']:>9.2e}", flush=True)
-        rows.append(dict(op="ddp", shape="large", dtype=dtype, op_set=ops, tok_s=tps, scaling=scaling,
-                         scaling_same_batch=per_gpu, loss_diff_one_gpu=diff["one2"], loss_diff_two_gpus=diff["two"]))
-
-
-MK_STEPS = "ABCDE"  # a layer's steps in decode_megakernel: norm + QKV, attention, out-proj, norm + fc, mlp proj
-
-
-def megakernel_done_ready(stamps):
-    """A decode_megakernel trace (blocks, 2 + 10 n_layer ns stamps) as (done, ready), each (blocks, 5 n_layer):
-    when each block finished each step's work, and when the next step's inputs had all reached it."""
-    return stamps[:, 1:-1:2], stamps[:, 2:-1:2]
-
-
-def megakernel_timeline(stamps):
-    """Where a decode_megakernel step's time goes, from its trace: for each step of a layer (medians over the
-    layers) the median and the slowest block's work (from its inputs' arrival to the step's last output) and
-    wait (from there to the next step's inputs' arrival; step B polls its own, so A's wait is nil); then the
-    head and the whole launch, in µs."""
-    t = (stamps - stamps[:, 0].min()).double() / 1e3
-    done, ready = megakernel_done_ready(t)
-    work, wait = done - torch.cat([t[:, :1], ready[:, :-1]], 1), ready - done
-    per_step = dict(work=work.median(0).values, slowest_work=work.max(0).values, wait=wait.median(0).values,
-                    slowest_wait=wait.max(0).values)
-    steps = {name: {k: v[i::len(MK_STEPS)].median().item() for k, v in per_step.items()}
-             for i, name in enumerate(MK_STEPS)}
-    head = (t[:, -1] - ready[:, -1]).max().item()
-    return steps, head, (t[:, -1].max() - t[:, 0].min()).item()
-
-
-def bench_megakernel(rows, steps=100):
-    """decode_megakernel at inference.py's default shape (gpt, 768 x 12, 8 heads, context 256), fp32 and bf16:
-    its step alone (CUDA events over 100 launches from position 100, greedy pick not included), the weight
-    bytes it reads over that time against the copy rate measured here, and the timeline of one step."""
-    bw = inference.copy_bandwidth(DEV)
-    print(f"\ndecode_megakernel, gpt 768 x 12, 8 heads, positions 100-199; copy rate {bw / 1e9:,.0f} GB/s")
-    print(f"{'dtype':<6} {'us/step':>8} {'tok/s':>8} {'of copy bw':>11}   timeline of one step, us: steps of a layer "
-          f"(median over layers): work of the median / slowest block, its wait for the next step's inputs")
-    for dtype in ("fp32", "bf16"):
-        model = inference.with_dtype(train.GPT(95, 256, 768, 8, 12, 0, train.TORCH_OPS).to(DEV).eval(), dtype)
-        if why := inference.megakernel_why_not(model):
-            print(f"{dtype}: {why}")
-            return
-        cache = inference.kv_cache(model, DEV)
-        with torch.no_grad():
-            model(torch.randint(0, 95, (1, 100), device=DEV), cache=cache)
-            mk, tok, start = inference.Megakernel(model, cache), torch.tensor([[7]], device=DEV), cache.pos.clone()
-            for _ in range(5):
-                mk(tok)
-            cache.pos.copy_(start)
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(steps):
-                mk(tok)
-            t1.record()
-            t1.synchronize()
-            cache.pos.copy_(start)
-            trace = torch.zeros(kernels.decode_megakernel_trace_shape(len(model.blocks)), dtype=torch.long,
-                                device=DEV)
-            mk(tok, trace)
-        kernels.check_errors()
-        us = t0.elapsed_time(t1) * 1e3 / steps
-        frac = inference.weight_bytes_per_token(model) / (us * 1e-6) / bw
-        by_step, head, total = megakernel_timeline(trace.cpu())
-        layer = " | ".join(f"{k} {v['work']:.1f}/{v['slowest_work']:.1f}, {v['wait']:.1f}/{v['slowest_wait']:.1f}"
-                           for k, v in by_step.items())
-        print(f"{dtype:<6} {us:>8.1f} {1e6 / us:>8,.0f} {frac:>11.0%}   {layer} | head {head:.1f} | traced step "
-              f"{total:.1f}")
-        rows.append(dict(op="decode_megakernel", shape="768x12", dtype=dtype, us=us, copy_fraction=frac,
-                         timeline=by_step, head_us=head))
-
-
-def mhc_step_kernels(variant, n_embd, n_head, block_size, batch_size, dtype="fp32", n_layer=4, steps=3):
-    """Device time of each kernel of an eager training step (forward, backward, AdamW) of a GPT with this
-    residual on the cuda op set, per sublayer: {kernel name: us}, read by torch.profiler over `steps` steps."""
-    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "weight_decay": 0.0})
-    ops = train.cuda_op_set(kernels, n_embd // n_head, dtype)
-    model = train.GPT(data.INCREMENT_VOCAB, block_size, n_embd, n_head, n_layer, 0, ops, residual=variant).to(DEV)
-    opt = train.make_optimizer(model, cfg, True, False)
-    x = torch.randint(0, data.INCREMENT_VOCAB, (batch_size, block_size + 1), device=DEV)
-    step = functools.partial(train.train_step, model, opt, x[:, :-1].contiguous(), x[:, 1:].contiguous())
-    for _ in range(2):  # optimizer state, library handles
-        step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():  # the profiler's note that it keeps one cycle's events: one cycle is all there is
-        warnings.simplefilter("ignore", UserWarning)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-    kernels.check_errors()
-    per = steps * 2 * n_layer  # sublayers timed
-    return {e.key: e.self_device_time_total / per for e in prof.key_averages() if e.self_device_time_total > 0}
-
-
-def bench_mhc_profile(rows):
-    """Where mhc-dynamic's extra training time goes, kernel by kernel: an eager step of a 4-layer model at the sweep's
-    shape (256 wide, 32 x 128 tokens) and at 768 wide (16 x 256 tokens; fp32 and bf16), each kernel's device time a
-    sublayer, the mHC kernels by name and the rest as one line against the baseline's (then its largest differences,
-    kernel by kernel), beside the 15% of the baseline's step that a cost of 1.15x allows. The model's first hc_pre
-    (no mix before it) and last stream_mix (its exit) count as an eighth each. Each mHC kernel's time is also given
-    in passes, the time to read or write the fp32 streams once at the copy rate measured here: set beside the
-    reads and writes a kernel's data flow needs, they show how near that rate it runs."""
-    def short(name, width=56):  # a kernel's name without its arguments and PyTorch's namespaces
-        return re.sub(r"^void |at::native::|\(anonymous namespace\)::|\(.*$", "", name)[:width]
-
-    bw = inference.copy_bandwidth(DEV)
-    for n_embd, n_head, block_size, batch_size, dtype in ((256, 4, 128, 32, "fp32"), (768, 8, 256, 16, "fp32"),
-                                                          (768, 8, 256, 16, "bf16")):
-        base = mhc_step_kernels("baseline", n_embd, n_head, block_size, batch_size, dtype)
-        dyn = mhc_step_kernels("mhc-dynamic", n_embd, n_head, block_size, batch_size, dtype)
-        ours = {k: v for k, v in dyn.items() if re.search(r"hc_|stream_|sinkhorn", k)}
-        rest = sum(v for k, v in dyn.items() if k not in ours) - sum(base.values())
-        b, d = sum(base.values()), sum(dyn.values())
-        pass_us = batch_size * block_size * 4 * n_embd * 4 / bw * 1e6  # the streams: (tokens, 4, n_embd) fp32
-        print(f"\nmhc-dynamic, {batch_size * block_size} tokens x {n_embd} wide, 4 streams, {dtype}: eager training "
-              f"step, kernel time a sublayer: baseline {b:.1f} us, mhc-dynamic {d:.1f} us ({d / b:.2f}x); "
-              f"extra {d - b:.1f} us where 1.15x allows {0.15 * b:.1f}; a pass over the streams: {pass_us:.1f} us "
-              f"at the copy rate ({bw / 1e9:,.0f} GB/s)")
-        for name, us in sorted(ours.items(), key=lambda kv: -kv[1]):
-            print(f"  {short(name):<58} {us:>7.1f} {us / pass_us:>5.1f} passes")
-            rows.append(dict(op="mhc_profile", shape=f"{n_embd}", dtype=dtype, kernel=short(name), us=us,
-                             passes=us / pass_us))
-        print(f"  {'the other kernels, against the baseline':<58} {rest:>+7.1f}; the largest differences:")
-        others = (set(base) | set(dyn)) - set(ours)
-        diffs = sorted(((dyn.get(k, 0.0) - base.get(k, 0.0), k) for k in others), key=lambda t: -abs(t[0]))
-        for diff, name in diffs[:5]:
-            print(f"    {short(name, 72):<72} {diff:>+7.1f}")
-        rows.append(dict(op="mhc_profile", shape=f"{n_embd}", dtype=dtype, kernel="other", us=rest, baseline_us=b,
-                         mhc_us=d))
-
-
-def bench_main(json_path):
-    if not HAS_CUDA:  # building the extension cannot help here
-        print(f"--bench needs an NVIDIA GPU: PyTorch sees no CUDA device (torch {torch.__version__}); "
-              f"it times our kernels against PyTorch's on the GPU")
-        return 1
-    if kernels is None:
-        print(f"--bench needs the built extension: `import kernels` failed ({one_line(KERNELS_ERROR)}); {BUILD_HINT}")
-        return 1
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32: no TF32 shortcut for cuBLAS
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"median of up to 50 reps, L2 flushed before each\n")
-    rows = []
-    bench_ops(rows)
-    if ONLY in "overhead":
-        bench_call_overhead(rows)
-    if ONLY in "attention":
-        bench_attention(rows)
-        bench_attention_memory(rows)
-    if ONLY in "attention_bf16":
-        bench_attention_bf16(rows)
-    if ONLY in "attention gqa":
-        bench_gqa(rows)
-    if ONLY in "megakernel":
-        bench_megakernel(rows)
-    if ONLY in "mhc_profile":
-        bench_mhc_profile(rows)
-    if ONLY == "ddp":  # training runs of --preset=large on one and two GPUs, minutes each: only when asked
-        bench_ddp_scaling(rows)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"\nwrote {len(rows)} rows to {json_path}")
-    failed = [r for r in rows if r.get("check_ok") is False]
-    if failed:
-        print(f"{len(failed)} rows where ours does not match torch")
-    return 1 if failed else 0
+# ==== main ====
 
 
 if __name__ == "__main__":
