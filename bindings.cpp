@@ -32,147 +32,12 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using at::Tensor;
 
-// ---- launchers defined in kernels.cu ----------------------------------------------------------
-// Launchers templated on the element type are built for float and __nv_bfloat16 (kernels.cu instantiates
-// them); the row ops take two: TI (input) and TO (output).
-template <class T>
-void embedding_fwd(const int64_t*, const T*, T*, int64_t, int64_t, int, cudaStream_t);
-size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C);
-void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
-                   cudaStream_t s);
-bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit);
-template <class TI, class TO>
-void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum, float* mean, float* rstd,
-                   int R, int C, float eps, cudaStream_t s);
-template <class TI, class TO>
-void layernorm_bwd(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum, TI* dx,
-                   TO* daddend, TI* dw, TI* db, float* ws, int R, int C, cudaStream_t s);
-template <class TI, class TO>
-void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum, float* rstd, int R, int C, float eps,
-                 cudaStream_t s);
-template <class TI, class TO>
-void rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
-                 TI* dw, float* ws, int R, int C, cudaStream_t s);
-template <class TI, class TO>
-int64_t norm_bwd_workspace_floats(bool rms, int R, int C);
-int64_t sinkhorn_workspace_floats(int, int, int);
-void sinkhorn_fwd(const float*, float*, int, int, int, cudaStream_t);
-void sinkhorn_bwd(const float*, const float*, float*, float*, int, int, int, cudaStream_t);
-int64_t hc_coeffs_workspace_floats(int M, int n, int iters);
-void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
-                   int n, int iters, cudaStream_t s);
-void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
-                   const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
-                   cudaStream_t s);
-void hc_pre_coeffs_fwd(const float* x, int C, const float* h, const float* alpha, const float* bias, float* pre,
-                       float* post, float* res, float* merged, int M, int n, int iters, cudaStream_t s);
-void hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float* h, const float* alpha,
-                       const float* bias, const float* dpost, const float* dres, float* dh, float* dalpha,
-                       float* dbias, float* ws, int M, int n, int iters, cudaStream_t s);
-int64_t hc_project_fwd_workspace_floats(int M, int n, int D);
-int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
-void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
-                    int D, float eps, cudaStream_t s);
-int64_t hc_mix_project_fwd_workspace_floats(int M, int n, int C);
-template <class TY>
-void hc_mix_project_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, float* out,
-                        const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n, int C,
-                        bool per_token, float eps, cudaStream_t s);
-void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
-                    const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
-                    float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
-void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
-                      cudaStream_t s);
-void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
-                      int n, int C, bool per_token, cudaStream_t s);
-template <class TY>
-void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
-                    float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s);
-template <class TY>
-void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
-                    const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
-                    float* dh_pre, float* part, int M, int n, int C, bool per_token, cudaStream_t s);
-int stream_coef_rows(int M);
-int colsum_chunks(int, int);
-template <class TG, class TD>
-void bias_grad(const TG*, float*, TD*, int, int, cudaStream_t);
-template <class TI, class TO>
-void softmax_fwd(const TI*, TO*, int, int, float, int, int, cudaStream_t);
-template <class TI, class TO>
-void softmax_bwd(const TO*, const TO*, TI*, int, int, float, cudaStream_t);
-template <class T>
-void cross_entropy_fwd(const T*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);
-template <class T>
-void cross_entropy_bwd(const T*, const int64_t*, const float*, const float*, T*, int, int, cudaStream_t);
-template <class T>
-void gelu_fwd(const T*, T*, int64_t, bool, cudaStream_t);
-template <class T>
-void gelu_bwd(const T*, const T*, T*, int64_t, bool, cudaStream_t);
-template <class T>
-void silu_fwd(const T* x, T* y, int64_t n, cudaStream_t s);
-template <class T>
-void silu_bwd(const T* x, const T* dy, T* dx, int64_t n, cudaStream_t s);
-template <class T>
-void swiglu_fwd(const T* a, const T* b, T* y, int64_t n, cudaStream_t s);
-template <class T>
-void swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T* db, int64_t n, cudaStream_t s);
-template <class T>
-void rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
-          int64_t sh, int64_t st, bool backward, cudaStream_t s);
-void matmul(const float*, const float*, const float*, float*, int, int, int, int, bool, bool, int64_t,
-            int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, cudaStream_t);
-size_t matmul_workspace_floats(int, int, int, int);
-bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs);
-size_t matmul_bf16_workspace_floats(int, int, int, int, bool);
-void matmul_bf16(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, void*, bool, int, int, int, int,
-                 bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
-                 cudaStream_t);
-template <class T>
-void gemv(const T*, const T*, const T*, T*, int, int, int, const int64_t*, int64_t, cudaStream_t);
-void set_pdl(bool on);
-void set_attention_wgmma(bool on);
-template <class T>
-void kv_write(T*, T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
-              cudaStream_t);
-template <class T>
-void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
-                       const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
-                       int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
-                       int n_kv_head, int hidden, int n_expert, int top_k, int V, int capacity, float eps,
-                       cudaStream_t s);
-int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs, int top_k);
-const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes);
-int decode_megakernel_max_layers();
-int decode_megakernel_grid();
-int decode_megakernel_trace_stamps(int n_layer);
-constexpr int MK_WEIGHTS = 14;  // weight slots a layer (MkLayer); decode_megakernel refuses another count
-size_t topk_workspace_bytes(int64_t rows, int L, int k);
-void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
-          cudaStream_t s);
-bool attention_fused_supports(int);
-int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D);
-struct AttnLayout {  // as in kernels.cu: (b, h, s, d) at b * sb + h * sh + s * ss + d
-  int64_t sb, sh, ss;
-  int heads;
-};
-struct AttnLayouts {
-  AttnLayout q, k, v, out, dout, dq, dk, dv;
-};
-void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
-                         const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
-                         bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s);
-void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
-                         const float* lse_log2, float* delta, float* dq, float* dk, float* dv, const AttnLayouts& l,
-                         int BH, int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         cudaStream_t s);
-void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
-                         int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
-void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
-                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s);
-int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D);
+// ---- kernels.cu's launchers, limits and shared structs ----------------------------------------
+// Part 0 of kernels.cu alone (no CUDA code): launch::<name> for each launcher, limits::<name> for what
+// they accept, AttnLayout(s). A launcher defined there other than declared fails that file's build.
+#define KERNELS_LAUNCHERS_ONLY
+#include "kernels.cu"
+#undef KERNELS_LAUNCHERS_ONLY
 
 // ---- checks -----------------------------------------------------------------------------------
 
@@ -272,7 +137,7 @@ static void check_dim(const char* op, const Tensor& t, const char* name, int64_t
 static void raise_pending_index_error() {
   const char *op = nullptr, *arg = nullptr;
   int64_t value = 0, limit = 0;
-  if (take_index_error(&op, &arg, &value, &limit))
+  if (launch::take_index_error(&op, &arg, &value, &limit))
     REQUIRE_VALUE(false, op, ": ", arg, " out of range in an earlier call: got ", value, ", values must be in [0, ",
                   limit, ")");
 }
@@ -380,6 +245,27 @@ static Tensor empty_like_contiguous(const Tensor& x, std::optional<at::ScalarTyp
   return at::empty(x.sizes(), dtype ? x.options().dtype(*dtype) : x.options());
 }
 
+// Autocast: torch.autocast("cuda", dtype=torch.bfloat16) around our ops makes the choices autocast makes for
+// PyTorch's: products (linear, matmul, attention) in bf16, linear's fp32 master weight and bias rounded by
+// linear itself, which writes their gradients in fp32; the norms computing in fp32 and writing bf16 (the
+// next product's input); softmax writing fp32; the rest as they come (activations and RoPE keep bf16, the
+// cross-entropy's loss is fp32, the embedding and the residual stream stay fp32). Attention at a head size
+// the fused kernels lack runs tiled in fp32 and rounds its output. Under float16 autocast the ops run as
+// called: the kernels have no float16 path.
+
+static bool bf16_autocast() { return at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16; }
+
+static Tensor to_bf16(const Tensor& t) {
+  return bf16_autocast() ? at::autocast::cached_cast(at::kBFloat16, t, c10::DeviceType::CUDA) : t;
+}
+
+// A norm's output dtype under autocast: bf16 unless the call names one.
+static std::optional<at::ScalarType> norm_out(std::optional<at::ScalarType> out_dtype) {
+  return out_dtype || !bf16_autocast() ? out_dtype : std::optional<at::ScalarType>(at::kBFloat16);
+}
+
+#define BELOW_AUTOCAST c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA)
+
 // ---- matmul on strided views ------------------------------------------------------------------
 
 // A batch of matrices (dims 1, 2 of a 3-D tensor) as the kernel sees it: row-major with leading
@@ -402,7 +288,7 @@ static Mat as_mat(const Tensor& m) {
 // The bf16 kernel reads operands through tensor maps, whose rows must start on 16 bytes. An operand
 // that misses (an odd leading dim, an offset view) is copied once into rows padded to 8 elements.
 static Mat tma_ready(const Mat& m) {
-  if (matmul_bf16_operand_ok(m.t.data_ptr(), m.ld, m.batch_stride)) return m;
+  if (launch::matmul_bf16_operand_ok(m.t.data_ptr(), m.ld, m.batch_stride)) return m;
   const int64_t batch = m.batch_stride == 0 ? 1 : m.t.size(0);
   const int64_t inner = m.trans ? m.t.size(1) : m.t.size(2), outer = m.trans ? m.t.size(2) : m.t.size(1);
   const int64_t ld = (inner + 7) / 8 * 8;
@@ -432,9 +318,9 @@ static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias =
     const Mat B = tma_ready(as_mat(b));
     const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"),
               N = to_int(op, c.size(2), "N"), K = to_int(op, a.size(2), "K");
-    const size_t ws_floats = matmul_bf16_workspace_floats(batch, M, N, K, rowsum);
+    const size_t ws_floats = launch::matmul_bf16_workspace_floats(batch, M, N, K, rowsum);
     Tensor ws = ws_floats ? at::empty({(int64_t)ws_floats}, c.options().dtype(at::kFloat)) : Tensor();
-    matmul_bf16(ptr<bf16>(A.t), ptr<bf16>(B.t), ptr<bf16>(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
+    launch::matmul_bf16(ptr<bf16>(A.t), ptr<bf16>(B.t), ptr<bf16>(bias), c.data_ptr(), c.scalar_type() == at::kFloat, batch, M,
                 N, K, A.trans, B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride,
                 batch == 1 ? 0 : (int64_t)M * N, alpha, rowsum ? a_rowsum.data_ptr<float>() : nullptr, ws_ptr(ws),
                 stream());
@@ -444,9 +330,9 @@ static void mm(const Tensor& a, const Tensor& b, Tensor& c, const Tensor& bias =
   const Mat A = as_mat(a), B = as_mat(b);
   const int batch = to_int(op, c.size(0), "batch"), M = to_int(op, c.size(1), "M"), N = to_int(op, c.size(2), "N"),
             K = to_int(op, a.size(2), "K");
-  const size_t ws_floats = matmul_workspace_floats(batch, M, N, K);
+  const size_t ws_floats = launch::matmul_workspace_floats(batch, M, N, K);
   Tensor ws = ws_floats ? at::empty({(int64_t)ws_floats}, c.options()) : Tensor();
-  matmul(A.t.data_ptr<float>(), B.t.data_ptr<float>(), fptr(bias), c.data_ptr<float>(), batch, M, N, K, A.trans,
+  launch::matmul(A.t.data_ptr<float>(), B.t.data_ptr<float>(), fptr(bias), c.data_ptr<float>(), batch, M, N, K, A.trans,
          B.trans, A.ld, B.ld, N, A.batch_stride, B.batch_stride, batch == 1 ? 0 : (int64_t)M * N, alpha,
          ws_floats ? ws.data_ptr<float>() : nullptr, stream());
 }
@@ -538,11 +424,11 @@ std::vector<Tensor> linear_backward_cuda(const Tensor& dy_in, const Tensor& x, c
   if (has_bias && !bias_in_product) {
     const int R = to_int("linear", dy.size(1), "rows"), C = to_int("linear", dy.size(2), "out_features");
     db = at::empty({C}, grad_options);
-    Tensor part = at::empty({(int64_t)colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
+    Tensor part = at::empty({(int64_t)launch::colsum_chunks(R, C) * C}, dy.options().dtype(at::kFloat));
     with_type(dy.scalar_type(), [&](auto t) {
       using T = decltype(t);
-      if (master) bias_grad(ptr<T>(dy), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
-      else bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
+      if (master) launch::bias_grad(ptr<T>(dy), part.data_ptr<float>(), db.data_ptr<float>(), R, C, stream());
+      else launch::bias_grad(ptr<T>(dy), part.data_ptr<float>(), ptr<T>(db), R, C, stream());
     });
   }
   std::vector<Tensor> out{dx.view(x.sizes()), dw.squeeze(0)};
@@ -584,6 +470,16 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   autograd(m, "linear", linear_autograd);
   def_half(m, "linear_backward(Tensor dy, Tensor x, Tensor weight, bool has_bias) -> Tensor[]");
   cuda_meta(m, "linear_backward", linear_backward_cuda, linear_backward_meta);
+}
+
+// Under bf16 autocast: x rounded to bf16, the fp32 master weight and bias rounded by linear itself.
+Tensor linear_autocast(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("linear", linear_cuda).call(to_bf16(x), w, b);
+}
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("linear", &linear_autocast);
 }
 
 // ---- matmul -----------------------------------------------------------------------------------
@@ -656,6 +552,16 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   autograd(m, "matmul", matmul_autograd);
   def_half(m, "matmul_backward(Tensor dc, Tensor a, Tensor b) -> (Tensor, Tensor)");
   cuda_meta(m, "matmul_backward", matmul_backward_cuda, matmul_backward_meta);
+}
+
+// Under bf16 autocast: both operands in bf16.
+Tensor matmul_autocast(const Tensor& a, const Tensor& b) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("matmul", matmul_cuda).call(to_bf16(a), to_bf16(b));
+}
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("matmul", &matmul_autocast);
 }
 
 // ---- layernorm and RMSNorm --------------------------------------------------------------------
@@ -731,10 +637,10 @@ std::vector<Tensor> norm_forward_cuda(const Tensor& x_in, const std::optional<Te
       using TI = decltype(ti);
       using TO = decltype(to);
       if (rms)
-        rmsnorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TO>(y), ptr<TI>(sum), ptr<float>(rstd), R, C,
+        launch::rmsnorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TO>(y), ptr<TI>(sum), ptr<float>(rstd), R, C,
                     (float)eps, stream());
       else
-        layernorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<TI>(sum),
+        launch::layernorm_fwd(ptr<TI>(x), ptr<TO>(addend), ptr<TI>(w), ptr<TI>(b), ptr<TO>(y), ptr<TI>(sum),
                       ptr<float>(mean), ptr<float>(rstd), R, C, (float)eps, stream());
     });
   std::vector<Tensor> out{y, rstd};
@@ -778,12 +684,12 @@ std::vector<Tensor> norm_backward_cuda(const Tensor& x_in, const Tensor& w_in, c
       using TI = decltype(ti);
       using TO = decltype(to);
       // the column sums' partial rows
-      const Tensor ws = at::empty({norm_bwd_workspace_floats<TI, TO>(rms, R, C)}, rstd.options());
+      const Tensor ws = at::empty({launch::norm_bwd_workspace_floats<TI, TO>(rms, R, C)}, rstd.options());
       if (rms)
-        rmsnorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
+        launch::rmsnorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(rstd), ptr<TI>(dsum), ptr<TI>(dx),
                     ptr<TO>(daddend), ptr<TI>(dw), ptr<float>(ws), R, C, stream());
       else
-        layernorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
+        launch::layernorm_bwd(ptr<TI>(x), ptr<TI>(w), ptr<TO>(dy), ptr<float>(mean), ptr<float>(rstd), ptr<TI>(dsum),
                       ptr<TI>(dx), ptr<TO>(daddend), ptr<TI>(dw), ptr<TI>(db), ptr<float>(ws), R, C, stream());
     });
   }
@@ -853,7 +759,6 @@ Tensor layernorm_impl(const Tensor& x, const Tensor& weight, const Tensor& bias,
 Tensor rmsnorm_impl(const Tensor& x, const Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
   return KERNELS_OP("norm_forward", norm_forward_cuda).call(x, std::nullopt, weight, std::nullopt, eps, out_dtype)[0];
 }
-
 
 std::tuple<Tensor, Tensor> add_layernorm_impl(const Tensor& x, const Tensor& y, const Tensor& weight,
                                               const Tensor& bias, double eps, std::optional<at::ScalarType> out_dtype) {
@@ -933,11 +838,41 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   cuda_meta(m, "norm_backward", norm_backward_cuda, norm_backward_meta);
 }
 
+// Under bf16 autocast: computed in fp32, written in bf16 (the next product's input) unless out_dtype says.
+Tensor layernorm_autocast(const Tensor& x, const Tensor& w, const Tensor& b, double eps,
+                          std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("layernorm", layernorm_impl).call(x, w, b, eps, norm_out(out_dtype));
+}
+
+Tensor rmsnorm_autocast(const Tensor& x, const Tensor& w, double eps, std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("rmsnorm", rmsnorm_impl).call(x, w, eps, norm_out(out_dtype));
+}
+
+std::tuple<Tensor, Tensor> add_layernorm_autocast(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b,
+                                                  double eps, std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("add_layernorm", add_layernorm_impl).call(x, y, w, b, eps, norm_out(out_dtype));
+}
+
+std::tuple<Tensor, Tensor> add_rmsnorm_autocast(const Tensor& x, const Tensor& y, const Tensor& w, double eps,
+                                                std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  return KERNELS_OP("add_rmsnorm", add_rmsnorm_impl).call(x, y, w, eps, norm_out(out_dtype));
+}
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("layernorm", &layernorm_autocast);
+  m.impl("rmsnorm", &rmsnorm_autocast);
+  m.impl("add_layernorm", &add_layernorm_autocast);
+  m.impl("add_rmsnorm", &add_rmsnorm_autocast);
+}
+
 // ---- Sinkhorn ---------------------------------------------------------------------------------
 
-// The most streams (n) of Sinkhorn and the stream ops: kernels.cu keeps n x n state in registers and
-// instantiates its kernels for n up to 8. Exported as kernels.MAX_STREAMS for the scripts' checks.
-constexpr int64_t MAX_STREAMS = 8;
+// The most streams (n) of Sinkhorn and the stream ops: kernels.cu keeps n x n state in registers.
+constexpr int64_t MAX_STREAMS = limits::max_streams;
 
 static void check_sinkhorn(const Tensor& logits, int64_t iters) {
   const char* op = "sinkhorn";
@@ -958,7 +893,7 @@ Tensor sinkhorn_cuda(const Tensor& logits, int64_t iters) {
   Tensor p = at::empty_like(x);
   const int n = (int)x.size(-1);
   const int M = to_int("sinkhorn", x.numel() / (n * n), "number of matrices"), it = to_int("sinkhorn", iters, "iters");
-  sinkhorn_fwd(x.data_ptr<float>(), p.data_ptr<float>(), M, n, it, stream());
+  launch::sinkhorn_fwd(x.data_ptr<float>(), p.data_ptr<float>(), M, n, it, stream());
   return p;
 }
 
@@ -972,8 +907,8 @@ Tensor sinkhorn_backward_cuda(const Tensor& logits, const Tensor& dp_in, int64_t
   const c10::cuda::CUDAGuard guard(logits.device());
   const Tensor x = logits.contiguous(), dp = dp_in.contiguous();
   const int n = (int)x.size(-1), M = (int)(x.numel() / (n * n));
-  Tensor dx = at::empty_like(x), ws = at::empty({sinkhorn_workspace_floats(M, n, (int)iters)}, x.options());
-  sinkhorn_bwd(x.data_ptr<float>(), dp.data_ptr<float>(), dx.data_ptr<float>(), ws.data_ptr<float>(), M, n,
+  Tensor dx = at::empty_like(x), ws = at::empty({launch::sinkhorn_workspace_floats(M, n, (int)iters)}, x.options());
+  launch::sinkhorn_bwd(x.data_ptr<float>(), dp.data_ptr<float>(), dx.data_ptr<float>(), ws.data_ptr<float>(), M, n,
                (int)iters, stream());
   return dx;
 }
@@ -1000,7 +935,7 @@ Tensor sinkhorn_autograd(const Tensor& logits, int64_t iters) {
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // Hyper-connections (float32, n <= 8 streams): Sinkhorn-Knopp to a doubly stochastic matrix.
+  // Hyper-connections (float32, n <= limits::max_streams streams): Sinkhorn-Knopp to a doubly stochastic matrix.
   def_op(m, "sinkhorn(Tensor logits, int iters=20) -> Tensor");
   cuda_meta(m, "sinkhorn", sinkhorn_cuda, sinkhorn_meta, CPU_ERRORS);
   autograd(m, "sinkhorn", sinkhorn_autograd);
@@ -1052,7 +987,7 @@ std::tuple<Tensor, Tensor, Tensor> hc_coeffs_cuda(const Tensor& h_in, const Tens
   Tensor pre = at::empty(with_dims(h, {n}), h.options()), post = at::empty_like(pre);
   Tensor res = at::empty(with_dims(h, {n, n}), h.options());
   const int M = to_int("hc_coeffs", h.numel() / h.size(-1), "number of tokens");
-  hc_coeffs_fwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), pre.data_ptr<float>(),
+  launch::hc_coeffs_fwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), pre.data_ptr<float>(),
                 post.data_ptr<float>(), res.data_ptr<float>(), M, (int)n, to_int("hc_coeffs", iters, "iters"),
                 stream());
   return {pre, post, res};
@@ -1083,15 +1018,15 @@ static std::tuple<Tensor, Tensor, Tensor> coeffs_backward(const Tensor& h_in, co
   const Tensor dpost = grad(dpost_in, {n}), dres = grad(dres_in, {n, n});
   const int M = (int)(h.numel() / h.size(-1));
   Tensor dh = at::empty_like(h), dalpha = at::empty_like(alpha), dbias = at::empty_like(bias);
-  Tensor ws = at::empty({hc_coeffs_workspace_floats(M, (int)n, (int)iters)}, h.options());
+  Tensor ws = at::empty({launch::hc_coeffs_workspace_floats(M, (int)n, (int)iters)}, h.options());
   if (dmerged.defined()) {
-    hc_pre_coeffs_bwd(x.data_ptr<float>(), dmerged.data_ptr<float>(), (int)x.size(-1), h.data_ptr<float>(),
+    launch::hc_pre_coeffs_bwd(x.data_ptr<float>(), dmerged.data_ptr<float>(), (int)x.size(-1), h.data_ptr<float>(),
                       alpha.data_ptr<float>(), bias.data_ptr<float>(), dpost.data_ptr<float>(), dres.data_ptr<float>(),
                       dh.data_ptr<float>(), dalpha.data_ptr<float>(), dbias.data_ptr<float>(), ws_ptr(ws), M, (int)n,
                       (int)iters, stream());
   } else {
     const Tensor dpre = grad(dpre_in, {n});
-    hc_coeffs_bwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), dpre.data_ptr<float>(),
+    launch::hc_coeffs_bwd(h.data_ptr<float>(), alpha.data_ptr<float>(), bias.data_ptr<float>(), dpre.data_ptr<float>(),
                   dpost.data_ptr<float>(), dres.data_ptr<float>(), dh.data_ptr<float>(), dalpha.data_ptr<float>(),
                   dbias.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)iters, stream());
   }
@@ -1141,7 +1076,7 @@ std::tuple<Tensor, Tensor, Tensor> hc_coeffs_autograd(const Tensor& h, const Ten
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // mhc-dynamic's coefficients (float32, n <= 8 streams) from each token's 2n + n^2 projections.
+  // mhc-dynamic's coefficients (float32, n <= limits::max_streams streams) from each token's 2n + n^2 projections.
   def_op(m, "hc_coeffs(Tensor h, Tensor alpha, Tensor bias, int iters=20) -> (Tensor, Tensor, Tensor)");
   cuda_meta(m, "hc_coeffs", hc_coeffs_cuda, hc_coeffs_meta, CPU_ERRORS);
   autograd(m, "hc_coeffs", hc_coeffs_autograd);
@@ -1182,9 +1117,9 @@ std::tuple<Tensor, Tensor> hc_project_forward_cuda(const Tensor& x_in, const Ten
   const int64_t D = x.size(-1);
   Tensor h = at::empty(with_dims(x, {phi.size(0)}), x.options()), rstd = at::empty(with_dims(x, {}), x.options());
   const int M = to_int("hc_project", x.numel() / D, "number of tokens"), Di = to_int("hc_project", D, "x's last dim");
-  const int64_t ws_floats = hc_project_fwd_workspace_floats(M, (int)n, Di);
+  const int64_t ws_floats = launch::hc_project_fwd_workspace_floats(M, (int)n, Di);
   const Tensor ws = ws_floats ? at::empty({ws_floats}, x.options()) : Tensor();
-  hc_project_fwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+  launch::hc_project_fwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
                  rstd.data_ptr<float>(), ws_ptr(ws), M, (int)n, Di, (float)eps, stream());
   return {h, rstd};
 }
@@ -1204,8 +1139,8 @@ std::tuple<Tensor, Tensor, Tensor> hc_project_backward_cuda(const Tensor& x_in, 
   const int64_t D = x.size(-1);
   const int M = (int)(x.numel() / D);
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
-  Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
-  hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+  Tensor ws = at::empty({launch::hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
+  launch::hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
                  rstd.data_ptr<float>(), dh.data_ptr<float>(), nullptr, nullptr, nullptr, dx.data_ptr<float>(),
                  dweight.data_ptr<float>(), dphi.data_ptr<float>(), ws_ptr(ws), M, (int)n, (int)D, stream());
   return {dx, dweight, dphi};
@@ -1243,7 +1178,7 @@ Tensor hc_project_autograd(const Tensor& x, const Tensor& weight, const Tensor& 
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // mhc-dynamic's projection (float32, n <= 8 streams): RMSNorm(x, weight) phi^T, phi of 2n + n^2 rows.
+  // mhc-dynamic's projection (float32, n <= limits::max_streams streams): RMSNorm(x, weight) phi^T, phi of 2n + n^2 rows.
   def_op(m, "hc_project(Tensor x, Tensor weight, Tensor phi, float eps=1e-05) -> Tensor");
   composite(m, "hc_project", hc_project_impl);
   autograd(m, "hc_project", hc_project_autograd);
@@ -1304,7 +1239,7 @@ Tensor stream_merge_cuda(const Tensor& x_in, const Tensor& h_in) {
   const int n = (int)x.size(-2), C = to_int("stream_merge", x.size(-1), "C");
   shape.push_back(C);
   Tensor out = at::empty(shape, x.options());
-  stream_merge_fwd(x.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(), M, n, C, per_token, stream());
+  launch::stream_merge_fwd(x.data_ptr<float>(), h.data_ptr<float>(), out.data_ptr<float>(), M, n, C, per_token, stream());
   return out;
 }
 
@@ -1321,8 +1256,8 @@ std::tuple<Tensor, Tensor> stream_merge_backward_cuda(const Tensor& x_in, const 
   const int n = (int)x.size(-2), C = (int)x.size(-1), M = (int)count_tokens(x.sizes().slice(0, x.dim() - 2).vec());
   const bool per_token = h.dim() > 1;
   Tensor dx = at::empty_like(x), dh = at::empty_like(h);
-  Tensor part = per_token ? Tensor() : at::empty({(int64_t)stream_coef_rows(M) * n}, x.options());  // blocks' sums
-  stream_merge_bwd(x.data_ptr<float>(), h.data_ptr<float>(), dout.data_ptr<float>(), dx.data_ptr<float>(),
+  Tensor part = per_token ? Tensor() : at::empty({(int64_t)launch::stream_coef_rows(M) * n}, x.options());  // blocks' sums
+  launch::stream_merge_bwd(x.data_ptr<float>(), h.data_ptr<float>(), dout.data_ptr<float>(), dx.data_ptr<float>(),
                    dh.data_ptr<float>(), ws_ptr(part), M, n, C, per_token, stream());
   return {dx, dh};
 }
@@ -1386,7 +1321,7 @@ static std::tuple<Tensor, Tensor> mix_forward(const char* op, const Tensor& x_in
   Tensor merged = h_pre.defined() ? at::empty(y.sizes(), x.options()) : Tensor();
   with_type(y.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    stream_mix_fwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
+    launch::stream_mix_fwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
                       fptr(h_pre), out.data_ptr<float>(), ws_ptr(merged), M, n, C, per_token, stream());
   });
   return {out, merged};
@@ -1407,10 +1342,10 @@ static std::vector<Tensor> mix_backward(const Tensor& x_in, const Tensor& h_res_
   Tensor dx = at::empty_like(x), dy = at::empty_like(y), dh_res = at::empty_like(h_res),
          dh_post = at::empty_like(h_post), dh_pre = merge ? at::empty_like(h_pre) : Tensor();
   const int64_t K = n * n + (merge ? 2 : 1) * n;  // static: the blocks' sums of every coefficient's gradient
-  Tensor part = per_token ? Tensor() : at::empty({stream_coef_rows(M) * K}, x.options());
+  Tensor part = per_token ? Tensor() : at::empty({launch::stream_coef_rows(M) * K}, x.options());
   with_type(y.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    stream_mix_bwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
+    launch::stream_mix_bwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
                       fptr(h_pre), dout.data_ptr<float>(), fptr(dmerged), dx.data_ptr<float>(), ptr<T>(dy),
                       dh_res.data_ptr<float>(), dh_post.data_ptr<float>(), ws_ptr(dh_pre), ws_ptr(part), M, (int)n, C,
                       per_token, stream());
@@ -1560,7 +1495,7 @@ static std::vector<Tensor> hc_pre_from_projection(const char* op, const Tensor& 
   Tensor pre = at::empty(with_dims(h, {n}), h.options()), post = at::empty_like(pre);
   Tensor res = at::empty(with_dims(h, {n, n}), h.options());
   Tensor merged = at::empty(with_dims(x.select(-2, 0), {C}), x.options());
-  hc_pre_coeffs_fwd(x.data_ptr<float>(), to_int(op, C, "C"), h.data_ptr<float>(), alpha.data_ptr<float>(),
+  launch::hc_pre_coeffs_fwd(x.data_ptr<float>(), to_int(op, C, "C"), h.data_ptr<float>(), alpha.data_ptr<float>(),
                     bias.data_ptr<float>(), pre.data_ptr<float>(), post.data_ptr<float>(), res.data_ptr<float>(),
                     merged.data_ptr<float>(), to_int(op, h.numel() / h.size(-1), "number of tokens"), (int)n,
                     to_int(op, iters, "iters"), stream());
@@ -1603,8 +1538,8 @@ static std::vector<Tensor> hc_pre_grads(const Tensor& x_in, const Tensor& weight
   const auto [dh, dalpha, dbias] = coeffs_backward(h, alpha, bias, std::nullopt, dpost, dres, iters, x, dmerged);
   const Tensor dadd = dadd_in.defined() ? dadd_in.contiguous() : Tensor();
   Tensor dx = at::empty_like(x), dweight = at::empty_like(weight), dphi = at::empty_like(phi);
-  Tensor ws = at::empty({hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
-  hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
+  Tensor ws = at::empty({launch::hc_project_bwd_workspace_floats(M, (int)n, (int)D)}, x.options());
+  launch::hc_project_bwd(x.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
                  rstd.data_ptr<float>(), dh.data_ptr<float>(), merged_used ? pre.data_ptr<float>() : nullptr,
                  fptr(dmerged), fptr(dadd), dx.data_ptr<float>(), dweight.data_ptr<float>(), dphi.data_ptr<float>(),
                  ws_ptr(ws), M, (int)n, (int)D, stream());
@@ -1665,7 +1600,7 @@ std::tuple<Tensor, Tensor, Tensor> hc_pre_autograd(const Tensor& x, const Tensor
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // mhc-dynamic's step before a sublayer (float32, n <= 8 streams): the merged stream and H_post, H_res.
+  // mhc-dynamic's step before a sublayer (float32, n <= limits::max_streams streams): the merged stream and H_post, H_res.
   def_op(m, "hc_pre(Tensor x, Tensor weight, Tensor phi, Tensor alpha, Tensor bias, int iters=20, float eps=1e-05) "
          "-> (Tensor, Tensor, Tensor)");
   composite(m, "hc_pre", hc_pre_impl);
@@ -1701,11 +1636,11 @@ std::vector<Tensor> hc_mix_pre_forward_cuda(const Tensor& x_in, const Tensor& h_
   Tensor s = at::empty(x.sizes(), x.options());
   Tensor h = at::empty(with_dims(x.select(-2, 0), {phi.size(0)}), x.options());
   Tensor rstd = at::empty(with_dims(x.select(-2, 0), {}), x.options());
-  const int64_t ws_floats = hc_mix_project_fwd_workspace_floats(M, (int)n, (int)C);
+  const int64_t ws_floats = launch::hc_mix_project_fwd_workspace_floats(M, (int)n, (int)C);
   const Tensor ws = ws_floats ? at::empty({ws_floats}, x.options()) : Tensor();
   with_type(y.scalar_type(), [&](auto t) {  // the mix and the projection of its result in one pass
     using T = decltype(t);
-    hc_mix_project_fwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
+    launch::hc_mix_project_fwd<T>(x.data_ptr<float>(), h_res.data_ptr<float>(), h_post.data_ptr<float>(), ptr<T>(y),
                           s.data_ptr<float>(), weight.data_ptr<float>(), phi.data_ptr<float>(), h.data_ptr<float>(),
                           rstd.data_ptr<float>(), ws_ptr(ws), M, (int)n, to_int("hc_mix_pre", C, "C"), per_token,
                           (float)eps, stream());
@@ -1802,8 +1737,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hc_mix_pre_autograd(const Tensor& x, 
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // mhc-dynamic between two sublayers (float32 streams, y float32 or bfloat16, n <= 8): the mixed streams, then
-  // hc_pre's outputs for them.
+  // mhc-dynamic between two sublayers (float32 streams, y float32 or bfloat16, n <= limits::max_streams): the
+  // mixed streams, then hc_pre's outputs for them.
   def_op(m, "hc_mix_pre(Tensor x, Tensor h_res, Tensor h_post, Tensor y, Tensor weight, Tensor phi, Tensor alpha, "
          "Tensor bias, int iters=20, float eps=1e-05) -> (Tensor, Tensor, Tensor, Tensor)");
   composite(m, "hc_mix_pre", hc_mix_pre_impl);
@@ -1837,7 +1772,7 @@ Tensor softmax_cuda(const Tensor& x_in, std::optional<at::ScalarType> out_dtype)
     with_types(x, y_dtype, [&](auto ti, auto to) {
       using TI = decltype(ti);
       using TO = decltype(to);
-      softmax_fwd(ptr<TI>(x), ptr<TO>(y), to_int("softmax", x.numel() / C, "rows"), to_int("softmax", C, "C"), 1.f,
+      launch::softmax_fwd(ptr<TI>(x), ptr<TO>(y), to_int("softmax", x.numel() / C, "rows"), to_int("softmax", C, "C"), 1.f,
                   0, 0, stream());
     });
   return y;
@@ -1856,7 +1791,7 @@ Tensor softmax_backward_cuda(const Tensor& y, const Tensor& dy_in, at::ScalarTyp
     with_types(dx, y.scalar_type(), [&](auto ti, auto to) {
       using TI = decltype(ti);
       using TO = decltype(to);
-      softmax_bwd(ptr<TO>(y), ptr<TO>(dy), ptr<TI>(dx), (int)(y.numel() / y.size(-1)), (int)y.size(-1), 1.f,
+      launch::softmax_bwd(ptr<TO>(y), ptr<TO>(dy), ptr<TI>(dx), (int)(y.numel() / y.size(-1)), (int)y.size(-1), 1.f,
                   stream());
     });
   return dx;
@@ -1895,7 +1830,18 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   cuda_meta(m, "softmax_backward", softmax_backward_cuda, softmax_backward_meta);
 }
 
-// ---- GELU, SiLU and SwiGLU ---------------------------------------------------------------------
+// Under bf16 autocast: written in fp32, as autocast runs torch.softmax.
+Tensor softmax_autocast(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
+  BELOW_AUTOCAST;
+  const bool fp32_out = !out_dtype && bf16_autocast();
+  return KERNELS_OP("softmax", softmax_cuda).call(x, fp32_out ? std::optional<at::ScalarType>(at::kFloat) : out_dtype);
+}
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("softmax", &softmax_autocast);
+}
+
+// ---- GELU and SiLU -----------------------------------------------------------------------------
 
 // Elementwise ops in their input's dtype (float32 or bfloat16; fp32 arithmetic), on contiguous copies:
 // f(x, y, n) or f(a, b, y, n) gets element pointers of that type.
@@ -1933,7 +1879,7 @@ static bool gelu_tanh(const Tensor& x, c10::string_view approximate) {
 Tensor gelu_cuda(const Tensor& x, c10::string_view approximate) {
   raise_pending_index_error();
   const bool tanh = gelu_tanh(x, approximate);
-  return elementwise(x, [&](auto x, auto y, int64_t n) { gelu_fwd(x, y, n, tanh, stream()); });
+  return elementwise(x, [&](auto x, auto y, int64_t n) { launch::gelu_fwd(x, y, n, tanh, stream()); });
 }
 
 Tensor gelu_meta(const Tensor& x, c10::string_view approximate) {
@@ -1943,7 +1889,7 @@ Tensor gelu_meta(const Tensor& x, c10::string_view approximate) {
 
 Tensor gelu_backward_cuda(const Tensor& x, const Tensor& dy, c10::string_view approximate) {
   const bool tanh = approximate == "tanh";
-  return elementwise2(x, dy, [&](auto x, auto dy, auto dx, int64_t n) { gelu_bwd(x, dy, dx, n, tanh, stream()); });
+  return elementwise2(x, dy, [&](auto x, auto dy, auto dx, int64_t n) { launch::gelu_bwd(x, dy, dx, n, tanh, stream()); });
 }
 
 Tensor gelu_backward_meta(const Tensor& x, const Tensor&, c10::string_view) { return empty_like_contiguous(x); }
@@ -1951,7 +1897,7 @@ Tensor gelu_backward_meta(const Tensor& x, const Tensor&, c10::string_view) { re
 Tensor silu_cuda(const Tensor& x) {
   raise_pending_index_error();
   check_fp_cuda("silu", x, "x", x, "x");
-  return elementwise(x, [&](auto x, auto y, int64_t n) { silu_fwd(x, y, n, stream()); });
+  return elementwise(x, [&](auto x, auto y, int64_t n) { launch::silu_fwd(x, y, n, stream()); });
 }
 
 Tensor silu_meta(const Tensor& x) {
@@ -1960,7 +1906,7 @@ Tensor silu_meta(const Tensor& x) {
 }
 
 Tensor silu_backward_cuda(const Tensor& x, const Tensor& dy) {
-  return elementwise2(x, dy, [&](auto x, auto dy, auto dx, int64_t n) { silu_bwd(x, dy, dx, n, stream()); });
+  return elementwise2(x, dy, [&](auto x, auto dy, auto dx, int64_t n) { launch::silu_bwd(x, dy, dx, n, stream()); });
 }
 
 Tensor silu_backward_meta(const Tensor& x, const Tensor&) { return empty_like_contiguous(x); }
@@ -1999,6 +1945,22 @@ Tensor gelu_autograd(const Tensor& x, c10::string_view approximate) {
 
 Tensor silu_autograd(const Tensor& x) { return autograd_or_below<SiluFn>(KERNELS_OP("silu", silu_cuda), x); }
 
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // GELU (approximate 'none' or 'tanh', like F.gelu) and SiLU.
+  def_op(m, "gelu(Tensor x, str approximate='none') -> Tensor");
+  cuda_meta(m, "gelu", gelu_cuda, gelu_meta, CPU_ERRORS);
+  autograd(m, "gelu", gelu_autograd);
+  def_half(m, "gelu_backward(Tensor x, Tensor dy, str approximate) -> Tensor");
+  cuda_meta(m, "gelu_backward", gelu_backward_cuda, gelu_backward_meta);
+  def_op(m, "silu(Tensor x) -> Tensor");
+  cuda_meta(m, "silu", silu_cuda, silu_meta, CPU_ERRORS);
+  autograd(m, "silu", silu_autograd);
+  def_half(m, "silu_backward(Tensor x, Tensor dy) -> Tensor");
+  cuda_meta(m, "silu_backward", silu_backward_cuda, silu_backward_meta);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------
+
 // silu(a) * b in one pass (forward: read a, b, write y; backward: read a, b, dy, write da, db), where
 // F.silu(a) * b takes two kernels and keeps silu(a) alive for the backward. a and b: one dtype.
 static void check_swiglu(const Tensor& a, const Tensor& b) {
@@ -2012,7 +1974,7 @@ static void check_swiglu(const Tensor& a, const Tensor& b) {
 Tensor swiglu_cuda(const Tensor& a, const Tensor& b) {
   raise_pending_index_error();
   check_swiglu(a, b);
-  return elementwise2(a, b, [&](auto a, auto b, auto y, int64_t n) { swiglu_fwd(a, b, y, n, stream()); });
+  return elementwise2(a, b, [&](auto a, auto b, auto y, int64_t n) { launch::swiglu_fwd(a, b, y, n, stream()); });
 }
 
 Tensor swiglu_meta(const Tensor& a, const Tensor& b) {
@@ -2026,7 +1988,7 @@ std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& a_in, const Tensor
   Tensor da = at::empty_like(a), db = at::empty_like(b);
   with_type(a.scalar_type(), [&](auto e) {
     using T = decltype(e);
-    swiglu_bwd(ptr<T>(a), ptr<T>(b), ptr<T>(dy), ptr<T>(da), ptr<T>(db), a.numel(), stream());
+    launch::swiglu_bwd(ptr<T>(a), ptr<T>(b), ptr<T>(dy), ptr<T>(da), ptr<T>(db), a.numel(), stream());
   });
   return {da, db};
 }
@@ -2054,17 +2016,7 @@ Tensor swiglu_autograd(const Tensor& a, const Tensor& b) {
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // GELU (approximate 'none' or 'tanh', like F.gelu), SiLU, and silu(a) * b in one kernel.
-  def_op(m, "gelu(Tensor x, str approximate='none') -> Tensor");
-  cuda_meta(m, "gelu", gelu_cuda, gelu_meta, CPU_ERRORS);
-  autograd(m, "gelu", gelu_autograd);
-  def_half(m, "gelu_backward(Tensor x, Tensor dy, str approximate) -> Tensor");
-  cuda_meta(m, "gelu_backward", gelu_backward_cuda, gelu_backward_meta);
-  def_op(m, "silu(Tensor x) -> Tensor");
-  cuda_meta(m, "silu", silu_cuda, silu_meta, CPU_ERRORS);
-  autograd(m, "silu", silu_autograd);
-  def_half(m, "silu_backward(Tensor x, Tensor dy) -> Tensor");
-  cuda_meta(m, "silu_backward", silu_backward_cuda, silu_backward_meta);
+  // silu(a) * b in one kernel each way.
   def_op(m, "swiglu(Tensor a, Tensor b) -> Tensor");
   cuda_meta(m, "swiglu", swiglu_cuda, swiglu_meta, CPU_ERRORS);
   autograd(m, "swiglu", swiglu_autograd);
@@ -2080,7 +2032,7 @@ static Tensor rope_launch(const Tensor& x_in, const Tensor& cos, const Tensor& s
   Tensor out = at::empty(x.sizes(), x.options());
   with_type(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    rope(ptr<T>(x), ptr<float>(cos), ptr<float>(sin), ptr<T>(out), to_int("rope", x.size(0), "B"),
+    launch::rope(ptr<T>(x), ptr<float>(cos), ptr<float>(sin), ptr<T>(out), to_int("rope", x.size(0), "B"),
          to_int("rope", x.size(1), "H"), to_int("rope", x.size(2), "T"), (int)x.size(3), x.stride(0), x.stride(1),
          x.stride(2), backward, stream());
   });
@@ -2180,7 +2132,7 @@ Tensor embedding_cuda(const Tensor& idx_in, const Tensor& w_in) {
   Tensor out = at::empty(embedding_shape(idx, w), w.options());
   with_type(w.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    embedding_fwd(ptr<int64_t>(idx), ptr<T>(w), ptr<T>(out), idx.numel(), w.size(0), (int)w.size(1), stream());
+    launch::embedding_fwd(ptr<int64_t>(idx), ptr<T>(w), ptr<T>(out), idx.numel(), w.size(0), (int)w.size(1), stream());
   });
   return out;
 }
@@ -2197,9 +2149,9 @@ Tensor embedding_backward_cuda(const Tensor& idx, const Tensor& dout_in, int64_t
   const Tensor dout = dout_in.contiguous().to(at::kFloat);
   const int C = (int)dout.size(-1), T = (int)idx.numel();
   Tensor dw = at::zeros({num_embeddings, (int64_t)C}, dout.options());
-  Tensor ws = at::empty({(int64_t)embedding_bwd_workspace_bytes(T, num_embeddings, C)},
+  Tensor ws = at::empty({(int64_t)launch::embedding_bwd_workspace_bytes(T, num_embeddings, C)},
                         dout.options().dtype(at::kByte));
-  embedding_bwd(idx.contiguous().data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, num_embeddings,
+  launch::embedding_bwd(idx.contiguous().data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, num_embeddings,
                 C, ws.numel() ? ws.data_ptr() : nullptr, stream());
   return dw.to(dout_in.scalar_type());
 }
@@ -2264,7 +2216,7 @@ std::tuple<Tensor, Tensor> cross_entropy_forward_cuda(const Tensor& logits, cons
   Tensor lse = at::empty({R}, f32), rows = at::empty({R}, f32), loss = at::empty({}, f32);
   with_type(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(rows), ptr<float>(loss), R, C,
+    launch::cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(rows), ptr<float>(loss), R, C,
                       stream());
   });
   return {loss, lse};
@@ -2283,7 +2235,7 @@ Tensor cross_entropy_backward_cuda(const Tensor& logits, const Tensor& tgt, cons
   Tensor dx = at::empty_like(x);
   with_type(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt.contiguous()), ptr<float>(lse), ptr<float>(dloss), ptr<T>(dx),
+    launch::cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt.contiguous()), ptr<float>(lse), ptr<float>(dloss), ptr<T>(dx),
                       (int)x.size(0), (int)x.size(1), stream());
   });
   return dx;
@@ -2337,7 +2289,7 @@ static Tensor gemv_launch(const char* op, const Tensor& w, const Tensor& x, cons
   Tensor y = at::empty({S, N}, w.options());
   with_type(w.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    gemv(ptr<T>(w), ptr<T>(x), ptr<T>(b), ptr<T>(y), to_int(op, N, "N"), to_int(op, K, "K"),
+    launch::gemv(ptr<T>(w), ptr<T>(x), ptr<T>(b), ptr<T>(y), to_int(op, N, "N"), to_int(op, K, "K"),
          to_int(op, S, "rows of x"), ptr<int64_t>(experts), w.dim() == 3 ? w.size(0) : 1, stream());
   });
   return y;
@@ -2446,7 +2398,7 @@ void kv_write_cuda(const Tensor& k_cache, const Tensor& v_cache, const Tensor& p
   const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
   with_type(k_cache.scalar_type(), [&](auto t) {
     using E = decltype(t);
-    kv_write(ptr<E>(k_cache), ptr<E>(v_cache), ptr<E>(k), ptr<E>(v), ks, vs, ptr<int64_t>(pos), to_int(op, B, "B"),
+    launch::kv_write(ptr<E>(k_cache), ptr<E>(v_cache), ptr<E>(k), ptr<E>(v), ks, vs, ptr<int64_t>(pos), to_int(op, B, "B"),
              to_int(op, H, "H"), to_int(op, T, "T"), to_int(op, S, "S"), to_int(op, D, "D"), stream());
   });
   torch::autograd::impl::bump_version(k_cache);  // written in place, as index_copy_ records it
@@ -2492,7 +2444,8 @@ static std::vector<int64_t> check_topk(const Tensor& x, int64_t k) {
   check_fp_cuda(op, x, "x", x, "x");
   REQUIRE(x.dim() >= 1, op, ": x must have at least one dim");
   const int64_t L = x.size(-1);
-  REQUIRE_VALUE(k >= 1 && k <= L && k <= 128, op, ": k must be in [1, min(128, x.shape[-1] = ", L, ")], got k = ", k);
+  REQUIRE_VALUE(k >= 1 && k <= L && k <= limits::topk_max_k, op, ": k must be in [1, min(", limits::topk_max_k,
+                ", x.shape[-1] = ", L, ")], got k = ", k);
   auto shape = x.sizes().vec();
   shape.back() = k;
   return shape;
@@ -2507,9 +2460,9 @@ std::tuple<Tensor, Tensor> topk_cuda(const Tensor& x_in, int64_t k) {
   Tensor values = at::empty(shape, x.options()), indices = at::empty(shape, x.options().dtype(at::kLong));
   const int64_t L = x.size(-1), rows = x.numel() / L;
   const int len = to_int("topk", L, "row length");
-  const size_t ws_bytes = topk_workspace_bytes(rows, len, (int)k);  // 0 unless wide rows are split
+  const size_t ws_bytes = launch::topk_workspace_bytes(rows, len, (int)k);  // 0 unless wide rows are split
   const Tensor ws = ws_bytes ? at::empty({(int64_t)ws_bytes}, x.options().dtype(at::kByte)) : Tensor();
-  topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, len, (int)k,
+  launch::topk(x.data_ptr<float>(), values.data_ptr<float>(), indices.data_ptr<int64_t>(), rows, len, (int)k,
        ws_bytes ? ws.data_ptr() : nullptr, stream());
   return {values.to(x_in.scalar_type()), indices};
 }
@@ -2606,13 +2559,11 @@ static std::array<Tensor, 3> packed_heads(const Tensor& buf, int64_t H, int64_t 
 
 static AttnLayout layout_of(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), (int)t.size(1)}; }
 
-// The head sizes the fused kernels support, asked of kernels.cu (the one place the list lives).
-static std::vector<int64_t> fused_head_sizes() {
-  std::vector<int64_t> sizes;
-  for (int d = 1; d <= 1024; ++d)
-    if (attention_fused_supports(d)) sizes.push_back(d);
-  return sizes;
-}
+template <int... SIZES>
+static std::vector<int64_t> as_vector(std::integer_sequence<int, SIZES...>) { return {SIZES...}; }
+
+// The head sizes the fused kernels support (limits::fused_head_sizes).
+static std::vector<int64_t> fused_head_sizes() { return as_vector(limits::fused_head_sizes{}); }
 
 // The fused forward: (out, lse_log2), lse_log2 the rows' log2-sum-exp2 that the backward reads. kv_len (a
 // 1-element int64 tensor on q's device) counts the valid keys.
@@ -2621,7 +2572,7 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
                                                 const std::optional<Tensor>& kv_len_opt) {
   raise_pending_index_error();
   const AttnShape s = check_attention(q_in, k_in, v_in, causal);
-  REQUIRE_VALUE(attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ",
+  REQUIRE_VALUE(launch::attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ",
                 at::IntArrayRef(fused_head_sizes()), ", got D = ", s.D, " (mode='tiled' takes any D)");
   const c10::cuda::CUDAGuard guard(q_in.device());
   if (std::isnan(scale)) {  // as SDPA: every score, so every output, NaN
@@ -2638,15 +2589,15 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
   AttnLayouts l{};
   l.q = layout_of(q_fwd); l.k = layout_of(k); l.v = layout_of(v); l.out = layout_of(out);
   const int BH = to_int("attention", s.B * s.H, "B * H");
-  const int64_t ws_floats = attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
+  const int64_t ws_floats = launch::attention_fwd_workspace_floats(BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D);
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
   const Tensor kv_len = kv_len_opt.has_value() && kv_len_opt->defined() ? kv_len_opt->contiguous() : Tensor();
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == at::kBFloat16)
-    attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse_log2.data_ptr<float>(), l, BH,
+    launch::attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse_log2.data_ptr<float>(), l, BH,
                         s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd, n, ws_ptr(ws), stream());
   else
-    attention_fwd_fused(q_fwd.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+    launch::attention_fwd_fused(q_fwd.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         lse_log2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd,
                         precise, n, ws_ptr(ws), stream());
   return {out, lse_log2};
@@ -2681,14 +2632,14 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
   const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
   const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
   if (q.scalar_type() == at::kBFloat16) {
-    const int64_t sum_floats = deterministic ? 0 : attention_bwd_dq_sum_floats(BH, Sq, D);
+    const int64_t sum_floats = deterministic ? 0 : launch::attention_bwd_dq_sum_floats(BH, Sq, D);
     const Tensor dq_sum = at::empty({sum_floats}, lse_log2.options());
-    attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
+    launch::attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
                         lse_log2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk),
                         ptr<bf16>(dv), l, BH, group, Sq, Sk, D, causal, (float)scale,
                         sum_floats ? dq_sum.data_ptr<float>() : nullptr, stream());
   } else
-    attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+    launch::attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         dout.data_ptr<float>(), lse_log2.data_ptr<float>(), delta.data_ptr<float>(),
                         dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D,
                         causal, (float)scale, precise, stream());
@@ -2740,7 +2691,7 @@ std::tuple<Tensor, Tensor> attention_tiled_cuda(const Tensor& q, const Tensor& k
   const Tensor k3 = k.reshape({-1, s.Sk, s.D}), v3 = v.reshape({-1, s.Sk, s.D});
   Tensor p = mm_new(q3, k3.transpose(1, 2), (float)scale);  // (BH, Sq, Sk)
   if (p.numel() > 0)
-    softmax_fwd(p.data_ptr<float>(), p.data_ptr<float>(), to_int("attention", p.numel() / s.Sk, "B * H * Sq"),
+    launch::softmax_fwd(p.data_ptr<float>(), p.data_ptr<float>(), to_int("attention", p.numel() / s.Sk, "B * H * Sq"),
                 to_int("attention", s.Sk, "Sk"), 1.f, causal ? (int)s.Sq : 0, (int)(s.Sk - s.Sq), stream());
   return {mm_new(p, v3).view({s.B, s.H, s.Sq, s.D}), p};
 }
@@ -2762,7 +2713,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_tiled_backward_cuda(const Tensor& q
   Tensor ds = mm_new(dout, v3.transpose(1, 2));  // dP, then dS in place
   Tensor dv = mm_new(p.transpose(1, 2), dout);
   if (p.numel() > 0)
-    softmax_bwd(p.data_ptr<float>(), ds.data_ptr<float>(), ds.data_ptr<float>(), (int)(p.numel() / p.size(2)),
+    launch::softmax_bwd(p.data_ptr<float>(), ds.data_ptr<float>(), ds.data_ptr<float>(), (int)(p.numel() / p.size(2)),
                 (int)p.size(2), (float)scale, stream());
   Tensor dq = mm_new(ds, k3);
   Tensor dk = mm_new(ds.transpose(1, 2), q3);
@@ -2887,6 +2838,25 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   cuda_meta(m, "attention_tiled_backward", attention_tiled_backward_cuda, attention_tiled_backward_meta);
 }
 
+// Under bf16 autocast: in bf16 where the fused kernels take the head size, else tiled in fp32, rounded.
+Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
+                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
+                          bool deterministic) {
+  BELOW_AUTOCAST;
+  const auto& op = KERNELS_OP("attention", attention_impl);
+  if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len, deterministic);
+  const bool cache = kv_len.has_value() && kv_len->defined();  // fused only: its own error if D is not supported
+  if (mode == "fused" && (cache || launch::attention_fused_supports((int)q.size(3))))
+    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len, deterministic);
+  return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len,
+                 deterministic)
+      .to(at::kBFloat16);
+}
+
+TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
+  m.impl("attention", &attention_autocast);
+}
+
 // ---- decode megakernel (inference only, no autograd) ------------------------------------------
 
 // weights of a gpt model: wte (V, C), wpe (>= capacity, C), ln_f_w, ln_f_b (C), then per layer, as a gpt Block
@@ -2896,32 +2866,42 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // mlp.fc_w (H, C), mlp.up_w (H, C), mlp.proj_w (C, H), H the SwiGLU width. With top_k > 0 (a mixture of
 // experts, of which a token takes top_k): every mlp weight and bias with a leading dim of the E experts, and
 // mlp.router_w (E, C) last in each layer. Every one contiguous, in one dtype. A layer's weights fill the
-// kernel's slots (MkLayer's order) that the model has.
-static const char* const kMkSlotNames[MK_WEIGHTS] = {"ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w",
-                                                     "attn_proj_b", "ln_2_w", "ln_2_b", "mlp.fc_w", "mlp.fc_b",
-                                                     "mlp.up_w", "mlp.proj_w", "mlp.proj_b", "mlp.router_w"};
+// kernel's slots (limits::megakernel_layer_weights) that the model has.
+static const char* const* const kMkSlotNames = limits::megakernel_layer_weights;
+constexpr int MK_WEIGHTS = limits::megakernel_layer_slots;
+
+static bool mk_is(int slot, const char* name) { return std::string(kMkSlotNames[slot]) == name; }
+
+// The slots a model fills, in order: gpt's lack up_w, llama's the biases, a dense model's the router.
 static std::vector<int> mk_slots(bool llama, bool moe) {
-  std::vector<int> slots = llama ? std::vector<int>{0, 2, 4, 6, 8, 10, 11}
-                                 : std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12};
-  if (moe) slots.push_back(13);
+  std::vector<int> slots;
+  for (int i = 0; i < MK_WEIGHTS; ++i) {
+    const std::string name = kMkSlotNames[i];
+    const bool bias = name.size() > 2 && name.compare(name.size() - 2, 2, "_b") == 0;
+    if (mk_is(i, "mlp.router_w") ? moe : mk_is(i, "mlp.up_w") ? llama : !(llama && bias)) slots.push_back(i);
+  }
   return slots;
+}
+
+// The slot of a weight's name.
+static int mk_slot_of(const char* name) {
+  for (int i = 0; i < MK_WEIGHTS; ++i)
+    if (mk_is(i, name)) return i;
+  return -1;
 }
 static int64_t mk_globals(bool llama) { return llama ? 2 : 4; }  // wte, (wpe), ln_f_w, (ln_f_b)
 
 // Slot's shape at width C, key width kv, mlp width H, E experts (0: dense).
 static std::vector<int64_t> mk_slot_shape(int slot, int64_t C, int64_t kv, int64_t H, int64_t E) {
-  std::vector<int64_t> shape;
-  switch (slot) {
-    case 2: shape = {C + 2 * kv, C}; break;
-    case 3: shape = {C + 2 * kv}; break;
-    case 4: shape = {C, C}; break;
-    case 8: case 10: shape = {H, C}; break;
-    case 9: shape = {H}; break;
-    case 11: shape = {C, H}; break;
-    case 13: return {E, C};
-    default: shape = {C};
-  }
-  if (E && slot >= 8) shape.insert(shape.begin(), E);  // an expert's mlp weights each
+  std::vector<int64_t> shape = {C};
+  if (mk_is(slot, "attn_w")) shape = {C + 2 * kv, C};
+  else if (mk_is(slot, "attn_b")) shape = {C + 2 * kv};
+  else if (mk_is(slot, "attn_proj_w")) shape = {C, C};
+  else if (mk_is(slot, "mlp.fc_w") || mk_is(slot, "mlp.up_w")) shape = {H, C};
+  else if (mk_is(slot, "mlp.fc_b")) shape = {H};
+  else if (mk_is(slot, "mlp.proj_w")) shape = {C, H};
+  else if (mk_is(slot, "mlp.router_w")) return {E, C};
+  if (E && std::string(kMkSlotNames[slot]).rfind("mlp.", 0) == 0) shape.insert(shape.begin(), E);  // each expert's
   return shape;
 }
 
@@ -2933,13 +2913,13 @@ static size_t mk_first(bool llama, bool moe, int slot) {
 
 // The mlp's width: gpt's 4C, llama's fc_w rows (of an expert, in a mixture).
 static int64_t mk_hidden(const std::vector<Tensor>& weights, bool llama, int64_t C) {
-  const size_t at = mk_first(llama, false, 8);
+  const size_t at = mk_first(llama, false, mk_slot_of("mlp.fc_w"));
   return llama && weights.size() > at && weights[at].dim() >= 2 ? weights[at].size(-2) : 4 * C;
 }
 
 // A mixture's experts: layer 0's router_w rows (0 for a dense model).
 static int64_t mk_experts(const std::vector<Tensor>& weights, bool llama, int64_t top_k) {
-  const size_t at = mk_first(llama, true, 13);
+  const size_t at = mk_first(llama, true, mk_slot_of("mlp.router_w"));
   return top_k > 0 && weights.size() > at && weights[at].dim() == 2 ? weights[at].size(0) : 0;
 }
 
@@ -2960,8 +2940,8 @@ static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, cons
   const bool llama = rope_cos.has_value() && rope_cos->defined();
   REQUIRE(llama == (rope_sin.has_value() && rope_sin->defined()), op,
           ": rope_cos and rope_sin come together (a llama model) or not at all (gpt)");
-  REQUIRE(top_k >= 0 && top_k <= 2, op, ": top_k must be 0 (a dense model) or the 1 or 2 experts a token takes, got ",
-          top_k);
+  REQUIRE(top_k >= 0 && top_k <= limits::megakernel_max_top_k, op, ": top_k must be 0 (a dense model) or the 1 to ",
+          limits::megakernel_max_top_k, " experts a token takes, got ", top_k);
   const std::vector<int> slots = mk_slots(llama, top_k > 0);
   const int64_t G = mk_globals(llama), per = (int64_t)slots.size();
   std::string names;
@@ -2985,7 +2965,7 @@ static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, cons
   check_fp_cuda(op, v_cache, "v_cache", wte, "wte");
   REQUIRE(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(), ", got ",
           v_cache.sizes());
-  REQUIRE(L <= decode_megakernel_max_layers(), op, ": at most ", decode_megakernel_max_layers(), " layers, got ", L);
+  REQUIRE(L <= limits::megakernel_max_layers, op, ": at most ", limits::megakernel_max_layers, " layers, got ", L);
   auto check_weight = [&](const Tensor& w, const std::string& name, std::vector<int64_t> shape) {
     check_fp_cuda(op, w, name.c_str(), wte, "wte");
     check_same_device(op, wte, "wte", w, name.c_str());
@@ -3005,8 +2985,8 @@ static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, cons
   REQUIRE(H >= C && H <= 4 * C && (H * elem) % 16 == 0, op, ": mlp.fc_w's rows (the SwiGLU width) must be in [", C,
           ", ", 4 * C, "] and a multiple of 16 bytes, got ", H);
   const int64_t E = mk_experts(weights, llama, top_k);
-  REQUIRE(!top_k || (E >= top_k && E <= 64), op, ": mlp.router_w must have between top_k (", top_k,
-          ") and 64 rows (experts), got shape ", weights[G + per - 1].sizes());
+  REQUIRE(!top_k || (E >= top_k && E <= limits::megakernel_max_experts), op, ": mlp.router_w must have between top_k (",
+          top_k, ") and ", limits::megakernel_max_experts, " rows (experts), got shape ", weights[G + per - 1].sizes());
   for (int64_t l = 0; l < L; ++l)
     for (int64_t i = 0; i < per; ++i)
       check_weight(weights[G + l * per + i], "layer " + std::to_string(l) + "'s " + kMkSlotNames[slots[i]],
@@ -3050,9 +3030,10 @@ static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, cons
 // (floats, on the current GPU).
 static int64_t decode_megakernel_workspace(int64_t n_embd, int64_t n_head, int64_t top_k) {
   REQUIRE_VALUE(n_head >= 1 && n_embd % n_head == 0, "decode_megakernel_workspace_floats: n_head must divide n_embd");
-  REQUIRE_VALUE(top_k >= 0 && top_k <= 2, "decode_megakernel_workspace_floats: top_k must be 0 (dense), 1 or 2, got ",
-                top_k);
-  return decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head),
+  REQUIRE_VALUE(top_k >= 0 && top_k <= limits::megakernel_max_top_k,
+                "decode_megakernel_workspace_floats: top_k must be 0 (dense) or 1 to ", limits::megakernel_max_top_k,
+                ", got ", top_k);
+  return launch::decode_megakernel_workspace_floats((int)n_embd, (int)n_head, (int)(n_embd / n_head),
                                             (int)std::max<int64_t>(1, top_k));
 }
 
@@ -3067,19 +3048,19 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
   const char* op = "decode_megakernel";
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const int64_t C = weights[0].size(1), L = layout.L, hs = C / n_head, n_kv = k_cache.size(2);
-  const char* why = decode_megakernel_unsupported((int)C, (int)n_head, (int)n_kv, (int)hs,
-                                                  (int)weights[0].element_size());
-  REQUIRE_VALUE(why == nullptr, op, ": this model cannot run here: ", why ? why : "");
+  const std::string why = launch::decode_megakernel_unsupported((int)C, (int)L, (int)n_head, (int)n_kv, (int)layout.H,
+                                                                (int)layout.E, (int)top_k, (int)weights[0].element_size());
+  REQUIRE_VALUE(why.empty(), op, ": this model cannot run here: ", why);
   const int64_t need = decode_megakernel_workspace(C, n_head, top_k);
   REQUIRE(workspace.numel() >= need, op, ": workspace must hold ", need,
-          " floats (decode_megakernel_workspace_floats), got ", workspace.numel());
+          " floats (launch::decode_megakernel_workspace_floats), got ", workspace.numel());
   for (size_t i = 0; i < weights.size(); ++i)  // the kernel copies weight rows with 16-byte bulk copies
     REQUIRE(reinterpret_cast<uintptr_t>(weights[i].data_ptr()) % 16 == 0, op, ": weights[", (int64_t)i,
             "] must start at a 16-byte aligned address (a view at an offset is not)");
   REQUIRE(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0, op,
           ": workspace must start at a 16-byte aligned address (a view at an offset is not)");
   const bool tracing = trace.has_value() && trace->defined();
-  const int64_t blocks = decode_megakernel_grid(), stamps = decode_megakernel_trace_stamps((int)L);
+  const int64_t blocks = launch::decode_megakernel_grid(), stamps = launch::decode_megakernel_trace_stamps((int)L);
   REQUIRE(!tracing || (trace->size(0) == blocks && trace->size(1) == stamps), op, ": trace must have shape (",
           blocks, ", ", stamps, "): the GPU's SMs, 2 + 10 n_layer stamps; got ", trace->sizes());
   const bool llama = layout.llama;
@@ -3089,7 +3070,7 @@ void decode_megakernel_cuda(const std::vector<Tensor>& weights, const Tensor& to
     std::vector<const E*> layers(L * MK_WEIGHTS, nullptr);  // the slots the architecture lacks stay empty
     for (int64_t l = 0; l < L; ++l)
       for (int64_t i = 0; i < per; ++i) layers[l * MK_WEIGHTS + layout.slots[i]] = ptr<E>(weights[G + l * per + i]);
-    decode_megakernel(layers.data(), MK_WEIGHTS, ptr<E>(weights[0]), llama ? nullptr : ptr<E>(weights[1]),
+    launch::decode_megakernel(layers.data(), MK_WEIGHTS, ptr<E>(weights[0]), llama ? nullptr : ptr<E>(weights[1]),
                       ptr<E>(weights[G / 2]), llama ? nullptr : ptr<E>(weights[3]),
                       llama ? ptr<float>(*rope_cos) : nullptr, llama ? ptr<float>(*rope_sin) : nullptr,
                       ptr<E>(k_cache), ptr<E>(v_cache), ptr<int64_t>(tok), ptr<int64_t>(pos), ptr<E>(logits),
@@ -3122,13 +3103,13 @@ void decode_megakernel_autograd(const std::vector<Tensor>& weights, const Tensor
 
 // None if the current GPU's megakernel decodes a model of this shape and dtype, else why not.
 static std::optional<std::string> decode_megakernel_why_not(int64_t n_embd, int64_t n_head, int64_t n_kv_head,
-                                                            int64_t n_layer, int64_t element_size) {
-  if (n_layer > decode_megakernel_max_layers())
-    return "more than " + std::to_string(decode_megakernel_max_layers()) + " layers";
-  if (n_head < 1 || n_kv_head < 1 || n_embd % n_head != 0) return std::string("n_head not dividing n_embd");
-  const char* why = decode_megakernel_unsupported((int)n_embd, (int)n_head, (int)n_kv_head, (int)(n_embd / n_head),
-                                                  (int)element_size);
-  return why ? std::optional<std::string>(why) : std::nullopt;
+                                                            int64_t n_layer, int64_t element_size, int64_t hidden,
+                                                            int64_t n_expert, int64_t top_k) {
+  if (hidden == 0) hidden = 4 * n_embd;
+  const std::string why = launch::decode_megakernel_unsupported((int)n_embd, (int)n_layer, (int)n_head, (int)n_kv_head,
+                                                                (int)hidden, (int)n_expert, (int)top_k,
+                                                                (int)element_size);
+  return why.empty() ? std::nullopt : std::optional<std::string>(why);
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
@@ -3142,92 +3123,6 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
             "Tensor(f!)? trace=None, Tensor? rope_cos=None, Tensor? rope_sin=None, int top_k=0) -> ()");
   cuda_meta(m, "decode_megakernel", decode_megakernel_cuda, decode_megakernel_meta, CPU_ERRORS);
   autograd(m, "decode_megakernel", decode_megakernel_autograd);
-}
-
-// ---- autocast ---------------------------------------------------------------------------------
-// torch.autocast("cuda", dtype=torch.bfloat16) around our ops makes the choices autocast makes for
-// PyTorch's: products (linear, matmul, attention) in bf16, linear's fp32 master weight and bias rounded by
-// linear itself, which writes their gradients in fp32; the norms computing in fp32 and writing bf16 (the
-// next product's input); softmax writing fp32; the rest as they come (activations and RoPE keep bf16, the
-// cross-entropy's loss is fp32, the embedding and the residual stream stay fp32). Attention at a head size
-// the fused kernels lack runs tiled in fp32 and rounds its output. Under float16 autocast the ops run as
-// called: the kernels have no float16 path.
-
-static bool bf16_autocast() { return at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16; }
-
-static Tensor to_bf16(const Tensor& t) {
-  return bf16_autocast() ? at::autocast::cached_cast(at::kBFloat16, t, c10::DeviceType::CUDA) : t;
-}
-
-// A norm's output dtype under autocast: bf16 unless the call names one.
-static std::optional<at::ScalarType> norm_out(std::optional<at::ScalarType> out_dtype) {
-  return out_dtype || !bf16_autocast() ? out_dtype : std::optional<at::ScalarType>(at::kBFloat16);
-}
-
-#define BELOW_AUTOCAST c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA)
-
-Tensor linear_autocast(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
-  BELOW_AUTOCAST;
-  return KERNELS_OP("linear", linear_cuda).call(to_bf16(x), w, b);
-}
-
-Tensor matmul_autocast(const Tensor& a, const Tensor& b) {
-  BELOW_AUTOCAST;
-  return KERNELS_OP("matmul", matmul_cuda).call(to_bf16(a), to_bf16(b));
-}
-
-Tensor layernorm_autocast(const Tensor& x, const Tensor& w, const Tensor& b, double eps,
-                          std::optional<at::ScalarType> out_dtype) {
-  BELOW_AUTOCAST;
-  return KERNELS_OP("layernorm", layernorm_impl).call(x, w, b, eps, norm_out(out_dtype));
-}
-
-Tensor rmsnorm_autocast(const Tensor& x, const Tensor& w, double eps, std::optional<at::ScalarType> out_dtype) {
-  BELOW_AUTOCAST;
-  return KERNELS_OP("rmsnorm", rmsnorm_impl).call(x, w, eps, norm_out(out_dtype));
-}
-
-std::tuple<Tensor, Tensor> add_layernorm_autocast(const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& b,
-                                                  double eps, std::optional<at::ScalarType> out_dtype) {
-  BELOW_AUTOCAST;
-  return KERNELS_OP("add_layernorm", add_layernorm_impl).call(x, y, w, b, eps, norm_out(out_dtype));
-}
-
-std::tuple<Tensor, Tensor> add_rmsnorm_autocast(const Tensor& x, const Tensor& y, const Tensor& w, double eps,
-                                                std::optional<at::ScalarType> out_dtype) {
-  BELOW_AUTOCAST;
-  return KERNELS_OP("add_rmsnorm", add_rmsnorm_impl).call(x, y, w, eps, norm_out(out_dtype));
-}
-
-Tensor softmax_autocast(const Tensor& x, std::optional<at::ScalarType> out_dtype) {
-  BELOW_AUTOCAST;
-  const bool fp32_out = !out_dtype && bf16_autocast();
-  return KERNELS_OP("softmax", softmax_cuda).call(x, fp32_out ? std::optional<at::ScalarType>(at::kFloat) : out_dtype);
-}
-
-Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
-                          c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
-                          bool deterministic) {
-  BELOW_AUTOCAST;
-  const auto& op = KERNELS_OP("attention", attention_impl);
-  if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len, deterministic);
-  const bool cache = kv_len.has_value() && kv_len->defined();  // fused only: its own error if D is not supported
-  if (mode == "fused" && (cache || attention_fused_supports((int)q.size(3))))
-    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len, deterministic);
-  return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len,
-                 deterministic)
-      .to(at::kBFloat16);
-}
-
-TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
-  m.impl("linear", &linear_autocast);
-  m.impl("matmul", &matmul_autocast);
-  m.impl("layernorm", &layernorm_autocast);
-  m.impl("rmsnorm", &rmsnorm_autocast);
-  m.impl("add_layernorm", &add_layernorm_autocast);
-  m.impl("add_rmsnorm", &add_rmsnorm_autocast);
-  m.impl("softmax", &softmax_autocast);
-  m.impl("attention", &attention_autocast);
 }
 
 // ---- module -----------------------------------------------------------------------------------
@@ -3244,14 +3139,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "surfaces at the next call anyway; this is for when that must be now (a log point, the end of a run, "
         "after replaying a CUDA graph). While the stream is captured it does not wait",
         py::call_guard<py::gil_scoped_release>());
-  m.def("set_pdl", &set_pdl,
+  m.def("set_pdl", &launch::set_pdl,
         "on (the default): the GEMV, norm forward, softmax, cross-entropy, elementwise (GELU, SiLU, SwiGLU), "
         "embedding forward, kv_write and attention-forward kernels are launched with programmatic dependent launch "
         "(a compute capability 9.0 GPU running the sm_90a build): each may start while the kernel before it runs "
         "and waits inside for it. off: ordinary launches, to measure the difference. Process-wide, for launches "
         "from then on (a captured CUDA graph keeps how it was captured)",
         py::arg("on"));
-  m.def("set_attention_wgmma", &set_attention_wgmma,
+  m.def("set_attention_wgmma", &launch::set_attention_wgmma,
         "on (the default): bf16 fused attention at head size 64 multiplies with wgmma (a compute capability 9.0 "
         "GPU running the sm_90a build); off: with mma.sync, as on other GPUs and head sizes, to compare the two. "
         "Process-wide, for launches from then on",
@@ -3262,7 +3157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the same tensor to every step",
         py::arg("n_embd"), py::arg("n_head"), py::arg("top_k") = 0);
   m.def("decode_megakernel_trace_shape", [](int64_t n_layer) {
-          return py::make_tuple(decode_megakernel_grid(), decode_megakernel_trace_stamps((int)n_layer));
+          return py::make_tuple(launch::decode_megakernel_grid(), launch::decode_megakernel_trace_stamps((int)n_layer));
         },
         "the shape of decode_megakernel's trace on the current GPU, (blocks, stamps): one block an SM; a block's "
         "clock at its start, after each of the 5 steps of a layer (its work done, the next step's inputs arrived), "
@@ -3270,8 +3165,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n_layer"));
   m.def("decode_megakernel_why_not", &decode_megakernel_why_not,
         "None if decode_megakernel runs a gpt or llama model of this shape on the current GPU, with weights of "
-        "element_size bytes (4: float32, 2: bfloat16), else the reason",
-        py::arg("n_embd"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("n_layer"), py::arg("element_size"));
-  m.attr("FUSED_HEAD_SIZES") = py::tuple(py::cast(fused_head_sizes()));
-  m.attr("MAX_STREAMS") = MAX_STREAMS;
+        "element_size bytes (4: float32, 2: bfloat16), an mlp `hidden` wide (0: gpt's 4 n_embd), n_expert experts "
+        "(0: dense) of which a token takes top_k, else the reason",
+        py::arg("n_embd"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("n_layer"), py::arg("element_size"),
+        py::arg("hidden") = 0, py::arg("n_expert") = 0, py::arg("top_k") = 0);
+  // kernels.cu's limits (part 0, namespace limits), for the scripts' checks and messages
+  py::dict limits_dict;
+  limits_dict["max_streams"] = limits::max_streams;
+  limits_dict["topk_max_k"] = limits::topk_max_k;
+  limits_dict["fused_head_sizes"] = py::tuple(py::cast(fused_head_sizes()));
+  limits_dict["hopper_head_sizes"] = py::tuple(py::cast(as_vector(limits::hopper_head_sizes{})));
+  limits_dict["megakernel_max_layers"] = limits::megakernel_max_layers;
+  limits_dict["megakernel_max_head_size"] = limits::megakernel_max_head_size;
+  limits_dict["megakernel_max_experts"] = limits::megakernel_max_experts;
+  limits_dict["megakernel_max_top_k"] = limits::megakernel_max_top_k;
+  limits_dict["megakernel_layer_weights"] =
+      py::tuple(py::cast(std::vector<std::string>(kMkSlotNames, kMkSlotNames + MK_WEIGHTS)));
+  m.attr("LIMITS") = limits_dict;
 }

@@ -45,7 +45,7 @@ from data import CharTokenizer
 # options: key=(default, what it means); override with --key=value
 OPTIONS = dict(
     n_layer=(12, "transformer blocks (random weights; --ckpt brings its own shape)"),
-    n_head=(8, "attention heads; the cuda path needs n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
+    n_head=(8, "attention heads; the cuda path needs n_embd // n_head in kernels.LIMITS['fused_head_sizes']"),
     n_embd=(768, "model width"),
     arch=train.OPTIONS["arch"],
     n_kv_head=train.OPTIONS["n_kv_head"],  # the KV cache holds only these heads
@@ -60,7 +60,8 @@ OPTIONS = dict(
     prompt=("Dorothy lived in the midst of the great Kansas prairies", "the text to continue"),
     max_new_tokens=(200, "tokens generated per run"),
     temperature=(0.0, "0: greedy argmax; > 0: sample from softmax(logits / temperature)"),
-    sample_top_k=(0, "with temperature > 0: sample among the k most likely tokens (0: all, at most 128)"),
+    sample_top_k=(0, "with temperature > 0: sample among the k most likely tokens (0: all; the cuda op set's "
+                     "top-k takes at most kernels.LIMITS['topk_max_k'])"),
     device=("cuda" if torch.cuda.is_available() else "cpu", "cuda, cuda:N or cpu; cpu runs the PyTorch path only"),
     backend=("both", "which op sets decode: both, torch or cuda"),
     cuda_graph=(True, "on a GPU, also run each path with its decode step captured in a CUDA graph"),
@@ -99,8 +100,8 @@ def parse_config(argv):
         fail(f"--top_k ({cfg.top_k}) must be <= --n_expert ({cfg.n_expert})")
     if cfg.temperature < 0:
         fail(f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}")
-    if not 0 <= cfg.sample_top_k <= 128:
-        fail(f"--sample_top_k must be in [0, 128] (0: all tokens), got {cfg.sample_top_k}")
+    if cfg.sample_top_k < 0:
+        fail(f"--sample_top_k must be >= 0 (0: all tokens), got {cfg.sample_top_k}")
     data.check_backend_and_device(cfg, fail)
     cfg.dtypes = [d.strip() for d in cfg.dtype.split(",") if d.strip()]
     if not cfg.dtypes or any(d not in train.DTYPES for d in cfg.dtypes) or len(set(cfg.dtypes)) < len(cfg.dtypes):
@@ -279,29 +280,27 @@ def weight_bytes_per_token(model):
 def megakernel_why_not(model):
     """None where kernels.decode_megakernel decodes this model on the current GPU, else why not."""
     block = model.blocks[0]
-    if isinstance(block.mlp, MoE) and (block.mlp.top_k > 2 or block.mlp.router_w.shape[0] > 64):
-        return "it decodes mixtures of at most 64 experts, of which a token takes at most 2"
-    C, hidden = model.wte.shape[1], block.mlp.fc_w.shape[-2]
-    if not C <= hidden <= 4 * C:
-        return f"its mlp width {hidden} is outside [n_embd, 4 n_embd] = [{C}, {4 * C}]"
     if model.streams.variant != "baseline":
         return "it decodes the baseline residual stream, not hyper-connections"
-    import kernels
-    with torch.cuda.device(model.wte.device):
+    kernels, why = data.import_kernels()
+    if kernels is None:
+        return f"`import kernels` failed ({why})"
+    moe = isinstance(block.mlp, MoE)
+    with torch.cuda.device(model.wte.device):  # the shape limits are kernels.cu's (some depend on the GPU's SMs)
         return kernels.decode_megakernel_why_not(model.wte.shape[1], block.n_head, block.n_kv_head,
-                                                 len(model.blocks), model.wte.element_size())
+                                                 len(model.blocks), model.wte.element_size(),
+                                                 hidden=block.mlp.fc_w.shape[-2],
+                                                 n_expert=block.mlp.router_w.shape[0] if moe else 0,
+                                                 top_k=block.mlp.top_k if moe else 0)
 
 
 class Megakernel:
     """One decode step of a gpt or llama model, dense or a mixture of experts, as one launch of
     kernels.decode_megakernel: the logits of the token at the cache's position, its key and value written into
-    the cache, the position advanced. The weights are handed over in the op's order (llama's with its RoPE
-    tables, a mixture's with each layer's router last); the workspace (a launch count, the activations passed
-    between blocks with their steps' tags) is zeroed once and kept for every step of this model, cache and GPU."""
-
-    LAYER = dict(gpt=("ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w", "ln_2_b",
-                      "mlp.fc_w", "mlp.fc_b", "mlp.proj_w", "mlp.proj_b"),
-                 llama=("ln_1_w", "attn_w", "attn_proj_w", "ln_2_w", "mlp.fc_w", "mlp.up_w", "mlp.proj_w"))
+    the cache, the position advanced. The weights are handed over in the op's order: a layer's in the order of
+    kernels.LIMITS['megakernel_layer_weights'], those the model has (llama's with its RoPE tables); the
+    workspace (a launch count, the activations passed between blocks with their steps' tags) is zeroed once and
+    kept for every step of this model, cache and GPU."""
 
     def __init__(self, model, cache):
         why = megakernel_why_not(model)
@@ -312,7 +311,7 @@ class Megakernel:
         params = [dict(b.named_parameters()) for b in model.blocks]
         llama = model.wpe is None
         self.top_k = block.mlp.top_k if isinstance(block.mlp, MoE) else 0
-        names = self.LAYER["llama" if llama else "gpt"] + (("mlp.router_w",) if self.top_k else ())
+        names = [n for n in kernels.LIMITS["megakernel_layer_weights"] if n in params[0]]
         top = [model.wte, model.ln_f_w] if llama else [model.wte, model.wpe, model.ln_f_w, model.ln_f_b]
         self.weights = top + [p[n] for p in params for n in names]
         self.rope = (model.rope_cos, model.rope_sin) if llama else (None, None)
@@ -471,6 +470,19 @@ def first_difference(a, b):
 
 # -----------------------------------------------------------------------------
 
+def check_sample_top_k(cfg, specs, paths):
+    """Sampling on the cuda op set picks among the k most likely tokens with our top-k, which takes at most
+    kernels.LIMITS['topk_max_k']: a k (or a whole vocabulary) past that is refused before any decoding."""
+    if cfg.temperature == 0 or not any(name == "cuda" for p in paths.values() for name, _, _ in p):
+        return
+    limit = data.import_kernels()[0].LIMITS["topk_max_k"]
+    for spec in specs:
+        if (cfg.sample_top_k or spec.tok.vocab_size) > limit:
+            what = f"--sample_top_k={cfg.sample_top_k}" if cfg.sample_top_k else \
+                f"sampling over all {spec.tok.vocab_size} tokens of the {spec.label} model"
+            fail(f"{what}: the cuda op set's top-k takes at most {limit}; pass --sample_top_k={limit} or less")
+
+
 def choose_paths(cfg, specs):
     """For each model spec, [(op set name, ops, mode)], mode eager, graph or megakernel (the cuda op set's);
     and notes to print."""
@@ -497,9 +509,9 @@ def choose_paths(cfg, specs):
             ops = train.TORCH_OPS
             if name == "cuda":
                 head = spec.shape.n_embd // spec.shape.n_head
-                if head not in kernels.FUSED_HEAD_SIZES:
+                if head not in kernels.LIMITS["fused_head_sizes"]:
                     fail(f"{spec.label} model: head size {head} (n_embd / n_head): the cuda path decodes with the fused "
-                         f"attention, which supports head sizes {kernels.FUSED_HEAD_SIZES}")
+                         f"attention, which supports head sizes {kernels.LIMITS['fused_head_sizes']}")
                 ops = train.cuda_op_set(kernels, head)
             paths[spec.label] += [(name, ops, m) for m in modes]
             if name == "cuda" and cfg.megakernel and "graph" in modes:
@@ -597,7 +609,7 @@ def _functional_routes(kernels, device_type):
         if not (ours(query, key, value) and query.dim() == key.dim() == 4 and attn_mask is None and dropout_p == 0.0):
             return NotImplemented
         (B, H, Sq, D), (Bk, Hkv, Sk, Dk) = query.shape, key.shape
-        fused = D in kernels.FUSED_HEAD_SIZES
+        fused = D in kernels.LIMITS["fused_head_sizes"]
         if (value.shape == key.shape and (Bk, Dk) == (B, D) and query.numel() > 0 and key.numel() > 0
                 and (H == Hkv or (enable_gqa and H % Hkv == 0)) and (not is_causal or Sq == Sk)
                 and (autocast() or (one_dtype(query, key, value) and (fused or query.dtype == torch.float32)))):
@@ -686,10 +698,8 @@ def main(argv):
         if len(spec.prompt) >= spec.shape.block_size:
             fail(f"--prompt has {len(spec.prompt)} characters, the {spec.label} model's context holds "
                  f"{spec.shape.block_size}: shorten it")
-        if cfg.temperature > 0 and (cfg.sample_top_k or spec.tok.vocab_size) > 128:
-            fail(f"sampling over all {spec.tok.vocab_size} tokens of the {spec.label} model: top-k takes at most 128; "
-                 f"pass --sample_top_k=128 or less")
     paths, path_notes = choose_paths(cfg, specs)
+    check_sample_top_k(cfg, specs, paths)
     for note in notes + path_notes:
         print(note)
     hw = data.device_name(dev)

@@ -1,62 +1,271 @@
-// kernels.cu: every CUDA kernel of the repo and its host launcher. Tensors are fp32 or bf16 (bf16
-// values, fp32 arithmetic: widened on load, rounded once on store). fp32 matmul and fused attention
-// multiply on the tensor cores in 3xTF32, which keeps fp32-level accuracy (matmul through wgmma on
-// Hopper, mma.sync elsewhere and for small products); bf16 ones in bf16 with fp32 accumulation
-// (matmul through wgmma, Hopper only; attention on mma.sync).
+// kernels.cu: every CUDA kernel of the repo and its host launcher, in layers read top to bottom: the
+// launchers' declarations (part 0), the primitives every kernel is built from (1), then the ops from
+// the simplest to the hardest (2-9). Tensors are fp32 or bf16 (bf16 values, fp32 arithmetic: widened
+// on load, rounded once on store). fp32 products run on the tensor cores in 3xTF32, which keeps
+// fp32-level accuracy; bf16 ones in bf16 with fp32 accumulation.
 //
-// Sections, top to bottom, with the launchers each defines (what bindings.cpp calls):
-//   helpers                         set_pdl
-//   bad indices (error mailbox)     take_index_error
-//   embedding                       embedding_fwd, embedding_bwd, embedding_bwd_workspace_bytes
-//   layernorm and RMSNorm           layernorm_fwd, rmsnorm_fwd
-//   column sums (their backward)    layernorm_bwd, rmsnorm_bwd, norm_bwd_workspace_floats, bias_grad,
-//                                   colsum_chunks
-//   softmax                         softmax_fwd, softmax_bwd
-//   cross-entropy                   cross_entropy_fwd, cross_entropy_bwd
-//   activations                     gelu_fwd/bwd, silu_fwd/bwd, swiglu_fwd/bwd
-//   RoPE                            rope
-//   tensor-core helpers, matmul (mma.sync), Hopper's pack + wgmma, bf16 matmul on Hopper
-//                                   matmul, matmul_workspace_floats, matmul_bf16, matmul_bf16_operand_ok,
-//                                   matmul_bf16_workspace_floats
-//   GEMV                            gemv
-//   KV cache write                  kv_write
-//   top-k                           topk, topk_workspace_bytes
-//   Sinkhorn                        sinkhorn_fwd, sinkhorn_bwd, sinkhorn_workspace_floats
-//   mhc-dynamic's coefficients      hc_coeffs_fwd, hc_coeffs_bwd, hc_coeffs_workspace_floats,
-//                                   hc_pre_coeffs_fwd, hc_pre_coeffs_bwd (with the merge by H_pre)
-//   mhc-dynamic's projection        hc_project_fwd, hc_mix_project_fwd, hc_project_bwd,
-//                                   hc_project_fwd_workspace_floats, hc_mix_project_fwd_workspace_floats,
-//                                   hc_project_bwd_workspace_floats
-//   stream mixing (hyper-conn.)     stream_merge_fwd/bwd, stream_mix_fwd/bwd, stream_coef_rows
-//   attention (fused)               attention_fwd_fused, attention_bwd_fused, attention_fused_supports,
-//                                   attention_fwd_workspace_floats, set_attention_wgmma
-//   decode megakernel               decode_megakernel, decode_megakernel_workspace_floats,
-//                                   decode_megakernel_unsupported, decode_megakernel_max_layers,
-//                                   decode_megakernel_grid, decode_megakernel_trace_stamps
+// Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and throw
+// std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu` compiles
+// this file on its own. bindings.cpp is the PyTorch face (checks, allocation, autograd).
 //
-// Launchers take raw device pointers, sizes and a cudaStream_t, own the grid arithmetic and
-// throw std::runtime_error if a launch fails. No PyTorch header is included: `nvcc -c kernels.cu`
-// compiles this file on its own. bindings.cpp is the PyTorch face (checks, allocation, autograd).
+// Contents: section, the line it starts on (`python test_ops.py --toc` renumbers; a test checks it).
+//   0    The launchers: limits, shared structs, declarations ................................... 58
+//   1    Primitives ........................................................................... 260
+//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 268
+//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 440
+//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 546
+//   1.4  index errors: the mailbox ............................................................ 632
+//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 740
+//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 770
+//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 868
+//   2    Elementwise ......................................................................... 1138
+//   2.1  activations: GELU, SiLU, SwiGLU ..................................................... 1143
+//   2.2  SwiGLU .............................................................................. 1298
+//   2.3  RoPE ................................................................................ 1334
+//   3    Rows ................................................................................ 1404
+//   3.1  softmax ............................................................................. 1409
+//   3.2  layernorm and RMSNorm ............................................................... 1545
+//   3.3  column sums: the norms' weight and bias gradients ................................... 1854
+//   4    Embedding and cross-entropy ......................................................... 2090
+//   4.1  embedding ........................................................................... 2095
+//   4.2  cross-entropy ....................................................................... 2315
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2424
+//   5.1  GEMV ................................................................................ 2429
+//   5.2  KV cache write ...................................................................... 2547
+//   5.3  top-k ............................................................................... 2616
+//   6    Matmul .............................................................................. 2909
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2914
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3136
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3304
+//   7    Attention ........................................................................... 3973
+//   7.1  attention: shapes, operand policies, tiles .......................................... 3979
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4480
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4694
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4890
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 4981
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5249
+//   7.7  attention launchers ................................................................. 5733
+//   8    Hyper-connections (mhc.py) .......................................................... 5970
+//   8.1  stream loads and per-lane sums ...................................................... 5976
+//   8.2  Sinkhorn-Knopp ...................................................................... 6075
+//   8.3  mhc-dynamic's coefficients .......................................................... 6336
+//   8.4  mhc-dynamic's projection ............................................................ 6670
+//   8.5  stream mixing ....................................................................... 7161
+//   9    The decode megakernel ............................................................... 7565
+//   9.1  decode megakernel ................................................................... 7570
 
-#include <cuda.h>          // CUtensorMap and its encoder's types (the function itself comes from the driver)
+// ================================================================================================
+// 0. The launchers: limits, shared structs, declarations
+// What bindings.cpp calls, and all it sees of this file: it includes kernels.cu with
+// KERNELS_LAUNCHERS_ONLY defined, which stops at the end of this part.
+// ================================================================================================
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+// What the launchers accept, stated once: the kernels size their arrays and templates by these,
+// bindings.cpp checks inputs against them and exports them to Python as kernels.LIMITS.
+namespace limits {
+constexpr int max_streams = 8;                // hyper-connection streams n (Sinkhorn, mHC coefficients, mixing)
+constexpr int topk_max_k = 128;               // k of top-k
+using fused_head_sizes = std::integer_sequence<int, 32, 64, 96, 128>;  // head sizes of fused attention
+using hopper_head_sizes = std::integer_sequence<int, 64, 128>;         // of those, the wgmma (Hopper) kernels'
+constexpr int megakernel_max_layers = 64;     // layers decode_megakernel's argument holds
+constexpr int megakernel_max_head_size = 128;  // at most 4 values a lane
+constexpr int megakernel_max_experts = 64;    // experts of a mixture
+constexpr int megakernel_max_top_k = 2;       // experts a token takes
+// A layer's weight slots in decode_megakernel, in order (named as a Block's parameters); a model fills
+// those it has (gpt: no up_w, llama: no biases, a dense model: no router_w).
+constexpr const char* megakernel_layer_weights[] = {
+    "ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w",
+    "ln_2_b", "mlp.fc_w", "mlp.fc_b", "mlp.up_w", "mlp.proj_w", "mlp.proj_b", "mlp.router_w"};
+constexpr int megakernel_layer_slots = sizeof(megakernel_layer_weights) / sizeof(megakernel_layer_weights[0]);
+}  // namespace limits
+
+// Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
+// (D contiguous). q, k and v are often views of one (B, S, 3C) projection, and out is written as
+// (B, S, H, D) memory, so that the heads side by side again (the next projection's input) need no copy.
+struct AttnLayout {
+  int64_t sb, sh, ss;
+  int heads;
+};
+struct AttnLayouts {
+  AttnLayout q, k, v, out, dout, dq, dk, dv;
+};
+
+// The launchers, section by section. Templates on the element type are built for float and
+// __nv_bfloat16 (the row ops for the pairs TI -> TO of FOR_ROW_TYPES). Each is defined below as
+// launch::name, which the compiler accepts only where it matches a declaration here.
+namespace launch {
+// 1. primitives
+void set_pdl(bool on);  // programmatic dependent launch on (default) or off, for launches from now on
+bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit);  // and clear it
+// 2. elementwise
+template <class T> void gelu_fwd(const T* x, T* y, int64_t n, bool tanh_approx, cudaStream_t s);
+template <class T> void gelu_bwd(const T* x, const T* dy, T* dx, int64_t n, bool tanh_approx, cudaStream_t s);
+template <class T> void silu_fwd(const T* x, T* y, int64_t n, cudaStream_t s);
+template <class T> void silu_bwd(const T* x, const T* dy, T* dx, int64_t n, cudaStream_t s);
+template <class T> void swiglu_fwd(const T* a, const T* b, T* y, int64_t n, cudaStream_t s);
+template <class T> void swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T* db, int64_t n, cudaStream_t s);
+template <class T>
+void rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
+          int64_t sh, int64_t st, bool backward, cudaStream_t s);
+// 3. rows
+template <class TI, class TO>
+void softmax_fwd(const TI* x, TO* y, int R, int C, float scale, int sq, int offset, cudaStream_t s);
+template <class TI, class TO>
+void softmax_bwd(const TO* y, const TO* dy, TI* dx, int R, int C, float scale, cudaStream_t s);
+template <class TI, class TO>
+void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum, float* mean, float* rstd,
+                   int R, int C, float eps, cudaStream_t s);
+template <class TI, class TO>
+void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum, float* rstd, int R, int C, float eps,
+                 cudaStream_t s);
+template <class TI, class TO>
+void layernorm_bwd(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum, TI* dx,
+                   TO* daddend, TI* dw, TI* db, float* ws, int R, int C, cudaStream_t s);
+template <class TI, class TO>
+void rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
+                 TI* dw, float* ws, int R, int C, cudaStream_t s);
+template <class TI, class TO> int64_t norm_bwd_workspace_floats(bool rms, int R, int C);
+int colsum_chunks(int R, int C);
+template <class TG, class TD> void bias_grad(const TG* dy, float* part, TD* db, int R, int C, cudaStream_t s);
+// 4. embedding and cross-entropy
+template <class T>
+void embedding_fwd(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C, cudaStream_t s);
+size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C);
+void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
+                   cudaStream_t s);
+template <class T>
+void cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss, int R, int C,
+                       cudaStream_t s);
+template <class T>
+void cross_entropy_bwd(const T* x, const int64_t* tgt, const float* lse, const float* dloss, T* dx, int R, int C,
+                       cudaStream_t s);
+// 5. decoding: GEMV, KV cache, top-k
+template <class T>
+void gemv(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts, int64_t E,
+          cudaStream_t s);
+template <class T>
+void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const int64_t* k_strides, const int64_t* v_strides,
+              const int64_t* positions, int B, int H, int T_, int S, int D, cudaStream_t s);
+size_t topk_workspace_bytes(int64_t rows, int L, int k);
+void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
+          cudaStream_t s);
+// 6. matmul
+size_t matmul_workspace_floats(int batch, int M, int N, int K);
+void matmul(const float* a, const float* b, const float* bias, float* c, int batch, int M, int N, int K, bool ta,
+            bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb, int64_t sc, float alpha,
+            float* workspace, cudaStream_t s);
+bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs);
+size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K, bool a_rowsum);
+void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
+                 int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
+                 int64_t sb, int64_t sc, float alpha, float* a_rowsum, float* workspace, cudaStream_t s);
+// 7. attention
+bool attention_fused_supports(int D);
+void set_attention_wgmma(bool on);  // bf16 at D 64 on wgmma (default) or on mma.sync, for launches from now on
+int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D);
+int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D);
+void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
+                         const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
+                         bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s);
+void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                         int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
+void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
+                         const float* lse_log2, float* delta, float* dq, float* dk, float* dv, const AttnLayouts& l,
+                         int BH, int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
+                         cudaStream_t s);
+void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
+                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
+                         int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s);
+// 8. hyper-connections (mhc.py)
+int64_t sinkhorn_workspace_floats(int M, int n, int iters);
+void sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s);
+void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float* ws, int M, int n, int iters,
+                  cudaStream_t s);
+int64_t hc_coeffs_workspace_floats(int M, int n, int iters);
+void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
+                   int n, int iters, cudaStream_t s);
+void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
+                   const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
+                   cudaStream_t s);
+void hc_pre_coeffs_fwd(const float* x, int C, const float* h, const float* alpha, const float* bias, float* pre,
+                       float* post, float* res, float* merged, int M, int n, int iters, cudaStream_t s);
+void hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float* h, const float* alpha,
+                       const float* bias, const float* dpost, const float* dres, float* dh, float* dalpha,
+                       float* dbias, float* ws, int M, int n, int iters, cudaStream_t s);
+int64_t hc_project_fwd_workspace_floats(int M, int n, int D);
+int64_t hc_mix_project_fwd_workspace_floats(int M, int n, int C);
+int64_t hc_project_bwd_workspace_floats(int M, int n, int D);
+void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
+                    int D, float eps, cudaStream_t s);
+template <class TY>
+void hc_mix_project_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, float* out,
+                        const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n, int C,
+                        bool per_token, float eps, cudaStream_t s);
+void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
+                    const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
+                    float* dphi, float* ws, int M, int n, int D, cudaStream_t s);
+int stream_coef_rows(int M);
+void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
+                      cudaStream_t s);
+void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
+                      int n, int C, bool per_token, cudaStream_t s);
+template <class TY>
+void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                    float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s);
+template <class TY>
+void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                    const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
+                    float* dh_pre, float* part, int M, int n, int C, bool per_token, cudaStream_t s);
+// 9. decode megakernel
+template <class T>
+void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
+                       const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
+                       int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
+                       int n_kv_head, int hidden, int n_expert, int top_k, int V, int capacity, float eps,
+                       cudaStream_t s);
+int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs, int top_k);
+// Why decode_megakernel cannot run a model of this shape on the current GPU, or "" where it can: width C,
+// n_layer layers, n_head heads over n_kv_head, an mlp `hidden` wide, n_expert experts (0: dense) of
+// which a token takes top_k, weights of elem_bytes.
+std::string decode_megakernel_unsupported(int C, int n_layer, int n_head, int n_kv_head, int hidden, int n_expert,
+                                          int top_k, int elem_bytes);
+int decode_megakernel_grid();
+int decode_megakernel_trace_stamps(int n_layer);
+}  // namespace launch
+
+#ifndef KERNELS_LAUNCHERS_ONLY
+
+#include <cuda.h>          // CUtensorMap and its encoder's types (the function itself comes from the driver)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cub/device/device_radix_sort.cuh>  // CUB ships with the CUDA toolkit (header-only)
 #include <atomic>
 #include <cfloat>
 #include <climits>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
-#include <string>
 #include <type_traits>
-#include <utility>
+
+// ================================================================================================
+// 1. Primitives
+// What every kernel below is built from, each with its contract: launches, value conversions and
+// reductions, row launches, the index-error mailbox, async copies, the tensor-core instructions of
+// sm_80 (mma.sync, ldmatrix) and of sm_90a (mbarriers, TMA, wgmma, named barriers). Read 1.1-1.3
+// to know how any kernel here is launched; the rest where a section's 'Uses' names it.
+// ================================================================================================
 
 // ------------------------------------------------------------------------------------------------
-// helpers
+// 1.1 launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps
 
 static void check_launch(const char* what) {
   cudaError_t err = cudaGetLastError();
@@ -116,16 +325,15 @@ static void raise_smem_limit(size_t smem) {
   });
 }
 
-// Programmatic dependent launch (compute capability 9.0). A decode step is a chain of small kernels,
-// each reading what the one before wrote; even inside a CUDA graph, every link costs the next
-// kernel's launch and ramp-up (a few µs), while a 768-wide layer's GEMVs read their weights in about
-// as long. A kernel launched through launch_pdl may be launched while the kernel before it in the
-// stream still runs: its blocks get resident and wait in pdl_wait_upstream() until the kernel before
-// has finished and its writes are visible. pdl_launch_downstream() at a kernel's start lets the next
-// such kernel launch as soon as every block of this one is running. The rule that keeps stream order
-// for every kernel after: every thread of a launch_pdl kernel passes pdl_wait_upstream() before it
-// loads or stores global memory or returns. Both calls compile to nothing before sm_90, and the wait
-// returns at once in a kernel launched the ordinary way.
+// Programmatic dependent launch (compute capability 9.0). A decode step is a chain of small kernels, each
+// reading what the one before wrote; even inside a CUDA graph, every link costs the next kernel's launch and
+// ramp-up, which at decode sizes is as long as the kernel's own work. A kernel launched through launch_pdl
+// may be launched while the kernel before it in the stream still runs: its blocks get resident and wait in
+// pdl_wait_upstream() until the kernel before has finished and its writes are visible.
+// pdl_launch_downstream() at a kernel's start lets the next such kernel launch as soon as every block of this
+// one is running. The rule that keeps stream order for every kernel after: every thread of a launch_pdl
+// kernel passes pdl_wait_upstream() before it loads or stores global memory or returns. Both calls compile to
+// nothing before sm_90, and the wait returns at once in a kernel launched the ordinary way.
 __device__ __forceinline__ void pdl_wait_upstream() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();
@@ -144,9 +352,42 @@ __device__ __forceinline__ void pdl_begin() {
 }
 
 static std::atomic<bool> pdl_enabled{true};  // set_pdl: off to measure what the early launches save
-void set_pdl(bool on) { pdl_enabled.store(on); }
+void launch::set_pdl(bool on) { pdl_enabled.store(on); }
 
-static bool hopper_wgmma();  // (matmul section) a compute capability 9.0 GPU running this build's sm_90a code
+#if defined(KERNELS_SM90A)
+static bool hopper_wgmma() {  // compute capability 9.0, and this build has sm_90a code for it
+  return once_per_device([](int dev) {
+           int major = 0, minor = 0;
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+           return major == 9 && minor == 0 ? 1 : 2;
+         }) == 1;
+}
+#else
+static bool hopper_wgmma() { return false; }
+#endif
+
+// After each explicit instantiation of a launcher template: it is the one template of that name, the one
+// part 0 declares. (A definition whose parameters differ would be a second template, which the compiler
+// accepts; taking the instance's address then has two candidates and fails to compile.)
+#define ONE_TEMPLATE(...) static_assert(sizeof(decltype(&launch::__VA_ARGS__)) > 0, #__VA_ARGS__)
+
+// f(std::integral_constant<int, D>{}) for the head size D among SIZES (limits::fused_head_sizes{},
+// limits::hopper_head_sizes{}): the one place a run-time head size becomes a kernel instance. false: D
+// is none of them, and f was not called.
+template <int... SIZES, class F>
+static bool with_head_size(std::integer_sequence<int, SIZES...>, int D, F&& f) {
+  return ((D == SIZES && (f(std::integral_constant<int, SIZES>{}), true)) || ...);
+}
+template <class Sizes>
+static bool is_head_size(Sizes sizes, int D) { return with_head_size(sizes, D, [](auto) {}); }
+
+// f(std::true_type{}) or f(std::false_type{}): a run-time flag as a template argument.
+template <class F>
+static void with_flag(bool on, F&& f) {
+  if (on) f(std::true_type{});
+  else f(std::false_type{});
+}
 
 // kernel<<<grid, block, smem, s>>>(args...), allowed to launch before the kernel ahead of it ends.
 template <class... Params, class... Args>
@@ -179,6 +420,24 @@ static void require_tensor_cores(const char* what) {
   if (compute_major() < 8)
     throw std::runtime_error(std::string(what) + ": needs a GPU of compute capability 8.0 or newer (tensor-core TF32)");
 }
+
+// The driver's tensor-map encoder, looked up once (the runtime API has no wrapper for it).
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  if (!fn) throw std::runtime_error("matmul: the CUDA driver has no cuTensorMapEncodeTiled (bfloat16 needs CUDA 12+)");
+  return fn;
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1.2 values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2
 
 // bf16 tensors are read and written through these; the arithmetic is fp32.
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -255,6 +514,37 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
   *reinterpret_cast<uint2*>(p) = raw;
 }
 
+// A 16-byte read-only load that asks L2 to fetch the whole 256-byte block around it: a streaming
+// kernel then reads DRAM in longer bursts.
+__device__ __forceinline__ float4 load_stream4(const void* p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  float4 v;
+  asm volatile("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+#else
+  return *reinterpret_cast<const float4*>(p);
+#endif
+}
+
+// Two adjacent outputs of a row (a C fragment's pair) to global memory.
+__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
+// wraps in a fix-up for results below 2^-126, which flush to 0 here). Softmax and Sinkhorn sum terms
+// of at most 1 (the max subtracted) into a sum of at least 1, so one that small is 0 at fp32's resolution.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1.3 row launches: a row per warp or per block, shaped by the row's length
+
 // A row is read in "units" of VEC values (VEC = 4 when the row length is a multiple of 4 and the
 // pointers are 16-byte aligned, else 1). Unit u of a row belongs to thread u % TX. Rows of T = fp32
 // or bf16 are read and written as fp32: the arithmetic is fp32 either way.
@@ -281,9 +571,9 @@ __device__ __forceinline__ void store_unit(T* row, int u, int C, const float (&v
   }
 }
 
-// Row kernels cache N units per thread in registers (N * TX * VEC columns, at most 16 floats per
-// thread at 1024 threads); wider rows re-read the rest from global memory in a tail loop. The launch shape follows the row length:
-// up to 256 units one warp per row (4 rows per block), up to 2048 units 256 threads per row,
+// Row kernels cache N units per thread in registers (N * TX * VEC columns, at most 16 floats per thread at
+// 1024 threads); wider rows re-read the rest from global memory in a tail loop. The launch shape follows the
+// row length: up to 256 units one warp per row (4 rows per block), up to 2048 units 256 threads per row,
 // beyond that 1024 threads per row.
 struct RowLaunch {
   int tx, ty, n, vec;
@@ -328,22 +618,26 @@ static void with_row_shape(const RowLaunch& L, F&& f) {
 // of L.tx x L.ty threads for every L.ty rows, through launch_pdl: every kernel launched here starts
 // with pdl_begin(). TYPES is a parenthesized list of the element types, e.g. (float, __nv_bfloat16).
 #define ROW_TYPES(...) __VA_ARGS__
-#define LAUNCH_ROW(KERNEL, TYPES, L, rows, stream, ...)                                                  \
-  with_row_shape(L, [&](auto tx_, auto n_, auto vec_) {                                             \
+#define LAUNCH_ROW(KERNEL, TYPES, L, rows, stream, ...)                                                   \
+  with_row_shape(L, [&](auto tx_, auto n_, auto vec_) {                                                   \
     launch_pdl(KERNEL<decltype(tx_)::value, decltype(n_)::value, decltype(vec_)::value, ROW_TYPES TYPES>, \
-               dim3(ceil_div(rows, L.ty)), dim3(L.tx, L.ty), 0, stream, __VA_ARGS__);                 \
+               dim3(ceil_div(rows, L.ty)), dim3(L.tx, L.ty), 0, stream, __VA_ARGS__);                     \
   })
 
+// The element-type pairs (TI, TO) the row ops are built for: fp32, bf16, and the mixed pairs of
+// mixed-precision training (fp32 residual stream in, bf16 out) and back.
+#define FOR_ROW_TYPES(M) M(float, float) M(float, __nv_bfloat16) M(__nv_bfloat16, __nv_bfloat16) M(__nv_bfloat16, float)
+
 // ------------------------------------------------------------------------------------------------
-// bad indices: the error mailbox. embedding (idx), cross_entropy (targets), expert_gemv (experts),
-// kv_write (positions) and decode_megakernel (tok, pos) take indices that live on the device. Checking them on the host would copy them
-// back and stall the stream on every call (it made a 1024-token embedding 5x slower than PyTorch's),
-// and cannot run at all inside a CUDA graph. So the kernels check them where they read them: a bad
-// index gives NaN where its row would go (kv_write, whose index says where a row goes, writes nothing),
-// never a silent value or an out-of-bounds access, and the first bad index is recorded in a mailbox in
-// pinned, host-mapped memory. bindings.cpp reads the mailbox at the entry of every op, a plain host
-// read with no sync, and raises the error there; check_errors() syncs first. A write to mapped memory
-// is an ordinary store, so it works inside a captured graph.
+// 1.4 index errors: the mailbox
+// embedding (idx), cross_entropy (targets), expert_gemv (experts), kv_write (positions) and decode_megakernel
+// (tok, pos) take indices that live on the device. Checking them on the host would copy them back and stall
+// the stream on every call, and cannot run at all inside a CUDA graph. So the kernels check them where they
+// read them: a bad index gives NaN where its row would go (kv_write, whose index says where a row goes,
+// writes nothing), never a silent value or an out-of-bounds access, and the first bad index is recorded in a
+// mailbox in pinned, host-mapped memory. bindings.cpp reads the mailbox at the entry of every op, a plain
+// host read with no sync, and raises the error there; check_errors() syncs first. A write to mapped memory is
+// an ordinary store, so it works inside a captured graph.
 //
 // First error wins: the mailbox is claimed with an atomicCAS on a counter in device memory (atomics
 // on host memory over PCIe are not guaranteed), from the value the host last armed it with. The host
@@ -419,7 +713,7 @@ static IndexErrorBox* index_error_box() {
 // Takes the first bad index recorded on any device since the last take: its op, argument, value and
 // the end of the valid range [0, limit). Returns false (and touches nothing) when there is none. Host
 // memory reads only: no CUDA call, no sync; a kernel still running may report later.
-bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit) {
+bool launch::take_index_error(const char** op, const char** arg, int64_t* value, int64_t* limit) {
   const volatile IndexErrorBox* boxes = g_error_boxes.load(std::memory_order_acquire);
   if (boxes == nullptr) return false;  // no kernel that checks indices has run yet
   const int n = g_error_devices.load(std::memory_order_acquire);
@@ -443,222 +737,813 @@ bool take_index_error(const char** op, const char** arg, int64_t* value, int64_t
 }
 
 // ------------------------------------------------------------------------------------------------
-// embedding: out[t, :] = weight[idx[t], :]. An index outside [0, V) gives a NaN row and goes to the
-// error mailbox (above).
+// 1.5 async copies (sm_80): cp.async from global to shared memory
+
+// One asynchronous copy of BYTES from global to shared memory: 16 (.cg, past L1) or 4 (.ca: copies
+// under 16 bytes must go through L1); valid = false writes zeros.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool valid) {
+  static_assert(BYTES == 16 || BYTES == 4, "the two sizes the kernels copy");
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem), n = valid ? BYTES : 0;
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1.6 tensor cores (sm_80): mma.sync, ldmatrix
+// Mma.sync m16n8k8 with TF32 operands, used by matmul and fused attention.
 //
-// The backward is deterministic: the same inputs give bitwise the same dweight, run after run (atomic
-// adds would sum a repeated row in whatever order the adds land, so two runs of one training step
-// would differ in the last bits and a diverging run could not be replayed). The (index, position)
-// pairs are sorted by index with CUB's radix sort, which is stable, so each run of equal indices
-// lists its positions in token order; each run's dout rows are then summed in that order. For
-// parallelism the sorted list is cut into chunks of EMB_CHUNK positions, one block per chunk (and
-// column tile): a run inside a chunk is summed and written at once; a run that crosses chunks has
-// each chunk's piece written to a workspace, and a second kernel adds the pieces, in chunk order,
-// into the row. Every row is written by exactly one thread per column: no atomics, no races.
+// TF32 keeps 10 of fp32's 23 mantissa bits. PRECISE mode splits each operand x = hi + lo (both
+// TF32) and sums lo*hi + hi*lo + hi*hi ("3xTF32"): about fp32 accuracy at tensor-core speed, the
+// trick PyTorch's fp32 attention kernels use too. PRECISE = false does one TF32 product.
+//
+// Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): A (16 x 8) a0 = (g, t), a1 = (g+8, t),
+// a2 = (g, t+4), a3 = (g+8, t+4); B (8 x 8) b0 = (k=t, n=g), b1 = (k=t+4, n=g); C (16 x 8)
+// c0,c1 = (g, 2t), (g, 2t+1), c2,c3 = (g+8, 2t), (g+8, 2t+1).
 
-constexpr int EMB_CHUNK = 32;
-
-// Threads per row (x) and rows per block (y) for copying rows of `units` VEC-float units.
-static dim3 embedding_block(int units) {
-  const int tx = units >= 256 ? 256 : ((units + 31) / 32) * 32;
-  return dim3(tx, std::max(1, 256 / tx));
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
 }
 
-template <int VEC, class T>
-__global__ void embedding_fwd_kernel(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C,
-                                     IndexErrorBox* box) {
-  pdl_begin();
-  const int64_t t = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if (t >= T_) return;
-  const int64_t row = idx[t];
-  const bool ok = row >= 0 && row < V;
-  if (!ok && threadIdx.x == 0) report_bad_index(box, kBadEmbeddingIdx, row, V);
-  const T* src = weight + row * C;
-  T* dst = out + t * C;
-  const int units = C / VEC;
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    float v[VEC];
-    if (ok) load_unit<VEC>(src, u, C, v, 0.f);
-    else
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();  // tensor-core TF32 needs sm_80+; the launchers refuse older GPUs
+#endif
+}
+
+// An operand fragment as hi (and lo, when PRECISE) TF32 parts. PRECISE splits by truncation:
+// hi = x with the 13 mantissa bits TF32 lacks cleared, lo = x - hi (exact in fp32), and the tensor
+// core drops lo's own low bits. Two integer/float ops per value instead of two conversions; the
+// dropped lo*lo term and lo's truncation leave a relative error near 2^-20 per product.
+template <int NR, bool PRECISE>
+struct Frag {
+  uint32_t hi[NR], lo[NR];
+  __device__ __forceinline__ void set(const float (&x)[NR]) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = NAN;
-    store_unit<VEC>(dst, u, C, v);
-  }
-}
-
-// weight and out of type T, fp32 or bf16 (a copy: bf16 rows stay exact).
-template <class T>
-void embedding_fwd(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C, cudaStream_t s) {
-  if (T_ == 0 || C == 0) return;
-  const bool vec = C % 4 == 0 && aligned16(weight) && aligned16(out);
-  const dim3 block = embedding_block(vec ? C / 4 : C);
-  const unsigned grid = (unsigned)ceil_div(T_, block.y);
-  IndexErrorBox* box = index_error_box();
-  if (vec) launch_pdl(embedding_fwd_kernel<4, T>, dim3(grid), block, 0, s, idx, weight, out, T_, V, C, box);
-  else launch_pdl(embedding_fwd_kernel<1, T>, dim3(grid), block, 0, s, idx, weight, out, T_, V, C, box);
-  check_launch("embedding_fwd");
-}
-template void embedding_fwd<float>(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
-template void embedding_fwd<__nv_bfloat16>(const int64_t*, const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t,
-                                           int, cudaStream_t);
-
-// Sort keys: the index, or V for a bad one (it sorts last and is dropped); values: the position.
-__global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, int* pos, int T, int64_t V) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= T) return;
-  const int64_t row = idx[t];
-  keys[t] = row >= 0 && row < V ? (unsigned)row : (unsigned)V;
-  pos[t] = t;
-}
-
-// One chunk of sorted positions (blockIdx.x), one unit of columns a thread in the column tiles blockIdx.y,
-// blockIdx.y + gridDim.y, ... (grid.y stops at 65535 tiles, 16.8M units).
-// For each run of equal keys in the chunk, the sum of its dout rows in order goes to dweight (the run
-// lies inside the chunk), to part[chunk][0] (the run began in an earlier chunk) or to part[chunk][1]
-// (the run begins here and goes on into the next chunk).
-template <int VEC>
-__global__ void __launch_bounds__(256) embedding_bwd_chunk_kernel(const unsigned* keys, const int* pos,
-                                                                   const float* dout, float* dweight, float* part,
-                                                                   int T, unsigned V, int C) {
-  __shared__ unsigned key[EMB_CHUNK + 2];  // key[0]: the one before the chunk, key[n + 1]: the one after
-  __shared__ int row[EMB_CHUNK];
-  const int c0 = blockIdx.x * EMB_CHUNK, n = min(EMB_CHUNK, T - c0);
-  const unsigned none = 0xffffffffu;  // no key: V <= 2^31 - 1, so every real key and V are smaller
-  for (int i = threadIdx.x; i < n + 2; i += blockDim.x) {
-    const int p = c0 + i - 1;
-    key[i] = p >= 0 && p < T ? keys[p] : none;
-    if (i >= 1 && i <= n) row[i - 1] = pos[p];
-  }
-  __syncthreads();
-  const int64_t step = (int64_t)gridDim.y * blockDim.x;
-  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
-    const int u = (int)uu;  // VEC = 4 only where C % 4 == 0
-    for (int a = 0; a < n;) {
-      const unsigned k = key[a + 1];
-      int b = a + 1;
-      while (b < n && key[b + 1] == k) ++b;
-      if (k < V) {
-        float acc[VEC] = {};
-#pragma unroll 8
-        for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
-          float v[VEC];
-          load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
-        }
-        float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
-                     : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
-                                                 : dweight + (int64_t)k * C;
-        store_unit<VEC>(dst, u, C, acc);
+    for (int i = 0; i < NR; ++i) {
+      if (PRECISE) {
+        hi[i] = __float_as_uint(x[i]) & 0xffffe000u;
+        lo[i] = __float_as_uint(x[i] - __uint_as_float(hi[i]));
+      } else {
+        hi[i] = to_tf32(x[i]);
       }
-      a = b;
     }
   }
-}
-
-// The runs that cross chunks: the chunk where a run begins adds, in chunk order, the pieces the later
-// chunks left in part, and writes the row.
-template <int VEC>
-__global__ void __launch_bounds__(256) embedding_bwd_runs_kernel(const unsigned* keys, const float* part,
-                                                                  float* dweight, int T, unsigned V, int C) {
-  const int c = blockIdx.x, c0 = c * EMB_CHUNK, c1 = c0 + EMB_CHUNK;
-  if (c1 >= T) return;  // the last chunk: no run goes on past it
-  const unsigned k = keys[c1 - 1];
-  if (k >= V || keys[c1] != k) return;      // the chunk's last run ends inside it
-  if (c0 > 0 && keys[c0 - 1] == k) return;  // the run began in an earlier chunk, which owns it
-  int lo = c1, hi = T;                      // the run's end: the first position with a larger key
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (keys[mid] <= k) lo = mid + 1;
-    else hi = mid;
-  }
-  const int last = (lo - 1) / EMB_CHUNK;  // the last chunk the run reaches
-  const int64_t step = (int64_t)gridDim.y * blockDim.x;
-  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
-    const int u = (int)uu;  // column tiles as in embedding_bwd_chunk_kernel
-    float acc[VEC];
-    load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
-#pragma unroll 4
-    for (int j = c + 1; j <= last; ++j) {
-      float v[VEC];
-      load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += v[i];
-    }
-    store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
-  }
-}
-
-// The backward's workspace, carved into: sort keys and positions (in and out), the chunk pieces, and
-// CUB's temporary storage.
-struct EmbeddingBwdWorkspace {
-  unsigned *keys_in, *keys_out;
-  int *pos_in, *pos_out;
-  float* part;
-  void* sort_tmp;
-  size_t sort_bytes, total;
 };
 
-static int embedding_key_bits(int64_t V) {  // bits that hold every key 0..V (V marks a bad index)
-  int bits = 1;
-  while (bits < 32 && (1ll << bits) <= V) ++bits;
-  return bits;
-}
-
-static EmbeddingBwdWorkspace embedding_bwd_carve(void* base, int T, int64_t V, int C) {
-  EmbeddingBwdWorkspace w{};
-  cub::DeviceRadixSort::SortPairs(nullptr, w.sort_bytes, (const unsigned*)nullptr, (unsigned*)nullptr,
-                                  (const int*)nullptr, (int*)nullptr, T, 0, embedding_key_bits(V));
-  char* p = static_cast<char*>(base);
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    void* at = p ? p + off : nullptr;
-    off += (bytes + 255) / 256 * 256;
-    return at;
-  };
-  w.keys_in = static_cast<unsigned*>(take(T * sizeof(unsigned)));
-  w.keys_out = static_cast<unsigned*>(take(T * sizeof(unsigned)));
-  w.pos_in = static_cast<int*>(take(T * sizeof(int)));
-  w.pos_out = static_cast<int*>(take(T * sizeof(int)));
-  w.part = static_cast<float*>(take((size_t)ceil_div(T, EMB_CHUNK) * 2 * C * sizeof(float)));
-  w.sort_tmp = take(w.sort_bytes);
-  w.total = off;
-  return w;
-}
-
-size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C) {
-  return T == 0 || C == 0 ? 0 : embedding_bwd_carve(nullptr, T, V, C).total;
-}
-
-// dweight (V, C) must be zeroed by the caller (rows no index names stay zero); V <= 2^31 - 1.
-void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
-                   cudaStream_t s) {
-  if (T == 0 || C == 0) return;
-  const EmbeddingBwdWorkspace w = embedding_bwd_carve(workspace, T, V, C);
-  embedding_sort_keys_kernel<<<ceil_div(T, 256), 256, 0, s>>>(idx, w.keys_in, w.pos_in, T, V);
-  check_launch("embedding_bwd_keys");
-  size_t sort_bytes = w.sort_bytes;
-  const cudaError_t err = cub::DeviceRadixSort::SortPairs(w.sort_tmp, sort_bytes, w.keys_in, w.keys_out, w.pos_in,
-                                                          w.pos_out, T, 0, embedding_key_bits(V), s);
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("embedding_bwd: sort failed: ") + cudaGetErrorString(err));
-  const bool vec = C % 4 == 0 && aligned16(dout) && aligned16(dweight);
-  const int units = vec ? C / 4 : C;
-  const dim3 block(embedding_block(units).x);
-  const dim3 grid(ceil_div(T, EMB_CHUNK), std::min(ceil_div(units, block.x), 65535));  // grid.y limit
-  if (vec) {
-    embedding_bwd_chunk_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
-                                                          (unsigned)V, C);
-    embedding_bwd_runs_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.part, dweight, T, (unsigned)V, C);
-  } else {
-    embedding_bwd_chunk_kernel<1><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
-                                                          (unsigned)V, C);
-    embedding_bwd_runs_kernel<1><<<grid, block, 0, s>>>(w.keys_out, w.part, dweight, T, (unsigned)V, C);
+template <bool PRECISE>
+__device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, const Frag<2, PRECISE>& b) {
+  if (PRECISE) {  // small terms first
+    mma_tf32(c, a.lo, b.hi);
+    mma_tf32(c, a.hi, b.lo);
   }
-  check_launch("embedding_bwd");
+  mma_tf32(c, a.hi, b.hi);
 }
+
+// bf16 products: mma.sync m16n8k16 (bf16 operands, fp32 accumulation). Fragment layout (g = lane / 4,
+// t = lane % 4; each register holds two bf16, the lower column in the low half): A (16 x 16)
+// a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8)
+// b0 = (k=2t..2t+1, n=g), b1 = (k=2t+8.., n=g); C as for m16n8k8.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// Four 8 x 8 bf16 matrices from shared memory; lane l gives the row address of row l % 8 of matrix
+// l / 8 and receives row l / 4, columns 2 (l % 4) .. + 1 of each (TRANS: of each one's transpose).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* row) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // ------------------------------------------------------------------------------------------------
-// layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row, norm_bwd_row)
+// 1.7 Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers
+
+// PTX wrappers: mbarriers, the bulk copy, wgmma. Only sm_90a has wgmma; elsewhere the kernel traps
+// and the launcher never picks it.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_ENABLED 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// The same expectation without an arrival, for a barrier whose arrivals come from several threads.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Wait until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// The stage ring's barriers, set up by one thread before the block's first __syncthreads: full[s]
+// completes on the producer's arrive (with the copies' byte count), empty[s] on one arrive per
+// reading warp: `readers`, 8 for two consumer warpgroups (10 in the bf16 matmul with its row-sum warps).
+template <int STAGES>
+__device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty, int readers = 8) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, readers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// Shared-memory matrix descriptor for a 128-byte-swizzled operand: its start address and two byte
+// strides, lbo (between 64-element slabs along M or N; unused by K-major operands) and sbo (between
+// groups of 8 rows).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// K-major TF32 tile: groups of 8 rows 1024 bytes apart.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) { return smem_desc(addr, 16, 1024); }
+
+// d (64 x 128, spread over the warpgroup) = a (64 x 8) * b (8 x 128) + (accumulate ? d : 0), TF32.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+// Wait until at most n committed groups of this warpgroup's wgmma are still running.
+template <int n>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(n) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+#ifdef WG_ENABLED
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+// Copies one box of a 3-D tensor map (x fastest) into shared memory; completion counted on bar.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int x, int y, int z, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+
+// The same for one box of a 4-D tensor map (attention's (d, s, head, batch)).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int x, int y, int z, int w,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
+      : "memory");
+}
+
+// d (64 x BN over the warpgroup) += a (64 x 16) * b (16 x BN), bf16 in, fp32 accumulate; BN 256, 192, 128 or 64.
+// TA / TB: the operand is M- / N-major in shared memory (the transpose bits).
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_D32(i) WG_D8(i), WG_D8(i + 8), WG_D8(i + 16), WG_D8(i + 24)
+#define WG_R16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p)                                                       \
+  "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m \
+  ", %" #n ", %" #o ", %" #p
+// The first 32, 64 and 96 accumulator operands, which the shapes list.
+#define WG_R32                                                      \
+  WG_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", " \
+  WG_R16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31)
+#define WG_R64                                                                \
+  WG_R32 ", "                                                                 \
+  WG_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", " \
+  WG_R16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
+#define WG_R96                                                                \
+  WG_R64 ", "                                                                 \
+  WG_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", " \
+  WG_R16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95)
+template <int TA, int TB, int BN>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[BN / 2], uint64_t a, uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  static_assert(BN == 256 || BN == 192 || BN == 128 || BN == 64, "wgmma_bf16: BN is 256, 192, 128 or 64");
+  if constexpr (BN == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : WG_D32(0)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  } else if constexpr (BN == 128) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_R64 "}, %64, %65, p, 1, 1, %66, %67;\n}\n"
+        : WG_D32(0), WG_D32(32)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  } else if constexpr (BN == 256) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_R96 ", "
+        WG_R16(96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111) ", "
+        WG_R16(112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127) "}, "
+        "%128, %129, p, 1, 1, %130, %131;\n}\n"
+        : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %100, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" WG_R96 "}, "
+        "%96, %97, p, 1, 1, %98, %99;\n}\n"
+        : WG_D32(0), WG_D32(32), WG_D32(64)
+        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
+  }
+#endif
+}
+// The same with a (64 x 16) from registers, this thread's share in mma.sync's m16n8k16 A layout for its
+// warp's 16 rows (a score tile's C fragments, packed to bf16); N 128 or 64.
+template <int TB, int N>
+__device__ __forceinline__ void wgmma_bf16_ra(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#ifdef WG_ENABLED
+  static_assert(N == 128 || N == 64, "wgmma_bf16_ra: N is 128 or 64");
+  if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, "
+        "%38;\n}\n"
+        : WG_D32(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TB));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, "
+        "%70;\n}\n"
+        : WG_D32(0), WG_D32(32)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TB));
+  }
+#endif
+}
+#undef WG_R96
+#undef WG_R64
+#undef WG_R32
+#undef WG_R16
+#undef WG_D32
+#undef WG_D8
+
+// The epilogue's copy-engine store: one box of shared memory to a 3-D tensor map (clipped at the
+// tensor's edges), committed as its own bulk group.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+      "cp.async.bulk.commit_group;" ::"l"(map),
+      "r"(src), "r"(x), "r"(y), "r"(z)
+      : "memory");
+}
+
+// Wait until at most n of this thread's bulk groups still read shared memory.
+template <int n>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(n) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Makes this thread's ordinary shared-memory stores visible to the copy engine (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Barrier over `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives on barrier id for `threads` threads without waiting (the other side waits in named_sync).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// Adds `bytes` of floats from shared memory into global memory through the copy engine; one bulk group.
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      "cp.async.bulk.commit_group;" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+
+constexpr int SMEM_BLOCK_MAX = 227 * 1024;  // the most shared memory a block may have (sm_90)
+
+// ================================================================================================
+// 2. Elementwise
+// Each thread maps values to values; bound by memory, so the work is in the loads.
+// ================================================================================================
+
+// ------------------------------------------------------------------------------------------------
+// 2.1 activations: GELU, SiLU, SwiGLU
+// GELU (erf and tanh), SiLU, and SwiGLU's silu(a) * b. Formulas follow
+// PyTorch's own (same operation order) so results agree to the last bit or two. One kernel serves
+// them all: a functor maps NIN input values to NOUT outputs (GELU forward 1 -> 1, SwiGLU backward
+// a, b, dy -> da, db). 16-byte loads when every pointer allows.
+//
+// Twin: F.gelu, F.silu, F.silu(a) * b. Uses: 1.1 launch_pdl, 1.2 load_stream4.
+
+struct GeluErf {
+  __device__ float fwd(float x) const { return x * 0.5f * (1.f + erff(x * (float)M_SQRT1_2)); }
+  __device__ float bwd(float x, float dy) const {
+    const float kAlpha = (float)(M_2_SQRTPI * M_SQRT1_2 * 0.5);
+    const float cdf = 0.5f * (1.f + erff(x * (float)M_SQRT1_2));
+    const float pdf = expf(-0.5f * x * x) * kAlpha;
+    return dy * (cdf + x * pdf);
+  }
+};
+
+struct GeluTanh {
+  static constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  static constexpr float kKappa = 0.044715f;
+  __device__ float fwd(float x) const {
+    const float inner = kBeta * (x + kKappa * x * x * x);
+    return 0.5f * x * (1.f + tanhf(inner));
+  }
+  __device__ float bwd(float x, float dy) const {
+    const float x_sq = x * x;
+    const float inner = kBeta * (x + kKappa * x_sq * x);
+    const float t = tanhf(inner);
+    const float left = 0.5f * x, right = 1.f + t;
+    const float left_derivative = 0.5f * right;
+    const float right_derivative = left * (1.f - t * t) * kBeta * (1.f + 3.f * kKappa * x_sq);
+    return dy * (left_derivative + right_derivative);
+  }
+};
+
+__device__ __forceinline__ float sigmoidf(float u) { return 1.f / (1.f + expf(-u)); }
+
+// SiLU(x) = x * sigmoid(x), written as PyTorch writes it: x / (1 + exp(-x)).
+struct Silu {
+  __device__ float fwd(float x) const { return x / (1.f + expf(-x)); }
+  __device__ float bwd(float x, float dy) const {
+    const float s = sigmoidf(x);
+    return dy * s * (1.f + x * (1.f - s));
+  }
+};
+
+// The functors the kernel runs: an activation's forward and backward, and SwiGLU's.
+template <class A>
+struct ActFwd {
+  __device__ void operator()(const float (&in)[1], float (&out)[1]) const { out[0] = A().fwd(in[0]); }
+};
+template <class A>
+struct ActBwd {  // in: x, dy
+  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = A().bwd(in[0], in[1]); }
+};
+
+template <int N, class T>
+struct Ptrs { const T* p[N]; };
+template <int N, class T>
+struct OutPtrs { T* p[N]; };
+
+// PER items of VEC values per thread (VEC = 16 bytes of T: 4 fp32 or 8 bf16, or VEC = 1), all loads
+// issued before any math so that several are in flight per thread. The arithmetic is fp32.
+template <class F, int NIN, int NOUT, int VEC, int PER, class T>
+__global__ void elementwise_kernel(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n) {
+  pdl_begin();
+  const F f;
+  const int64_t items = n / VEC;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x * PER + threadIdx.x;
+  float a[PER][NIN][VEC];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int64_t i = first + u * blockDim.x;
+    if (i >= items) continue;
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) {
+      if constexpr (VEC == 1) a[u][k][0] = to_float(in.p[k][i]);
+      else unpack16(load_stream4(in.p[k] + VEC * i), a[u][k]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int64_t i = first + u * blockDim.x;
+    if (i >= items) continue;
+    float o[NOUT][VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float x[NIN], y[NOUT];
+#pragma unroll
+      for (int k = 0; k < NIN; ++k) x[k] = a[u][k][e];
+      f(x, y);
+#pragma unroll
+      for (int j = 0; j < NOUT; ++j) o[j][e] = y[j];
+    }
+#pragma unroll
+    for (int j = 0; j < NOUT; ++j) {
+      if constexpr (VEC == 1) out.p[j][i] = from_float<T>(o[j][0]);
+      else reinterpret_cast<float4*>(out.p[j])[i] = pack16(o[j]);
+    }
+  }
+}
+
+template <class F, int NIN, int NOUT, class T>
+static void elementwise(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n, const char* what, cudaStream_t s) {
+  if (n == 0) return;
+  constexpr int VEC = per16<T>();
+  bool vec = n % VEC == 0;
+  for (const T* p : in.p) vec = vec && aligned16(p);
+  for (T* p : out.p) vec = vec && aligned16(p);
+  const int64_t items = vec ? n / VEC : n;
+  // 2 vectors per thread in blocks of 128 (the bench's gelu rows choose between such shapes).
+  const unsigned blocks = (unsigned)((items + 255) / 256);
+  if (vec) launch_pdl(elementwise_kernel<F, NIN, NOUT, VEC, 2, T>, dim3(blocks), dim3(128), 0, s, in, out, n);
+  else launch_pdl(elementwise_kernel<F, NIN, NOUT, 1, 2, T>, dim3(blocks), dim3(128), 0, s, in, out, n);
+  check_launch(what);
+}
+
+// T: fp32 or bf16, every tensor of a call the same.
+template <class T>
+void launch::gelu_fwd(const T* x, T* y, int64_t n, bool tanh_approx, cudaStream_t s) {
+  if (tanh_approx) elementwise<ActFwd<GeluTanh>, 1, 1, T>({{x}}, {{y}}, n, "gelu_fwd", s);
+  else elementwise<ActFwd<GeluErf>, 1, 1, T>({{x}}, {{y}}, n, "gelu_fwd", s);
+}
+
+template <class T>
+void launch::gelu_bwd(const T* x, const T* dy, T* dx, int64_t n, bool tanh_approx, cudaStream_t s) {
+  if (tanh_approx) elementwise<ActBwd<GeluTanh>, 2, 1, T>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
+  else elementwise<ActBwd<GeluErf>, 2, 1, T>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
+}
+
+template <class T>
+void launch::silu_fwd(const T* x, T* y, int64_t n, cudaStream_t s) {
+  elementwise<ActFwd<Silu>, 1, 1, T>({{x}}, {{y}}, n, "silu_fwd", s);
+}
+
+template <class T>
+void launch::silu_bwd(const T* x, const T* dy, T* dx, int64_t n, cudaStream_t s) {
+  elementwise<ActBwd<Silu>, 2, 1, T>({{x, dy}}, {{dx}}, n, "silu_bwd", s);
+}
+
+#define INSTANTIATE_ACTIVATIONS(T)                                                                  \
+  template void launch::gelu_fwd<T>(const T*, T*, int64_t, bool, cudaStream_t);                     \
+  ONE_TEMPLATE(gelu_fwd<T>);                                                                        \
+  template void launch::gelu_bwd<T>(const T*, const T*, T*, int64_t, bool, cudaStream_t);           \
+  ONE_TEMPLATE(gelu_bwd<T>);                                                                        \
+  template void launch::silu_fwd<T>(const T*, T*, int64_t, cudaStream_t);                           \
+  ONE_TEMPLATE(silu_fwd<T>);                                                                        \
+  template void launch::silu_bwd<T>(const T*, const T*, T*, int64_t, cudaStream_t);                 \
+  ONE_TEMPLATE(silu_bwd<T>);
+INSTANTIATE_ACTIVATIONS(float)
+INSTANTIATE_ACTIVATIONS(__nv_bfloat16)
+#undef INSTANTIATE_ACTIVATIONS
+
+// ------------------------------------------------------------------------------------------------
+// 2.2 SwiGLU
+// silu(a) * b, Llama's gate, in one pass each way: 2.1's elementwise kernel with a functor of two
+// inputs (one read of a, b and dy and one write of da and db backward, where the composition takes several).
+//
+// Twin: F.silu(a) * b. Uses: 2.1 elementwise, Silu.
+
+struct SwigluFwd {  // in: a, b -> silu(a) * b
+  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = Silu().fwd(in[0]) * in[1]; }
+};
+struct SwigluBwd {  // in: a, b, dy -> da = silu'(a) * b * dy, db = silu(a) * dy
+  __device__ void operator()(const float (&in)[3], float (&out)[2]) const {
+    out[0] = Silu().bwd(in[0], in[2] * in[1]);
+    out[1] = Silu().fwd(in[0]) * in[2];
+  }
+};
+
+template <class T>
+void launch::swiglu_fwd(const T* a, const T* b, T* y, int64_t n, cudaStream_t s) {
+  elementwise<SwigluFwd, 2, 1, T>({{a, b}}, {{y}}, n, "swiglu_fwd", s);
+}
+
+template <class T>
+void launch::swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T* db, int64_t n, cudaStream_t s) {
+  elementwise<SwigluBwd, 3, 2, T>({{a, b, dy}}, {{da, db}}, n, "swiglu_bwd", s);
+}
+
+#define INSTANTIATE_SWIGLU(T)                                                                       \
+  template void launch::swiglu_fwd<T>(const T*, const T*, T*, int64_t, cudaStream_t);               \
+  ONE_TEMPLATE(swiglu_fwd<T>);                                                                      \
+  template void launch::swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, int64_t, cudaStream_t); \
+  ONE_TEMPLATE(swiglu_bwd<T>);
+INSTANTIATE_SWIGLU(float)
+INSTANTIATE_SWIGLU(__nv_bfloat16)
+#undef INSTANTIATE_SWIGLU
+
+// ------------------------------------------------------------------------------------------------
+// 2.3 RoPE
+// Rotary position embedding (RoPE), with the "rotate half" pairing of GPT-NeoX and of Llama as
+// Hugging Face runs it: element i of a head pairs with element i + D/2, and the pair turns by the
+// angle of its token's position times frequency i:
+//   out_i = x_i cos - x_{i+D/2} sin,   out_{i+D/2} = x_{i+D/2} cos + x_i sin.
+// cos and sin arrive as (T, D/2) tables of the T tokens' angles, so decoding at any cache position
+// runs the same kernel. x may be a strided (B, H, T, D) view (the heads of a fused QKV projection);
+// the output is contiguous, so the rotation also does the transpose that attention needs. Each
+// product is rounded on its own (__fmul_rn: no fused multiply-add) so the forward equals PyTorch's
+// formula bit for bit. The backward is the rotation by -angle: the same kernel with sin negated.
+//
+// Twin: train.torch_rope. Uses: 1.1.
+
+template <class T>
+struct RopeArgs {
+  const T* x;
+  const float *cos, *sin;
+  T* out;
+  int64_t sb, sh, st;  // x's strides of B, H, T (D is contiguous)
+  int H, T_, half;     // T_: tokens; half = D / 2
+};
+
+// The pair (x1, x2) turned by the angle of cosine c and sine s, each product rounded on its own.
+__device__ __forceinline__ void rope_turn(float x1, float x2, float c, float s, float& o1, float& o2) {
+  o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+  o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
+// T: x and out, fp32 or bf16 (a bf16 pair is rotated in fp32 and rounded once).
+template <bool BWD, class T>
+__global__ void rope_kernel(RopeArgs<T> a, int64_t n) {
+  const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) {
+    const int i = (int)(e % a.half);
+    const int64_t row = e / a.half;  // (b * H + h) * T + t: the output row
+    const int t = (int)(row % a.T_);
+    const int h = (int)(row / a.T_ % a.H);
+    const int64_t b = row / a.T_ / a.H;
+    const T* x = a.x + b * a.sb + h * a.sh + t * a.st;
+    const float c = a.cos[(int64_t)t * a.half + i];
+    const float s = BWD ? -a.sin[(int64_t)t * a.half + i] : a.sin[(int64_t)t * a.half + i];
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + a.half]);
+    T* o = a.out + row * 2 * a.half;
+    float o1, o2;
+    rope_turn(x1, x2, c, s, o1, o2);
+    o[i] = from_float<T>(o1);
+    o[i + a.half] = from_float<T>(o2);
+  }
+}
+
+// out (B, H, T, D) contiguous; x with strides sb, sh, st and a contiguous last dim.
+template <class T>
+void launch::rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
+                  int64_t sh, int64_t st, bool backward, cudaStream_t s) {
+  const int64_t n = (int64_t)B * H * T_ * (D / 2);
+  if (n == 0) return;
+  const RopeArgs<T> a{x, cos, sin, out, sb, sh, st, H, T_, D / 2};
+  const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 32 * num_sms());
+  if (backward) rope_kernel<true, T><<<blocks, 256, 0, s>>>(a, n);
+  else rope_kernel<false, T><<<blocks, 256, 0, s>>>(a, n);
+  check_launch("rope");
+}
+template void launch::rope<float>(const float*, const float*, const float*, float*, int, int, int, int, int64_t, int64_t,
+                                  int64_t, bool, cudaStream_t);
+ONE_TEMPLATE(rope<float>);
+template void launch::rope<__nv_bfloat16>(const __nv_bfloat16*, const float*, const float*, __nv_bfloat16*, int, int, int,
+                                          int, int64_t, int64_t, int64_t, bool, cudaStream_t);
+ONE_TEMPLATE(rope<__nv_bfloat16>);
+
+// ================================================================================================
+// 3. Rows
+// A row per warp or per block (1.3), reduced in registers and shared memory (1.2).
+// ================================================================================================
+
+// ------------------------------------------------------------------------------------------------
+// 3.1 softmax
+// Softmax over the last dim, max-subtracted: y = exp(scale * x - max) / sum. For tiled attention
+// the kernel also applies the causal mask: row r is query (r % sq), which sees keys
+// j <= (r % sq) + offset (offset = Sk - Sq); masked entries get probability 0. sq = 0: no mask.
+// In-place (y == x) is safe: each thread rereads only what it has not yet written.
+//
+// Twin: torch.softmax. Uses: 1.2 row_reduce, fast_exp2; 1.3 LAUNCH_ROW.
+
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const TI* x, TO* y, int R, int C,
+                                                           float scale, int sq, int offset) {
+  __shared__ float red[32];
+  pdl_begin();
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const TI* xr = x + (int64_t)r * C;
+  TO* yr = y + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  const int limit = sq > 0 ? min(C, r % sq + offset + 1) : C;  // columns >= limit are masked
+  float v[N][VEC];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int u = threadIdx.x + j * TX;
+    load_unit<VEC>(xr, u, C, v[j], 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      v[j][i] = (u * VEC + i < limit) ? v[j][i] * scale : -INFINITY;
+      mx = fmaxf(mx, v[j][i]);
+    }
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i)
+      if (u * VEC + i < limit) mx = fmaxf(mx, t[i] * scale);
+  }
+  mx = row_reduce<TX, true>(mx, red);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) { v[j][i] = expf(v[j][i] - mx); sum += v[j][i]; }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i)
+      if (u * VEC + i < limit) sum += expf(t[i] * scale - mx);
+  }
+  const float inv = 1.f / row_reduce<TX, false>(sum, red);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float o[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = v[j][i] * inv;
+    store_unit<VEC>(yr, threadIdx.x + j * TX, C, o);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float t[VEC], o[VEC];
+    load_unit<VEC>(xr, u, C, t, 0.f);
+    for (int i = 0; i < VEC; ++i) o[i] = (u * VEC + i < limit) ? expf(t[i] * scale - mx) * inv : 0.f;
+    store_unit<VEC>(yr, u, C, o);
+  }
+}
+
+// dx = scale * y * (dy - sum(dy * y)); dx may alias dy.
+template <int TX, int N, int VEC, class TI, class TO>
+__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(const TO* y, const TO* dy, TI* dx,
+                                                           int R, int C, float scale) {
+  __shared__ float red[32];
+  pdl_begin();
+  const int r = blockIdx.x * blockDim.y + threadIdx.y;
+  if (r >= R) return;
+  const TO* yr = y + (int64_t)r * C;
+  const TO* dyr = dy + (int64_t)r * C;
+  TI* dxr = dx + (int64_t)r * C;
+  const int units = (C + VEC - 1) / VEC;
+  float yv[N][VEC], gv[N][VEC];
+  float dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int u = threadIdx.x + j * TX;
+    load_unit<VEC>(yr, u, C, yv[j], 0.f);
+    load_unit<VEC>(dyr, u, C, gv[j], 0.f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dot += yv[j][i] * gv[j][i];
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float a[VEC], g[VEC];
+    load_unit<VEC>(yr, u, C, a, 0.f);
+    load_unit<VEC>(dyr, u, C, g, 0.f);
+    for (int i = 0; i < VEC; ++i) dot += a[i] * g[i];
+  }
+  dot = row_reduce<TX, false>(dot, red);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float o[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = scale * yv[j][i] * (gv[j][i] - dot);
+    store_unit<VEC>(dxr, threadIdx.x + j * TX, C, o);
+  }
+  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
+    float a[VEC], g[VEC], o[VEC];
+    load_unit<VEC>(yr, u, C, a, 0.f);
+    load_unit<VEC>(dyr, u, C, g, 0.f);
+    for (int i = 0; i < VEC; ++i) o[i] = scale * a[i] * (g[i] - dot);
+    store_unit<VEC>(dxr, u, C, o);
+  }
+}
+
+// TI: x and dx; TO: y and dy (fp32 or bf16; the arithmetic is fp32).
+template <class TI, class TO>
+void launch::softmax_fwd(const TI* x, TO* y, int R, int C, float scale, int sq, int offset, cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y));
+  LAUNCH_ROW(softmax_fwd_kernel, (TI, TO), L, R, s, x, y, R, C, scale, sq, offset);
+  check_launch("softmax_fwd");
+}
+
+template <class TI, class TO>
+void launch::softmax_bwd(const TO* y, const TO* dy, TI* dx, int R, int C, float scale, cudaStream_t s) {
+  if (R == 0) return;
+  RowLaunch L = row_launch(C, aligned16(y) && aligned16(dy) && aligned16(dx));
+  LAUNCH_ROW(softmax_bwd_kernel, (TI, TO), L, R, s, y, dy, dx, R, C, scale);
+  check_launch("softmax_bwd");
+}
+
+#define INSTANTIATE_SOFTMAX(TI, TO)                                                                    \
+  template void launch::softmax_fwd<TI, TO>(const TI*, TO*, int, int, float, int, int, cudaStream_t);  \
+  ONE_TEMPLATE(softmax_fwd<TI, TO>);                                                                   \
+  template void launch::softmax_bwd<TI, TO>(const TO*, const TO*, TI*, int, int, float, cudaStream_t); \
+  ONE_TEMPLATE(softmax_bwd<TI, TO>);
+FOR_ROW_TYPES(INSTANTIATE_SOFTMAX)
+#undef INSTANTIATE_SOFTMAX
+
+// ------------------------------------------------------------------------------------------------
+// 3.2 layernorm and RMSNorm
+// Layernorm and RMSNorm over the last dim. Both run the same row code (norm_fwd_row, norm_bwd_row)
 // in one of two modes, the compile-time flag RMS (thin kernels pick it forward; the backward kernel
 // takes it as a template argument):
 //   layernorm (RMS = false): y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
@@ -675,6 +1560,8 @@ void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T,
 // kernel would write s and the norm read it back. The backward adds the gradient that reaches s from
 // downstream (dsum) to the norm's dx, and writes it once more in the addend's dtype when that
 // differs (the sublayer's output gradient), so the residual stream's backward is one pass as well.
+//
+// Twin: F.layer_norm, F.rms_norm (train.torch_add_layernorm, torch_add_rmsnorm). Uses: 1.2, 1.3.
 
 // Unit u of the row sum = x + addend, rounded to TI: v holds x's unit on entry and the sum on exit.
 template <int VEC, class TI, class TO>
@@ -945,8 +1832,8 @@ __global__ void __launch_bounds__(TX * norm_bwd_rows(TX, N), TX == 32 ? 3 : 1) n
 // arithmetic are fp32. A null addend is the plain norm (sum_out unused). The backwards are further
 // down, after the column sums they finish with.
 template <class TI, class TO>
-void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum_out, float* mean,
-                   float* rstd, int R, int C, float eps, cudaStream_t s) {
+void launch::layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* y, TI* sum_out, float* mean,
+                           float* rstd, int R, int C, float eps, cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(b) && aligned16(addend) &&
                                   aligned16(sum_out));
@@ -955,8 +1842,8 @@ void layernorm_fwd(const TI* x, const TO* addend, const TI* w, const TI* b, TO* 
 }
 
 template <class TI, class TO>
-void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum_out, float* rstd, int R, int C, float eps,
-                 cudaStream_t s) {
+void launch::rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum_out, float* rstd, int R, int C, float eps,
+                         cudaStream_t s) {
   if (R == 0) return;
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(y) && aligned16(w) && aligned16(addend) && aligned16(sum_out));
   LAUNCH_ROW(rmsnorm_fwd_kernel, (TI, TO), L, R, s, x, addend, w, y, sum_out, rstd, R, C, eps);
@@ -964,13 +1851,16 @@ void rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* sum_out,
 }
 
 // ------------------------------------------------------------------------------------------------
-// column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm; dw alone
+// 3.3 column sums: the norms' weight and bias gradients
+// Column sums (deterministic): dw = sum_rows dy * xhat, db = sum_rows dy for layernorm; dw alone
 // for RMSNorm (mean == nullptr: xhat = x * rstd; db == nullptr: no bias); db alone for the bias
 // gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 units of columns
 // (VEC = 4 columns a unit when rows allow 4-wide loads, as in the row kernels) into a partial row;
 // pass 2 adds the partial rows in a fixed order. No atomics, same bits every run. The row loop
 // loads four rows before it adds any: one narrow load at a time left the kernel waiting on memory
 // (a 16384 x 1536 bf16 bias gradient ran at a quarter of the copy rate).
+//
+// Twin: the weight and bias gradients of 3.2's twins. Uses: 1.2, 1.3.
 
 template <bool LN, int VEC, class TG, class TX>
 __global__ void __launch_bounds__(256) colsum_partial_kernel(const TG* dy, const TX* x, const float* mean,
@@ -1056,7 +1946,7 @@ static void colsum_finish(const float* part0, T* out0, const float* part1, T* ou
 
 // Number of row chunks; the caller allocates nchunk * C floats per partial buffer. About 4 blocks
 // per SM when the columns go 4 to a thread (128 to a block).
-int colsum_chunks(int R, int C) {
+int launch::colsum_chunks(int R, int C) {
   if (R <= 0 || C <= 0) return 1;
   int colblocks = ceil_div(C, 128);
   int want = std::max(1, 4 * num_sms() / colblocks);
@@ -1071,7 +1961,7 @@ template <class TG, class TX>
 static void colsum_launch(bool ln, const TG* dy, const TX* x, const float* mean, const float* rstd, float* part_w,
                           float* part_b, TX* dw, TX* db, int R, int C, cudaStream_t s) {
   if (C == 0) return;
-  int nchunk = colsum_chunks(R, C);
+  int nchunk = launch::colsum_chunks(R, C);
   int chunk = R == 0 ? 1 : ceil_div(R, nchunk);
   const bool vec = C % 4 == 0 && aligned16(dy) && aligned16(x);
   const dim3 grid(ceil_div(C, vec ? 128 : 32), nchunk), block(32, 8);
@@ -1114,8 +2004,8 @@ static int norm_bwd_blocks(int R, const RowLaunch& L) {
 
 // Floats of workspace the norm backward takes: two partial sums (weight, bias), either path.
 template <class TI, class TO>
-int64_t norm_bwd_workspace_floats(bool rms, int R, int C) {
-  int rows = colsum_chunks(R, C);
+int64_t launch::norm_bwd_workspace_floats(bool rms, int R, int C) {
+  int rows = launch::colsum_chunks(R, C);
   for (bool vec : {false, true}) {
     const RowLaunch L = norm_bwd_shape(C, vec);
     if (L.tx < 1024) rows = std::max(rows, rms ? norm_bwd_blocks<true, TI, TO>(R, L) : norm_bwd_blocks<false, TI, TO>(R, L));
@@ -1144,7 +2034,7 @@ static void norm_bwd(NormBwdArgs<TI, TO> a, TI* dw, TI* db, float* ws, cudaStrea
   if (fused) {
     colsum_finish(a.part_w, dw, a.part_b, db, blocks, a.C, s);
   } else {
-    const int nchunk = colsum_chunks(a.R, a.C);
+    const int nchunk = launch::colsum_chunks(a.R, a.C);
     colsum_launch<TO, TI>(true, a.dy, a.x, a.mean, a.rstd, ws, RMS ? nullptr : ws + (int64_t)nchunk * a.C, dw, db,
                           a.R, a.C, s);
   }
@@ -1153,180 +2043,282 @@ static void norm_bwd(NormBwdArgs<TI, TO> a, TI* dw, TI* db, float* ws, cudaStrea
 // x, w, dx, the sum's gradients and dw, db of type TI; dy and daddend of type TO (as in
 // layernorm_fwd<TI, TO>). ws: norm_bwd_workspace_floats(R, C) floats.
 template <class TI, class TO>
-void layernorm_bwd(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
-                   TI* dx, TO* daddend, TI* dw, TI* db, float* ws, int R, int C, cudaStream_t s) {
+void launch::layernorm_bwd(const TI* x, const TI* w, const TO* dy, const float* mean, const float* rstd, const TI* dsum,
+                           TI* dx, TO* daddend, TI* dw, TI* db, float* ws, int R, int C, cudaStream_t s) {
   norm_bwd<false>(NormBwdArgs<TI, TO>{x, w, dy, mean, rstd, dsum, dx, daddend, nullptr, nullptr, R, C}, dw, db, ws, s);
 }
 
 template <class TI, class TO>
-void rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
-                 TI* dw, float* ws, int R, int C, cudaStream_t s) {
+void launch::rmsnorm_bwd(const TI* x, const TI* w, const TO* dy, const float* rstd, const TI* dsum, TI* dx, TO* daddend,
+                         TI* dw, float* ws, int R, int C, cudaStream_t s) {
   norm_bwd<true>(NormBwdArgs<TI, TO>{x, w, dy, nullptr, rstd, dsum, dx, daddend, nullptr, nullptr, R, C}, dw,
                  (TI*)nullptr, ws, s);
 }
 
 // dy of type TG, db of type TD: the same, or a bf16 dy summed into an fp32 db (a master bias's gradient).
 template <class TG, class TD>
-void bias_grad(const TG* dy, float* part, TD* db, int R, int C, cudaStream_t s) {
+void launch::bias_grad(const TG* dy, float* part, TD* db, int R, int C, cudaStream_t s) {
   colsum_launch<TG, TD>(false, dy, nullptr, nullptr, nullptr, nullptr, part, nullptr, db, R, C, s);
 }
-template void bias_grad<float, float>(const float*, float*, float*, int, int, cudaStream_t);
-template void bias_grad<__nv_bfloat16, __nv_bfloat16>(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int,
-                                                      cudaStream_t);
-template void bias_grad<__nv_bfloat16, float>(const __nv_bfloat16*, float*, float*, int, int, cudaStream_t);
+template void launch::bias_grad<float, float>(const float*, float*, float*, int, int, cudaStream_t);
+ONE_TEMPLATE(bias_grad<float, float>);
+template void launch::bias_grad<__nv_bfloat16, __nv_bfloat16>(const __nv_bfloat16*, float*, __nv_bfloat16*, int, int,
+                                                              cudaStream_t);
+ONE_TEMPLATE(bias_grad<__nv_bfloat16, __nv_bfloat16>);
+template void launch::bias_grad<__nv_bfloat16, float>(const __nv_bfloat16*, float*, float*, int, int, cudaStream_t);
+ONE_TEMPLATE(bias_grad<__nv_bfloat16, float>);
 
-// The element-type pairs (TI, TO) the row ops are built for: fp32, bf16, and the mixed pairs of
-// mixed-precision training (fp32 residual stream in, bf16 out) and back.
-#define FOR_ROW_TYPES(M) M(float, float) M(float, __nv_bfloat16) M(__nv_bfloat16, __nv_bfloat16) M(__nv_bfloat16, float)
-#define INSTANTIATE_NORMS(TI, TO)                                                                                \
-  template void layernorm_fwd<TI, TO>(const TI*, const TO*, const TI*, const TI*, TO*, TI*, float*, float*, int,  \
-                                      int, float, cudaStream_t);                                                 \
-  template void layernorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, const TI*,    \
-                                      TI*, TO*, TI*, TI*, float*, int, int, cudaStream_t);                       \
-  template void rmsnorm_fwd<TI, TO>(const TI*, const TO*, const TI*, TO*, TI*, float*, int, int, float,          \
-                                    cudaStream_t);                                                               \
-  template void rmsnorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const TI*, TI*, TO*, TI*,       \
-                                    float*, int, int, cudaStream_t);                                             \
-  template int64_t norm_bwd_workspace_floats<TI, TO>(bool, int, int);
+#define INSTANTIATE_NORMS(TI, TO)                                                                                        \
+  template void launch::layernorm_fwd<TI, TO>(const TI*, const TO*, const TI*, const TI*, TO*, TI*, float*, float*, int, \
+                                              int, float, cudaStream_t);                                                         \
+  ONE_TEMPLATE(layernorm_fwd<TI, TO>);                                                                                   \
+  template void launch::layernorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const float*, const TI*,    \
+                                              TI*, TO*, TI*, TI*, float*, int, int, cudaStream_t);                               \
+  ONE_TEMPLATE(layernorm_bwd<TI, TO>);                                                                                   \
+  template void launch::rmsnorm_fwd<TI, TO>(const TI*, const TO*, const TI*, TO*, TI*, float*, int, int, float,          \
+                                            cudaStream_t);                                                                       \
+  ONE_TEMPLATE(rmsnorm_fwd<TI, TO>);                                                                                     \
+  template void launch::rmsnorm_bwd<TI, TO>(const TI*, const TI*, const TO*, const float*, const TI*, TI*, TO*, TI*,     \
+                                            float*, int, int, cudaStream_t);                                                     \
+  ONE_TEMPLATE(rmsnorm_bwd<TI, TO>);                                                                                     \
+  template int64_t launch::norm_bwd_workspace_floats<TI, TO>(bool, int, int);                                            \
+  ONE_TEMPLATE(norm_bwd_workspace_floats<TI, TO>);
 FOR_ROW_TYPES(INSTANTIATE_NORMS)
 #undef INSTANTIATE_NORMS
 
-// ------------------------------------------------------------------------------------------------
-// softmax over the last dim, max-subtracted: y = exp(scale * x - max) / sum. For tiled attention
-// the kernel also applies the causal mask: row r is query (r % sq), which sees keys
-// j <= (r % sq) + offset (offset = Sk - Sq); masked entries get probability 0. sq = 0: no mask.
-// In-place (y == x) is safe: each thread rereads only what it has not yet written.
+// ================================================================================================
+// 4. Embedding and cross-entropy
+// The ops that take indices on the device: bad ones go to the mailbox (1.4).
+// ================================================================================================
 
-template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const TI* x, TO* y, int R, int C,
-                                                           float scale, int sq, int offset) {
-  __shared__ float red[32];
+// ------------------------------------------------------------------------------------------------
+// 4.1 embedding
+// Embedding: out[t, :] = weight[idx[t], :]. An index outside [0, V) gives a NaN row and goes to the
+// error mailbox (1.4).
+//
+// The backward is deterministic: the same inputs give bitwise the same dweight, run after run (atomic
+// adds would sum a repeated row in whatever order the adds land, so two runs of one training step
+// would differ in the last bits and a diverging run could not be replayed). The (index, position)
+// pairs are sorted by index with CUB's radix sort, which is stable, so each run of equal indices
+// lists its positions in token order; each run's dout rows are then summed in that order. For
+// parallelism the sorted list is cut into chunks of EMB_CHUNK positions, one block per chunk (and
+// column tile): a run inside a chunk is summed and written at once; a run that crosses chunks has
+// each chunk's piece written to a workspace, and a second kernel adds the pieces, in chunk order,
+// into the row. Every row is written by exactly one thread per column: no atomics, no races.
+//
+// Twin: F.embedding. Uses: 1.2, 1.4, CUB's radix sort.
+
+constexpr int EMB_CHUNK = 32;
+
+// Threads per row (x) and rows per block (y) for copying rows of `units` VEC-float units.
+static dim3 embedding_block(int units) {
+  const int tx = units >= 256 ? 256 : ((units + 31) / 32) * 32;
+  return dim3(tx, std::max(1, 256 / tx));
+}
+
+template <int VEC, class T>
+__global__ void embedding_fwd_kernel(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C,
+                                     IndexErrorBox* box) {
   pdl_begin();
-  const int r = blockIdx.x * blockDim.y + threadIdx.y;
-  if (r >= R) return;
-  const TI* xr = x + (int64_t)r * C;
-  TO* yr = y + (int64_t)r * C;
-  const int units = (C + VEC - 1) / VEC;
-  const int limit = sq > 0 ? min(C, r % sq + offset + 1) : C;  // columns >= limit are masked
-  float v[N][VEC];
-  float mx = -INFINITY;
+  const int64_t t = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (t >= T_) return;
+  const int64_t row = idx[t];
+  const bool ok = row >= 0 && row < V;
+  if (!ok && threadIdx.x == 0) report_bad_index(box, kBadEmbeddingIdx, row, V);
+  const T* src = weight + row * C;
+  T* dst = out + t * C;
+  const int units = C / VEC;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    float v[VEC];
+    if (ok) load_unit<VEC>(src, u, C, v, 0.f);
+    else
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int u = threadIdx.x + j * TX;
-    load_unit<VEC>(xr, u, C, v[j], 0.f);
+      for (int i = 0; i < VEC; ++i) v[i] = NAN;
+    store_unit<VEC>(dst, u, C, v);
+  }
+}
+
+// weight and out of type T, fp32 or bf16 (a copy: bf16 rows stay exact).
+template <class T>
+void launch::embedding_fwd(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C, cudaStream_t s) {
+  if (T_ == 0 || C == 0) return;
+  const bool vec = C % 4 == 0 && aligned16(weight) && aligned16(out);
+  const dim3 block = embedding_block(vec ? C / 4 : C);
+  const unsigned grid = (unsigned)ceil_div(T_, block.y);
+  IndexErrorBox* box = index_error_box();
+  if (vec) launch_pdl(embedding_fwd_kernel<4, T>, dim3(grid), block, 0, s, idx, weight, out, T_, V, C, box);
+  else launch_pdl(embedding_fwd_kernel<1, T>, dim3(grid), block, 0, s, idx, weight, out, T_, V, C, box);
+  check_launch("embedding_fwd");
+}
+template void launch::embedding_fwd<float>(const int64_t*, const float*, float*, int64_t, int64_t, int, cudaStream_t);
+ONE_TEMPLATE(embedding_fwd<float>);
+template void launch::embedding_fwd<__nv_bfloat16>(const int64_t*, const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t,
+                                                   int, cudaStream_t);
+ONE_TEMPLATE(embedding_fwd<__nv_bfloat16>);
+
+// Sort keys: the index, or V for a bad one (it sorts last and is dropped); values: the position.
+__global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, int* pos, int T, int64_t V) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int64_t row = idx[t];
+  keys[t] = row >= 0 && row < V ? (unsigned)row : (unsigned)V;
+  pos[t] = t;
+}
+
+// One chunk of sorted positions (blockIdx.x), one unit of columns a thread in the column tiles blockIdx.y,
+// blockIdx.y + gridDim.y, ... (grid.y stops at 65535 tiles, 16.8M units).
+// For each run of equal keys in the chunk, the sum of its dout rows in order goes to dweight (the run
+// lies inside the chunk), to part[chunk][0] (the run began in an earlier chunk) or to part[chunk][1]
+// (the run begins here and goes on into the next chunk).
+template <int VEC>
+__global__ void __launch_bounds__(256) embedding_bwd_chunk_kernel(const unsigned* keys, const int* pos,
+                                                                   const float* dout, float* dweight, float* part,
+                                                                   int T, unsigned V, int C) {
+  __shared__ unsigned key[EMB_CHUNK + 2];  // key[0]: the one before the chunk, key[n + 1]: the one after
+  __shared__ int row[EMB_CHUNK];
+  const int c0 = blockIdx.x * EMB_CHUNK, n = min(EMB_CHUNK, T - c0);
+  const unsigned none = 0xffffffffu;  // no key: V <= 2^31 - 1, so every real key and V are smaller
+  for (int i = threadIdx.x; i < n + 2; i += blockDim.x) {
+    const int p = c0 + i - 1;
+    key[i] = p >= 0 && p < T ? keys[p] : none;
+    if (i >= 1 && i <= n) row[i - 1] = pos[p];
+  }
+  __syncthreads();
+  const int64_t step = (int64_t)gridDim.y * blockDim.x;
+  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
+    const int u = (int)uu;  // VEC = 4 only where C % 4 == 0
+    for (int a = 0; a < n;) {
+      const unsigned k = key[a + 1];
+      int b = a + 1;
+      while (b < n && key[b + 1] == k) ++b;
+      if (k < V) {
+        float acc[VEC] = {};
+#pragma unroll 8
+        for (int r = a; r < b; ++r) {  // token order; the loads of several rows in flight at once
+          float v[VEC];
+          load_unit<VEC>(dout + (int64_t)row[r] * C, u, C, v, 0.f);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      v[j][i] = (u * VEC + i < limit) ? v[j][i] * scale : -INFINITY;
-      mx = fmaxf(mx, v[j][i]);
+          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+        }
+        float* dst = a == 0 && key[0] == k        ? part + (int64_t)blockIdx.x * 2 * C
+                     : b == n && key[n + 1] == k ? part + ((int64_t)blockIdx.x * 2 + 1) * C
+                                                 : dweight + (int64_t)k * C;
+        store_unit<VEC>(dst, u, C, acc);
+      }
+      a = b;
     }
   }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC];
-    load_unit<VEC>(xr, u, C, t, 0.f);
-    for (int i = 0; i < VEC; ++i)
-      if (u * VEC + i < limit) mx = fmaxf(mx, t[i] * scale);
+}
+
+// The runs that cross chunks: the chunk where a run begins adds, in chunk order, the pieces the later
+// chunks left in part, and writes the row.
+template <int VEC>
+__global__ void __launch_bounds__(256) embedding_bwd_runs_kernel(const unsigned* keys, const float* part,
+                                                                  float* dweight, int T, unsigned V, int C) {
+  const int c = blockIdx.x, c0 = c * EMB_CHUNK, c1 = c0 + EMB_CHUNK;
+  if (c1 >= T) return;  // the last chunk: no run goes on past it
+  const unsigned k = keys[c1 - 1];
+  if (k >= V || keys[c1] != k) return;      // the chunk's last run ends inside it
+  if (c0 > 0 && keys[c0 - 1] == k) return;  // the run began in an earlier chunk, which owns it
+  int lo = c1, hi = T;                      // the run's end: the first position with a larger key
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (keys[mid] <= k) lo = mid + 1;
+    else hi = mid;
   }
-  mx = row_reduce<TX, true>(mx, red);
-  float sum = 0.f;
+  const int last = (lo - 1) / EMB_CHUNK;  // the last chunk the run reaches
+  const int64_t step = (int64_t)gridDim.y * blockDim.x;
+  for (int64_t uu = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; uu < C / VEC; uu += step) {
+    const int u = (int)uu;  // column tiles as in embedding_bwd_chunk_kernel
+    float acc[VEC];
+    load_unit<VEC>(part + ((int64_t)c * 2 + 1) * C, u, C, acc, 0.f);
+#pragma unroll 4
+    for (int j = c + 1; j <= last; ++j) {
+      float v[VEC];
+      load_unit<VEC>(part + (int64_t)j * 2 * C, u, C, v, 0.f);
 #pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) { v[j][i] = expf(v[j][i] - mx); sum += v[j][i]; }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC];
-    load_unit<VEC>(xr, u, C, t, 0.f);
-    for (int i = 0; i < VEC; ++i)
-      if (u * VEC + i < limit) sum += expf(t[i] * scale - mx);
-  }
-  const float inv = 1.f / row_reduce<TX, false>(sum, red);
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    float o[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) o[i] = v[j][i] * inv;
-    store_unit<VEC>(yr, threadIdx.x + j * TX, C, o);
-  }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float t[VEC], o[VEC];
-    load_unit<VEC>(xr, u, C, t, 0.f);
-    for (int i = 0; i < VEC; ++i) o[i] = (u * VEC + i < limit) ? expf(t[i] * scale - mx) * inv : 0.f;
-    store_unit<VEC>(yr, u, C, o);
+      for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+    }
+    store_unit<VEC>(dweight + (int64_t)k * C, u, C, acc);
   }
 }
 
-// dx = scale * y * (dy - sum(dy * y)); dx may alias dy.
-template <int TX, int N, int VEC, class TI, class TO>
-__global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_bwd_kernel(const TO* y, const TO* dy, TI* dx,
-                                                           int R, int C, float scale) {
-  __shared__ float red[32];
-  pdl_begin();
-  const int r = blockIdx.x * blockDim.y + threadIdx.y;
-  if (r >= R) return;
-  const TO* yr = y + (int64_t)r * C;
-  const TO* dyr = dy + (int64_t)r * C;
-  TI* dxr = dx + (int64_t)r * C;
-  const int units = (C + VEC - 1) / VEC;
-  float yv[N][VEC], gv[N][VEC];
-  float dot = 0.f;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int u = threadIdx.x + j * TX;
-    load_unit<VEC>(yr, u, C, yv[j], 0.f);
-    load_unit<VEC>(dyr, u, C, gv[j], 0.f);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) dot += yv[j][i] * gv[j][i];
-  }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float a[VEC], g[VEC];
-    load_unit<VEC>(yr, u, C, a, 0.f);
-    load_unit<VEC>(dyr, u, C, g, 0.f);
-    for (int i = 0; i < VEC; ++i) dot += a[i] * g[i];
-  }
-  dot = row_reduce<TX, false>(dot, red);
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    float o[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) o[i] = scale * yv[j][i] * (gv[j][i] - dot);
-    store_unit<VEC>(dxr, threadIdx.x + j * TX, C, o);
-  }
-  for (int u = threadIdx.x + N * TX; u < units; u += TX) {
-    float a[VEC], g[VEC], o[VEC];
-    load_unit<VEC>(yr, u, C, a, 0.f);
-    load_unit<VEC>(dyr, u, C, g, 0.f);
-    for (int i = 0; i < VEC; ++i) o[i] = scale * a[i] * (g[i] - dot);
-    store_unit<VEC>(dxr, u, C, o);
-  }
+// The backward's workspace, carved into: sort keys and positions (in and out), the chunk pieces, and
+// CUB's temporary storage.
+struct EmbeddingBwdWorkspace {
+  unsigned *keys_in, *keys_out;
+  int *pos_in, *pos_out;
+  float* part;
+  void* sort_tmp;
+  size_t sort_bytes, total;
+};
+
+static int embedding_key_bits(int64_t V) {  // bits that hold every key 0..V (V marks a bad index)
+  int bits = 1;
+  while (bits < 32 && (1ll << bits) <= V) ++bits;
+  return bits;
 }
 
-// TI: x and dx; TO: y and dy (fp32 or bf16; the arithmetic is fp32).
-template <class TI, class TO>
-void softmax_fwd(const TI* x, TO* y, int R, int C, float scale, int sq, int offset, cudaStream_t s) {
-  if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(x) && aligned16(y));
-  LAUNCH_ROW(softmax_fwd_kernel, (TI, TO), L, R, s, x, y, R, C, scale, sq, offset);
-  check_launch("softmax_fwd");
+static EmbeddingBwdWorkspace embedding_bwd_carve(void* base, int T, int64_t V, int C) {
+  EmbeddingBwdWorkspace w{};
+  cub::DeviceRadixSort::SortPairs(nullptr, w.sort_bytes, (const unsigned*)nullptr, (unsigned*)nullptr,
+                                  (const int*)nullptr, (int*)nullptr, T, 0, embedding_key_bits(V));
+  char* p = static_cast<char*>(base);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    void* at = p ? p + off : nullptr;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  w.keys_in = static_cast<unsigned*>(take(T * sizeof(unsigned)));
+  w.keys_out = static_cast<unsigned*>(take(T * sizeof(unsigned)));
+  w.pos_in = static_cast<int*>(take(T * sizeof(int)));
+  w.pos_out = static_cast<int*>(take(T * sizeof(int)));
+  w.part = static_cast<float*>(take((size_t)ceil_div(T, EMB_CHUNK) * 2 * C * sizeof(float)));
+  w.sort_tmp = take(w.sort_bytes);
+  w.total = off;
+  return w;
 }
 
-template <class TI, class TO>
-void softmax_bwd(const TO* y, const TO* dy, TI* dx, int R, int C, float scale, cudaStream_t s) {
-  if (R == 0) return;
-  RowLaunch L = row_launch(C, aligned16(y) && aligned16(dy) && aligned16(dx));
-  LAUNCH_ROW(softmax_bwd_kernel, (TI, TO), L, R, s, y, dy, dx, R, C, scale);
-  check_launch("softmax_bwd");
+size_t launch::embedding_bwd_workspace_bytes(int T, int64_t V, int C) {
+  return T == 0 || C == 0 ? 0 : embedding_bwd_carve(nullptr, T, V, C).total;
 }
 
-#define INSTANTIATE_SOFTMAX(TI, TO)                                                                    \
-  template void softmax_fwd<TI, TO>(const TI*, TO*, int, int, float, int, int, cudaStream_t);         \
-  template void softmax_bwd<TI, TO>(const TO*, const TO*, TI*, int, int, float, cudaStream_t);
-FOR_ROW_TYPES(INSTANTIATE_SOFTMAX)
-#undef INSTANTIATE_SOFTMAX
-
+// dweight (V, C) must be zeroed by the caller (rows no index names stay zero); V <= 2^31 - 1.
+void launch::embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
+                           cudaStream_t s) {
+  if (T == 0 || C == 0) return;
+  const EmbeddingBwdWorkspace w = embedding_bwd_carve(workspace, T, V, C);
+  embedding_sort_keys_kernel<<<ceil_div(T, 256), 256, 0, s>>>(idx, w.keys_in, w.pos_in, T, V);
+  check_launch("embedding_bwd_keys");
+  size_t sort_bytes = w.sort_bytes;
+  const cudaError_t err = cub::DeviceRadixSort::SortPairs(w.sort_tmp, sort_bytes, w.keys_in, w.keys_out, w.pos_in,
+                                                          w.pos_out, T, 0, embedding_key_bits(V), s);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("embedding_bwd: sort failed: ") + cudaGetErrorString(err));
+  const bool vec = C % 4 == 0 && aligned16(dout) && aligned16(dweight);
+  const int units = vec ? C / 4 : C;
+  const dim3 block(embedding_block(units).x);
+  const dim3 grid(ceil_div(T, EMB_CHUNK), std::min(ceil_div(units, block.x), 65535));  // grid.y limit
+  if (vec) {
+    embedding_bwd_chunk_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
+                                                          (unsigned)V, C);
+    embedding_bwd_runs_kernel<4><<<grid, block, 0, s>>>(w.keys_out, w.part, dweight, T, (unsigned)V, C);
+  } else {
+    embedding_bwd_chunk_kernel<1><<<grid, block, 0, s>>>(w.keys_out, w.pos_out, dout, dweight, w.part, T,
+                                                          (unsigned)V, C);
+    embedding_bwd_runs_kernel<1><<<grid, block, 0, s>>>(w.keys_out, w.part, dweight, T, (unsigned)V, C);
+  }
+  check_launch("embedding_bwd");
+}
 // ------------------------------------------------------------------------------------------------
-// cross-entropy over rows of logits (R, V) with int64 targets: per-row loss = lse - x[target],
+// 4.2 cross-entropy
+// Cross-entropy over rows of logits (R, V) with int64 targets: per-row loss = lse - x[target],
 // then a single-block mean in a fixed order. Backward: (softmax - onehot) * dloss / R, with dloss
 // read from device memory so no host sync is needed. A target outside [0, V) gives that row a NaN
 // loss (so the mean is NaN) and NaN gradients, and goes to the error mailbox.
+//
+// Twin: F.cross_entropy. Uses: 1.2 row_reduce, 1.3, 1.4.
 
 template <int TX, int N, int VEC, class T>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kernel(const T* x, const int64_t* tgt,
@@ -1402,8 +2394,8 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kern
 
 // logits and dx of type T (fp32 or bf16); loss_rows and lse are R-float workspaces; loss is one float.
 template <class T>
-void cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss, int R, int C,
-                       cudaStream_t s) {
+void launch::cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss, int R, int C,
+                               cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x));
   LAUNCH_ROW(cross_entropy_fwd_kernel, (T), L, R, s, x, tgt, lse, loss_rows, R, C, index_error_box());
   check_launch("cross_entropy_fwd");
@@ -1412,340 +2404,519 @@ void cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_r
 }
 
 template <class T>
-void cross_entropy_bwd(const T* x, const int64_t* tgt, const float* lse, const float* dloss, T* dx, int R, int C,
-                       cudaStream_t s) {
+void launch::cross_entropy_bwd(const T* x, const int64_t* tgt, const float* lse, const float* dloss, T* dx, int R, int C,
+                               cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(dx));
   LAUNCH_ROW(cross_entropy_bwd_kernel, (T), L, R, s, x, tgt, lse, dloss, dx, R, C);
   check_launch("cross_entropy_bwd");
 }
 
-#define INSTANTIATE_CROSS_ENTROPY(T)                                                                          \
-  template void cross_entropy_fwd<T>(const T*, const int64_t*, float*, float*, float*, int, int, cudaStream_t); \
-  template void cross_entropy_bwd<T>(const T*, const int64_t*, const float*, const float*, T*, int, int, cudaStream_t);
+#define INSTANTIATE_CROSS_ENTROPY(T)                                                                                            \
+  template void launch::cross_entropy_fwd<T>(const T*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);         \
+  ONE_TEMPLATE(cross_entropy_fwd<T>);                                                                                           \
+  template void launch::cross_entropy_bwd<T>(const T*, const int64_t*, const float*, const float*, T*, int, int, cudaStream_t); \
+  ONE_TEMPLATE(cross_entropy_bwd<T>);
 INSTANTIATE_CROSS_ENTROPY(float)
 INSTANTIATE_CROSS_ENTROPY(__nv_bfloat16)
 #undef INSTANTIATE_CROSS_ENTROPY
 
+// ================================================================================================
+// 5. Decoding: GEMV, KV cache, top-k
+// Batch-1 work, bound by reading the weights or the row once.
+// ================================================================================================
+
 // ------------------------------------------------------------------------------------------------
-// activations, elementwise: GELU (erf and tanh), SiLU, and SwiGLU's silu(a) * b. Formulas follow
-// PyTorch's own (same operation order) so results agree to the last bit or two. One kernel serves
-// them all: a functor maps NIN input values to NOUT outputs (GELU forward 1 -> 1, SwiGLU backward
-// a, b, dy -> da, db). 16-byte loads when every pointer allows.
+// 5.1 GEMV
+// GEMV for decoding: y = W x (+ b), W row-major N x K. Bound by reading W once, so the kernel is
+// about keeping enough loads in flight: a warp reads a K-slice of one row with 16-byte loads (when
+// K % 4 == 0), eight per lane issued before they are used; a row is cut into KSPLIT slices when the
+// matrix has too few rows to give every SM ~32 warps (a 768 x 768 projection has 768 rows for 132
+// SMs), and the slices' partial sums are added in shared memory in a fixed order.
+// Batched for mixture-of-experts decoding: grid.y = S vectors, vector s multiplied by expert
+// experts[s] of a stack W (E, N, K), b (E, N). The index is read on the device, so a decode step
+// needs no host sync to pick its experts; an index outside [0, E) gives a NaN row and goes to the
+// error mailbox.
+//
+// Twin: torch.mv / addmv, train.torch_expert_gemv. Uses: 1.1 launch_pdl, 1.2, 1.4.
 
-struct GeluErf {
-  __device__ float fwd(float x) const { return x * 0.5f * (1.f + erff(x * (float)M_SQRT1_2)); }
-  __device__ float bwd(float x, float dy) const {
-    const float kAlpha = (float)(M_2_SQRTPI * M_SQRT1_2 * 0.5);
-    const float cdf = 0.5f * (1.f + erff(x * (float)M_SQRT1_2));
-    const float pdf = expf(-0.5f * x * x) * kAlpha;
-    return dy * (cdf + x * pdf);
-  }
-};
+constexpr int GEMV_WARPS = 8;
 
-struct GeluTanh {
-  static constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-  static constexpr float kKappa = 0.044715f;
-  __device__ float fwd(float x) const {
-    const float inner = kBeta * (x + kKappa * x * x * x);
-    return 0.5f * x * (1.f + tanhf(inner));
-  }
-  __device__ float bwd(float x, float dy) const {
-    const float x_sq = x * x;
-    const float inner = kBeta * (x + kKappa * x_sq * x);
-    const float t = tanhf(inner);
-    const float left = 0.5f * x, right = 1.f + t;
-    const float left_derivative = 0.5f * right;
-    const float right_derivative = left * (1.f - t * t) * kBeta * (1.f + 3.f * kKappa * x_sq);
-    return dy * (left_derivative + right_derivative);
-  }
-};
-
-__device__ __forceinline__ float sigmoidf(float u) { return 1.f / (1.f + expf(-u)); }
-
-// 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
-// wraps in a fix-up for results below 2^-126, which flush to 0 here). Softmax and Sinkhorn sum terms
-// of at most 1 (the max subtracted) into a sum of at least 1, so one that small is 0 at fp32's resolution.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
+// Sum of the products of 16 bytes of w and of x (4 fp32 or 8 bf16 values each), added in order.
+template <class T>
+__device__ __forceinline__ float dot16(const float4& w_raw, const float4& x_raw) {
+  float w[per16<T>()], x[per16<T>()], acc = 0.f;
+  unpack16(w_raw, w);
+  unpack16(x_raw, x);
+#pragma unroll
+  for (int i = 0; i < per16<T>(); ++i) acc += w[i] * x[i];
+  return acc;
 }
 
-// SiLU(x) = x * sigmoid(x), written as PyTorch writes it: x / (1 + exp(-x)).
-struct Silu {
-  __device__ float fwd(float x) const { return x / (1.f + expf(-x)); }
-  __device__ float bwd(float x, float dy) const {
-    const float s = sigmoidf(x);
-    return dy * s * (1.f + x * (1.f - s));
-  }
-};
-
-// The functors the kernel runs: an activation's forward and backward, and SwiGLU's.
-template <class A>
-struct ActFwd {
-  __device__ void operator()(const float (&in)[1], float (&out)[1]) const { out[0] = A().fwd(in[0]); }
-};
-template <class A>
-struct ActBwd {  // in: x, dy
-  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = A().bwd(in[0], in[1]); }
-};
-struct SwigluFwd {  // in: a, b -> silu(a) * b
-  __device__ void operator()(const float (&in)[2], float (&out)[1]) const { out[0] = Silu().fwd(in[0]) * in[1]; }
-};
-struct SwigluBwd {  // in: a, b, dy -> da = silu'(a) * b * dy, db = silu(a) * dy
-  __device__ void operator()(const float (&in)[3], float (&out)[2]) const {
-    out[0] = Silu().bwd(in[0], in[2] * in[1]);
-    out[1] = Silu().fwd(in[0]) * in[2];
-  }
-};
-
-template <int N, class T>
-struct Ptrs { const T* p[N]; };
-template <int N, class T>
-struct OutPtrs { T* p[N]; };
-
-// A 16-byte read-only load that asks L2 to fetch the whole 256-byte block around it: a streaming
-// kernel then reads DRAM in longer bursts.
-__device__ __forceinline__ float4 load_stream4(const void* p) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  float4 v;
-  asm volatile("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-#else
-  return *reinterpret_cast<const float4*>(p);
-#endif
-}
-
-// PER items of VEC values per thread (VEC = 16 bytes of T: 4 fp32 or 8 bf16, or VEC = 1), all loads
-// issued before any math so that several are in flight per thread. The arithmetic is fp32.
-template <class F, int NIN, int NOUT, int VEC, int PER, class T>
-__global__ void elementwise_kernel(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n) {
+// T: W, x, bias and y, fp32 or bf16 (bf16 halves the bytes per row); the sums are fp32.
+// Launched with launch_pdl, it waits for the kernel upstream before anything else. It does not ask L2
+// for its weights before that wait (prefetch.global.L2): in graphed decoding that slowed the step.
+template <bool VEC, int KSPLIT, class T>
+__global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const T* x, const T* bias, T* y, int N,
+                                                                int K, const int64_t* experts, int64_t E,
+                                                                IndexErrorBox* box) {
+  __shared__ float part[GEMV_WARPS];
   pdl_begin();
-  const F f;
-  const int64_t items = n / VEC;
-  const int64_t first = (int64_t)blockIdx.x * blockDim.x * PER + threadIdx.x;
-  float a[PER][NIN][VEC];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
+  const int s = blockIdx.y;
+  const int64_t e = experts ? experts[s] : 0;
+  const bool expert_ok = e >= 0 && e < E, ok = row < N && expert_ok;
+  if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
+  float acc = 0.f;
+  if (ok) {
+    const T* w = W + (e * N + row) * (int64_t)K;
+    const T* xs = x + (int64_t)s * K;
+    const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
+    const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
+    int u = u0 + lane;
+    if (VEC) {
+      const float4* w4 = reinterpret_cast<const float4*>(w);
+      const float4* x4 = reinterpret_cast<const float4*>(xs);
+      for (; u + 32 * 7 < u1; u += 32 * 8) {
+        float4 a[8];
 #pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int64_t i = first + u * blockDim.x;
-    if (i >= items) continue;
+        for (int j = 0; j < 8; ++j) a[j] = __ldcs(w4 + u + 32 * j);  // all loads first: eight in flight per lane
 #pragma unroll
-    for (int k = 0; k < NIN; ++k) {
-      if constexpr (VEC == 1) a[u][k][0] = to_float(in.p[k][i]);
-      else unpack16(load_stream4(in.p[k] + VEC * i), a[u][k]);
+        for (int j = 0; j < 8; ++j) acc += dot16<T>(a[j], x4[u + 32 * j]);
+      }
+#pragma unroll 4
+      for (; u < u1; u += 32) acc += dot16<T>(__ldcs(w4 + u), x4[u]);
+    } else {
+#pragma unroll 8
+      for (; u < u1; u += 32) acc += to_float(w[u]) * to_float(xs[u]);
     }
   }
+  acc = warp_sum(acc);
+  if (KSPLIT > 1) {
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    if (slice != 0) return;
+    acc = 0.f;
 #pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    const int64_t i = first + u * blockDim.x;
-    if (i >= items) continue;
-    float o[NOUT][VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      float x[NIN], y[NOUT];
-#pragma unroll
-      for (int k = 0; k < NIN; ++k) x[k] = a[u][k][e];
-      f(x, y);
-#pragma unroll
-      for (int j = 0; j < NOUT; ++j) o[j][e] = y[j];
-    }
-#pragma unroll
-    for (int j = 0; j < NOUT; ++j) {
-      if constexpr (VEC == 1) out.p[j][i] = from_float<T>(o[j][0]);
-      else reinterpret_cast<float4*>(out.p[j])[i] = pack16(o[j]);
-    }
+    for (int j = 0; j < KSPLIT; ++j) acc += part[warp + j];
+  }
+  if (lane == 0 && row < N)
+    y[(int64_t)s * N + row] = from_float<T>(expert_ok ? acc + (bias ? to_float(bias[e * N + row]) : 0.f) : NAN);
+}
+
+// grid.y runs over the vectors and stops at 65535: more take further launches, each on its slice of x,
+// y and experts (one launch at decoding's sizes).
+template <bool VEC, int KSPLIT, class T>
+static void gemv_launch(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts,
+                        int64_t E, IndexErrorBox* box, cudaStream_t s) {
+  for (int s0 = 0; s0 < S; s0 += 65535) {
+    const dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), std::min(S - s0, 65535));
+    launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x + (int64_t)s0 * K, bias,
+               y + (int64_t)s0 * N, N, K, experts ? experts + s0 : nullptr, E, box);
   }
 }
 
-template <class F, int NIN, int NOUT, class T>
-static void elementwise(Ptrs<NIN, T> in, OutPtrs<NOUT, T> out, int64_t n, const char* what, cudaStream_t s) {
-  if (n == 0) return;
-  constexpr int VEC = per16<T>();
-  bool vec = n % VEC == 0;
-  for (const T* p : in.p) vec = vec && aligned16(p);
-  for (T* p : out.p) vec = vec && aligned16(p);
-  const int64_t items = vec ? n / VEC : n;
-  // 2 vectors per thread in blocks of 128: the fastest of the shapes measured on an H200.
-  const unsigned blocks = (unsigned)((items + 255) / 256);
-  if (vec) launch_pdl(elementwise_kernel<F, NIN, NOUT, VEC, 2, T>, dim3(blocks), dim3(128), 0, s, in, out, n);
-  else launch_pdl(elementwise_kernel<F, NIN, NOUT, 1, 2, T>, dim3(blocks), dim3(128), 0, s, in, out, n);
-  check_launch(what);
-}
-
-// T: fp32 or bf16, every tensor of a call the same.
+// y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
 template <class T>
-void gelu_fwd(const T* x, T* y, int64_t n, bool tanh_approx, cudaStream_t s) {
-  if (tanh_approx) elementwise<ActFwd<GeluTanh>, 1, 1, T>({{x}}, {{y}}, n, "gelu_fwd", s);
-  else elementwise<ActFwd<GeluErf>, 1, 1, T>({{x}}, {{y}}, n, "gelu_fwd", s);
+void launch::gemv(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts, int64_t E,
+                  cudaStream_t s) {
+  if (N == 0 || S == 0) return;
+  const bool vec = K % per16<T>() == 0 && aligned16(W) && aligned16(x);
+  IndexErrorBox* box = experts ? index_error_box() : nullptr;
+  // Slices per row: enough warps for ~32 per SM, each slice still at least a full warp of 16-byte loads.
+  const int min_slice = 32 * per16<T>();
+  int ksplit = 1;
+  while (ksplit < GEMV_WARPS && (int64_t)N * S * ksplit < 32 * num_sms() && K / (ksplit * 2) >= min_slice) ksplit *= 2;
+#define GEMV_CASE(KS)                                                              \
+  case KS:                                                                         \
+    if (vec) gemv_launch<true, KS, T>(W, x, bias, y, N, K, S, experts, E, box, s); \
+    else gemv_launch<false, KS, T>(W, x, bias, y, N, K, S, experts, E, box, s);    \
+    break;
+  switch (ksplit) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(4) GEMV_CASE(8) }
+#undef GEMV_CASE
+  check_launch("gemv");
 }
-
-template <class T>
-void gelu_bwd(const T* x, const T* dy, T* dx, int64_t n, bool tanh_approx, cudaStream_t s) {
-  if (tanh_approx) elementwise<ActBwd<GeluTanh>, 2, 1, T>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
-  else elementwise<ActBwd<GeluErf>, 2, 1, T>({{x, dy}}, {{dx}}, n, "gelu_bwd", s);
-}
-
-template <class T>
-void silu_fwd(const T* x, T* y, int64_t n, cudaStream_t s) {
-  elementwise<ActFwd<Silu>, 1, 1, T>({{x}}, {{y}}, n, "silu_fwd", s);
-}
-
-template <class T>
-void silu_bwd(const T* x, const T* dy, T* dx, int64_t n, cudaStream_t s) {
-  elementwise<ActBwd<Silu>, 2, 1, T>({{x, dy}}, {{dx}}, n, "silu_bwd", s);
-}
-
-template <class T>
-void swiglu_fwd(const T* a, const T* b, T* y, int64_t n, cudaStream_t s) {
-  elementwise<SwigluFwd, 2, 1, T>({{a, b}}, {{y}}, n, "swiglu_fwd", s);
-}
-
-template <class T>
-void swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T* db, int64_t n, cudaStream_t s) {
-  elementwise<SwigluBwd, 3, 2, T>({{a, b, dy}}, {{da, db}}, n, "swiglu_bwd", s);
-}
-
-#define INSTANTIATE_ACTIVATIONS(T)                                                          \
-  template void gelu_fwd<T>(const T*, T*, int64_t, bool, cudaStream_t);                     \
-  template void gelu_bwd<T>(const T*, const T*, T*, int64_t, bool, cudaStream_t);           \
-  template void silu_fwd<T>(const T*, T*, int64_t, cudaStream_t);                           \
-  template void silu_bwd<T>(const T*, const T*, T*, int64_t, cudaStream_t);                 \
-  template void swiglu_fwd<T>(const T*, const T*, T*, int64_t, cudaStream_t);               \
-  template void swiglu_bwd<T>(const T*, const T*, const T*, T*, T*, int64_t, cudaStream_t);
-INSTANTIATE_ACTIVATIONS(float)
-INSTANTIATE_ACTIVATIONS(__nv_bfloat16)
-#undef INSTANTIATE_ACTIVATIONS
+template void launch::gemv<float>(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t,
+                                  cudaStream_t);
+ONE_TEMPLATE(gemv<float>);
+template void launch::gemv<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
+                                          int, int, int, const int64_t*, int64_t, cudaStream_t);
+ONE_TEMPLATE(gemv<__nv_bfloat16>);
 
 // ------------------------------------------------------------------------------------------------
-// rotary position embedding (RoPE), with the "rotate half" pairing of GPT-NeoX and of Llama as
-// Hugging Face runs it: element i of a head pairs with element i + D/2, and the pair turns by the
-// angle of its token's position times frequency i:
-//   out_i = x_i cos - x_{i+D/2} sin,   out_{i+D/2} = x_{i+D/2} cos + x_i sin.
-// cos and sin arrive as (T, D/2) tables of the T tokens' angles, so decoding at any cache position
-// runs the same kernel. x may be a strided (B, H, T, D) view (the heads of a fused QKV projection);
-// the output is contiguous, so the rotation also does the transpose that attention needs. Each
-// product is rounded on its own (__fmul_rn: no fused multiply-add) so the forward equals PyTorch's
-// formula bit for bit. The backward is the rotation by -angle: the same kernel with sin negated.
+// 5.2 KV cache write
+// KV cache write for decoding: k and v (B, H, T, D), rows of this step's keys and values, go to rows
+// positions[t] of the caches (B, H, S, D), in place; one kernel for both (index_copy_ twice in the
+// torch op set), launched with launch_pdl like the attention that reads the caches next. A warp copies
+// a row, in 16-byte units where the rows allow. A position outside [0, S) writes nothing and goes to
+// the error mailbox.
+//
+// Twin: train.torch_kv_write. Uses: 1.1, 1.4.
 
 template <class T>
-struct RopeArgs {
-  const T* x;
-  const float *cos, *sin;
-  T* out;
-  int64_t sb, sh, st;  // x's strides of B, H, T (D is contiguous)
-  int H, T_, half;     // T_: tokens; half = D / 2
+struct KvWriteArgs {
+  T *k_cache, *v_cache;       // (B, H, S, D) contiguous
+  const T *k, *v;             // (B, H, T, D), last dim contiguous
+  int64_t ksb, ksh, kst;      // k's strides (b, h, t); v's below
+  int64_t vsb, vsh, vst;
+  const int64_t* positions;   // (T,)
+  int B, H, NT, S, D;         // NT: the T of k and v (tokens this call writes)
+  IndexErrorBox* box;
 };
 
-// The pair (x1, x2) turned by the angle of cosine c and sine s, each product rounded on its own.
-__device__ __forceinline__ void rope_turn(float x1, float x2, float c, float s, float& o1, float& o2) {
-  o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-  o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
-}
-
-// T: x and out, fp32 or bf16 (a bf16 pair is rotated in fp32 and rounded once).
-template <bool BWD, class T>
-__global__ void rope_kernel(RopeArgs<T> a, int64_t n) {
-  const int64_t step = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) {
-    const int i = (int)(e % a.half);
-    const int64_t row = e / a.half;  // (b * H + h) * T + t: the output row
-    const int t = (int)(row % a.T_);
-    const int h = (int)(row / a.T_ % a.H);
-    const int64_t b = row / a.T_ / a.H;
-    const T* x = a.x + b * a.sb + h * a.sh + t * a.st;
-    const float c = a.cos[(int64_t)t * a.half + i];
-    const float s = BWD ? -a.sin[(int64_t)t * a.half + i] : a.sin[(int64_t)t * a.half + i];
-    const float x1 = to_float(x[i]), x2 = to_float(x[i + a.half]);
-    T* o = a.out + row * 2 * a.half;
-    float o1, o2;
-    rope_turn(x1, x2, c, s, o1, o2);
-    o[i] = from_float<T>(o1);
-    o[i + a.half] = from_float<T>(o2);
+template <int VEC, class T>
+__global__ void __launch_bounds__(128) kv_write_kernel(KvWriteArgs<T> a) {
+  pdl_begin();
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;  // (b, h, t), t fastest
+  if (row >= (int64_t)a.B * a.H * a.NT) return;
+  const int t = row % a.NT, h = (row / a.NT) % a.H, b = row / ((int64_t)a.NT * a.H);
+  const int64_t pos = a.positions[t];
+  if (pos < 0 || pos >= a.S) {
+    if (threadIdx.x == 0 && h == 0 && b == 0) report_bad_index(a.box, kBadCachePosition, pos, a.S);
+    return;
+  }
+  const int64_t dst = (((int64_t)b * a.H + h) * a.S + pos) * a.D;
+  const T* k = a.k + b * a.ksb + h * a.ksh + t * a.kst;
+  const T* v = a.v + b * a.vsb + h * a.vsh + t * a.vst;
+  for (int u = threadIdx.x; u < a.D / VEC; u += 32) {
+    if constexpr (VEC == 1) {
+      a.k_cache[dst + u] = k[u];
+      a.v_cache[dst + u] = v[u];
+    } else {
+      reinterpret_cast<float4*>(a.k_cache + dst)[u] = reinterpret_cast<const float4*>(k)[u];
+      reinterpret_cast<float4*>(a.v_cache + dst)[u] = reinterpret_cast<const float4*>(v)[u];
+    }
   }
 }
 
-// out (B, H, T, D) contiguous; x with strides sb, sh, st and a contiguous last dim.
 template <class T>
-void rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
-          int64_t sh, int64_t st, bool backward, cudaStream_t s) {
-  const int64_t n = (int64_t)B * H * T_ * (D / 2);
-  if (n == 0) return;
-  const RopeArgs<T> a{x, cos, sin, out, sb, sh, st, H, T_, D / 2};
-  const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 32 * num_sms());
-  if (backward) rope_kernel<true, T><<<blocks, 256, 0, s>>>(a, n);
-  else rope_kernel<false, T><<<blocks, 256, 0, s>>>(a, n);
-  check_launch("rope");
+void launch::kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const int64_t* k_strides, const int64_t* v_strides,
+                      const int64_t* positions, int B, int H, int T_, int S, int D, cudaStream_t s) {
+  const int64_t rows = (int64_t)B * H * T_;
+  if (rows == 0 || D == 0) return;
+  KvWriteArgs<T> a{k_cache, v_cache, k, v, k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1],
+                   v_strides[2], positions, B, H, T_, S, D, index_error_box()};
+  constexpr int VEC = per16<T>();
+  bool vec = D % VEC == 0 && aligned16(k_cache) && aligned16(v_cache) && aligned16(k) && aligned16(v);
+  for (int i = 0; i < 3; ++i) vec = vec && k_strides[i] % VEC == 0 && v_strides[i] % VEC == 0;
+  const dim3 block(32, 4), grid((unsigned)ceil_div(rows, 4));
+  if (vec) launch_pdl(kv_write_kernel<VEC, T>, grid, block, 0, s, a);
+  else launch_pdl(kv_write_kernel<1, T>, grid, block, 0, s, a);
+  check_launch("kv_write");
 }
-template void rope<float>(const float*, const float*, const float*, float*, int, int, int, int, int64_t, int64_t,
-                          int64_t, bool, cudaStream_t);
-template void rope<__nv_bfloat16>(const __nv_bfloat16*, const float*, const float*, __nv_bfloat16*, int, int, int,
-                                  int, int64_t, int64_t, int64_t, bool, cudaStream_t);
+template void launch::kv_write<float>(float*, float*, const float*, const float*, const int64_t*, const int64_t*,
+                                      const int64_t*, int, int, int, int, int, cudaStream_t);
+ONE_TEMPLATE(kv_write<float>);
+template void launch::kv_write<__nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                              const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
+                                              cudaStream_t);
+ONE_TEMPLATE(kv_write<__nv_bfloat16>);
 
 // ------------------------------------------------------------------------------------------------
-// tensor-core helpers: mma.sync m16n8k8 with TF32 operands, used by matmul and fused attention.
+// 5.3 top-k
+// Top-k over the last dim, sorted descending like torch.topk. Order: larger value first, NaN above
+// everything, equal values (-0 and +0 included) by lower index first. That order is the order of a
+// 64-bit key per element: the value's bits made order-preserving in the high word, the complement
+// of the column in the low word. Keys within a row are distinct, so "the top k" is "the k largest
+// keys" and needs no tie rule of its own; key 0 is below every element and marks padding. The
+// outputs read the value back from x, so -0 and NaN payloads come out as they went in.
 //
-// TF32 keeps 10 of fp32's 23 mantissa bits. PRECISE mode splits each operand x = hi + lo (both
-// TF32) and sums lo*hi + hi*lo + hi*hi ("3xTF32"): about fp32 accuracy at tensor-core speed, the
-// trick PyTorch's fp32 attention kernels use too. PRECISE = false does one TF32 product.
+// Rows of up to 512 with k <= 16 (MoE routing, small vocabularies) take one warp per row: the row
+// in registers, k rounds of "warp max, retire the winner"; no shared memory, no barrier, one launch.
 //
-// Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): A (16 x 8) a0 = (g, t), a1 = (g+8, t),
-// a2 = (g, t+4), a3 = (g+8, t+4); B (8 x 8) b0 = (k=t, n=g), b1 = (k=t+4, n=g); C (16 x 8)
-// c0,c1 = (g, 2t), (g, 2t+1), c2,c3 = (g+8, 2t), (g+8, 2t+1).
+// Everything else is a block radix select. Each thread holds its keys in registers; for 8-bit
+// digits from the top, the keys still in the running build a shared histogram, one warp scans it
+// for the digit that holds the k-th largest key, and the running set narrows to that digit's
+// bucket, until the bucket holds exactly as many keys as are still wanted (after 4 digits when the
+// values are distinct, at most 8). The chosen keys are gathered unsorted in shared memory; the
+// final pass ranks them (each of the k counts the larger ones) and writes values and indices.
+// Where the rows alone would leave SMs idle (a single 50k-wide row gives one block's work to a
+// 132-SM GPU), a row wider than one block holds is split: pass 1 gives each slice of about 2048
+// columns (wider where there are rows enough to fill the GPU) a block that writes its top-k keys to
+// the workspace, and pass 2, one block per row, selects again over those candidates. At most 64
+// slices per row, so pass 2 reads at most 64 * 128 keys. A block whose share exceeds its registers
+// reads it in chunks, the top k so far riding along as one extra key per thread. Two launches at
+// most, no host sync, and each element is read from memory once (torch.topk's radix select counts
+// digits in several passes over the row).
+//
+// Twin: train.torch_topk (a stable sort). Uses: 1.2.
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
+constexpr int TOPK_WARP_MAX_L = 512, TOPK_WARP_MAX_K = 16;  // the one-warp-per-row kernel's limits
+constexpr int TOPK_BLOCK_MAX_THREADS = 512;
+constexpr int TOPK_SLICE = 2048, TOPK_MAX_SLICES = 64;      // the split of a wide row
+
+__device__ __forceinline__ uint64_t topk_key(float v, uint32_t col) {
+  const uint32_t b = __float_as_uint(v);
+  uint32_t u;
+  if ((b & 0x7fffffffu) > 0x7f800000u) u = 0xffffffffu;  // any NaN: above +inf
+  else if ((b & 0x7fffffffu) == 0) u = 0x80000000u;      // -0 ties with +0
+  else u = (b & 0x80000000u) ? ~b : (b | 0x80000000u);    // larger float, larger u (>= 0x007fffff)
+  return (uint64_t)u << 32 | (uint32_t)~col;             // equal values: lower column, larger key
 }
 
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-  __trap();  // tensor-core TF32 needs sm_80+; the launchers refuse older GPUs
-#endif
-}
+__device__ __forceinline__ uint32_t topk_col(uint64_t key) { return ~(uint32_t)key; }
 
-// An operand fragment as hi (and lo, when PRECISE) TF32 parts. PRECISE splits by truncation:
-// hi = x with the 13 mantissa bits TF32 lacks cleared, lo = x - hi (exact in fp32), and the tensor
-// core drops lo's own low bits. Two integer/float ops per value instead of two conversions; the
-// dropped lo*lo term and lo's truncation leave a relative error near 2^-20 per product.
-template <int NR, bool PRECISE>
-struct Frag {
-  uint32_t hi[NR], lo[NR];
-  __device__ __forceinline__ void set(const float (&x)[NR]) {
+__device__ __forceinline__ uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+// One warp per row (rows stacked in threadIdx.y), L <= 32 * M, k <= 32.
+template <int M>
+__global__ void topk_warp_kernel(const float* __restrict__ x, float* __restrict__ values,
+                                 int64_t* __restrict__ indices, int64_t rows, int L, int k) {
+  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // the whole warp; nothing below waits for it
+  const int lane = threadIdx.x;
+  const float* xr = x + row * L;
+  uint64_t key[M];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      if (PRECISE) {
-        hi[i] = __float_as_uint(x[i]) & 0xffffe000u;
-        lo[i] = __float_as_uint(x[i] - __uint_as_float(hi[i]));
-      } else {
-        hi[i] = to_tf32(x[i]);
+  for (int j = 0; j < M; ++j) {
+    const int col = j * 32 + lane;
+    key[j] = col < L ? topk_key(xr[col], col) : 0;
+  }
+  uint64_t mine = 0;  // lane r keeps the r-th largest
+  for (int r = 0; r < k; ++r) {
+    uint64_t best = key[0];
+#pragma unroll
+    for (int j = 1; j < M; ++j) best = max_u64(best, key[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = max_u64(best, __shfl_xor_sync(0xffffffffu, best, o));
+#pragma unroll
+    for (int j = 0; j < M; ++j)
+      if (key[j] == best) key[j] = 0;  // keys are distinct: only the owner's matches
+    if (lane == r) mine = best;
+  }
+  if (lane < k) {  // k <= L, so every round found a real key
+    const uint32_t col = topk_col(mine);
+    values[row * k + lane] = xr[col];
+    indices[row * k + lane] = col;
+  }
+}
+
+struct TopkShared {
+  alignas(16) unsigned hist[256];
+  uint64_t chosen[limits::topk_max_k];  // the top k so far, unsorted
+  unsigned pick[4];             // the scan's answer: digit, keys above it in the bucket, keys in it, total
+  unsigned slots;               // slot counter for gathering chosen keys; never reset, see `base`
+};
+
+// Among the block's keys (N per thread; 0 is padding, the others distinct), find the k largest, or
+// all of them if fewer. Returns how many (the same in every thread) and sets mask and want so that a
+// key is chosen iff key != 0 && (key & mask) >= want. sh.hist is zero on entry and again on return.
+// Every thread of the block calls it; blockDim.x is a multiple of 32.
+template <int N>
+__device__ __forceinline__ int topk_block_select(const uint64_t (&key)[N], int k, TopkShared& sh,
+                                                 uint64_t& mask, uint64_t& want) {
+  const int lane = threadIdx.x & 31;
+  mask = 0;
+  want = 0;
+  unsigned need = 0, chosen = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    // the histogram of this digit over the keys whose higher digits are `want`; when a warp's
+    // such keys share one digit (the merge's candidates often do), one lane adds for all of them
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const bool in = key[j] != 0 && (key[j] & mask) == want;
+      const unsigned d = (unsigned)(key[j] >> shift) & 255u;
+      const unsigned act = __ballot_sync(0xffffffffu, in);
+      if (act == 0) continue;
+      const int first = __ffs(act) - 1;
+      const unsigned d0 = __shfl_sync(0xffffffffu, d, first);
+      if (__all_sync(0xffffffffu, !in || d == d0)) {
+        if (lane == first) atomicAdd(&sh.hist[d0], (unsigned)__popc(act));
+      } else if (in) {
+        atomicAdd(&sh.hist[d], 1u);
       }
     }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // lane l owns bins 8l..8l+7: read, clear, find the bin of the need-th from the top
+      uint4* h4 = reinterpret_cast<uint4*>(sh.hist) + 2 * lane;
+      const uint4 a = h4[0], b = h4[1];
+      h4[0] = make_uint4(0, 0, 0, 0);
+      h4[1] = make_uint4(0, 0, 0, 0);
+      const unsigned h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      unsigned own = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) own += h[i];
+      unsigned from = own;  // keys in the bins of lanes >= this one
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_down_sync(0xffffffffu, from, o);
+        if (lane + o < 32) from += t;
+      }
+      const unsigned total = __shfl_sync(0xffffffffu, from, 0);
+      const unsigned n = shift == 56 ? min((unsigned)k, total) : need;
+      unsigned above = from - own;
+#pragma unroll
+      for (int i = 7; i >= 0; --i) {  // exactly one bin has above < n <= above + h (when n >= 1)
+        if (above < n && above + h[i] >= n) {
+          sh.pick[0] = 8 * lane + i;
+          sh.pick[1] = above;
+          sh.pick[2] = h[i];
+        }
+        above += h[i];
+      }
+      if (lane == 0) sh.pick[3] = total;
+    }
+    __syncthreads();  // pick is read below and rewritten only after the next histogram's barrier
+    if (shift == 56) {
+      chosen = need = min((unsigned)k, sh.pick[3]);
+      if (need == 0) break;
+    }
+    need -= sh.pick[1];
+    mask |= 0xffull << shift;
+    want |= (uint64_t)sh.pick[0] << shift;
+    if (sh.pick[2] == need) break;  // the whole bucket is wanted; at shift 0 the bucket is one key
   }
-};
-
-template <bool PRECISE>
-__device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, const Frag<2, PRECISE>& b) {
-  if (PRECISE) {  // small terms first
-    mma_tf32(c, a.lo, b.hi);
-    mma_tf32(c, a.hi, b.lo);
-  }
-  mma_tf32(c, a.hi, b.hi);
+  return (int)chosen;
 }
 
+struct TopkPass {
+  const float* x;           // (rows, L): read by a pass over the columns, and for the final values
+  const uint64_t* keys_in;  // pass 2 of a split: (rows, len) candidate keys; else nullptr
+  uint64_t* keys_out;       // pass 1 of a split: (rows, nseg, k) keys, 0-padded; else nullptr
+  float* values;            // the final pass: (rows, k); else nullptr
+  int64_t* indices;
+  int64_t len, seglen;      // keys per row read by this pass; each block's share of them
+  int L, k, nseg;
+};
+
+// Block (row, seg) of rows * nseg: the top k of its share of the row. blockDim.x in [128, 512],
+// a multiple of 32 and >= k (one carried key per thread); N keys per thread per chunk.
+template <int N, bool FROM_KEYS>
+__global__ void __launch_bounds__(TOPK_BLOCK_MAX_THREADS) topk_block_kernel(TopkPass p) {
+  __shared__ TopkShared sh;
+  const int64_t row = blockIdx.x / p.nseg;
+  const int seg = blockIdx.x % p.nseg, tid = threadIdx.x, k = p.k;
+  for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
+  if (tid == 0) sh.slots = 0;
+  __syncthreads();
+  const int64_t lo = seg * p.seglen, hi = lo + p.seglen < p.len ? lo + p.seglen : p.len;
+  int carried = 0;
+  unsigned base = 0;  // sh.slots before this chunk's gather
+  for (int64_t c = lo; c < hi; c += (int64_t)N * blockDim.x) {
+    uint64_t key[N + 1];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t i = c + (int64_t)j * blockDim.x + tid;
+      if (FROM_KEYS) key[j] = i < hi ? p.keys_in[row * p.len + i] : 0;
+      else key[j] = i < hi ? topk_key(p.x[row * p.L + i], (uint32_t)i) : 0;
+    }
+    key[N] = tid < carried ? sh.chosen[tid] : 0;  // read before the select's first barrier
+    uint64_t mask, want;
+    const int n = topk_block_select<N + 1>(key, k, sh, mask, want);
+#pragma unroll
+    for (int j = 0; j <= N; ++j)
+      if (key[j] != 0 && (key[j] & mask) >= want) {
+        const unsigned slot = atomicAdd(&sh.slots, 1u) - base;
+        if (slot < limits::topk_max_k) sh.chosen[slot] = key[j];
+      }
+    base += n;
+    carried = n;
+    __syncthreads();  // chosen[] complete
+  }
+  if (p.keys_out) {
+    if (tid < k) p.keys_out[(row * p.nseg + seg) * k + tid] = tid < carried ? sh.chosen[tid] : 0;
+    return;
+  }
+  for (int t = tid; t < carried; t += blockDim.x) {  // carried == k here: the row has >= k columns
+    const uint64_t mine = sh.chosen[t];
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < carried; ++j) rank += sh.chosen[j] > mine;
+    const uint32_t col = topk_col(mine);
+    p.values[row * k + rank] = p.x[row * p.L + col];
+    p.indices[row * k + rank] = col;
+  }
+}
+
+// Threads and keys per thread for a block that reads `share` keys: up to 2048, 4 keys a thread
+// (128 to 512 threads); beyond, 16 a thread, and chunks past 512 * 16.
+static void topk_block_launch(const TopkPass& p, int64_t blocks, int64_t share, cudaStream_t s) {
+  const int n = share <= 4 * TOPK_BLOCK_MAX_THREADS ? 4 : 16;
+  int threads = 128;
+  while (threads < TOPK_BLOCK_MAX_THREADS && (int64_t)threads * n < share) threads *= 2;
+  const bool from_keys = p.keys_in != nullptr;
+  if (n == 4 && from_keys) topk_block_kernel<4, true><<<(unsigned)blocks, threads, 0, s>>>(p);
+  else if (n == 4) topk_block_kernel<4, false><<<(unsigned)blocks, threads, 0, s>>>(p);
+  else if (from_keys) topk_block_kernel<16, true><<<(unsigned)blocks, threads, 0, s>>>(p);
+  else topk_block_kernel<16, false><<<(unsigned)blocks, threads, 0, s>>>(p);
+  check_launch("topk");
+}
+
+struct TopkPlan {
+  bool warp;       // one warp per row
+  int nseg;        // > 1: split into slices of seglen columns, then merge
+  int64_t seglen;
+};
+
+// The one place that decides how a call runs; topk_workspace_bytes() sizes the workspace from it.
+static TopkPlan topk_plan(int64_t rows, int L, int k) {
+  TopkPlan p{L <= TOPK_WARP_MAX_L && k <= TOPK_WARP_MAX_K, 1, L};
+  if (p.warp || L <= TOPK_BLOCK_MAX_THREADS * 16) return p;  // one block holds the row
+  // slices of about TOPK_SLICE columns, no more than ~8 blocks per SM need, at most 64 a row
+  const int64_t fill = std::max<int64_t>(1, ceil_div(8 * (int64_t)num_sms(), rows));
+  const int64_t nseg = std::min<int64_t>(std::min<int64_t>(ceil_div(L, TOPK_SLICE), TOPK_MAX_SLICES), fill);
+  p.seglen = ceil_div(L, nseg);
+  p.nseg = ceil_div(L, p.seglen);  // no empty slice
+  return p;
+}
+
+// Bytes of workspace topk() needs: the candidate keys of a split row.
+size_t launch::topk_workspace_bytes(int64_t rows, int L, int k) {
+  const TopkPlan p = topk_plan(rows, L, k);
+  return p.nseg > 1 ? (size_t)rows * p.nseg * k * sizeof(uint64_t) : 0;
+}
+
+void launch::topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
+                  cudaStream_t s) {
+  if (rows == 0) return;
+  const TopkPlan plan = topk_plan(rows, L, k);
+  if (plan.warp) {
+    const dim3 block(32, 4), grid(ceil_div(rows, 4));
+    if (L <= 32) topk_warp_kernel<1><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else if (L <= 64) topk_warp_kernel<2><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else if (L <= 128) topk_warp_kernel<4><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else if (L <= 256) topk_warp_kernel<8><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    else topk_warp_kernel<16><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
+    check_launch("topk");
+    return;
+  }
+  TopkPass last{};
+  last.x = x;
+  last.values = values;
+  last.indices = indices;
+  last.L = L;
+  last.k = k;
+  last.nseg = 1;
+  if (plan.nseg > 1) {
+    TopkPass first = last;
+    first.values = nullptr;
+    first.indices = nullptr;
+    first.keys_out = static_cast<uint64_t*>(workspace);
+    first.len = L;
+    first.seglen = plan.seglen;
+    first.nseg = plan.nseg;
+    topk_block_launch(first, rows * plan.nseg, plan.seglen, s);
+    last.keys_in = first.keys_out;
+    last.len = (int64_t)plan.nseg * k;
+  } else {
+    last.len = L;
+  }
+  last.seglen = last.len;
+  topk_block_launch(last, rows, last.len, s);
+}
+
+// ================================================================================================
+// 6. Matmul
+// mma.sync on any GPU from sm_80, then Hopper's wgmma for fp32 (3xTF32) and bf16.
+// ================================================================================================
+
 // ------------------------------------------------------------------------------------------------
-// matmul: C = alpha * op(A) * op(B) (+ bias[n]) on the tensor cores in 3xTF32 (fp32 accuracy),
-// batched over grid.z. This mma.sync kernel runs on any GPU from sm_80 and takes the small products
-// on Hopper too (the wgmma kernel below takes the big ones). op(A) is M x K: stored row-major with leading dim lda (TA = false,
-// A[m][k] = a[m*lda + k]) or as its transpose (TA = true, A[m][k] = a[k*lda + m]); likewise op(B)
-// is K x N (TB = true reads b[n*ldb + k], the layout of a linear layer's weight). A batch stride of
+// 6.1 matmul on mma.sync (any GPU from sm_80)
+// Matmul: C = alpha * op(A) * op(B) (+ bias[n]) on the tensor cores in 3xTF32 (fp32 accuracy), batched over
+// grid.z. This mma.sync kernel runs on any GPU from sm_80 and takes the small products on Hopper too (the
+// wgmma kernel below takes the big ones). op(A) is M x K: stored row-major with leading dim lda (TA = false,
+// A[m][k] = a[m*lda + k]) or as its transpose (TA = true, A[m][k] = a[k*lda + m]); likewise op(B) is K x N
+// (TB = true reads b[n*ldb + k], the layout of a linear layer's weight). A batch stride of
 // 0 broadcasts an operand.
 //
 // A block computes a BM x BN tile of C with 2 x (warps / 2) warps, each a (BM/2) x (BN/(warps/2))
@@ -1755,6 +2926,8 @@ __device__ __forceinline__ void mma(float (&c)[4], const Frag<4, PRECISE>& a, co
 // (double-buffered shared memory, one barrier per tile). Global loads are bounds-checked and laid
 // out so consecutive threads read consecutive addresses in either storage order, 16 bytes at a
 // time when sizes and pointers allow: any M, N, K and any alignment work.
+//
+// Twin: torch.matmul, F.linear. Uses: 1.1, 1.6 Frag, mma.
 
 struct MatmulArgs {
   const float* a; const float* b; const float* bias; float* c;
@@ -1960,9 +3133,9 @@ __global__ void matmul_reduce_kernel(const float* part, const float* bias, float
 }
 
 // ------------------------------------------------------------------------------------------------
-// matmul on Hopper (sm_90a): pack, then wgmma.
+// 6.2 fp32 matmul on Hopper: pack, then wgmma
 //
-// The tensor cores of an H100 are fed by `wgmma`, which reads its operands straight from shared
+// Hopper's tensor cores are fed by `wgmma`, which reads its operands straight from shared
 // memory in a fixed layout: for TF32 both operands K-major, rows of 32 floats (128 bytes) whose
 // 16-byte chunks are permuted ("128-byte swizzle": chunk c of row r sits at c ^ (r % 8)) so the
 // tensor cores read them without bank conflicts. A pack kernel first rewrites op(A) (M x K) and
@@ -1977,6 +3150,8 @@ __global__ void matmul_reduce_kernel(const float* part, const float* bias, float
 // warpgroups 1 and 2 each compute 64 x 128 of the block's 128 x 128 tile of C. The tensor core
 // accumulates without rounding to nearest, so each 32-wide K step is summed into a fresh register
 // tile and then added to the fp32 accumulator with ordinary (rounded) adds.
+//
+// Twin: as 6.1. Uses: 1.7 mbarriers, bulk_copy, wgmma_tf32.
 
 constexpr int WG_BM = 128, WG_BN = 128, WG_BK = 32, WG_STAGES = 3;
 constexpr int WG_PLANE = 128 * WG_BK;           // floats in one plane of a packed tile (16 KB)
@@ -2020,120 +3195,6 @@ __global__ void __launch_bounds__(256) matmul_pack_kernel(PackArgs p) {
     *reinterpret_cast<float4*>(out + off) = make_float4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<float4*>(out + WG_PLANE + off) = make_float4(lo[0], lo[1], lo[2], lo[3]);
   }
-}
-
-// PTX wrappers: mbarriers, the bulk copy, wgmma. Only sm_90a has wgmma; elsewhere the kernel traps
-// and the launcher never picks it.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WG_ENABLED 1
-#endif
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// The same expectation without an arrival, for a barrier whose arrivals come from several threads.
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Wait until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// The stage ring's barriers, set up by one thread before the block's first __syncthreads: full[s]
-// completes on the producer's arrive (with the copies' byte count), empty[s] on one arrive per
-// reading warp: `readers`, 8 for two consumer warpgroups (10 in the bf16 matmul with its row-sum warps).
-template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty, int readers = 8) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, readers);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
-// Shared-memory matrix descriptor for a 128-byte-swizzled operand: its start address and two byte
-// strides, lbo (between 64-element slabs along M or N; unused by K-major operands) and sbo (between
-// groups of 8 rows).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
-}
-
-// K-major TF32 tile: groups of 8 rows 1024 bytes apart.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) { return smem_desc(addr, 16, 1024); }
-
-// d (64 x 128, spread over the warpgroup) = a (64 x 8) * b (8 x 128) + (accumulate ? d : 0), TF32.
-__device__ __forceinline__ void wgmma_tf32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
-#ifdef WG_ENABLED
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
-      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(accumulate));
-#endif
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef WG_ENABLED
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef WG_ENABLED
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
-}
-
-// Wait until at most n committed groups of this warpgroup's wgmma are still running.
-template <int n>
-__device__ __forceinline__ void wgmma_wait() {
-#ifdef WG_ENABLED
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(n) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-#ifdef WG_ENABLED
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
-#endif
 }
 
 struct WgmmaArgs {
@@ -2240,7 +3301,7 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// bf16 matmul on Hopper: tensor-map copies + wgmma.
+// 6.3 bf16 matmul on Hopper: tensor-map copies, then wgmma
 //
 // bf16 needs no pack. wgmma reads 16-bit operands in either orientation: K-major, or M/N-major
 // when the instruction's transpose bit is set. The tensor-map copy engine (TMA) lifts a tile of the
@@ -2270,16 +3331,17 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // Row sums of A: a linear's bias gradient is dy's column sums, and its weight gradient dy^T x reads dy
 // as A (M-major: M = out_features, K = tokens), so every element of it passes through shared memory
 // in this kernel. Two warps of the producer warpgroup, idle otherwise, read each stage's A tile once
-// more and add it along K: the bias gradient without a pass of its own over dy (which cost about 5%
-// of a large-preset training step). They arrive on the stage's empty barrier like the consumers.
+// more and add it along K: the bias gradient without a pass of its own over dy. They arrive on the
+// stage's empty barrier like the consumers.
 //
 // Shared-memory layouts (all 1024-byte aligned, 128-byte swizzle):
 //   K-major slab: rows of 64 K values (128 bytes), 8-row groups 1024 bytes apart; a k16 step moves
 //                 the descriptor 32 bytes along the row.
 //   M/N-major slab: 64 K-rows of 64 M (or N) values, 8 K-rows per 1024 bytes; a k16 step moves it
 //                 two groups (2048 bytes); slabs for the next 64 of N sit 8192 bytes apart.
+//
+// Twin: torch.matmul, F.linear in bf16. Uses: 1.1 tensor maps, 1.7 tma_load, wgmma_bf16, named barriers.
 
-constexpr int SMEM_BLOCK_MAX = 227 * 1024;  // the most shared memory a block may have (sm_90)
 constexpr int BF_BM = 128, BF_BK = 64;
 constexpr int BF_SLAB = 64 * BF_BK * 2;     // one 64 x 64 bf16 slab (8 KB); also one epilogue piece
 constexpr int BF_A_BYTES = BF_BM * BF_BK * 2;  // 16 KB
@@ -2309,141 +3371,6 @@ struct Bf16MatmulArgs {
   float* a_rowsum = nullptr;  // TA, batch 1: A's row sums over this split's K, at a_rowsum + split * M
 };
 
-// Copies one box of a 3-D tensor map (x fastest) into shared memory; completion counted on bar.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int x, int y, int z, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];" ::"r"(dst),
-      "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
-      : "memory");
-}
-
-// The same for one box of a 4-D tensor map (attention's (d, s, head, batch)).
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int x, int y, int z, int w,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];" ::"r"(dst),
-      "l"(map), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
-      : "memory");
-}
-
-// d (64 x BN over the warpgroup) += a (64 x 16) * b (16 x BN), bf16 in, fp32 accumulate; BN 256, 192, 128 or 64.
-// TA / TB: the operand is M- / N-major in shared memory (the transpose bits).
-#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                 "+f"(d[i + 6]), "+f"(d[i + 7])
-#define WG_D32(i) WG_D8(i), WG_D8(i + 8), WG_D8(i + 16), WG_D8(i + 24)
-#define WG_R16(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
-  "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i ", %" #j ", %" #k ", %" #l ", %" #m \
-  ", %" #n ", %" #o ", %" #p
-// The first 32, 64 and 96 accumulator operands, which the shapes list.
-#define WG_R32 \
-  WG_R16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) ", " \
-  WG_R16(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31)
-#define WG_R64 \
-  WG_R32 ", " \
-  WG_R16(32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47) ", " \
-  WG_R16(48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
-#define WG_R96 \
-  WG_R64 ", " \
-  WG_R16(64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79) ", " \
-  WG_R16(80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95)
-template <int TA, int TB, int BN>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[BN / 2], uint64_t a, uint64_t b, int accumulate) {
-#ifdef WG_ENABLED
-  static_assert(BN == 256 || BN == 192 || BN == 128 || BN == 64, "wgmma_bf16: BN is 256, 192, 128 or 64");
-  if constexpr (BN == 64) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, %32, %33, p, 1, 1, %34, %35;\n}\n"
-        : WG_D32(0)
-        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
-  } else if constexpr (BN == 128) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_R64 "}, %64, %65, p, 1, 1, %66, %67;\n}\n"
-        : WG_D32(0), WG_D32(32)
-        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
-  } else if constexpr (BN == 256) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_R96 ", "
-        WG_R16(96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111) ", "
-        WG_R16(112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127) "}, "
-        "%128, %129, p, 1, 1, %130, %131;\n}\n"
-        : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)
-        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %100, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" WG_R96 "}, "
-        "%96, %97, p, 1, 1, %98, %99;\n}\n"
-        : WG_D32(0), WG_D32(32), WG_D32(64)
-        : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(accumulate));
-  }
-#endif
-}
-// The same with a (64 x 16) from registers, this thread's share in mma.sync's m16n8k16 A layout for its
-// warp's 16 rows (a score tile's C fragments, packed to bf16); N 128 or 64.
-template <int TB, int N>
-__device__ __forceinline__ void wgmma_bf16_ra(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-#ifdef WG_ENABLED
-  static_assert(N == 128 || N == 64, "wgmma_bf16_ra: N is 128 or 64");
-  if constexpr (N == 64) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, "
-        "%38;\n}\n"
-        : WG_D32(0)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TB));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, "
-        "%70;\n}\n"
-        : WG_D32(0), WG_D32(32)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TB));
-  }
-#endif
-}
-#undef WG_R96
-#undef WG_R64
-#undef WG_R32
-#undef WG_R16
-#undef WG_D32
-#undef WG_D8
-
-// The epilogue's copy-engine store: one box of shared memory to a 3-D tensor map (clipped at the
-// tensor's edges), committed as its own bulk group.
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
-      "cp.async.bulk.commit_group;" ::"l"(map),
-      "r"(src), "r"(x), "r"(y), "r"(z)
-      : "memory");
-}
-
-// Wait until at most n of this thread's bulk groups still read shared memory.
-template <int n>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(n) : "memory");
-}
-
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Makes this thread's ordinary shared-memory stores visible to the copy engine (the async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Barrier over `threads` threads (a multiple of 32) under id (1..15; 0 is __syncthreads).
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Arrives on barrier id for `threads` threads without waiting (the other side waits in named_sync).
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Tile `work` of a persistent block's share: grouped order within each batch entry.
 __device__ __forceinline__ void bf16_tile(int work, int tiles_m, int tiles_n, int& tile_m, int& tile_n, int& bz) {
   const int per_batch = tiles_m * tiles_n;
@@ -2464,13 +3391,6 @@ __device__ __forceinline__ Bf16Unit bf16_unit(const Bf16MatmulArgs& p, int u, in
   w.kt0 = w.split * p.kt_per_split;
   w.kt1 = min(p.ktiles, w.kt0 + p.kt_per_split);
   return w;
-}
-
-__device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
-               : "memory");
-  return v;
 }
 
 // The row sums of A (stored K x M, M-major), by warps 1 and 2 of the producer warpgroup: warp 1+h sums
@@ -2612,8 +3532,8 @@ __global__ void __launch_bounds__(384, 1)
     int pieces = 0;                              // epilogue pieces this warpgroup has stored
     // The copy-engine path packs a finished tile into bf16 pairs (out[2j + h]: column group j, row half h).
     // With `overlap` it stores them only once the next tile's first stage is issued, so the tensor cores
-    // work through the stores. Measured on an H100, that paid at 12 K tiles (K = 768) and more and cost
-    // about 3% at 6 (K = 384), where loads and stores rather than the products bound the tile.
+    // work through the stores. That pays where the products bound the tile (12 K tiles, K = 768, and
+    // more), not where loads and stores do (6, K = 384).
     const bool overlap = OVERLAP && p.ktiles >= 12;
     uint32_t out[BN / 4];
     bool held = false;  // out holds unit `prev`, not yet stored
@@ -2761,19 +3681,6 @@ __global__ void matmul_bf16_reduce_kernel(const float* part, const __nv_bfloat16
   }
 }
 
-#if defined(KERNELS_SM90A)
-static bool hopper_wgmma() {  // compute capability 9.0, and this build has sm_90a code for it
-  return once_per_device([](int dev) {
-           int major = 0, minor = 0;
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-           return major == 9 && minor == 0 ? 1 : 2;
-         }) == 1;
-}
-#else
-static bool hopper_wgmma() { return false; }
-#endif
-
 // How matmul() runs a problem: on which kernel, split along K how many ways, and the workspace
 // each part needs (floats).
 struct MatmulPlan {
@@ -2785,8 +3692,8 @@ struct MatmulPlan {
 static MatmulPlan matmul_plan(int batch, int M, int N, int K, bool has_workspace) {
   MatmulPlan plan{};
   // The Hopper kernel pays a pack pass over each operand and fills 128 x 128 tiles: worth it for
-  // products of 512^3 and up with every dim at least 128 (measured on an H100: below that, or with
-  // K = 64 as in attention's batched products, the mma.sync kernel is faster).
+  // products of 512^3 and up with every dim at least 128 (below that, or with K = 64 as in attention's
+  // batched products, the mma.sync kernel is faster).
   plan.wgmma = has_workspace && hopper_wgmma() && M >= 128 && N >= 128 && K >= 128 &&
                (double)M * N * K * batch >= 512.0 * 512 * 512;
   const int tile = plan.wgmma ? WG_BM : 64, ktile = plan.wgmma ? WG_BK : 16;
@@ -2812,7 +3719,7 @@ static MatmulPlan matmul_plan(int batch, int M, int N, int K, bool has_workspace
 }
 
 // Floats of workspace matmul() wants for these sizes.
-size_t matmul_workspace_floats(int batch, int M, int N, int K) {
+size_t launch::matmul_workspace_floats(int batch, int M, int N, int K) {
   const MatmulPlan plan = matmul_plan(batch, M, N, K, true);
   return plan.packed_a + plan.packed_b + plan.partial;
 }
@@ -2838,9 +3745,9 @@ static int64_t matmul_pack(const float* x, float* out, int batch, int R, int K, 
 // c[b][m][n] = alpha * sum_k op(A)[b][m][k] * op(B)[b][k][n] + bias[n]. Strides in elements; a
 // batch stride of 0 broadcasts an operand. workspace: matmul_workspace_floats(...) floats, or
 // nullptr (then the mma.sync kernel, K never split).
-void matmul(const float* a, const float* b, const float* bias, float* c, int batch, int M, int N,
-            int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb,
-            int64_t sc, float alpha, float* workspace, cudaStream_t s) {
+void launch::matmul(const float* a, const float* b, const float* bias, float* c, int batch, int M, int N,
+                    int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa, int64_t sb,
+                    int64_t sc, float alpha, float* workspace, cudaStream_t s) {
   if (batch == 0 || M == 0 || N == 0) return;
   require_tensor_cores("matmul");
   const MatmulPlan plan = matmul_plan(batch, M, N, K, workspace != nullptr);
@@ -2900,21 +3807,6 @@ void matmul(const float* a, const float* b, const float* bias, float* c, int bat
   }
 }
 
-// The driver's tensor-map encoder, looked up once (the runtime API has no wrapper for it).
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  if (!fn) throw std::runtime_error("matmul: the CUDA driver has no cuTensorMapEncodeTiled (bfloat16 needs CUDA 12+)");
-  return fn;
-}
-
 // A tensor map over `batch` matrices of rows x inner bf16 values (inner contiguous, leading dim ld,
 // batch stride bs; bs == 0: one matrix for every batch entry), read in boxes of 64 x box_rows.
 static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int64_t ld, int batch, int64_t bs,
@@ -2934,7 +3826,7 @@ static CUtensorMap bf16_tile_map(const void* x, int64_t inner, int64_t rows, int
 
 // A tensor map reads rows that start on 16 bytes: an aligned base, leading dim and batch stride
 // multiples of 8 elements.
-bool matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs) { return aligned16(x) && ld % 8 == 0 && bs % 8 == 0; }
+bool launch::matmul_bf16_operand_ok(const void* x, int64_t ld, int64_t bs) { return aligned16(x) && ld % 8 == 0 && bs % 8 == 0; }
 
 // How matmul_bf16 runs a problem: N tile bn, and K split into `splits` parts of kt_per_split K tiles
 // each (1 part: no split).
@@ -2959,23 +3851,22 @@ static Bf16Plan bf16_plan(int batch, int M, int N, int K, bool has_workspace) {
   const int64_t tiles = tiles_for(plan.bn);
   // Split K when the tiles fill under half the SMs and K is long (32 K tiles, 2048, or more), each
   // split keeping at least 8 K tiles (512): shorter ones pay more in partial sums written and read
-  // and a second launch than they gain in busy SMs (on an H100, 32 tiles of 16 K tiles ran slower in
-  // two splits than whole; 384 x 384 over K = 16384 ran about 5x faster in 22 splits).
+  // and a second launch than they gain in busy SMs (32 tiles of 16 K tiles run slower in two splits than
+  // whole; a weight gradient of 384 x 384 over K = 16384 is the case that needs it).
   if (can_split && tiles * 2 <= sms) {
     const int want = (int)std::min<int64_t>(sms / tiles, ktiles / 8);
     plan.kt_per_split = ceil_div(ktiles, want);
     plan.splits = ceil_div(ktiles, plan.kt_per_split);  // no empty split
   }
   // A partly idle last round stays as it is. Stream-K (that round's K tiles shared out evenly over all the
-  // blocks, each tile's parts added by its last block in block order) measured slower at 4096^3 and under
-  // 1% faster at 8192^3: each block writes, and an owner reads back, an fp32 partial tile (17 MB in all at
-  // 128 x 256 tiles).
+  // blocks, each tile's parts added by its last block in block order) does not pay here: each block writes,
+  // and an owner reads back, an fp32 partial tile.
   return plan;
 }
 
 // Floats of workspace matmul_bf16 wants for these sizes (0: it never splits K for them); a_rowsum: with
 // A's row sums.
-size_t matmul_bf16_workspace_floats(int batch, int M, int N, int K, bool a_rowsum) {
+size_t launch::matmul_bf16_workspace_floats(int batch, int M, int N, int K, bool a_rowsum) {
   const Bf16Plan plan = bf16_plan(batch, M, N, K, true);
   return plan.splits > 1 ? (size_t)plan.splits * batch * M * N + (a_rowsum ? (size_t)plan.splits * M : 0) : 0;
 }
@@ -3036,7 +3927,7 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
   // (sc == 0 with a batch, every entry writing one C, stays on the register path: a tensor map's
   // batch stride of 0 means one matrix, which would clip the other entries' stores.)
   const int64_t c_bs = batch == 1 ? 0 : p.sc;
-  p.c_tma = !p.c_f32 && (batch == 1 || p.sc != 0) && matmul_bf16_operand_ok(p.c, p.ldc, c_bs);
+  p.c_tma = !p.c_f32 && (batch == 1 || p.sc != 0) && launch::matmul_bf16_operand_ok(p.c, p.ldc, c_bs);
   if (p.c_tma) mc = bf16_tile_map(p.c, N, M, p.ldc, batch, c_bs, 64);
   const int64_t units = (int64_t)ceil_div(M, BF_BM) * ceil_div(N, plan.bn) * batch * plan.splits;
   if (units > INT32_MAX) throw std::runtime_error("matmul: bfloat16 product has more than 2^31 - 1 output tiles");
@@ -3062,9 +3953,9 @@ static void bf16_launch(const Bf16Plan& plan, const __nv_bfloat16* a, const __nv
 // A stored K x M (ta, batch 1) and N > 0: a linear's bias gradient next to its weight gradient.
 // workspace: matmul_bf16_workspace_floats(..., a_rowsum != nullptr) floats, or nullptr (then K is
 // never split).
-void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
-                 int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
-                 int64_t sb, int64_t sc, float alpha, float* a_rowsum, float* workspace, cudaStream_t s) {
+void launch::matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* bias, void* c, bool c_f32,
+                         int batch, int M, int N, int K, bool ta, bool tb, int64_t lda, int64_t ldb, int64_t ldc, int64_t sa,
+                         int64_t sb, int64_t sc, float alpha, float* a_rowsum, float* workspace, cudaStream_t s) {
   if (a_rowsum && (!ta || batch != 1 || N == 0))
     throw std::invalid_argument("matmul: A's row sums need one A stored K x M (ta, batch 1) and N > 0");
   if (batch == 0 || M == 0 || N == 0) return;
@@ -3078,2052 +3969,15 @@ void matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bflo
               ldc, sa, sb, sc, alpha, a_rowsum, workspace, s);
 }
 
-// ------------------------------------------------------------------------------------------------
-// GEMV for decoding: y = W x (+ b), W row-major N x K. Bound by reading W once, so the kernel is
-// about keeping enough loads in flight: a warp reads a K-slice of one row with 16-byte loads (when
-// K % 4 == 0), eight per lane issued before they are used; a row is cut into KSPLIT slices when the
-// matrix has too few rows to give every SM ~32 warps (a 768 x 768 projection has 768 rows for 132
-// SMs), and the slices' partial sums are added in shared memory in a fixed order.
-// Batched for mixture-of-experts decoding: grid.y = S vectors, vector s multiplied by expert
-// experts[s] of a stack W (E, N, K), b (E, N). The index is read on the device, so a decode step
-// needs no host sync to pick its experts; an index outside [0, E) gives a NaN row and goes to the
-// error mailbox.
-
-constexpr int GEMV_WARPS = 8;
-
-// Sum of the products of 16 bytes of w and of x (4 fp32 or 8 bf16 values each), added in order.
-template <class T>
-__device__ __forceinline__ float dot16(const float4& w_raw, const float4& x_raw) {
-  float w[per16<T>()], x[per16<T>()], acc = 0.f;
-  unpack16(w_raw, w);
-  unpack16(x_raw, x);
-#pragma unroll
-  for (int i = 0; i < per16<T>(); ++i) acc += w[i] * x[i];
-  return acc;
-}
-
-// T: W, x, bias and y, fp32 or bf16 (bf16 halves the bytes per row); the sums are fp32.
-// Launched with launch_pdl, it waits for the kernel upstream before anything else. Asking L2 for its
-// weights before that wait (prefetch.global.L2) was measured and left out: in one interleaved run
-// (graphed decoding, dense model, tok/s with no prefetch / one 128-byte line per lane / the whole
-// slice) 433 / 395 / 373 in fp32 and 691 / 642 / 644 in bf16 at 2048 x 24, 2,114 / 2,126 / 2,132 and
-// 2,887 / 2,825 / 2,837 at 768 x 12.
-template <bool VEC, int KSPLIT, class T>
-__global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_kernel(const T* W, const T* x, const T* bias, T* y, int N,
-                                                                int K, const int64_t* experts, int64_t E,
-                                                                IndexErrorBox* box) {
-  __shared__ float part[GEMV_WARPS];
-  pdl_begin();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * (GEMV_WARPS / KSPLIT) + warp / KSPLIT, slice = warp % KSPLIT;
-  const int s = blockIdx.y;
-  const int64_t e = experts ? experts[s] : 0;
-  const bool expert_ok = e >= 0 && e < E, ok = row < N && expert_ok;
-  if (!expert_ok && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(box, kBadExpert, e, E);
-  float acc = 0.f;
-  if (ok) {
-    const T* w = W + (e * N + row) * (int64_t)K;
-    const T* xs = x + (int64_t)s * K;
-    const int units = VEC ? K / per16<T>() : K;  // 16-byte units (VEC) or single values
-    const int per = (units + KSPLIT - 1) / KSPLIT, u0 = slice * per, u1 = min(units, u0 + per);
-    int u = u0 + lane;
-    if (VEC) {
-      const float4* w4 = reinterpret_cast<const float4*>(w);
-      const float4* x4 = reinterpret_cast<const float4*>(xs);
-      for (; u + 32 * 7 < u1; u += 32 * 8) {
-        float4 a[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) a[j] = __ldcs(w4 + u + 32 * j);  // all loads first: eight in flight per lane
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc += dot16<T>(a[j], x4[u + 32 * j]);
-      }
-#pragma unroll 4
-      for (; u < u1; u += 32) acc += dot16<T>(__ldcs(w4 + u), x4[u]);
-    } else {
-#pragma unroll 8
-      for (; u < u1; u += 32) acc += to_float(w[u]) * to_float(xs[u]);
-    }
-  }
-  acc = warp_sum(acc);
-  if (KSPLIT > 1) {
-    if (lane == 0) part[warp] = acc;
-    __syncthreads();
-    if (slice != 0) return;
-    acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < KSPLIT; ++j) acc += part[warp + j];
-  }
-  if (lane == 0 && row < N)
-    y[(int64_t)s * N + row] = from_float<T>(expert_ok ? acc + (bias ? to_float(bias[e * N + row]) : 0.f) : NAN);
-}
-
-// grid.y runs over the vectors and stops at 65535: more take further launches, each on its slice of x,
-// y and experts (one launch at decoding's sizes).
-template <bool VEC, int KSPLIT, class T>
-static void gemv_launch(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts,
-                        int64_t E, IndexErrorBox* box, cudaStream_t s) {
-  for (int s0 = 0; s0 < S; s0 += 65535) {
-    const dim3 grid(ceil_div(N, GEMV_WARPS / KSPLIT), std::min(S - s0, 65535));
-    launch_pdl(gemv_kernel<VEC, KSPLIT, T>, grid, dim3(32 * GEMV_WARPS), 0, s, W, x + (int64_t)s0 * K, bias,
-               y + (int64_t)s0 * N, N, K, experts ? experts + s0 : nullptr, E, box);
-  }
-}
-
-// y (S, N) = W[experts[s]] x[s] (+ b[experts[s]]); experts == nullptr: one matrix (E = 1), S vectors.
-template <class T>
-void gemv(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts, int64_t E,
-          cudaStream_t s) {
-  if (N == 0 || S == 0) return;
-  const bool vec = K % per16<T>() == 0 && aligned16(W) && aligned16(x);
-  IndexErrorBox* box = experts ? index_error_box() : nullptr;
-  // Slices per row: enough warps for ~32 per SM, each slice still at least a full warp of 16-byte loads.
-  const int min_slice = 32 * per16<T>();
-  int ksplit = 1;
-  while (ksplit < GEMV_WARPS && (int64_t)N * S * ksplit < 32 * num_sms() && K / (ksplit * 2) >= min_slice) ksplit *= 2;
-#define GEMV_CASE(KS)                                                                   \
-  case KS:                                                                              \
-    if (vec) gemv_launch<true, KS, T>(W, x, bias, y, N, K, S, experts, E, box, s);     \
-    else gemv_launch<false, KS, T>(W, x, bias, y, N, K, S, experts, E, box, s);        \
-    break;
-  switch (ksplit) { GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(4) GEMV_CASE(8) }
-#undef GEMV_CASE
-  check_launch("gemv");
-}
-template void gemv<float>(const float*, const float*, const float*, float*, int, int, int, const int64_t*, int64_t,
-                          cudaStream_t);
-template void gemv<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,
-                                  int, int, int, const int64_t*, int64_t, cudaStream_t);
+// ================================================================================================
+// 7. Attention
+// Tiled (composed in bindings.cpp), fused FlashAttention-2 style on mma.sync, and the
+// FlashAttention-3 design on Hopper.
+// ================================================================================================
 
 // ------------------------------------------------------------------------------------------------
-// KV cache write for decoding: k and v (B, H, T, D), rows of this step's keys and values, go to rows
-// positions[t] of the caches (B, H, S, D), in place; one kernel for both (index_copy_ twice in the
-// torch op set), launched with launch_pdl like the attention that reads the caches next. A warp copies
-// a row, in 16-byte units where the rows allow. A position outside [0, S) writes nothing and goes to
-// the error mailbox.
-
-template <class T>
-struct KvWriteArgs {
-  T *k_cache, *v_cache;       // (B, H, S, D) contiguous
-  const T *k, *v;             // (B, H, T, D), last dim contiguous
-  int64_t ksb, ksh, kst;      // k's strides (b, h, t); v's below
-  int64_t vsb, vsh, vst;
-  const int64_t* positions;   // (T,)
-  int B, H, NT, S, D;         // NT: the T of k and v (tokens this call writes)
-  IndexErrorBox* box;
-};
-
-template <int VEC, class T>
-__global__ void __launch_bounds__(128) kv_write_kernel(KvWriteArgs<T> a) {
-  pdl_begin();
-  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;  // (b, h, t), t fastest
-  if (row >= (int64_t)a.B * a.H * a.NT) return;
-  const int t = row % a.NT, h = (row / a.NT) % a.H, b = row / ((int64_t)a.NT * a.H);
-  const int64_t pos = a.positions[t];
-  if (pos < 0 || pos >= a.S) {
-    if (threadIdx.x == 0 && h == 0 && b == 0) report_bad_index(a.box, kBadCachePosition, pos, a.S);
-    return;
-  }
-  const int64_t dst = (((int64_t)b * a.H + h) * a.S + pos) * a.D;
-  const T* k = a.k + b * a.ksb + h * a.ksh + t * a.kst;
-  const T* v = a.v + b * a.vsb + h * a.vsh + t * a.vst;
-  for (int u = threadIdx.x; u < a.D / VEC; u += 32) {
-    if constexpr (VEC == 1) {
-      a.k_cache[dst + u] = k[u];
-      a.v_cache[dst + u] = v[u];
-    } else {
-      reinterpret_cast<float4*>(a.k_cache + dst)[u] = reinterpret_cast<const float4*>(k)[u];
-      reinterpret_cast<float4*>(a.v_cache + dst)[u] = reinterpret_cast<const float4*>(v)[u];
-    }
-  }
-}
-
-template <class T>
-void kv_write(T* k_cache, T* v_cache, const T* k, const T* v, const int64_t* k_strides, const int64_t* v_strides,
-              const int64_t* positions, int B, int H, int T_, int S, int D, cudaStream_t s) {
-  const int64_t rows = (int64_t)B * H * T_;
-  if (rows == 0 || D == 0) return;
-  KvWriteArgs<T> a{k_cache, v_cache, k, v, k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1],
-                   v_strides[2], positions, B, H, T_, S, D, index_error_box()};
-  constexpr int VEC = per16<T>();
-  bool vec = D % VEC == 0 && aligned16(k_cache) && aligned16(v_cache) && aligned16(k) && aligned16(v);
-  for (int i = 0; i < 3; ++i) vec = vec && k_strides[i] % VEC == 0 && v_strides[i] % VEC == 0;
-  const dim3 block(32, 4), grid((unsigned)ceil_div(rows, 4));
-  if (vec) launch_pdl(kv_write_kernel<VEC, T>, grid, block, 0, s, a);
-  else launch_pdl(kv_write_kernel<1, T>, grid, block, 0, s, a);
-  check_launch("kv_write");
-}
-template void kv_write<float>(float*, float*, const float*, const float*, const int64_t*, const int64_t*,
-                              const int64_t*, int, int, int, int, int, cudaStream_t);
-template void kv_write<__nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-                                      const int64_t*, const int64_t*, const int64_t*, int, int, int, int, int,
-                                      cudaStream_t);
-
-// ------------------------------------------------------------------------------------------------
-// top-k over the last dim, sorted descending like torch.topk. Order: larger value first, NaN above
-// everything, equal values (-0 and +0 included) by lower index first. That order is the order of a
-// 64-bit key per element: the value's bits made order-preserving in the high word, the complement
-// of the column in the low word. Keys within a row are distinct, so "the top k" is "the k largest
-// keys" and needs no tie rule of its own; key 0 is below every element and marks padding. The
-// outputs read the value back from x, so -0 and NaN payloads come out as they went in.
-//
-// Rows of up to 512 with k <= 16 (MoE routing, small vocabularies) take one warp per row: the row
-// in registers, k rounds of "warp max, retire the winner"; no shared memory, no barrier, one launch.
-//
-// Everything else is a block radix select. Each thread holds its keys in registers; for 8-bit
-// digits from the top, the keys still in the running build a shared histogram, one warp scans it
-// for the digit that holds the k-th largest key, and the running set narrows to that digit's
-// bucket, until the bucket holds exactly as many keys as are still wanted (after 4 digits when the
-// values are distinct, at most 8). The chosen keys are gathered unsorted in shared memory; the
-// final pass ranks them (each of the k counts the larger ones) and writes values and indices.
-// Where the rows alone would leave SMs idle (a single 50k-wide row gives one block's work to a
-// 132-SM GPU), a row wider than one block holds is split: pass 1 gives each slice of about 2048
-// columns (wider where there are rows enough to fill the GPU) a block that writes its top-k keys to
-// the workspace, and pass 2, one block per row, selects again over those candidates. At most 64
-// slices per row, so pass 2 reads at most 64 * 128 keys. A block whose share exceeds its registers
-// reads it in chunks, the top k so far riding along as one extra key per thread. Two launches at
-// most, no host sync, and each element is read from memory once (torch.topk's radix select counts
-// digits in several passes over the row).
-
-constexpr int TOPK_MAX_K = 128;
-constexpr int TOPK_WARP_MAX_L = 512, TOPK_WARP_MAX_K = 16;  // the one-warp-per-row kernel's limits
-constexpr int TOPK_BLOCK_MAX_THREADS = 512;
-constexpr int TOPK_SLICE = 2048, TOPK_MAX_SLICES = 64;      // the split of a wide row
-
-__device__ __forceinline__ uint64_t topk_key(float v, uint32_t col) {
-  const uint32_t b = __float_as_uint(v);
-  uint32_t u;
-  if ((b & 0x7fffffffu) > 0x7f800000u) u = 0xffffffffu;  // any NaN: above +inf
-  else if ((b & 0x7fffffffu) == 0) u = 0x80000000u;      // -0 ties with +0
-  else u = (b & 0x80000000u) ? ~b : (b | 0x80000000u);    // larger float, larger u (>= 0x007fffff)
-  return (uint64_t)u << 32 | (uint32_t)~col;             // equal values: lower column, larger key
-}
-
-__device__ __forceinline__ uint32_t topk_col(uint64_t key) { return ~(uint32_t)key; }
-
-__device__ __forceinline__ uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
-
-// One warp per row (rows stacked in threadIdx.y), L <= 32 * M, k <= 32.
-template <int M>
-__global__ void topk_warp_kernel(const float* __restrict__ x, float* __restrict__ values,
-                                 int64_t* __restrict__ indices, int64_t rows, int L, int k) {
-  const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-  if (row >= rows) return;  // the whole warp; nothing below waits for it
-  const int lane = threadIdx.x;
-  const float* xr = x + row * L;
-  uint64_t key[M];
-#pragma unroll
-  for (int j = 0; j < M; ++j) {
-    const int col = j * 32 + lane;
-    key[j] = col < L ? topk_key(xr[col], col) : 0;
-  }
-  uint64_t mine = 0;  // lane r keeps the r-th largest
-  for (int r = 0; r < k; ++r) {
-    uint64_t best = key[0];
-#pragma unroll
-    for (int j = 1; j < M; ++j) best = max_u64(best, key[j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) best = max_u64(best, __shfl_xor_sync(0xffffffffu, best, o));
-#pragma unroll
-    for (int j = 0; j < M; ++j)
-      if (key[j] == best) key[j] = 0;  // keys are distinct: only the owner's matches
-    if (lane == r) mine = best;
-  }
-  if (lane < k) {  // k <= L, so every round found a real key
-    const uint32_t col = topk_col(mine);
-    values[row * k + lane] = xr[col];
-    indices[row * k + lane] = col;
-  }
-}
-
-struct TopkShared {
-  alignas(16) unsigned hist[256];
-  uint64_t chosen[TOPK_MAX_K];  // the top k so far, unsorted
-  unsigned pick[4];             // the scan's answer: digit, keys above it in the bucket, keys in it, total
-  unsigned slots;               // slot counter for gathering chosen keys; never reset, see `base`
-};
-
-// Among the block's keys (N per thread; 0 is padding, the others distinct), find the k largest, or
-// all of them if fewer. Returns how many (the same in every thread) and sets mask and want so that a
-// key is chosen iff key != 0 && (key & mask) >= want. sh.hist is zero on entry and again on return.
-// Every thread of the block calls it; blockDim.x is a multiple of 32.
-template <int N>
-__device__ __forceinline__ int topk_block_select(const uint64_t (&key)[N], int k, TopkShared& sh,
-                                                 uint64_t& mask, uint64_t& want) {
-  const int lane = threadIdx.x & 31;
-  mask = 0;
-  want = 0;
-  unsigned need = 0, chosen = 0;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    // the histogram of this digit over the keys whose higher digits are `want`; when a warp's
-    // such keys share one digit (the merge's candidates often do), one lane adds for all of them
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const bool in = key[j] != 0 && (key[j] & mask) == want;
-      const unsigned d = (unsigned)(key[j] >> shift) & 255u;
-      const unsigned act = __ballot_sync(0xffffffffu, in);
-      if (act == 0) continue;
-      const int first = __ffs(act) - 1;
-      const unsigned d0 = __shfl_sync(0xffffffffu, d, first);
-      if (__all_sync(0xffffffffu, !in || d == d0)) {
-        if (lane == first) atomicAdd(&sh.hist[d0], (unsigned)__popc(act));
-      } else if (in) {
-        atomicAdd(&sh.hist[d], 1u);
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {  // lane l owns bins 8l..8l+7: read, clear, find the bin of the need-th from the top
-      uint4* h4 = reinterpret_cast<uint4*>(sh.hist) + 2 * lane;
-      const uint4 a = h4[0], b = h4[1];
-      h4[0] = make_uint4(0, 0, 0, 0);
-      h4[1] = make_uint4(0, 0, 0, 0);
-      const unsigned h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      unsigned own = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) own += h[i];
-      unsigned from = own;  // keys in the bins of lanes >= this one
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const unsigned t = __shfl_down_sync(0xffffffffu, from, o);
-        if (lane + o < 32) from += t;
-      }
-      const unsigned total = __shfl_sync(0xffffffffu, from, 0);
-      const unsigned n = shift == 56 ? min((unsigned)k, total) : need;
-      unsigned above = from - own;
-#pragma unroll
-      for (int i = 7; i >= 0; --i) {  // exactly one bin has above < n <= above + h (when n >= 1)
-        if (above < n && above + h[i] >= n) {
-          sh.pick[0] = 8 * lane + i;
-          sh.pick[1] = above;
-          sh.pick[2] = h[i];
-        }
-        above += h[i];
-      }
-      if (lane == 0) sh.pick[3] = total;
-    }
-    __syncthreads();  // pick is read below and rewritten only after the next histogram's barrier
-    if (shift == 56) {
-      chosen = need = min((unsigned)k, sh.pick[3]);
-      if (need == 0) break;
-    }
-    need -= sh.pick[1];
-    mask |= 0xffull << shift;
-    want |= (uint64_t)sh.pick[0] << shift;
-    if (sh.pick[2] == need) break;  // the whole bucket is wanted; at shift 0 the bucket is one key
-  }
-  return (int)chosen;
-}
-
-struct TopkPass {
-  const float* x;           // (rows, L): read by a pass over the columns, and for the final values
-  const uint64_t* keys_in;  // pass 2 of a split: (rows, len) candidate keys; else nullptr
-  uint64_t* keys_out;       // pass 1 of a split: (rows, nseg, k) keys, 0-padded; else nullptr
-  float* values;            // the final pass: (rows, k); else nullptr
-  int64_t* indices;
-  int64_t len, seglen;      // keys per row read by this pass; each block's share of them
-  int L, k, nseg;
-};
-
-// Block (row, seg) of rows * nseg: the top k of its share of the row. blockDim.x in [128, 512],
-// a multiple of 32 and >= k (one carried key per thread); N keys per thread per chunk.
-template <int N, bool FROM_KEYS>
-__global__ void __launch_bounds__(TOPK_BLOCK_MAX_THREADS) topk_block_kernel(TopkPass p) {
-  __shared__ TopkShared sh;
-  const int64_t row = blockIdx.x / p.nseg;
-  const int seg = blockIdx.x % p.nseg, tid = threadIdx.x, k = p.k;
-  for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
-  if (tid == 0) sh.slots = 0;
-  __syncthreads();
-  const int64_t lo = seg * p.seglen, hi = lo + p.seglen < p.len ? lo + p.seglen : p.len;
-  int carried = 0;
-  unsigned base = 0;  // sh.slots before this chunk's gather
-  for (int64_t c = lo; c < hi; c += (int64_t)N * blockDim.x) {
-    uint64_t key[N + 1];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int64_t i = c + (int64_t)j * blockDim.x + tid;
-      if (FROM_KEYS) key[j] = i < hi ? p.keys_in[row * p.len + i] : 0;
-      else key[j] = i < hi ? topk_key(p.x[row * p.L + i], (uint32_t)i) : 0;
-    }
-    key[N] = tid < carried ? sh.chosen[tid] : 0;  // read before the select's first barrier
-    uint64_t mask, want;
-    const int n = topk_block_select<N + 1>(key, k, sh, mask, want);
-#pragma unroll
-    for (int j = 0; j <= N; ++j)
-      if (key[j] != 0 && (key[j] & mask) >= want) {
-        const unsigned slot = atomicAdd(&sh.slots, 1u) - base;
-        if (slot < TOPK_MAX_K) sh.chosen[slot] = key[j];
-      }
-    base += n;
-    carried = n;
-    __syncthreads();  // chosen[] complete
-  }
-  if (p.keys_out) {
-    if (tid < k) p.keys_out[(row * p.nseg + seg) * k + tid] = tid < carried ? sh.chosen[tid] : 0;
-    return;
-  }
-  for (int t = tid; t < carried; t += blockDim.x) {  // carried == k here: the row has >= k columns
-    const uint64_t mine = sh.chosen[t];
-    int rank = 0;
-#pragma unroll 8
-    for (int j = 0; j < carried; ++j) rank += sh.chosen[j] > mine;
-    const uint32_t col = topk_col(mine);
-    p.values[row * k + rank] = p.x[row * p.L + col];
-    p.indices[row * k + rank] = col;
-  }
-}
-
-// Threads and keys per thread for a block that reads `share` keys: up to 2048, 4 keys a thread
-// (128 to 512 threads); beyond, 16 a thread, and chunks past 512 * 16.
-static void topk_block_launch(const TopkPass& p, int64_t blocks, int64_t share, cudaStream_t s) {
-  const int n = share <= 4 * TOPK_BLOCK_MAX_THREADS ? 4 : 16;
-  int threads = 128;
-  while (threads < TOPK_BLOCK_MAX_THREADS && (int64_t)threads * n < share) threads *= 2;
-  const bool from_keys = p.keys_in != nullptr;
-  if (n == 4 && from_keys) topk_block_kernel<4, true><<<(unsigned)blocks, threads, 0, s>>>(p);
-  else if (n == 4) topk_block_kernel<4, false><<<(unsigned)blocks, threads, 0, s>>>(p);
-  else if (from_keys) topk_block_kernel<16, true><<<(unsigned)blocks, threads, 0, s>>>(p);
-  else topk_block_kernel<16, false><<<(unsigned)blocks, threads, 0, s>>>(p);
-  check_launch("topk");
-}
-
-struct TopkPlan {
-  bool warp;       // one warp per row
-  int nseg;        // > 1: split into slices of seglen columns, then merge
-  int64_t seglen;
-};
-
-// The one place that decides how a call runs; topk_workspace_bytes() sizes the workspace from it.
-static TopkPlan topk_plan(int64_t rows, int L, int k) {
-  TopkPlan p{L <= TOPK_WARP_MAX_L && k <= TOPK_WARP_MAX_K, 1, L};
-  if (p.warp || L <= TOPK_BLOCK_MAX_THREADS * 16) return p;  // one block holds the row
-  // slices of about TOPK_SLICE columns, no more than ~8 blocks per SM need, at most 64 a row
-  const int64_t fill = std::max<int64_t>(1, ceil_div(8 * (int64_t)num_sms(), rows));
-  const int64_t nseg = std::min<int64_t>(std::min<int64_t>(ceil_div(L, TOPK_SLICE), TOPK_MAX_SLICES), fill);
-  p.seglen = ceil_div(L, nseg);
-  p.nseg = ceil_div(L, p.seglen);  // no empty slice
-  return p;
-}
-
-// Bytes of workspace topk() needs: the candidate keys of a split row.
-size_t topk_workspace_bytes(int64_t rows, int L, int k) {
-  const TopkPlan p = topk_plan(rows, L, k);
-  return p.nseg > 1 ? (size_t)rows * p.nseg * k * sizeof(uint64_t) : 0;
-}
-
-void topk(const float* x, float* values, int64_t* indices, int64_t rows, int L, int k, void* workspace,
-          cudaStream_t s) {
-  if (rows == 0) return;
-  const TopkPlan plan = topk_plan(rows, L, k);
-  if (plan.warp) {
-    const dim3 block(32, 4), grid(ceil_div(rows, 4));
-    if (L <= 32) topk_warp_kernel<1><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
-    else if (L <= 64) topk_warp_kernel<2><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
-    else if (L <= 128) topk_warp_kernel<4><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
-    else if (L <= 256) topk_warp_kernel<8><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
-    else topk_warp_kernel<16><<<grid, block, 0, s>>>(x, values, indices, rows, L, k);
-    check_launch("topk");
-    return;
-  }
-  TopkPass last{};
-  last.x = x;
-  last.values = values;
-  last.indices = indices;
-  last.L = L;
-  last.k = k;
-  last.nseg = 1;
-  if (plan.nseg > 1) {
-    TopkPass first = last;
-    first.values = nullptr;
-    first.indices = nullptr;
-    first.keys_out = static_cast<uint64_t*>(workspace);
-    first.len = L;
-    first.seglen = plan.seglen;
-    first.nseg = plan.nseg;
-    topk_block_launch(first, rows * plan.nseg, plan.seglen, s);
-    last.keys_in = first.keys_out;
-    last.len = (int64_t)plan.nseg * k;
-  } else {
-    last.len = L;
-  }
-  last.seglen = last.len;
-  topk_block_launch(last, rows, last.len, s);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Loads and per-lane sums the stream kernels (mhc.py) and mhc-dynamic's coefficients share.
-
-// VEC values of a row of fp32 or bf16 at unit u, as floats, and back (16-byte fp32 or 8-byte bf16 units).
-template <int VEC, class T>
-__device__ __forceinline__ void stream_load(const T* row, int u, float (&v)[VEC]) {
-  if constexpr (VEC == 4 && std::is_same_v<T, float>) unpack16(load_stream4(row + 4 * u), v);
-  else if constexpr (VEC == 4) load4(row + 4 * u, v);
-  else v[0] = to_float(row[u]);
-}
-
-template <int VEC, class T>
-__device__ __forceinline__ void stream_store(T* row, int u, const float (&v)[VEC]) {
-  if constexpr (VEC == 4) store4(row + 4 * u, v);
-  else row[u] = from_float<T>(v[0]);
-}
-
-// out = sum_i h[i] v[i], in the order stream_merge sums (so a fused merge gives the same bits).
-template <int N, int VEC>
-__device__ __forceinline__ void stream_combine(const float (&h)[N], const float (&v)[N][VEC], float (&out)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    out[k] = h[0] * v[0][k];
-#pragma unroll
-    for (int i = 1; i < N; ++i) out[k] = fmaf(h[i], v[i][k], out[k]);
-  }
-}
-
-// The steps below P of warp_sum_each, offset O first (recursion, so every index into w is a constant).
-template <int O, int P>
-__device__ __forceinline__ void warp_sum_halves(float (&w)[P]) {
-  if constexpr (O > 0) {
-    const bool upper = threadIdx.x & O;
-#pragma unroll
-    for (int k = 0; k < O; ++k) {
-      const float send = upper ? w[k] : w[k + O];
-      w[k] = (upper ? w[k + O] : w[k]) + __shfl_xor_sync(0xffffffffu, send, O);
-    }
-    warp_sum_halves<O / 2>(w);
-  }
-}
-
-// Each of V <= 32 values summed over the warp's lanes: afterwards lane l holds the total of value l % P, P being
-// V rounded up to a power of 2. The butterfly's steps at offsets 16 .. P add all P values; each step below P
-// halves them, a lane keeping the half its offset bit picks and adding its partner's copy of that half. That is
-// P log2(32 / P) + P - 1 shuffles (31 for 32 values) where a warp_sum of each takes 5 per value, and each
-// total is the same pairwise sum in the same order as warp_sum's: the same bits. threadIdx.x's low 5 bits must be
-// the lane (blocks a multiple of 32 wide, as every stream kernel's).
-template <int V>
-__device__ __forceinline__ float warp_sum_each(const float* v) {
-  constexpr int P = V <= 1 ? 1 : V <= 2 ? 2 : V <= 4 ? 4 : V <= 8 ? 8 : V <= 16 ? 16 : 32;
-  float w[P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) w[k] = k < V ? v[k] : 0.f;
-  for (int o = 16; o >= P; o >>= 1)
-#pragma unroll
-    for (int k = 0; k < P; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k], o);
-  warp_sum_halves<P / 2>(w);
-  return w[0];
-}
-
-// The K per-lane sums acc added over the warp, 32 values at a time: use(k, total) runs on lane k % 32.
-template <int LO = 0, int K, class Use>
-__device__ __forceinline__ void warp_sums(const float (&acc)[K], Use use) {
-  constexpr int V = K - LO < 32 ? K - LO : 32;
-  const float total = warp_sum_each<V>(acc + LO);
-  const int lane = threadIdx.x & 31;
-  if (lane < V) use(LO + lane, total);
-  if constexpr (LO + 32 < K) warp_sums<LO + 32>(acc, use);
-}
-
-// Calls launch(N, VEC) with n (1..8) and VEC (4 when vec4, else 1) as compile-time constants
-// (std::integral_constant), so each stream kernel is instantiated for every stream count and unit width.
-template <class Launch>
-static void stream_dispatch(int n, bool vec4, Launch launch) {
-  auto widths = [&](auto N) {
-    if (vec4) launch(N, std::integral_constant<int, 4>{});
-    else launch(N, std::integral_constant<int, 1>{});
-  };
-  switch (n) {
-    case 1: widths(std::integral_constant<int, 1>{}); break;
-    case 2: widths(std::integral_constant<int, 2>{}); break;
-    case 3: widths(std::integral_constant<int, 3>{}); break;
-    case 4: widths(std::integral_constant<int, 4>{}); break;
-    case 5: widths(std::integral_constant<int, 5>{}); break;
-    case 6: widths(std::integral_constant<int, 6>{}); break;
-    case 7: widths(std::integral_constant<int, 7>{}); break;
-    default: widths(std::integral_constant<int, 8>{});
-  }
-}
-
-// Whole units of 4: C % 4 == 0 and every pointer aligned to 4 of its elements (nullptr passes).
-template <class... P>
-static bool stream_vec4(int C, P... ptrs) {
-  return C % 4 == 0 && ((reinterpret_cast<uintptr_t>(ptrs) % (4 * sizeof(*ptrs)) == 0) && ...);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Sinkhorn-Knopp for mHC: logits (M, n, n), n <= 8 -> doubly stochastic P (M, n, n), the same
-// iteration as mhc.sinkhorn_torch. Each of `iters` iterations normalises the columns, then the
-// rows (the paper's order, P <- T_r(T_c(P))), so P's rows sum to 1 and its columns nearly so.
-//
-// Log domain: the state A starts as the logits and each half-step subtracts a log-sum-exp,
-// A <- A - lse over each column (over i), then over each row (over j); P = exp(A). In exact
-// arithmetic that is exp() followed by divisions by column and row sums, but the exp domain fails on
-// ordinary inputs: with logits of a few hundred, a whole column of exp(logits) underflows to 0 and
-// the division gives 0/0 = NaN. Here each lse subtracts its max first (max + log(sum exp(a - max)),
-// the sum in [1, n]), so any finite logits give finite results. The new state is formed as
-// (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
-// |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps. The state is kept in base 2
-// (A log2(e), P = 2^A; the scaling rounds each logit once more), so a half-step's exponentials and
-// its logarithm are one special-function instruction each: ex2.approx.ftz for the terms 2^(a - max)
-// of the sum (fast_exp2: a term below 2^-126 flushes to 0 against a sum of at least 1) and lg2.approx
-// for the log of that sum, which lies in [1, n] (__log2f, relative error about 2^-22), where log2f is
-// a polynomial of some twenty instructions. A matrix's chain of 2 * iters half-steps is what limits
-// both kernels, and it issues every one of those instructions.
-//
-// One row per lane: a matrix is a group of G lanes of one warp (G = n rounded up to a power of 2), lane
-// r holding row r of the state in registers (n is a template parameter, dispatched 1..8, and every loop
-// over j is unrolled, so nothing goes to local memory). A row step is the lane's own; a column step
-// reduces each column over the group with shuffles (lanes past n give -inf to the max and 0 to the
-// sum), the same fixed tree every time, so results are deterministic. The work of one iteration is
-// then spread over n lanes instead of being one thread's serial chain: a single matrix (static mHC)
-// and thousands of them (one per token, mhc-dynamic) both run several times faster than one thread a
-// matrix.
-//
-// Backward, one launch: recompute the forward, storing every half-step's lse (n floats), then the exact
-// reverse pass. The lse sit in shared memory, laid out (2 * iters, matrices of the block, n), when the block's
-// fit in SINKHORN_LSE_SMEM bytes (20 iterations need 20 KB); more iterations use a workspace laid out
-// (2 * iters, M, n), whose loads each wait on L2. With n fastest, a row step's stores (lane r: row r's lse) and
-// loads are consecutive addresses, free of bank conflicts, and a column step's are one per matrix. Start with
-// dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian of a log-softmax along that
-// axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j for each row i after a row
-// step, over i for each column j after a column step), since exp(A') is the softmax of A along it.
-// The state before the step is A = A' + lse, from the stored lse (it differs from the forward's by
-// the rounding of lse, which matters only where exp(A) is tiny). The gradient w.r.t. the logits is
-// dA after undoing the first column step.
-
-constexpr int SINKHORN_THREADS = 128;
-constexpr int SINKHORN_MAX_N = 8;
-constexpr int SINKHORN_LSE_SMEM = 32 * 1024;  // a block's lse in shared memory at most (with the static: <= 48 KB)
-
-// Lanes per matrix: n rounded up to a power of 2.
-__host__ __device__ constexpr int sinkhorn_lanes(int n) { return n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8; }
-
-template <int N>
-struct SinkhornGroup {
-  static constexpr int G = sinkhorn_lanes(N);                        // lanes per matrix
-  static constexpr int PER_BLOCK = SINKHORN_THREADS / G;             // matrices per block
-  int m, r;     // this lane's matrix and row
-  bool active;  // a row of a matrix that exists
-  __device__ SinkhornGroup(int M) {
-    m = blockIdx.x * PER_BLOCK + threadIdx.x / G;
-    r = threadIdx.x % G;
-    active = m < M && r < N;
-  }
-  __device__ static float max(float v) {
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-  }
-  __device__ static float sum(float v) {
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-  }
-};
-
-// Bytes of shared memory a block's lse take, or 0 where they do not fit and go to the workspace.
-__host__ __device__ constexpr int sinkhorn_lse_smem(int n, int iters) {
-  const long long bytes = 8LL * iters * n * (SINKHORN_THREADS / sinkhorn_lanes(n));
-  return bytes <= SINKHORN_LSE_SMEM ? (int)bytes : 0;
-}
-
-// Where the backward keeps the lse of the lane's matrix: half-step h's entry k at p[h * step + k].
-struct SinkhornLse {
-  float* p;
-  int64_t step;
-};
-
-// The lse of grp's matrix: in the block's shared memory smem (sinkhorn_lse_smem bytes), or in the workspace ws
-// when smem is nullptr. Lanes outside a matrix never store; what they read back (their slot's unwritten shared
-// memory, or matrix 0's entries in the workspace) reaches only their own state, which the sums leave out.
-template <int N>
-__device__ __forceinline__ SinkhornLse sinkhorn_lse(const SinkhornGroup<N>& grp, float* smem, float* ws, int M) {
-  using Grp = SinkhornGroup<N>;
-  if (smem) return {smem + threadIdx.x / Grp::G * N, Grp::PER_BLOCK * N};
-  return {ws + (int64_t)(grp.m < M ? grp.m : 0) * N, (int64_t)M * N};
-}
-
-// The forward's iterations on row a of group grp: a comes in as logits and leaves as the last state in base 2
-// (P = exp2f(a)); lse.p != nullptr stores each half-step's lse (base 2) there, lane r the entry of column r and of
-// row r: every lane of the group has each column's lse (the shuffles' sums are the same bits in all of them), so a
-// lane picks its own and stores once a half-step, through a pointer that moves by a constant: the stores sit in the
-// chain of half-steps that limits the kernels, so each takes as few instructions as it can.
-template <int N>
-__device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
-                                                 SinkhornLse lse) {
-  using Grp = SinkhornGroup<N>;
-  const bool store = lse.p && grp.active;
-  float* mine = store ? lse.p + grp.r : nullptr;  // iteration it's: column r's at mine[0], row r's at mine[step]
-#pragma unroll
-  for (int j = 0; j < N; ++j) a[j] *= 1.4426950408889634f;  // log2(e)
-  for (int it = 0; it < iters; ++it) {
-    float col_lse = 0.f;  // column r's
-#pragma unroll
-    for (int j = 0; j < N; ++j) {  // column j over the group's rows
-      const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
-      const float log_sum = __log2f(Grp::sum(grp.active ? fast_exp2(a[j] - mx) : 0.f));
-      a[j] = (a[j] - mx) - log_sum;
-      if (grp.r == j) col_lse = mx + log_sum;
-    }
-    float mx = a[0];  // row r, the lane's own
-#pragma unroll
-    for (int j = 1; j < N; ++j) mx = fmaxf(mx, a[j]);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) sum += fast_exp2(a[j] - mx);
-    const float log_sum = __log2f(sum);
-#pragma unroll
-    for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
-    if (store) {
-      mine[0] = col_lse;
-      mine[lse.step] = mx + log_sum;
-      mine += 2 * lse.step;
-    }
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void sinkhorn_load_row(const SinkhornGroup<N>& grp, const float* src, float (&a)[N]) {
-  const float* row = src + ((int64_t)grp.m * N + grp.r) * N;
-#pragma unroll
-  for (int j = 0; j < N; ++j) a[j] = grp.active ? row[j] : 0.f;
-}
-
-template <int N>
-__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const float* logits, float* out, int M,
-                                                                         int iters) {
-  const SinkhornGroup<N> grp(M);
-  float a[N];
-  sinkhorn_load_row<N>(grp, logits, a);
-  sinkhorn_iterate<N>(grp, a, iters, {});
-  if (!grp.active) return;
-  float* dst = out + ((int64_t)grp.m * N + grp.r) * N;
-#pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = exp2f(a[j]);
-}
-
-// The reverse pass: a holds the forward's last state (base 2), g = dL/dP of the lane's row; leaves g = dL/dlogits.
-// The state's base does not enter g: each half-step's Jacobian is that of a log-softmax, exp(A') = exp2f(a').
-template <int N>
-__device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, float (&a)[N], float (&g)[N],
-                                                 SinkhornLse lse, int iters) {
-  using Grp = SinkhornGroup<N>;
-#pragma unroll
-  for (int j = 0; j < N; ++j) g[j] *= exp2f(a[j]);  // dA = dP * P
-  // The lse of iteration it - 1 are loaded while iteration it is undone: from the workspace each load waits on
-  // L2 (the forward's stores went there), which would otherwise add its latency to every half-step.
-  const int r = grp.r < N ? grp.r : 0;  // lanes outside a matrix read a row's lse, unused
-  const float* at = lse.p + 2 * (iters - 1) * lse.step;  // the last iteration's; then one back at a time
-  auto load_lse = [&](float& row, float (&col)[N]) {
-    row = at[lse.step + r];
-#pragma unroll
-    for (int j = 0; j < N; ++j) col[j] = at[j];
-  };
-  float row_next, col_next[N];
-  load_lse(row_next, col_next);
-  for (int it = iters - 1; it >= 0; --it) {
-    float row_lse = row_next, col_lse[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) col_lse[j] = col_next[j];
-    if (it > 0) {
-      at -= 2 * lse.step;
-      load_lse(row_next, col_next);
-    }
-    float sum = 0.f;  // undo the row step: over j, the lane's own
-#pragma unroll
-    for (int j = 0; j < N; ++j) sum += g[j];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      g[j] -= exp2f(a[j]) * sum;
-      a[j] += row_lse;
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j) {  // undo the column step: column j over the group's rows
-      const float col_sum = Grp::sum(grp.active ? g[j] : 0.f);
-      g[j] -= exp2f(a[j]) * col_sum;
-      a[j] += col_lse[j];
-    }
-  }
-}
-
-// ws: the lse when sinkhorn_lse_smem(N, iters) is 0 (no dynamic shared memory).
-template <int N>
-__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
-    float* dlogits, float* ws, int M, int iters) {
-  extern __shared__ float lse_smem[];
-  const SinkhornGroup<N> grp(M);
-  const SinkhornLse lse = sinkhorn_lse(grp, sinkhorn_lse_smem(N, iters) ? lse_smem : nullptr, ws, M);
-  float a[N], g[N];
-  sinkhorn_load_row<N>(grp, logits, a);
-  sinkhorn_iterate<N>(grp, a, iters, lse);
-  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
-  sinkhorn_load_row<N>(grp, dout, g);
-  sinkhorn_reverse<N>(grp, a, g, lse, iters);
-  if (!grp.active) return;
-  float* dst = dlogits + ((int64_t)grp.m * N + grp.r) * N;
-#pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = g[j];
-}
-
-// Floats of workspace sinkhorn_bwd needs: the lse, unless they fit in shared memory.
-int64_t sinkhorn_workspace_floats(int M, int n, int iters) {
-  return sinkhorn_lse_smem(n, iters) ? 0 : (int64_t)M * 2 * iters * n;
-}
-
-// LSE: a backward kernel, given its lse's shared memory (sinkhorn_lse_smem(N, iters) bytes; iters in scope).
-#define SINKHORN_LAUNCH(KERNEL, N, LSE, M, stream, ...)                                            \
-  KERNEL<N><<<ceil_div(M, SinkhornGroup<N>::PER_BLOCK), SINKHORN_THREADS,                       \
-              LSE ? sinkhorn_lse_smem(N, iters) : 0, stream>>>(__VA_ARGS__)
-#define SINKHORN_DISPATCH(KERNEL, n, LSE, M, stream, ...)                      \
-  switch (n) {                                                              \
-    case 1: SINKHORN_LAUNCH(KERNEL, 1, LSE, M, stream, __VA_ARGS__); break; \
-    case 2: SINKHORN_LAUNCH(KERNEL, 2, LSE, M, stream, __VA_ARGS__); break; \
-    case 3: SINKHORN_LAUNCH(KERNEL, 3, LSE, M, stream, __VA_ARGS__); break; \
-    case 4: SINKHORN_LAUNCH(KERNEL, 4, LSE, M, stream, __VA_ARGS__); break; \
-    case 5: SINKHORN_LAUNCH(KERNEL, 5, LSE, M, stream, __VA_ARGS__); break; \
-    case 6: SINKHORN_LAUNCH(KERNEL, 6, LSE, M, stream, __VA_ARGS__); break; \
-    case 7: SINKHORN_LAUNCH(KERNEL, 7, LSE, M, stream, __VA_ARGS__); break; \
-    default: SINKHORN_LAUNCH(KERNEL, 8, LSE, M, stream, __VA_ARGS__);       \
-  }
-
-static void sinkhorn_check_args(const char* what, int n, int iters) {
-  if (n < 1 || n > SINKHORN_MAX_N || iters < 1)
-    throw std::runtime_error(std::string(what) + ": needs 1 <= n <= " + std::to_string(SINKHORN_MAX_N) +
-                             " and iters >= 1, got n = " + std::to_string(n) + ", iters = " + std::to_string(iters));
-}
-
-// logits, out: M matrices of n x n, contiguous.
-void sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s) {
-  sinkhorn_check_args("sinkhorn_fwd", n, iters);
-  if (M == 0) return;
-  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, false, M, s, logits, out, M, iters);
-  check_launch("sinkhorn_fwd");
-}
-
-// dout = dL/dP, dlogits = dL/dlogits; ws: sinkhorn_workspace_floats(M, n, iters) floats.
-void sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float* ws, int M, int n, int iters,
-                  cudaStream_t s) {
-  sinkhorn_check_args("sinkhorn_bwd", n, iters);
-  if (M == 0) return;
-  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, true, M, s, logits, dout, dlogits, ws, M, iters);
-  check_launch("sinkhorn_bwd");
-}
-
-// ------------------------------------------------------------------------------------------------
-// mhc-dynamic's coefficients from the projected streams, one kernel each way (the twin is
-// mhc.hc_coeffs_torch). h (M, K) holds each token's K = 2n + n^2 projections; with the per-group
-// scales alpha (3) and the bias (K),
-//   pre  = sigmoid(alpha[0] h[:, :n] + bias[:n])                      (M, n)
-//   post = 2 sigmoid(alpha[1] h[:, n:2n] + bias[n:2n])                (M, n)
-//   res  = Sinkhorn(alpha[2] h[:, 2n:] + bias[2n:], as (n, n))        (M, n, n)
-// in place of PyTorch's chain of scale, add, slice, sigmoid and Sinkhorn kernels (and in the backward
-// their sums over tokens). A token is a Sinkhorn group (SinkhornGroup): lane r computes pre[r], post[r]
-// and row r of res. The backward returns dh and, summed over the tokens, dalpha and dbias: each block
-// sums its tokens' terms in a fixed order into a row of partials, and one more launch sums the rows
-// (deterministic, no atomics).
-
-__host__ __device__ constexpr int hc_coeff_count(int n) { return 2 * n + n * n; }
-
-// Lane r's logits of row r of res: alpha[2] h + bias.
-template <int N>
-__device__ __forceinline__ void hc_res_logits(const SinkhornGroup<N>& grp, const float* hm, const float* alpha,
-                                              const float* bias, float (&a)[N]) {
-  const int base = 2 * N + (grp.r < N ? grp.r : 0) * N;
-#pragma unroll
-  for (int j = 0; j < N; ++j) a[j] = grp.active ? alpha[2] * hm[base + j] + bias[base + j] : 0.f;
-}
-
-// hc_pre (and hc_mix_pre) hand both kernels the streams x (M, n, C) as well: its merge by H_pre happens in the same
-// launch. Sinkhorn's chain of half-steps is latency, a few warps an SM, and the merge is a pass over the streams;
-// a block's first SINKHORN_THREADS run Sinkhorn for its tokens while HC_DOT_WARPS more warps stream those tokens'
-// rows, so the two overlap. Forward, the dot warps write merged[m, c] = sum_i pre[m, i] x[m, i, c] (stream_merge's
-// order; pre is a sigmoid of h, which they compute as the Sinkhorn threads do). Backward, they compute the merge's
-// coefficient gradient dpre[m, i] = sum_c dmerged[m, c] x[m, i, c] into shared memory, which the Sinkhorn threads
-// need only at the end: no stream_merge_bwd launch for it and no dpre through memory. Not more dot warps: they
-// take issue slots from the Sinkhorn warps, whose chain is the longer part at 4 x 256 wide.
-constexpr int HC_DOT_WARPS = 8;
-
-// Threads a block of the coefficient kernels has: SINKHORN_THREADS, and the dot warps where they have streams.
-__host__ __device__ constexpr int hc_coeffs_threads(int vec) {
-  return SINKHORN_THREADS + (vec ? 32 * HC_DOT_WARPS : 0);
-}
-
-struct HcCoeffsFwdArgs {
-  const float* h, *alpha, *bias;
-  float* pre, *post, *res;
-  const float* x;  // hc_pre: the streams, merged by pre into merged
-  float* merged;
-  int M, C, iters;
-};
-
-// merged of the block's tokens, by the dot warps (w: which one), each taking an equal share of the tokens: a token's
-// units spread over the lanes, TU tokens' loads in flight together.
-template <int N, int VEC>
-__device__ __forceinline__ void hc_merge_streams(const HcCoeffsFwdArgs& a, int w) {
-  static_assert(SinkhornGroup<N>::PER_BLOCK % HC_DOT_WARPS == 0, "an equal share of the tokens for each dot warp");
-  constexpr int T = SinkhornGroup<N>::PER_BLOCK / HC_DOT_WARPS, K = hc_coeff_count(N);
-  constexpr int TU = 8 / N < 1 ? 1 : 8 / N > T ? T : 8 / N;
-  const int lane = threadIdx.x % 32, units = a.C / VEC;
-  for (int t0 = 0; t0 < T; t0 += TU) {
-    float pre[TU][N];
-    bool live[TU];
-    int64_t m[TU];
-#pragma unroll
-    for (int t = 0; t < TU; ++t) {
-      m[t] = (int64_t)blockIdx.x * SinkhornGroup<N>::PER_BLOCK + w * T + t0 + t;
-      live[t] = t0 + t < T && m[t] < a.M;
-      const float* hm = a.h + (live[t] ? m[t] : 0) * K;
-#pragma unroll
-      for (int i = 0; i < N; ++i) pre[t][i] = sigmoidf(a.alpha[0] * hm[i] + a.bias[i]);
-    }
-    for (int u = lane; u < units; u += 32) {
-      float xv[TU][N][VEC];
-#pragma unroll
-      for (int t = 0; t < TU; ++t)
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-          if (live[t]) stream_load<VEC>(a.x + (m[t] * N + i) * a.C, u, xv[t][i]);
-#pragma unroll
-      for (int t = 0; t < TU; ++t) {
-        if (!live[t]) continue;
-        float out[VEC];
-        stream_combine<N, VEC>(pre[t], xv[t], out);
-        stream_store<VEC>(a.merged + m[t] * a.C, u, out);
-      }
-    }
-  }
-}
-
-// VEC 0: the coefficients alone; 1 or 4: with the merge (hc_merge_streams's units).
-template <int N, int VEC = 0>
-__global__ void __launch_bounds__(hc_coeffs_threads(VEC)) hc_coeffs_fwd_kernel(HcCoeffsFwdArgs a) {
-  constexpr int K = hc_coeff_count(N);
-  if (threadIdx.x >= SINKHORN_THREADS) {
-    if constexpr (VEC > 0) hc_merge_streams<N, VEC>(a, threadIdx.x / 32 - SINKHORN_THREADS / 32);
-    return;
-  }
-  const SinkhornGroup<N> grp(a.M);
-  const float* hm = a.h + (int64_t)(grp.active ? grp.m : 0) * K;
-  const float* alpha = a.alpha, *bias = a.bias;
-  float u[N];
-  hc_res_logits<N>(grp, hm, alpha, bias, u);
-  sinkhorn_iterate<N>(grp, u, a.iters, {});
-  if (!grp.active) return;
-  const int64_t row = (int64_t)grp.m * N + grp.r;
-  a.pre[row] = sigmoidf(alpha[0] * hm[grp.r] + bias[grp.r]);
-  a.post[row] = 2.f * sigmoidf(alpha[1] * hm[N + grp.r] + bias[N + grp.r]);
-#pragma unroll
-  for (int j = 0; j < N; ++j) a.res[row * N + j] = exp2f(u[j]);
-}
-
-// What hc_coeffs_bwd_kernel reads and writes. part: one row of 2K floats a block, the block's sums of dL/du (the
-// bias's gradient) and of dL/du * h (alpha's, before the sum over its group), u being alpha h + bias. hc_pre's
-// backward passes the streams x and the merge's output gradient dmerged (M, C) in place of dpre.
-struct HcCoeffsBwdArgs {
-  const float* h, *alpha, *bias, *dpre, *dpost, *dres;
-  const float* x, *dmerged;  // hc_pre's backward: dpre from these
-  float* dh, *part, *ws;
-  int M, C, iters;
-};
-
-// dpre of the block's tokens into dpre_s[slot][i], by the dot warps (w: which one), each taking an equal share of
-// the tokens: a token's units spread over the lanes, TU tokens' loads in flight together, then warp_sums.
-template <int N, int VEC>
-__device__ __forceinline__ void hc_merge_dpre(const HcCoeffsBwdArgs& a, int w, float (*dpre_s)[N]) {
-  static_assert(SinkhornGroup<N>::PER_BLOCK % HC_DOT_WARPS == 0, "an equal share of the tokens for each dot warp");
-  constexpr int T = SinkhornGroup<N>::PER_BLOCK / HC_DOT_WARPS;  // tokens of a dot warp
-  constexpr int TU = 10 / (N + 1) < 1 ? 1 : 10 / (N + 1) > T ? T : 10 / (N + 1);
-  const int lane = threadIdx.x % 32, first = w * T, units = a.C / VEC;
-  for (int t0 = 0; t0 < T; t0 += TU) {
-    const float* x[TU], *g[TU];
-    bool live[TU];
-#pragma unroll
-    for (int t = 0; t < TU; ++t) {
-      const int64_t m = (int64_t)blockIdx.x * SinkhornGroup<N>::PER_BLOCK + first + t0 + t;
-      live[t] = t0 + t < T && m < a.M;
-      x[t] = a.x + (live[t] ? m : 0) * N * a.C;
-      g[t] = a.dmerged + (live[t] ? m : 0) * a.C;
-    }
-    float acc[TU][N] = {};
-    for (int u = lane; u < units; u += 32) {
-      float gv[TU][VEC], xv[TU][N][VEC];
-#pragma unroll
-      for (int t = 0; t < TU; ++t) {
-        if (!live[t]) continue;
-        stream_load<VEC>(g[t], u, gv[t]);
-#pragma unroll
-        for (int i = 0; i < N; ++i) stream_load<VEC>(x[t] + (int64_t)i * a.C, u, xv[t][i]);
-      }
-#pragma unroll
-      for (int t = 0; t < TU; ++t) {
-        if (!live[t]) continue;
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[t][i] = fmaf(gv[t][k], xv[t][i][k], acc[t][i]);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < TU; ++t)
-      if (t0 + t < T) warp_sums(acc[t], [&](int i, float total) { dpre_s[first + t0 + t][i] = total; });
-  }
-}
-
-// VEC 0: dpre read from memory; 1 or 4: computed from x and dmerged by the dot warps (hc_merge_dpre's units). The
-// lse take sinkhorn_lse_smem(N, iters) bytes of dynamic shared memory, or the workspace ws where that is 0.
-template <int N, int VEC = 0>
-__global__ void __launch_bounds__(hc_coeffs_threads(VEC)) hc_coeffs_bwd_kernel(HcCoeffsBwdArgs a) {
-  using Grp = SinkhornGroup<N>;
-  constexpr int K = hc_coeff_count(N);
-  extern __shared__ float lse_smem[];
-  __shared__ float du_s[Grp::PER_BLOCK][K], duh_s[Grp::PER_BLOCK][K];
-  __shared__ float dpre_s[VEC ? Grp::PER_BLOCK : 1][N];
-  const bool sinkhorn = threadIdx.x < SINKHORN_THREADS;  // else a dot warp
-  const Grp grp(a.M);  // for the Sinkhorn threads
-  const int tok = threadIdx.x / Grp::G;  // the token's slot in the block
-  const float* hm = a.h + (int64_t)(grp.active ? grp.m : 0) * K;
-  const float* alpha = a.alpha, *bias = a.bias;
-  float g[N];
-  if (sinkhorn) {
-    const SinkhornLse lse = sinkhorn_lse(grp, sinkhorn_lse_smem(N, a.iters) ? lse_smem : nullptr, a.ws, a.M);
-    float u[N];
-    hc_res_logits<N>(grp, hm, alpha, bias, u);
-    sinkhorn_iterate<N>(grp, u, a.iters, lse);
-    __syncwarp();  // the lse each lane stored are read back by its group's other lanes
-    sinkhorn_load_row<N>(grp, a.dres, g);
-    sinkhorn_reverse<N>(grp, u, g, lse, a.iters);  // g: dL/du of row r of res
-  } else if constexpr (VEC > 0) {
-    hc_merge_dpre<N, VEC>(a, threadIdx.x / 32 - SINKHORN_THREADS / 32, dpre_s);
-  }
-  if constexpr (VEC > 0) __syncthreads();  // dpre_s written
-  if (sinkhorn && grp.r < N) {  // the token's terms, zero for a slot past M
-    const int r = grp.r, base = 2 * N + r * N;
-    const int64_t row = (int64_t)(grp.active ? grp.m : 0) * N + r;
-    float du_pre = 0.f, du_post = 0.f;
-    if (grp.active) {
-      const float sp = sigmoidf(alpha[0] * hm[r] + bias[r]), sq = sigmoidf(alpha[1] * hm[N + r] + bias[N + r]);
-      du_pre = (VEC ? dpre_s[tok][r] : a.dpre[row]) * sp * (1.f - sp);
-      du_post = a.dpost[row] * 2.f * sq * (1.f - sq);
-      float* dhm = a.dh + (int64_t)grp.m * K;
-      dhm[r] = alpha[0] * du_pre;
-      dhm[N + r] = alpha[1] * du_post;
-#pragma unroll
-      for (int j = 0; j < N; ++j) dhm[base + j] = alpha[2] * g[j];
-    }
-    du_s[tok][r] = du_pre;
-    du_s[tok][N + r] = du_post;
-    duh_s[tok][r] = grp.active ? du_pre * hm[r] : 0.f;
-    duh_s[tok][N + r] = grp.active ? du_post * hm[N + r] : 0.f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      du_s[tok][base + j] = grp.active ? g[j] : 0.f;
-      duh_s[tok][base + j] = grp.active ? g[j] * hm[base + j] : 0.f;
-    }
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < 2 * K; t += blockDim.x) {
-    const float (*src)[K] = t < K ? du_s : duh_s;
-    const int c = t < K ? t : t - K;
-    float sum = 0.f;
-    for (int i = 0; i < Grp::PER_BLOCK; ++i) sum += src[i][c];
-    a.part[(int64_t)blockIdx.x * 2 * K + t] = sum;
-  }
-}
-
-// The blocks' partials summed: dbias[c] over all rows, dalpha[g] over its group's c too. A warp takes a column,
-// its lanes strided over the blocks, then a shuffle tree: a fixed order, so the same bits every run.
-__global__ void hc_coeffs_finish_kernel(const float* part, int blocks, int n, float* dalpha, float* dbias) {
-  __shared__ float duh[hc_coeff_count(SINKHORN_MAX_N)];
-  const int K = hc_coeff_count(n), lane = threadIdx.x % 32;
-  for (int t = threadIdx.x / 32; t < 2 * K; t += blockDim.x / 32) {
-    float sum = 0.f;
-#pragma unroll 4
-    for (int b = lane; b < blocks; b += 32) sum += part[(int64_t)b * 2 * K + t];
-    sum = warp_sum(sum);
-    if (lane == 0) {
-      if (t < K) dbias[t] = sum;
-      else duh[t - K] = sum;
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < 3) {
-    const int lo = threadIdx.x == 0 ? 0 : threadIdx.x == 1 ? n : 2 * n, hi = threadIdx.x == 2 ? K : lo + n;
-    float sum = 0.f;
-    for (int c = lo; c < hi; ++c) sum += duh[c];
-    dalpha[threadIdx.x] = sum;
-  }
-}
-
-static int hc_coeffs_blocks(int M, int n) { return ceil_div(M, SINKHORN_THREADS / sinkhorn_lanes(n)); }
-
-// Floats of workspace hc_coeffs_bwd needs: Sinkhorn's lse, then the blocks' partial sums.
-int64_t hc_coeffs_workspace_floats(int M, int n, int iters) {
-  return sinkhorn_workspace_floats(M, n, iters) + (int64_t)hc_coeffs_blocks(M, n) * 2 * hc_coeff_count(n);
-}
-
-// hc_coeffs_fwd and hc_pre_coeffs_fwd: the kernel, with the merge where a.x is given.
-static void hc_coeffs_fwd_launch(const HcCoeffsFwdArgs& a, int n, cudaStream_t s) {
-  const int M = a.M, iters = a.iters;
-  if (M == 0) return;
-  if (!a.x) {
-    SINKHORN_DISPATCH(hc_coeffs_fwd_kernel, n, false, M, s, a);
-    return;
-  }
-  stream_dispatch(n, stream_vec4(a.C, a.x, a.merged), [&](auto N, auto V) {
-    constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
-    hc_coeffs_fwd_kernel<n_, vec><<<ceil_div(M, SinkhornGroup<n_>::PER_BLOCK), hc_coeffs_threads(vec), 0, s>>>(a);
-  });
-}
-
-// h (M, K) contiguous, K = 2n + n^2; pre, post (M, n); res (M, n, n).
-void hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
-                   int n, int iters, cudaStream_t s) {
-  sinkhorn_check_args("hc_coeffs_fwd", n, iters);
-  HcCoeffsFwdArgs a{};
-  a.h = h; a.alpha = alpha; a.bias = bias; a.pre = pre; a.post = post; a.res = res; a.M = M; a.iters = iters;
-  hc_coeffs_fwd_launch(a, n, s);
-  check_launch("hc_coeffs_fwd");
-}
-
-// hc_pre's: hc_coeffs_fwd and the merge merged = stream_merge(x, pre) (M, C) of the streams x (M, n, C), in one
-// launch; all contiguous.
-void hc_pre_coeffs_fwd(const float* x, int C, const float* h, const float* alpha, const float* bias, float* pre,
-                       float* post, float* res, float* merged, int M, int n, int iters, cudaStream_t s) {
-  sinkhorn_check_args("hc_pre_coeffs_fwd", n, iters);
-  HcCoeffsFwdArgs a{};
-  a.h = h; a.alpha = alpha; a.bias = bias; a.pre = pre; a.post = post; a.res = res; a.x = x; a.merged = merged;
-  a.M = M; a.C = C; a.iters = iters;
-  hc_coeffs_fwd_launch(a, n, s);
-  check_launch("hc_pre_coeffs_fwd");
-}
-
-// hc_coeffs_bwd and hc_pre_coeffs_bwd: the kernel (its dpre from a.dpre, or from a.x and a.dmerged), then the sums
-// of the blocks' partials.
-static void hc_coeffs_bwd_launch(HcCoeffsBwdArgs a, float* dalpha, float* dbias, int n, cudaStream_t s) {
-  const int M = a.M, iters = a.iters, blocks = M == 0 ? 0 : hc_coeffs_blocks(M, n);
-  a.part = a.ws + sinkhorn_workspace_floats(M, n, iters);
-  if (M > 0 && !a.x) {
-    SINKHORN_DISPATCH(hc_coeffs_bwd_kernel, n, true, M, s, a);
-  } else if (M > 0) {
-    stream_dispatch(n, stream_vec4(a.C, a.x, a.dmerged), [&](auto N, auto V) {
-      constexpr int n_ = decltype(N)::value;
-      constexpr int vec = decltype(V)::value;
-      hc_coeffs_bwd_kernel<n_, vec><<<blocks, hc_coeffs_threads(vec), sinkhorn_lse_smem(n_, iters), s>>>(a);
-    });
-  }
-  hc_coeffs_finish_kernel<<<1, 1024, 0, s>>>(a.part, blocks, n, dalpha, dbias);
-}
-
-// dpre, dpost (M, n), dres (M, n, n) -> dh (M, K), dalpha (3), dbias (K); ws: hc_coeffs_workspace_floats.
-// With M = 0, dalpha and dbias are zeros.
-void hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
-                   const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
-                   cudaStream_t s) {
-  sinkhorn_check_args("hc_coeffs_bwd", n, iters);
-  HcCoeffsBwdArgs a{};
-  a.h = h; a.alpha = alpha; a.bias = bias; a.dpre = dpre; a.dpost = dpost; a.dres = dres;
-  a.dh = dh; a.ws = ws; a.M = M; a.iters = iters;
-  hc_coeffs_bwd_launch(a, dalpha, dbias, n, s);
-  check_launch("hc_coeffs_bwd");
-}
-
-// hc_pre's: hc_coeffs_bwd with dpre the gradient of the merge stream_merge(x, pre), from the streams x (M, n, C)
-// and the merge's output gradient dmerged (M, C), both contiguous.
-void hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float* h, const float* alpha,
-                       const float* bias, const float* dpost, const float* dres, float* dh, float* dalpha,
-                       float* dbias, float* ws, int M, int n, int iters, cudaStream_t s) {
-  sinkhorn_check_args("hc_pre_coeffs_bwd", n, iters);
-  HcCoeffsBwdArgs a{};
-  a.h = h; a.alpha = alpha; a.bias = bias; a.dpost = dpost; a.dres = dres; a.x = x; a.dmerged = dmerged;
-  a.dh = dh; a.ws = ws; a.M = M; a.C = C; a.iters = iters;
-  hc_coeffs_bwd_launch(a, dalpha, dbias, n, s);
-  check_launch("hc_pre_coeffs_bwd");
-}
-
-// ------------------------------------------------------------------------------------------------
-// mhc-dynamic's projection of the streams, RMSNorm and the narrow matmul in one pass each way (the
-// twin is mhc.hc_project_torch): x (M, D) holds a token's n streams flattened (D = nC), w (D) the norm's
-// weight, phi (K, D) the projection, K = 2n + n^2 outputs (3 to 80). RMSNorm only scales a row, so
-//   h[m, k] = rstd[m] sum_d x[m, d] (w[d] phi[k, d]),   rstd[m] = 1 / sqrt(mean_d x[m, d]^2 + eps),
-// and one read of x gives the K dot products and the sum of squares together, where the unfused path
-// reads x, writes the normalized copy and reads it again (three kernels forward, four backward).
-//
-// Forward: x times w * phi on the tensor cores (below, at hc_project_fwd_kernel); rstd is kept for the
-// backward; hc_mix_pre's forward is the same kernel with the previous sublayer's stream mix in front. The
-// backward's sums (over k for s, over tokens for dphi) would fit tensor-core tiles too (K padded to 8), but a
-// tensor-core version ran no faster: taking the FMAs away leaves the wait on the loads of x and the per-element
-// work, which are what limit it. So the backward runs fp32 FMAs on the CUDA cores.
-// Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
-//   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
-//   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
-// A block owns a run of HPB_TOKENS tokens and HPB_COLS threads of a column each (its K values of phi in
-// registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
-// (before the w) and dw, K + 1 rows; a second kernel adds the runs in order (deterministic).
-
-constexpr int HP_TOKENS = 32, HP_SPLIT = 4;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
-constexpr int HP_THREADS = HP_TOKENS / 16 * HP_SPLIT * 32;
-constexpr int HP_STAGE_FLOATS = 25000;       // forward: floats of w * phi a block stages at most (~98 KB)
-constexpr int HP_LOADS = 20;                 // forward: loads a lane has in flight, about (whole steps of them)
-constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (a column each) and tokens
-constexpr int HPB_UNROLL = 8;                    // backward: tokens whose loads are issued together
-
-// On the tensor cores: a block takes HP_TOKENS tokens and a range of columns, whose w * phi it stages in shared
-// memory once (K rows padded to 8: the n-tiles of mma m16n8k8, 3xTF32 as the fp32 matmul), then streams x with
-// no further barrier. The block sees a token's row as S streams of C columns: S = 1 and C = D for hc_project;
-// for hc_mix_pre (MIX) S = n, and the row it projects is the mix s = stream_mix(x, h_res, h_post, y), computed
-// from x and y in registers and written out on the way, so the mixed streams are written once and not read back.
-// A range is columns [c0, c0 + CR) of every stream. A warp owns 16 tokens and every HP_SPLIT-th step of 16
-// columns of the range; lane (g, t) takes 4 adjacent columns of rows g and g + 8, in each stream, and its two
-// products take them as the k indices (t, t + 4) of one step and of the next, phi's columns read in the same
-// order (the sum over k does not care which columns go together). Where C needs more than one range (wide
-// models, large n), each range's sums and sums of squares go to a workspace and hc_project_fwd_finish_kernel
-// adds them up.
-__host__ __device__ constexpr int hp_padded_rows(int n) { return (hc_coeff_count(n) + 7) / 8 * 8; }  // n-tiles of 8
-
-__host__ __device__ constexpr int hp_range_cols(int S, int KP, int C) {  // columns of each stream a block takes
-  const int most = (HP_STAGE_FLOATS / KP - 16) / S / 32 * 32, need = (C + 31) / 32 * 32;
-  return most < need ? most : need;
-}
-
-// Shared memory: the staged rows (stride 16 mod 32: conflict-free fragment reads), later the warps' sums; then
-// the tokens' mix coefficients (coefs floats).
-__host__ __device__ constexpr int hp_smem_bytes(int S, int KP, int C, int coefs) {
-  const int staged = KP * (S * hp_range_cols(S, KP, C) + 16), sums = HP_TOKENS * HP_SPLIT * (KP + 1);
-  return 4 * ((staged > sums ? staged : sums) + coefs);
-}
-
-template <int N, bool MIX>
-struct HpFwd {
-  static constexpr int K = hc_coeff_count(N), KP = hp_padded_rows(N), NT = KP / 8;  // padded rows, n-tiles
-  static constexpr int S = MIX ? N : 1;                    // streams in the block's view of a row
-  static constexpr int R = MIX ? N * N + N : 0;            // a token's mix coefficients: h_res, then h_post
-  static constexpr int STEP_LOADS = 2 * (S + (MIX ? 1 : 0));  // a lane's loads a step: x's streams and y, 2 rows
-  static constexpr int U = HP_LOADS / STEP_LOADS < 1 ? 1 : HP_LOADS / STEP_LOADS > 8 ? 8 : HP_LOADS / STEP_LOADS;
-  static constexpr int SMEM = hp_smem_bytes(S, KP, 1 << 30, HP_TOKENS * R);  // bytes at most
-};
-
-template <class TY>
-struct HpFwdArgs {
-  const float* x;                // (M, S, C)
-  const float* w, *phi;          // (S C), (K, S C)
-  const float* h_res, *h_post;   // MIX: token m's (n, n) at m * res_stride, (n) at m * post_stride (0: shared)
-  const TY* y;                   // MIX: (M, C)
-  float* s;                      // MIX: the mixed streams (M, n, C)
-  float* h, *rstd;               // (M, K), (M) when one range takes all of C
-  float* part;                   // else (ranges, M, K + 1): the ranges' sums and sums of squares
-  int64_t res_stride, post_stride;
-  int M, C;
-  float eps;
-};
-
-// w * phi of the block's range, zeros past K and past the stream's end: row k at smem[k * stride + i * CR + c].
-template <int N, bool MIX, bool VEC, class TY>
-__device__ __forceinline__ void hp_stage(const HpFwdArgs<TY>& a, float* smem, int CR, int c0, int cols) {
-  using P = HpFwd<N, MIX>;
-  const int stride = P::S * CR + 16;
-  const int64_t D = (int64_t)P::S * a.C;
-  if (VEC) {  // a thread's quads of columns, every row; C % 4 == 0: a quad is all in or all out
-    for (int q = 4 * threadIdx.x; q < P::S * CR; q += 4 * HP_THREADS) {
-      const int c = q % CR;
-      const bool in = c < cols;
-      const int64_t col = (int64_t)(q / CR) * a.C + c0 + c;
-      const float4 wq = in ? __ldg(reinterpret_cast<const float4*>(a.w + col)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-      for (int kk = 0; kk < P::KP; ++kk) {
-        float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (in && kk < P::K) p = __ldg(reinterpret_cast<const float4*>(a.phi + kk * D + col));
-        *reinterpret_cast<float4*>(smem + kk * stride + q) =
-            make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
-      }
-    }
-  } else {
-    for (int e = threadIdx.x; e < P::KP * P::S * CR; e += HP_THREADS) {
-      const int kk = e / (P::S * CR), q = e % (P::S * CR), c = q % CR;
-      const int64_t col = (int64_t)(q / CR) * a.C + c0 + c;
-      smem[kk * stride + q] = kk < P::K && c < cols ? __ldg(a.w + col) * __ldg(a.phi + kk * D + col) : 0.f;
-    }
-  }
-}
-
-// Stream i of the mix for 4 columns, out = h_post[i] y + sum_j h_res[i, j] x[j], in stream_mixed's order (keep
-// the two in step); cf: the token's coefficients in shared memory, h_res row-major then h_post.
-template <int N>
-__device__ __forceinline__ void hp_mixed(const float* cf, int i, const float (&x)[N][4], const float (&y)[4],
-                                         float (&out)[4]) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    out[e] = cf[N * N + i] * y[e];
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[e] = fmaf(cf[i * N + j], x[j][e], out[e]);
-  }
-}
-
-// Columns c..c+3 of a range of one row (fp32 or bf16), zeros past its end or for a token past M.
-template <bool VEC, class T>
-__device__ __forceinline__ void hp_load(const T* row, bool live, int c, int cols, float (&v)[4]) {
-  if (VEC && live && c < cols) {
-    if constexpr (std::is_same_v<T, float>) unpack16(__ldg(reinterpret_cast<const float4*>(row + c)), v);
-    else load4(row + c, v);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = live && c + e < cols ? to_float(row[c + e]) : 0.f;
-  }
-}
-
-template <bool VEC>
-__device__ __forceinline__ void hp_store(float* row, bool live, int c, int cols, const float (&v)[4]) {
-  if (VEC && live && c < cols) {
-    store4(row + c, v);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (live && c + e < cols) row[c + e] = v[e];
-  }
-}
-
-// out: h (M, K) and rstd (M) when the block's range is all of C, else its partial sums (ranges, M, K + 1).
-template <int N, bool MIX, bool VEC, class TY>
-__global__ void __launch_bounds__(HP_THREADS) hc_project_fwd_kernel(HpFwdArgs<TY> a) {
-  using P = HpFwd<N, MIX>;
-  constexpr int K = P::K, KP = P::KP, NT = P::NT, S = P::S, R = P::R, U = P::U;
-  extern __shared__ __align__(16) float hp_smem[];
-  const int CR = hp_range_cols(S, KP, a.C), stride = S * CR + 16;
-  const int c0 = blockIdx.y * CR, cols = min(CR, a.C - c0);
-  const int64_t D = (int64_t)S * a.C, mb = (int64_t)blockIdx.x * HP_TOKENS;
-  hp_stage<N, MIX, VEC>(a, hp_smem, CR, c0, cols);
-  float* coef = hp_smem + max(KP * stride, HP_TOKENS * HP_SPLIT * (KP + 1));  // past the staged rows and the sums
-  if constexpr (MIX)
-    for (int e = threadIdx.x; e < HP_TOKENS * R; e += HP_THREADS) {
-      const int k = e % R;
-      const int64_t m = mb + e / R;
-      coef[e] = m >= a.M ? 0.f : k < N * N ? __ldg(a.h_res + m * a.res_stride + k)
-                                           : __ldg(a.h_post + m * a.post_stride + k - N * N);
-    }
-  __syncthreads();
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int group = warp / HP_SPLIT, split = warp % HP_SPLIT;
-  const int64_t m0 = mb + group * 16;
-  const bool live_a = m0 + g < a.M, live_b = m0 + g + 8 < a.M;
-  const int64_t ra = live_a ? m0 + g : 0, rb = live_b ? m0 + g + 8 : 0;
-  const float* xa = a.x + ra * D + c0;  // stream i at + i * C
-  const float* xb = a.x + rb * D + c0;
-  const float* cfa = coef + (group * 16 + g) * R;
-  const float* cfb = cfa + 8 * R;
-  float acc[NT][4] = {}, ss_a = 0.f, ss_b = 0.f;
-  const int steps = (cols + 15) / 16;
-  for (int s0 = split; s0 < steps; s0 += U * HP_SPLIT) {
-    float va[U][S][4], vb[U][S][4], ya[U][4], yb[U][4];  // U steps' loads in flight before any math
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
-#pragma unroll
-      for (int i = 0; i < S; ++i) {
-        hp_load<VEC>(xa + (int64_t)i * a.C, live_a, c, cols, va[u][i]);
-        hp_load<VEC>(xb + (int64_t)i * a.C, live_b, c, cols, vb[u][i]);
-      }
-      if constexpr (MIX) {
-        hp_load<VEC>(a.y + ra * a.C + c0, live_a, c, cols, ya[u]);
-        hp_load<VEC>(a.y + rb * a.C + c0, live_b, c, cols, yb[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s0 + u * HP_SPLIT >= steps) break;
-      const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
-#pragma unroll
-      for (int i = 0; i < S; ++i) {
-        float sa[4], sb[4];  // the row's values: x itself, or the mix, which is also written out
-        if constexpr (MIX) {
-          hp_mixed<N>(cfa, i, va[u], ya[u], sa);
-          hp_mixed<N>(cfb, i, vb[u], yb[u], sb);
-          hp_store<VEC>(a.s + ra * D + (int64_t)i * a.C + c0, live_a, c, cols, sa);
-          hp_store<VEC>(a.s + rb * D + (int64_t)i * a.C + c0, live_b, c, cols, sb);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            sa[e] = va[u][i][e];
-            sb[e] = vb[u][i][e];
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ss_a = fmaf(sa[e], sa[e], ss_a);
-          ss_b = fmaf(sb[e], sb[e], ss_b);
-        }
-        Frag<4, true> fa[2];  // columns 4t + 2 half and 4t + 2 half + 1 as k = t and t + 4 of product `half`
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          fa[half].set({sa[2 * half], sb[2 * half], sa[2 * half + 1], sb[2 * half + 1]});
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const float4 p = *reinterpret_cast<const float4*>(hp_smem + (j * 8 + g) * stride + i * CR + c);
-          Frag<2, true> b0, b1;
-          b0.set({p.x, p.y});
-          b1.set({p.z, p.w});
-          mma<true>(acc[j], fa[0], b0);
-          mma<true>(acc[j], fa[1], b1);
-        }
-      }
-    }
-  }
-  // the HP_SPLIT warps of a group meet in shared memory (over the staged phi, which nobody reads any more)
-  __syncthreads();
-  float* red = hp_smem + (group * HP_SPLIT + split) * 16 * (KP + 1);  // [16 rows][KP sums, sum of squares]
-  ss_a += __shfl_xor_sync(0xffffffffu, ss_a, 1);
-  ss_a += __shfl_xor_sync(0xffffffffu, ss_a, 2);
-  ss_b += __shfl_xor_sync(0xffffffffu, ss_b, 1);
-  ss_b += __shfl_xor_sync(0xffffffffu, ss_b, 2);
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    red[g * (KP + 1) + j * 8 + 2 * t] = acc[j][0];
-    red[g * (KP + 1) + j * 8 + 2 * t + 1] = acc[j][1];
-    red[(g + 8) * (KP + 1) + j * 8 + 2 * t] = acc[j][2];
-    red[(g + 8) * (KP + 1) + j * 8 + 2 * t + 1] = acc[j][3];
-  }
-  if (t == 0) {
-    red[g * (KP + 1) + KP] = ss_a;
-    red[(g + 8) * (KP + 1) + KP] = ss_b;
-  }
-  __syncthreads();
-  if (split != 0) return;
-  const float* mine = hp_smem + group * HP_SPLIT * 16 * (KP + 1);
-  for (int i = lane; i < 16 * (K + 1); i += 32) {  // (row, k), k = K: the sum of squares
-    const int row = i / (K + 1), kk = i % (K + 1);
-    const int64_t m = m0 + row;
-    if (m >= a.M) continue;
-    float sum = 0.f, ss = 0.f;  // the splits in order
-#pragma unroll
-    for (int sp = 0; sp < HP_SPLIT; ++sp) {
-      sum += mine[(sp * 16 + row) * (KP + 1) + (kk < K ? kk : KP)];
-      ss += mine[(sp * 16 + row) * (KP + 1) + KP];
-    }
-    if (gridDim.y > 1) {
-      a.part[((int64_t)blockIdx.y * a.M + m) * (K + 1) + kk] = sum;
-    } else {
-      const float r = rsqrtf(ss / D + a.eps);
-      if (kk < K) a.h[m * K + kk] = sum * r;
-      else a.rstd[m] = r;
-    }
-  }
-}
-
-// The ranges' partial sums added in range order: h = sum * rstd, rstd from the sum of squares. A thread per entry
-// (m, k) of a range's (M, K + 1) rows, so a warp's loads are consecutive floats.
-__global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int M, int K, int64_t D, float eps,
-                                             float* h, float* rstd) {
-  const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)M * (K + 1);
-  if (e >= stride) return;
-  const int64_t m = e / (K + 1);
-  const int kk = (int)(e % (K + 1));
-  float sum = 0.f, ss = 0.f;
-  for (int r = 0; r < ranges; ++r) {
-    sum += part[r * stride + e];
-    ss += part[r * stride + m * (K + 1) + K];
-  }
-  const float rs = rsqrtf(ss / D + eps);
-  if (kk == K) rstd[m] = rs;
-  else h[m * K + kk] = sum * rs;
-}
-
-// part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes one
-// column (two a thread, 8-byte loads and twice the K sums in registers, ran 10% slower: fewer warps to hide latency).
-// Given pre (M, n) and dmerged (M, C), C = D / n: dx also gets the merge's pre[m, i] dmerged[m, c] (d = iC + c);
-// given dadd (M, D), a gradient of x from elsewhere, dx gets that too.
-template <int N>
-__global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x, const float* w, const float* phi,
-    const float* h, const float* rstd, const float* dh, const float* pre, const float* dmerged, const float* dadd,
-    float* dx, float* part, int M, int D) {
-  constexpr int K = hc_coeff_count(N), K4 = (K + 3) / 4 * 4;  // g's rows padded for 16-byte loads
-  __shared__ __align__(16) float g_s[HPB_TOKENS][K4];
-  __shared__ float r_s[HPB_TOKENS], q_s[HPB_TOKENS];  // rstd and rstd^2 c / D
-  __shared__ float pre_s[HPB_TOKENS][N];
-  const int d = blockIdx.y * HPB_COLS + threadIdx.x, m0 = blockIdx.x * HPB_TOKENS;  // runs on x: up to 2^31 - 1
-  const int count = min(HPB_TOKENS, M - m0), C = pre ? D / N : 1;  // C: the merge's stream width
-  if (pre)
-    for (int i = threadIdx.x; i < count * N; i += HPB_COLS) pre_s[i / N][i % N] = pre[(int64_t)m0 * N + i];
-  for (int i = threadIdx.x; i < HPB_TOKENS * K4; i += HPB_COLS) {
-    const int t = i / K4, k = i % K4;
-    g_s[t][k] = t < count && k < K ? dh[(int64_t)(m0 + t) * K + k] : 0.f;
-  }
-  for (int t = threadIdx.x; t < count; t += HPB_COLS) {
-    const float* hm = h + (int64_t)(m0 + t) * K;
-    const float* gm = dh + (int64_t)(m0 + t) * K;
-    float c = 0.f;
-    for (int k = 0; k < K; ++k) c = fmaf(gm[k], hm[k], c);
-    const float r = rstd[m0 + t];
-    r_s[t] = r;
-    q_s[t] = r * r * c / D;
-  }
-  __syncthreads();
-  if (d >= D) return;
-  float p[K], e[K] = {}, ew = 0.f;
-  const float wd = __ldg(w + d);
-#pragma unroll
-  for (int k = 0; k < K; ++k) p[k] = __ldg(phi + (int64_t)k * D + d);
-  const int stream = d / C, col = d % C;  // the merge's (i, c) of the column
-  for (int t0 = 0; t0 < count; t0 += HPB_UNROLL) {
-    float xv[HPB_UNROLL], mv[HPB_UNROLL] = {}, av[HPB_UNROLL] = {};  // HPB_UNROLL tokens' loads in flight
-#pragma unroll
-    for (int i = 0; i < HPB_UNROLL; ++i)
-      if (t0 + i < count) {
-        const int64_t m = m0 + t0 + i;
-        xv[i] = __ldg(x + m * D + d);
-        if (dadd) av[i] = __ldg(dadd + m * D + d);
-        if (pre) mv[i] = __ldg(dmerged + m * C + col);
-      }
-#pragma unroll
-    for (int i = 0; i < HPB_UNROLL; ++i) {
-      const int t = t0 + i;
-      if (t >= count) break;
-      const float r = r_s[t], xr = xv[i] * r;
-      float s4[4] = {};  // s in four partial sums: chains of K / 4 dependent FMAs, not K
-#pragma unroll
-      for (int k4 = 0; k4 < K4; k4 += 4) {
-        const float4 g4 = *reinterpret_cast<const float4*>(&g_s[t][k4]);
-        const float g[4] = {g4.x, g4.y, g4.z, g4.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (k4 + j < K) {
-            s4[j] = fmaf(g[j], p[k4 + j], s4[j]);
-            e[k4 + j] = fmaf(g[j], xr, e[k4 + j]);
-          }
-      }
-      const float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-      float out = r * wd * s - xv[i] * q_s[t];
-      if (pre) out = fmaf(pre_s[t][stream], mv[i], out);
-      if (dadd) out += av[i];
-      ew = fmaf(xr, s, ew);
-      dx[(int64_t)(m0 + t) * D + d] = out;
-    }
-  }
-  float* out = part + (int64_t)blockIdx.x * (K + 1) * D + d;
-#pragma unroll
-  for (int k = 0; k < K; ++k) out[(int64_t)k * D] = e[k];
-  out[(int64_t)K * D] = ew;
-}
-
-// The runs' partials summed in run order: row k < K of blockIdx.y gives dphi[k] (times w), row K dw.
-__global__ void __launch_bounds__(HPB_COLS) hc_project_finish_kernel(const float* part, const float* w, int runs, int K,
-                                                                     int D, float* dphi, float* dw) {
-  const int d = blockIdx.x * HPB_COLS + threadIdx.x, k = blockIdx.y;
-  if (d >= D) return;
-  float sum = 0.f;
-#pragma unroll 8
-  for (int run = 0; run < runs; ++run) sum += part[((int64_t)run * (K + 1) + k) * D + d];
-  if (k < K) dphi[(int64_t)k * D + d] = w[d] * sum;
-  else dw[d] = sum;
-}
-
-static int hc_project_runs(int M) { return ceil_div(M, HPB_TOKENS); }
-
-// Floats of workspace hc_project_bwd needs: the runs' partial sums.
-int64_t hc_project_bwd_workspace_floats(int M, int n, int D) {
-  return (int64_t)hc_project_runs(M) * (hc_coeff_count(n) + 1) * D;
-}
-
-#define HP_BWD_LAUNCH(N)                                                                                 \
-  hc_project_bwd_kernel<N><<<dim3(runs, ceil_div(D, HPB_COLS)), HPB_COLS, 0, s>>>(x, w, phi, h, rstd, dh, pre,   \
-                                                                                 dmerged, dadd, dx, ws, M, D);
-#define HP_DISPATCH(LAUNCH) \
-  switch (n) {              \
-    case 1: LAUNCH(1) break;  \
-    case 2: LAUNCH(2) break;  \
-    case 3: LAUNCH(3) break;  \
-    case 4: LAUNCH(4) break;  \
-    case 5: LAUNCH(5) break;  \
-    case 6: LAUNCH(6) break;  \
-    case 7: LAUNCH(7) break;  \
-    default: LAUNCH(8)        \
-  }
-
-template <int N, bool MIX, class TY>
-static void hp_fwd_launch(HpFwdArgs<TY> a, float* ws, bool vec4, cudaStream_t s) {
-  using P = HpFwd<N, MIX>;
-  const dim3 grid(ceil_div(a.M, HP_TOKENS), ceil_div(a.C, hp_range_cols(P::S, P::KP, a.C)));
-  const int smem = hp_smem_bytes(P::S, P::KP, a.C, HP_TOKENS * P::R);
-  if (grid.y > 65535) throw std::runtime_error("hc_project_fwd: more than 65535 column ranges");
-  a.part = grid.y > 1 ? ws : nullptr;
-  if (vec4) {
-    raise_smem_limit<hc_project_fwd_kernel<N, MIX, true, TY>>(P::SMEM);
-    hc_project_fwd_kernel<N, MIX, true, TY><<<grid, HP_THREADS, smem, s>>>(a);
-  } else {
-    raise_smem_limit<hc_project_fwd_kernel<N, MIX, false, TY>>(P::SMEM);
-    hc_project_fwd_kernel<N, MIX, false, TY><<<grid, HP_THREADS, smem, s>>>(a);
-  }
-  if (grid.y > 1)
-    hc_project_fwd_finish_kernel<<<ceil_div((int64_t)a.M * (P::K + 1), 256), 256, 0, s>>>(
-        ws, (int)grid.y, a.M, P::K, (int64_t)P::S * a.C, a.eps, a.h, a.rstd);
-}
-
-#define HP_FWD_LAUNCH(N) hp_fwd_launch<N, MIX>(a, ws, vec4, s);
-template <bool MIX, class TY>
-static void hp_fwd(const HpFwdArgs<TY>& a, int n, float* ws, bool vec4, cudaStream_t s) {
-  HP_DISPATCH(HP_FWD_LAUNCH)
-}
-
-// Floats of workspace the forward needs: the column ranges' partial sums, where a stream takes more than one.
-static int64_t hp_fwd_workspace_floats(int M, int n, int S, int C) {
-  const int ranges = ceil_div(C, hp_range_cols(S, hp_padded_rows(n), C));
-  return ranges > 1 ? (int64_t)ranges * M * (hc_coeff_count(n) + 1) : 0;
-}
-int64_t hc_project_fwd_workspace_floats(int M, int n, int D) { return hp_fwd_workspace_floats(M, n, 1, D); }
-int64_t hc_mix_project_fwd_workspace_floats(int M, int n, int C) { return hp_fwd_workspace_floats(M, n, n, C); }
-
-// x (M, D), w (D), phi (K, D) with K = 2n + n^2 -> h (M, K), rstd (M); all contiguous; ws:
-// hc_project_fwd_workspace_floats.
-void hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
-                    int D, float eps, cudaStream_t s) {
-  sinkhorn_check_args("hc_project_fwd", n, 1);
-  require_tensor_cores("hc_project_fwd");
-  if (M == 0) return;
-  HpFwdArgs<float> a{};
-  a.x = x; a.w = w; a.phi = phi; a.h = h; a.rstd = rstd; a.M = M; a.C = D; a.eps = eps;
-  hp_fwd<false>(a, n, ws, D % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(phi), s);
-  check_launch("hc_project_fwd");
-}
-
-// hc_mix_pre's forward: the mix out = stream_mix(x, h_res, h_post, y) (M, n, C), written out, and its
-// projection h (M, K) and rstd (M) as hc_project_fwd gives them for out flattened, in one pass. h_res (n, n) and
-// h_post (n) per token (per_token) or for all. All contiguous; ws: hc_mix_project_fwd_workspace_floats.
-template <class TY>
-void hc_mix_project_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, float* out,
-                        const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n, int C,
-                        bool per_token, float eps, cudaStream_t s) {
-  sinkhorn_check_args("hc_mix_project_fwd", n, 1);
-  require_tensor_cores("hc_mix_project_fwd");
-  if (M == 0 || C == 0) return;
-  HpFwdArgs<TY> a{};
-  a.x = x; a.h_res = h_res; a.h_post = h_post; a.y = y; a.s = out; a.w = w; a.phi = phi; a.h = h; a.rstd = rstd;
-  a.res_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
-  a.M = M; a.C = C; a.eps = eps;
-  const bool vec4 = C % 4 == 0 && aligned16(x) && aligned16(out) && aligned16(w) && aligned16(phi) &&
-                    reinterpret_cast<uintptr_t>(y) % (4 * sizeof(TY)) == 0;
-  hp_fwd<true>(a, n, ws, vec4, s);
-  check_launch("hc_mix_project_fwd");
-}
-template void hc_mix_project_fwd<float>(const float*, const float*, const float*, const float*, float*, const float*,
-                                        const float*, float*, float*, float*, int, int, int, bool, float, cudaStream_t);
-template void hc_mix_project_fwd<__nv_bfloat16>(const float*, const float*, const float*, const __nv_bfloat16*,
-                                                float*, const float*, const float*, float*, float*, float*, int, int,
-                                                int, bool, float, cudaStream_t);
-
-// dh (M, K) -> dx (M, D), dw (D), dphi (K, D), from the forward's h and rstd; ws:
-// hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros. Given pre (M, n) and dmerged (M, D / n),
-// dx also gets the gradient of stream_merge(x, pre) (hc_pre's backward: x read once, no add of two dx); given
-// dadd (M, D), that too (hc_mix_pre's: the gradient of the streams from their next consumer).
-void hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
-                    const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
-                    float* dphi, float* ws, int M, int n, int D, cudaStream_t s) {
-  sinkhorn_check_args("hc_project_bwd", n, 1);
-  const int K = hc_coeff_count(n), runs = hc_project_runs(M);
-  if (ceil_div(D, HPB_COLS) > 65535) throw std::runtime_error("hc_project_bwd: D > 65535 * 128");
-  if (M > 0) HP_DISPATCH(HP_BWD_LAUNCH)
-  hc_project_finish_kernel<<<dim3(ceil_div(D, HPB_COLS), K + 1), HPB_COLS, 0, s>>>(ws, w, runs, K, D, dphi, dw);
-  check_launch("hc_project_bwd");
-}
-#undef HP_DISPATCH
-#undef HP_BWD_LAUNCH
-#undef HP_FWD_LAUNCH
-
-// ------------------------------------------------------------------------------------------------
-// stream mixing for hyper-connections (mhc.py). x (M, n, C) holds the n residual streams of M
-// tokens, n <= 8; the PyTorch twins are mhc.stream_merge_torch and mhc.stream_mix_torch:
-//   stream_merge: out[m, c]    = sum_i h[i] x[m, i, c]                               (M, C)
-//   stream_mix:   out[m, i, c] = sum_j h_res[i, j] x[m, j, c] + h_post[i] y[m, c]    (M, n, C)
-// and stream_mix_merge, the mix and then the merge of its out by the next sublayer's h_pre, from the
-// registers that hold out. The coefficients are static (one set for all tokens) or per token; a kernel
-// reads token m's at m * stride, so a stride of 0 makes them static and one kernel serves both. The
-// streams are fp32; y (the sublayer's output) is fp32 or bf16 (mixed precision), widened on load.
-//
-// A few FMAs per byte: the floor is reading every input once and writing every output once, which
-// unfused PyTorch misses by far (permute copies, tiny batched matmuls, separate elementwise kernels,
-// each a pass over memory). A thread owns a "unit" of one token: VEC columns (4, as 16-byte loads of
-// fp32 and 8-byte loads of bf16, when C % 4 == 0 and every pointer is so aligned, else 1) in all n
-// streams, so the n x n mixing of the unit happens in registers and each element is loaded once.
-// Blocks are 32 x STREAM_TOKENS, a warp per token, lanes on consecutive units (coalesced); the
-// token's coefficients sit in registers, loaded once per thread from warp-uniform addresses (one L1
-// broadcast each). -Xptxas -v: the n = 8 backward with the merge takes 255 registers at 128 threads,
-// without spills.
-//
-// Forward: a token's units are also spread over grid.y, so each thread has one unit when C allows.
-// Backward: dx (and dy) are per unit like the forward, but the coefficient gradients are sums over
-// C (dh[i] = sum_c dout[c] x[i, c], ...), so a token stays in one warp and each lane sums its units.
-// Per-token coefficients: the lanes' K sums (n for the merge, n * n + n for the mix, n * n + 2n with
-// the merge) are added up by one butterfly that leaves value k's total in lane k (warp_sums: about 31
-// shuffles instead of 5 per value), and lane k stores it. Static coefficients: a warp walks several
-// tokens and keeps adding into the same K sums, the block adds its warps' totals into one row of
-// partials, and stream_coef_finish adds the rows. Every order is fixed: no atomics, the same bits
-// every run.
-
-constexpr int STREAM_MAX_N = 8;
-constexpr int STREAM_TOKENS = 4;  // tokens (warps) per block
-
-// What a stream kernel reads and writes (unused pointers stay nullptr). Strides: floats per token.
-// y and dy are the sublayer output's dtype (TY: fp32, or bf16 under --dtype=bf16), the streams fp32.
-struct StreamArgs {
-  const float* x;       // (M, n, C)
-  const float* h;       // merge: h; mix: h_res
-  const float* h_post;  // mix
-  const float* h_pre;   // mix_merge: the next sublayer's merge coefficients
-  const void* y;        // mix: (M, C)
-  const float* dout;    // backward: merge (M, C), mix (M, n, C)
-  const float* dmerged; // mix_merge backward: (M, C)
-  float* out;           // forward
-  float* merged;        // mix_merge forward: (M, C)
-  float* dx;            // backward, like x
-  void* dy;             // mix backward, like y
-  float* dh;            // backward: merge's dh or mix's dh_res, token m's at m * dh_stride
-  float* dh_post;       // mix backward, token m's at m * dpost_stride
-  float* dh_pre;        // mix_merge backward, token m's at m * dpost_stride
-  float* part;          // backward with static coefficients: a row of the block's K sums per block
-  int64_t h_stride, post_stride, dh_stride, dpost_stride;
-  int M, C;
-};
-
-template <int K>
-__device__ __forceinline__ void stream_coefs(const float* p, float (&c)[K]) {
-#pragma unroll
-  for (int k = 0; k < K; ++k) c[k] = __ldg(p + k);
-}
-
-// Stream i of the mix, out[i] = sum_j r[i, j] x[j] + p[i] y, for one unit.
-template <int N, int VEC>
-__device__ __forceinline__ void stream_mixed(int i, const float (&r)[N * N], const float (&p)[N],
-                                             const float (&xv)[N][VEC], const float (&yv)[VEC], float (&o)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    o[k] = p[i] * yv[k];
-#pragma unroll
-    for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
-  }
-}
-
-// Static coefficients: each warp's K sums (over all its tokens) added over its lanes, then the block's warps
-// added in order into row blockIdx.x of part. Every thread of the block must call it.
-template <int K>
-__device__ __forceinline__ void stream_block_sums(const float (&acc)[K], float* part) {
-  __shared__ float sums[STREAM_TOKENS][K];
-  warp_sums(acc, [&](int k, float total) { sums[threadIdx.y][k] = total; });
-  __syncthreads();
-  for (int k = threadIdx.y * 32 + threadIdx.x; k < K; k += 32 * STREAM_TOKENS) {
-    float t = sums[0][k];
-#pragma unroll
-    for (int w = 1; w < STREAM_TOKENS; ++w) t += sums[w][k];
-    part[(int64_t)blockIdx.x * K + k] = t;
-  }
-}
-
-template <int N, int VEC>
-__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_fwd_kernel(StreamArgs a) {
-  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
-  if (m >= a.M) return;
-  const int units = a.C / VEC;
-  const float* x = a.x + (int64_t)m * N * a.C;
-  float* out = a.out + (int64_t)m * a.C;
-  float h[N];
-  stream_coefs<N>(a.h + m * a.h_stride, h);
-  for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
-    float xv[N][VEC], o[VEC];
-#pragma unroll
-    for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
-    stream_combine<N, VEC>(h, xv, o);
-    stream_store<VEC>(out, u, o);
-  }
-}
-
-// The mix; with MERGE (stream_mix_merge) also the next sublayer's merged input, sum_i h_pre[i] out[i],
-// from the registers that hold out: the merge's read of the streams is saved.
-template <int N, int VEC, class TY, bool MERGE>
-__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_fwd_kernel(StreamArgs a) {
-  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
-  if (m >= a.M) return;
-  const int units = a.C / VEC;
-  const float* x = a.x + (int64_t)m * N * a.C;
-  const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
-  float* out = a.out + (int64_t)m * N * a.C;
-  float r[N * N], p[N], q[N];  // h_res row-major, h_post, h_pre
-  stream_coefs<N * N>(a.h + m * a.h_stride, r);
-  stream_coefs<N>(a.h_post + m * a.post_stride, p);
-  if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
-  for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
-    float xv[N][VEC], yv[VEC], o[N][VEC];
-#pragma unroll
-    for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
-    stream_load<VEC>(y, u, yv);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      stream_mixed<N, VEC>(i, r, p, xv, yv, o[i]);
-      stream_store<VEC>(out + (int64_t)i * a.C, u, o[i]);
-    }
-    if constexpr (MERGE) {
-      float mv[VEC];
-      stream_combine<N, VEC>(q, o, mv);
-      stream_store<VEC>(a.merged + (int64_t)m * a.C, u, mv);
-    }
-  }
-}
-
-// dx[i] = h[i] dout; dh[i] = sum_c dout[c] x[i, c] for each of the warp's tokens (static: summed over them).
-template <int N, int VEC>
-__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(StreamArgs a) {
-  const bool per_token = a.h_stride != 0;
-  const int units = a.C / VEC;
-  float acc[N] = {};
-  // m is the same for the whole warp, so the shuffles in warp_sums always have every lane
-  for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
-    const float* x = a.x + (int64_t)m * N * a.C;
-    const float* g = a.dout + (int64_t)m * a.C;
-    float* dx = a.dx + (int64_t)m * N * a.C;
-    float h[N];
-    stream_coefs<N>(a.h + m * a.h_stride, h);
-    for (int u = threadIdx.x; u < units; u += 32) {
-      float gv[VEC], xv[N][VEC];
-      stream_load<VEC>(g, u, gv);
-#pragma unroll
-      for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        float d[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          d[k] = h[i] * gv[k];
-          acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
-        }
-        stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
-      }
-    }
-    if (per_token) {
-      warp_sums(acc, [&](int k, float total) { a.dh[m * a.dh_stride + k] = total; });
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = 0.f;
-    }
-  }
-  if (!per_token) stream_block_sums<N>(acc, a.part);
-}
-
-// dx[j] = sum_i h_res[i, j] dout[i]; dy = sum_i h_post[i] dout[i]; for token m, added into acc (K = n * n + n
-// values, n * n + 2n with MERGE): dh_res[i, j] = sum_c dout[i, c] x[j, c] and dh_post[i] = sum_c dout[i, c] y[c].
-// With MERGE the gradient reaching out[i] is dout[i] + h_pre[i] dmerged (the add autograd would make,
-// rounded as it would round it), and dh_pre[i] = sum_c dmerged[c] out[i, c] with out recomputed from x and y.
-template <int N, int VEC, class TY, bool MERGE, int K>
-__device__ __forceinline__ void stream_mix_bwd_token(const StreamArgs& a, int m, float (&acc)[K]) {
-  constexpr int RES = 0, POST = N * N, PRE = N * N + N;  // where each coefficient's sums start in acc
-  const int units = a.C / VEC;
-  const float* x = a.x + (int64_t)m * N * a.C;
-  const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
-  const float* g = a.dout + (int64_t)m * N * a.C;
-  float* dx = a.dx + (int64_t)m * N * a.C;
-  TY* dy = static_cast<TY*>(a.dy) + (int64_t)m * a.C;
-  float r[N * N], p[N], q[N];
-  stream_coefs<N * N>(a.h + m * a.h_stride, r);
-  stream_coefs<N>(a.h_post + m * a.post_stride, p);
-  if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
-  for (int u = threadIdx.x; u < units; u += 32) {
-    float gv[N][VEC], xv[N][VEC], yv[VEC];
-#pragma unroll
-    for (int i = 0; i < N; ++i) stream_load<VEC>(g + (int64_t)i * a.C, u, gv[i]);
-#pragma unroll
-    for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
-    stream_load<VEC>(y, u, yv);
-    if constexpr (MERGE) {
-      float dm[VEC];
-      stream_load<VEC>(a.dmerged + (int64_t)m * a.C, u, dm);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        float o[VEC];
-        stream_mixed<N, VEC>(i, r, p, xv, yv, o);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          acc[PRE + i] = fmaf(dm[k], o[k], acc[PRE + i]);
-          gv[i][k] = __fadd_rn(gv[i][k], __fmul_rn(q[i], dm[k]));
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      float d[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        d[k] = r[j] * gv[0][k];
-#pragma unroll
-        for (int i = 1; i < N; ++i) d[k] = fmaf(r[i * N + j], gv[i][k], d[k]);
-      }
-      stream_store<VEC>(dx + (int64_t)j * a.C, u, d);
-    }
-    float d[VEC];
-    stream_combine<N, VEC>(p, gv, d);
-    stream_store<VEC>(dy, u, d);
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        acc[POST + i] = fmaf(gv[i][k], yv[k], acc[POST + i]);
-#pragma unroll
-        for (int j = 0; j < N; ++j) acc[RES + i * N + j] = fmaf(gv[i][k], xv[j][k], acc[RES + i * N + j]);
-      }
-  }
-}
-
-// The mix's backward for each of the warp's tokens (stream_mix_bwd_token); the coefficient gradients stored per
-// token (h_res's, then h_post's, then h_pre's) or, static, summed over the tokens (stream_block_sums).
-template <int N, int VEC, class TY, bool MERGE>
-__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(StreamArgs a) {
-  constexpr int K = N * N + (MERGE ? 2 : 1) * N;
-  const bool per_token = a.h_stride != 0;
-  float acc[K] = {};
-  // m is the same for the whole warp, so the shuffles in warp_sums always have every lane
-  for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
-    stream_mix_bwd_token<N, VEC, TY, MERGE>(a, m, acc);
-    if (per_token) {
-      warp_sums(acc, [&](int k, float total) {
-        if (k < N * N) a.dh[m * a.dh_stride + k] = total;
-        else if (k < N * N + N) a.dh_post[m * a.dpost_stride + k - N * N] = total;
-        else a.dh_pre[m * a.dpost_stride + k - N * N - N] = total;
-      });
-#pragma unroll
-      for (int k = 0; k < K; ++k) acc[k] = 0.f;
-    }
-  }
-  if (!per_token) stream_block_sums<K>(acc, a.part);
-}
-
-// The static coefficients' gradients: the column sums of the blocks' rows of part (rows x K), a warp a column, its
-// lanes strided over the rows and then a shuffle tree (a fixed order: the same bits every run); columns
-// [0, k0) go to out0, [k0, k0 + k1) to out1 and the rest to out2.
-__global__ void stream_coef_finish_kernel(const float* part, int rows, int K, float* out0, int k0, float* out1,
-                                          int k1, float* out2) {
-  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (t >= K) return;
-  float sum = 0.f;
-  for (int b = lane; b < rows; b += 32) sum += part[(int64_t)b * K + t];
-  sum = warp_sum(sum);
-  if (lane == 0) {
-    if (t < k0) out0[t] = sum;
-    else if (t < k0 + k1) out1[t - k0] = sum;
-    else out2[t - k0 - k1] = sum;
-  }
-}
-
-static const dim3 STREAM_BLOCK(32, STREAM_TOKENS);
-
-static void stream_check_n(const char* what, int n) {
-  if (n < 1 || n > STREAM_MAX_N)
-    throw std::runtime_error(std::string(what) + ": needs 1 <= n <= " + std::to_string(STREAM_MAX_N) +
-                             ", got n = " + std::to_string(n));
-}
-
-// Forward grid: STREAM_TOKENS tokens per block in x, a token's units over y (32 per block).
-static dim3 stream_fwd_grid(int M, int C, bool vec4) {
-  return dim3(ceil_div(M, STREAM_TOKENS), std::min(ceil_div(vec4 ? C / 4 : C, 32), 65535));
-}
-
-// x (M, n, C) -> out (M, C); h: n floats, or n per token when per_token. All contiguous.
-void stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
-                      cudaStream_t s) {
-  stream_check_n("stream_merge_fwd", n);
-  if (M == 0 || C == 0) return;
-  StreamArgs a{};
-  a.x = x; a.h = h; a.out = out; a.h_stride = per_token ? n : 0; a.M = M; a.C = C;
-  const bool vec4 = stream_vec4(C, x, out);
-  const dim3 grid = stream_fwd_grid(M, C, vec4);
-  stream_dispatch(n, vec4, [&](auto N, auto V) {
-    stream_merge_fwd_kernel<decltype(N)::value, decltype(V)::value><<<grid, STREAM_BLOCK, 0, s>>>(a);
-  });
-  check_launch("stream_merge_fwd");
-}
-
-// Rows of partial sums the static coefficients' backward writes (K floats each): one per block, 4 blocks an SM
-// (STREAM_TOKENS warps each), so each warp walks about M / (4 * STREAM_TOKENS * SMs) tokens.
-int stream_coef_rows(int M) { return std::max(1, std::min(ceil_div(M, STREAM_TOKENS), 4 * num_sms())); }
-
-// The backward's blocks: a warp per token for per-token coefficients, stream_coef_rows for static ones (then the
-// K = k0 + k1 + k2 column sums of their rows into out0, out1 and out2 by stream_coef_finish_kernel).
-template <class Launch>
-static void stream_bwd_launch(const char* what, int M, bool per_token, Launch launch, const float* part, int k0,
-                              float* out0, int k1, float* out1, int k2, float* out2, cudaStream_t s) {
-  const int blocks = per_token ? ceil_div(M, STREAM_TOKENS) : stream_coef_rows(M);
-  if (blocks > 0) launch(blocks);
-  check_launch(what);
-  if (per_token) return;
-  const int K = k0 + k1 + k2;
-  stream_coef_finish_kernel<<<ceil_div(K, 8), 256, 0, s>>>(part, blocks, K, out0, k0, out1, k1, out2);
-  check_launch("stream_coef_finish");
-}
-
-// dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the workspace part
-// (stream_coef_rows(M) * n floats). Zeros where C or M is 0.
-void stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
-                      int n, int C, bool per_token, cudaStream_t s) {
-  stream_check_n("stream_merge_bwd", n);
-  StreamArgs a{};
-  a.x = x; a.h = h; a.dout = dout; a.dx = dx; a.dh = dh; a.part = part;
-  a.h_stride = per_token ? n : 0; a.dh_stride = n; a.M = M; a.C = C;
-  const bool vec4 = stream_vec4(C, x, dout, dx);
-  auto launch = [&](int blocks) {
-    stream_dispatch(n, vec4, [&](auto N, auto V) {
-      stream_merge_bwd_kernel<decltype(N)::value, decltype(V)::value><<<blocks, STREAM_BLOCK, 0, s>>>(a);
-    });
-  };
-  stream_bwd_launch("stream_merge_bwd", M, per_token, launch, part, n, dh, 0, nullptr, 0, nullptr, s);
-}
-
-// x (M, n, C), y (M, C) -> out (M, n, C); h_res n * n floats (row-major) and h_post n, or that many per
-// token when per_token. With h_pre (n floats, or n per token, like h_post) also merged (M, C), the merge of
-// out by h_pre (stream_mix_merge); h_pre = nullptr: the mix alone. All contiguous.
-template <class TY>
-void stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
-                    float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s) {
-  stream_check_n("stream_mix_fwd", n);
-  if (M == 0 || C == 0) return;
-  StreamArgs a{};
-  a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.out = out; a.merged = merged;
-  a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0; a.M = M; a.C = C;
-  const bool vec4 = stream_vec4(C, x, y, out, merged);
-  const dim3 grid = stream_fwd_grid(M, C, vec4);
-  stream_dispatch(n, vec4, [&](auto N, auto V) {
-    constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
-    if (h_pre) stream_mix_fwd_kernel<n_, vec, TY, true><<<grid, STREAM_BLOCK, 0, s>>>(a);
-    else stream_mix_fwd_kernel<n_, vec, TY, false><<<grid, STREAM_BLOCK, 0, s>>>(a);
-  });
-  check_launch("stream_mix_fwd");
-}
-
-// dout (M, n, C) -> dx (M, n, C), dy (M, C), and the coefficient gradients: per token dh_res (M, n, n) and
-// dh_post (M, n); static, their token sums (n, n) and (n,) through the workspace part (stream_coef_rows(M) * K
-// floats, K = n * n + n). With h_pre (stream_mix_merge) dmerged (M, C) comes in too and dh_pre (M, n) or (n,)
-// goes out (K = n * n + 2n). Zeros where C or M is 0.
-template <class TY>
-void stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
-                    const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
-                    float* dh_pre, float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
-  stream_check_n("stream_mix_bwd", n);
-  StreamArgs a{};
-  a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.dout = dout; a.dmerged = dmerged;
-  a.dx = dx; a.dy = dy; a.dh = dh_res; a.dh_post = dh_post; a.dh_pre = dh_pre; a.part = part;
-  a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
-  a.dh_stride = n * n; a.dpost_stride = n;
-  a.M = M; a.C = C;
-  const bool vec4 = stream_vec4(C, x, y, dout, dmerged, dx, dy);
-  auto launch = [&](int blocks) {
-    stream_dispatch(n, vec4, [&](auto N, auto V) {
-      constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
-      if (h_pre) stream_mix_bwd_kernel<n_, vec, TY, true><<<blocks, STREAM_BLOCK, 0, s>>>(a);
-      else stream_mix_bwd_kernel<n_, vec, TY, false><<<blocks, STREAM_BLOCK, 0, s>>>(a);
-    });
-  };
-  stream_bwd_launch("stream_mix_bwd", M, per_token, launch, part, n * n, dh_res, n, dh_post, h_pre ? n : 0, dh_pre,
-                    s);
-}
-
-#define STREAM_MIX_INSTANTIATE(TY)                                                                            \
-  template void stream_mix_fwd<TY>(const float*, const float*, const float*, const TY*, const float*, float*,  \
-                                   float*, int, int, int, bool, cudaStream_t);                                \
-  template void stream_mix_bwd<TY>(const float*, const float*, const float*, const TY*, const float*,          \
-                                   const float*, const float*, float*, TY*, float*, float*, float*, float*,    \
-                                   int, int, int, bool, cudaStream_t);
-STREAM_MIX_INSTANTIATE(float)
-STREAM_MIX_INSTANTIATE(__nv_bfloat16)
-#undef STREAM_MIX_INSTANTIATE
-
-// ------------------------------------------------------------------------------------------------
-// attention. q (BH, Sq, D), k and v (BH / group, Sk, D), contiguous. Causal aligns queries to the end
+// 7.1 attention: shapes, operand policies, tiles
+// Q (BH, Sq, D), k and v (BH / group, Sk, D), contiguous. Causal aligns queries to the end
 // of the keys: query i sees keys j <= i + (Sk - Sq), so Sq = 1 decodes one token against a cache.
 // Grouped-query attention: query heads h * group .. h * group + group - 1 share K/V head h (group = 1
 // is ordinary multi-head attention, group = H multi-query); a smaller KV cache for the same queries.
@@ -5146,7 +4000,7 @@ STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 // and one ex2. The block saves lse_log2 = m + log2(l) per row so the backward can rebuild
 // P = exp2(s * scale * log2(e) - lse_log2) tile by tile.
 //
-// The products run on the tensor cores (helpers above), 3xTF32 by default ('fp32'), one TF32
+// The products run on the tensor cores (1.6), 3xTF32 by default ('fp32'), one TF32
 // product with precision='tf32'. A score tile from a C fragment feeds the next product as its A
 // operand if the 8 keys of a k-step are taken in the order (0,2,4,6,1,3,5,7): then
 // a = {c0, c2, c1, c3}, and the B operand reads key rows 2t and 2t+1.
@@ -5167,33 +4021,8 @@ STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 // The kernels are written once over an operand policy (AttnTf32, AttnBf16 below): its element type,
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
 // the online softmax, the splits and their merge do not depend on it.
-
-// One asynchronous copy of BYTES from global to shared memory: 16 (.cg, past L1) or 4 (.ca: copies
-// under 16 bytes must go through L1); valid = false writes zeros.
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool valid) {
-  static_assert(BYTES == 16 || BYTES == 4, "the two sizes the kernels copy");
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem), n = valid ? BYTES : 0;
-  if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
+//
+// Twin: train.torch_attention (SDPA). Uses: 1.5 cp_async, 1.6 mma/mma_bf16/ldmatrix, 1.7 (Hopper).
 
 // Elements of a shared-memory row holding D of them: one 16-byte chunk of padding.
 template <class T, int D>
@@ -5222,13 +4051,7 @@ __device__ __forceinline__ unsigned char* attn_smem_base(unsigned char* raw) {
   return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
 }
 
-// Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
-// (D contiguous). q, k and v are often views of one (B, S, 3C) projection, and out is written as
-// (B, S, H, D) memory, so that the heads side by side again (the next projection's input) need no copy.
-struct AttnLayout {
-  int64_t sb, sh, ss;
-  int heads;
-};
+// Where an attention tensor keeps its values: AttnLayout (part 0).
 
 // The rows of one head: row r at p + r * row (row: the layout's ss, which the launcher keeps under
 // 2^31). The tile loops address rows through this: a multiply, as with contiguous heads.
@@ -5247,11 +4070,6 @@ struct AttnGroupRows {
   int64_t head;
   int row, per;
   __device__ __forceinline__ T* at(int r) const { return p + (int64_t)(r / per) * head + (int64_t)(r % per) * row; }
-};
-
-// Every tensor's layout, as the launchers take them (the forward reads q, k, v, out).
-struct AttnLayouts {
-  AttnLayout q, k, v, out, dout, dq, dk, dv;
 };
 
 template <class T>
@@ -5384,45 +4202,6 @@ __device__ __forceinline__ void mma_p_times_m(float (&acc)[D / 8][4], const floa
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) mma<PRECISE>(acc[n], a, frag_b_perm<D, PRECISE>(msm, j * 8, n * 8));
   }
-}
-
-// bf16 products: mma.sync m16n8k16 (bf16 operands, fp32 accumulation). Fragment layout (g = lane / 4,
-// t = lane % 4; each register holds two bf16, the lower column in the low half): A (16 x 16)
-// a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8)
-// b0 = (k=2t..2t+1, n=g), b1 = (k=2t+8.., n=g); C as for m16n8k8.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();
-#endif
-}
-
-// Four 8 x 8 bf16 matrices from shared memory; lane l gives the row address of row l % 8 of matrix
-// l / 8 and receives row l / 4, columns 2 (l % 4) .. + 1 of each (TRANS: of each one's transpose).
-template <bool TRANS>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* row) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
-  if (TRANS)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 
 // The operand policies of the fused kernels. a_times_bt<NT>: acc (16 x 8*NT per warp) += A (smem rows
@@ -5598,12 +4377,6 @@ struct AttnBf16Wg : OneRowTile<AttnBf16Wg<D_>, D_, __nv_bfloat16> {
   using OneRowTile<AttnBf16Wg<D_>, D_, T>::p_times_m;
 };
 
-// Two adjacent outputs of a row (a C fragment's pair) to global memory.
-__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-
 template <class T>
 struct AttnArgs {
   const T *q, *k, *v, *dout;
@@ -5702,6 +4475,9 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
     if (r1) store2(r1 + c, acc[n][2] * s1, acc[n][3] * s1);
   }
 }
+
+// ------------------------------------------------------------------------------------------------
+// 7.2 fused forward (mma.sync): online softmax over key tiles, the splits' merge
 
 // The forward runs per K/V head: the query heads that share it are stacked as the rows of one
 // (group * Sq, D) matrix (a view of contiguous q), row r being query r % Sq of head r / Sq. A block
@@ -5914,6 +4690,9 @@ __global__ void __launch_bounds__(256) attention_delta_kernel(const T* out, Attn
   if (r < rows && lane == 0) delta[r] = acc;
 }
 
+// ------------------------------------------------------------------------------------------------
+// 7.3 fused backward (mma.sync): delta, dK and dV per key block, dQ per query block
+
 // P and dS for a 16 x (8*NT) tile in C fragments, in place: s -> P = exp2(s * c - lse_log2[q]),
 // dp -> dS = P * (dp - delta[q]). With MASK (the tiles that hold hidden pairs: callers branch on it
 // once per tile), the query index of element (j, e) comes from qidx(j, e), the key from kidx(j, e), and
@@ -6107,6 +4886,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<ty
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// 7.4 fused launch: the operand policy and head size of a call, splits
+
 template <class T>
 static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale) {
   AttnArgs<T> p{};
@@ -6169,10 +4951,10 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
 
 // The head sizes the fused kernels are built for (96: a 768-wide model with 8 heads). The one place
 // this list lives: bindings.cpp exposes it to Python as kernels.FUSED_HEAD_SIZES.
-bool attention_fused_supports(int D) { return D == 32 || D == 64 || D == 96 || D == 128; }
+bool launch::attention_fused_supports(int D) { return is_head_size(limits::fused_head_sizes{}, D); }
 
 static std::atomic<bool> attention_wgmma_enabled{true};  // set_attention_wgmma: off to compare with mma.sync
-void set_attention_wgmma(bool on) { attention_wgmma_enabled.store(on); }
+void launch::set_attention_wgmma(bool on) { attention_wgmma_enabled.store(on); }
 
 // f(Ops{}) with the operand policy of element type T and head dim D: fp32 multiplies in 3xTF32
 // (precise) or TF32, bf16 in bf16 (precise does not apply), on wgmma at D = 64 where this build's
@@ -6191,12 +4973,12 @@ static void with_attn_ops(bool precise, F& f) {
 }
 template <class T, class F>
 static void with_attn_ops(int D, bool precise, F&& f) {
-  if (D == 32) with_attn_ops<T, 32>(precise, f);
-  else if (D == 64) with_attn_ops<T, 64>(precise, f);
-  else if (D == 96) with_attn_ops<T, 96>(precise, f);
-  else if (D == 128) with_attn_ops<T, 128>(precise, f);
-  else throw std::invalid_argument("attention: fused mode does not support this head dim");
+  if (!with_head_size(limits::fused_head_sizes{}, D, [&](auto d) { with_attn_ops<T, decltype(d)::value>(precise, f); }))
+    throw std::invalid_argument("attention: fused mode does not support this head dim");
 }
+
+// ------------------------------------------------------------------------------------------------
+// 7.5 Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma
 
 // bf16 attention forward on Hopper, the FlashAttention-3 design (head sizes 64 and 128). A unit of
 // work is 128 queries of one head: two consumer warpgroups of 64 rows each, and a producer warpgroup
@@ -6463,6 +5245,9 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------
+// 7.6 Hopper backward (bf16, sm_90a)
+
 // dK and dV of the bf16 backward on Hopper, in the forward's design: a block owns 128 keys of one K/V
 // head (two consumer warpgroups of 64 keys) and walks the query tiles (64 queries) of every query
 // head that shares it, in head order; the producer thread lifts K and V once, then each tile's Q and
@@ -6510,15 +5295,6 @@ struct AttnBwdTmaArgs {
   int nq = 0;              // ADD_DQ: query tiles (64) a head
   float* dq_sum = nullptr;  // ADD_DQ: (B * H, nq, D / 64, a 64 x 64 part in fragment order), zero at launch
 };
-
-// Adds `bytes` of floats from shared memory into global memory through the copy engine; one bulk group.
-__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-      "cp.async.bulk.commit_group;" ::"l"(dst),
-      "r"(src), "r"(bytes)
-      : "memory");
-}
 
 template <int D, bool CAUSAL, bool ADD_DQ>
 __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
@@ -6953,6 +5729,9 @@ __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------
+// 7.7 attention launchers
+
 // A tensor map over one attention operand, (batch, heads, rows, D) bf16 laid out as l says, read in
 // boxes of 64 values x box_rows rows of one head; false where the copy engine cannot address it
 // (a base or stride off 16 bytes).
@@ -6988,7 +5767,7 @@ static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
                               __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq,
                               int Sk, int D, bool causal, float scale_log2, const int64_t* kv_len, float* workspace,
                               cudaStream_t s) {
-  if (!attention_wgmma_enabled.load() || !hopper_wgmma() || (D != 64 && D != 128) || kv_len || Sq < 128 || !workspace ||
+  if (!attention_wgmma_enabled.load() || !hopper_wgmma() || !is_head_size(limits::hopper_head_sizes{}, D) || kv_len || Sq < 128 || !workspace ||
       (int64_t)ceil_div(Sq, AttnTmaShape<64>::BM) * BH > INT_MAX)  // the units, counted in int
     return false;
   const int batch = BH / l.q.heads;
@@ -6998,9 +5777,9 @@ static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
     return false;
   int* next_unit = reinterpret_cast<int*>(workspace);
   const AttnTmaArgs p{out, l.out, lse_log2, Sq, Sk, BH, l.q.heads, group, scale_log2, next_unit};
-  const auto launch = causal ? (D == 64 ? attention_fwd_tma_launch<64, true> : attention_fwd_tma_launch<128, true>)
-                             : (D == 64 ? attention_fwd_tma_launch<64, false> : attention_fwd_tma_launch<128, false>);
-  launch(maps, p, s);
+  with_head_size(limits::hopper_head_sizes{}, D, [&](auto d) {
+    with_flag(causal, [&](auto c) { attention_fwd_tma_launch<decltype(d)::value, decltype(c)::value>(maps, p, s); });
+  });
   return true;
 }
 
@@ -7016,11 +5795,11 @@ static void attention_bwd_dkv_tma_launch(const CUtensorMap (&maps)[4], const Att
 // Whether the Hopper backward (attention_bwd_tma) may run: sm_90a, head size 64 or 128, at most 65535 query
 // heads. It still needs operands the copy engine can address.
 static bool attention_bwd_hopper(int BH, int D) {
-  return attention_wgmma_enabled.load() && hopper_wgmma() && (D == 64 || D == 128) && BH <= 65535;
+  return attention_wgmma_enabled.load() && hopper_wgmma() && is_head_size(limits::hopper_head_sizes{}, D) && BH <= 65535;
 }
 
 // Floats of the fp32 dQ sums the Hopper backward adds into with deterministic = false (0 where it does not run).
-int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D) {
+int64_t launch::attention_bwd_dq_sum_floats(int BH, int Sq, int D) {
   return attention_bwd_hopper(BH, D) ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
 }
 
@@ -7037,7 +5816,7 @@ template <int D>
 static void attention_bwd_add_dq(const CUtensorMap (&maps)[4], AttnBwdTmaArgs p, bool causal, __nv_bfloat16* dq,
                                  const AttnLayout& ldq, int BH, int kv_heads, cudaStream_t s) {
   p.nq = ceil_div(p.Sq, 64);
-  cudaMemsetAsync(p.dq_sum, 0, attention_bwd_dq_sum_floats(BH, p.Sq, D) * sizeof(float), s);
+  cudaMemsetAsync(p.dq_sum, 0, launch::attention_bwd_dq_sum_floats(BH, p.Sq, D) * sizeof(float), s);
   (causal ? attention_bwd_dkv_tma_launch<D, true, true> : attention_bwd_dkv_tma_launch<D, false, true>)(maps, p,
                                                                                                        kv_heads, s);
   check_launch("attention_bwd_dkv_tma (dQ added)");
@@ -7065,7 +5844,9 @@ static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   AttnBwdTmaArgs pkv{lse_log2, delta, dk, dv, l.dk, l.dv, Sq, Sk, l.q.heads, group, scale, scale_log2};
   if (dq_sum && aligned16(dq) && l.dq.ss % 8 == 0 && l.dq.sh % 8 == 0 && l.dq.sb % 8 == 0) {
     pkv.dq_sum = dq_sum;
-    (D == 64 ? attention_bwd_add_dq<64> : attention_bwd_add_dq<128>)(kv, pkv, causal, dq, l.dq, BH, BH / group, s);
+    with_head_size(limits::hopper_head_sizes{}, D, [&](auto d) {
+      attention_bwd_add_dq<decltype(d)::value>(kv, pkv, causal, dq, l.dq, BH, BH / group, s);
+    });
     return true;
   }
   CUtensorMap qo[4];  // 128 queries and 64 keys (dQ), encoded only where the dQ kernel runs
@@ -7073,22 +5854,22 @@ static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
       !attn_tile_map(qo[2], v, l.v, batch, Sk, D, 64) || !attn_tile_map(qo[3], dout, l.dout, batch, Sq, D, 128))
     return false;
   const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2};
-  const auto dkv =
-      causal ? (D == 64 ? attention_bwd_dkv_tma_launch<64, true, false> : attention_bwd_dkv_tma_launch<128, true, false>)
-             : (D == 64 ? attention_bwd_dkv_tma_launch<64, false, false>
-                        : attention_bwd_dkv_tma_launch<128, false, false>);
-  const auto dqk = causal ? (D == 64 ? attention_bwd_dq_tma_launch<64, true> : attention_bwd_dq_tma_launch<128, true>)
-                          : (D == 64 ? attention_bwd_dq_tma_launch<64, false> : attention_bwd_dq_tma_launch<128, false>);
-  dkv(kv, pkv, BH / group, s);
-  check_launch("attention_bwd_dkv_tma");
-  dqk(qo, pq, BH, s);
-  check_launch("attention_bwd_dq_tma");
+  with_head_size(limits::hopper_head_sizes{}, D, [&](auto d) {
+    with_flag(causal, [&](auto c) {
+      constexpr int D_ = decltype(d)::value;
+      constexpr bool CAUSAL = decltype(c)::value;
+      attention_bwd_dkv_tma_launch<D_, CAUSAL, false>(kv, pkv, BH / group, s);
+      check_launch("attention_bwd_dkv_tma");
+      attention_bwd_dq_tma_launch<D_, CAUSAL>(qo, pq, BH, s);
+      check_launch("attention_bwd_dq_tma");
+    });
+  });
   return true;
 }
 
 // Floats of workspace attention_fwd_fused needs: the splits' partial results (fp32, for fp32 and bf16
 // alike), and at least one word for the Hopper forward's unit counter where it may run.
-int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D) {
+int64_t launch::attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D) {
   const int splits = attention_fwd_splits(BH, group, Sq, Sk);
   return std::max<int64_t>(splits == 1 ? 0 : (int64_t)splits * BH * Sq * (D + 1), Sq >= 128 ? 1 : 0);
 }
@@ -7134,14 +5915,14 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
 // heads (B * H_q); k and v hold BH / group heads. lse_log2 receives BH * Sq floats (log2 units, (B, H, Sq)
 // contiguous) for the backward. workspace: the floats attention_fwd_workspace_floats asks for.
 // kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
-void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
-                         const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
-                         bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s) {
+void launch::attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
+                                 const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
+                                 bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s) {
   attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
 }
-void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
-                         int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
+void launch::attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                 __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
+                                 int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
   attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
 }
 
@@ -7170,23 +5951,1624 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
 // delta is a BH * Sq float workspace; dk and dv have k's shape (BH / group heads). bf16 dq_sum: nullptr
 // (deterministic), or attention_bwd_dq_sum_floats floats for dQ added across key blocks where the Hopper
 // kernels run (faster at long sequences; dq's last bits then vary from run to run).
-void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
-                         const float* dout, const float* lse_log2, float* delta, float* dq, float* dk,
-                         float* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal,
-                         float scale, bool precise, cudaStream_t s) {
+void launch::attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
+                                 const float* dout, const float* lse_log2, float* delta, float* dq, float* dk,
+                                 float* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal,
+                                 float scale, bool precise, cudaStream_t s) {
   attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise,
                 nullptr, s);
 }
-void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                         const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
-                         __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
+void launch::attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                 const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
+                                 __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
+                                 int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
   attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, dq_sum,
                 s);
 }
 
+// ================================================================================================
+// 8. Hyper-connections (mhc.py)
+// n <= limits::max_streams residual streams: Sinkhorn-Knopp, mhc-dynamic's
+// coefficients and projection, the streams' merge and mix.
+// ================================================================================================
+
 // ------------------------------------------------------------------------------------------------
-// decode megakernel: one decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases) or a
+// 8.1 stream loads and per-lane sums
+
+// Loads and per-lane sums the stream kernels (mhc.py) and mhc-dynamic's coefficients share.
+
+// VEC values of a row of fp32 or bf16 at unit u, as floats, and back (16-byte fp32 or 8-byte bf16 units).
+template <int VEC, class T>
+__device__ __forceinline__ void stream_load(const T* row, int u, float (&v)[VEC]) {
+  if constexpr (VEC == 4 && std::is_same_v<T, float>) unpack16(load_stream4(row + 4 * u), v);
+  else if constexpr (VEC == 4) load4(row + 4 * u, v);
+  else v[0] = to_float(row[u]);
+}
+
+template <int VEC, class T>
+__device__ __forceinline__ void stream_store(T* row, int u, const float (&v)[VEC]) {
+  if constexpr (VEC == 4) store4(row + 4 * u, v);
+  else row[u] = from_float<T>(v[0]);
+}
+
+// out = sum_i h[i] v[i], in the order stream_merge sums (so a fused merge gives the same bits).
+template <int N, int VEC>
+__device__ __forceinline__ void stream_combine(const float (&h)[N], const float (&v)[N][VEC], float (&out)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    out[k] = h[0] * v[0][k];
+#pragma unroll
+    for (int i = 1; i < N; ++i) out[k] = fmaf(h[i], v[i][k], out[k]);
+  }
+}
+
+// The steps below P of warp_sum_each, offset O first (recursion, so every index into w is a constant).
+template <int O, int P>
+__device__ __forceinline__ void warp_sum_halves(float (&w)[P]) {
+  if constexpr (O > 0) {
+    const bool upper = threadIdx.x & O;
+#pragma unroll
+    for (int k = 0; k < O; ++k) {
+      const float send = upper ? w[k] : w[k + O];
+      w[k] = (upper ? w[k + O] : w[k]) + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    warp_sum_halves<O / 2>(w);
+  }
+}
+
+// Each of V <= 32 values summed over the warp's lanes: afterwards lane l holds the total of value l % P, P being
+// V rounded up to a power of 2. The butterfly's steps at offsets 16 .. P add all P values; each step below P
+// halves them, a lane keeping the half its offset bit picks and adding its partner's copy of that half. That is
+// P log2(32 / P) + P - 1 shuffles (31 for 32 values) where a warp_sum of each takes 5 per value, and each
+// total is the same pairwise sum in the same order as warp_sum's: the same bits. threadIdx.x's low 5 bits must be
+// the lane (blocks a multiple of 32 wide, as every stream kernel's).
+template <int V>
+__device__ __forceinline__ float warp_sum_each(const float* v) {
+  constexpr int P = V <= 1 ? 1 : V <= 2 ? 2 : V <= 4 ? 4 : V <= 8 ? 8 : V <= 16 ? 16 : 32;
+  float w[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) w[k] = k < V ? v[k] : 0.f;
+  for (int o = 16; o >= P; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < P; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k], o);
+  warp_sum_halves<P / 2>(w);
+  return w[0];
+}
+
+// The K per-lane sums acc added over the warp, 32 values at a time: use(k, total) runs on lane k % 32.
+template <int LO = 0, int K, class Use>
+__device__ __forceinline__ void warp_sums(const float (&acc)[K], Use use) {
+  constexpr int V = K - LO < 32 ? K - LO : 32;
+  const float total = warp_sum_each<V>(acc + LO);
+  const int lane = threadIdx.x & 31;
+  if (lane < V) use(LO + lane, total);
+  if constexpr (LO + 32 < K) warp_sums<LO + 32>(acc, use);
+}
+
+// Calls launch(N, VEC) with n (1..8) and VEC (4 when vec4, else 1) as compile-time constants
+// (std::integral_constant), so each stream kernel is instantiated for every stream count and unit width.
+template <class Launch>
+static void stream_dispatch(int n, bool vec4, Launch launch) {
+  auto widths = [&](auto N) {
+    if (vec4) launch(N, std::integral_constant<int, 4>{});
+    else launch(N, std::integral_constant<int, 1>{});
+  };
+  switch (n) {
+    case 1: widths(std::integral_constant<int, 1>{}); break;
+    case 2: widths(std::integral_constant<int, 2>{}); break;
+    case 3: widths(std::integral_constant<int, 3>{}); break;
+    case 4: widths(std::integral_constant<int, 4>{}); break;
+    case 5: widths(std::integral_constant<int, 5>{}); break;
+    case 6: widths(std::integral_constant<int, 6>{}); break;
+    case 7: widths(std::integral_constant<int, 7>{}); break;
+    default: widths(std::integral_constant<int, 8>{});
+  }
+}
+
+// Whole units of 4: C % 4 == 0 and every pointer aligned to 4 of its elements (nullptr passes).
+template <class... P>
+static bool stream_vec4(int C, P... ptrs) {
+  return C % 4 == 0 && ((reinterpret_cast<uintptr_t>(ptrs) % (4 * sizeof(*ptrs)) == 0) && ...);
+}
+
+// ------------------------------------------------------------------------------------------------
+// 8.2 Sinkhorn-Knopp
+// Sinkhorn-Knopp for mHC: logits (M, n, n), n <= limits::max_streams -> doubly stochastic P (M, n, n), the same
+// iteration as mhc.sinkhorn_torch. Each of `iters` iterations normalises the columns, then the
+// rows (the paper's order, P <- T_r(T_c(P))), so P's rows sum to 1 and its columns nearly so.
+//
+// Log domain: the state A starts as the logits and each half-step subtracts a log-sum-exp,
+// A <- A - lse over each column (over i), then over each row (over j); P = exp(A). In exact
+// arithmetic that is exp() followed by divisions by column and row sums, but the exp domain fails on
+// ordinary inputs: with logits of a few hundred, a whole column of exp(logits) underflows to 0 and
+// the division gives 0/0 = NaN. Here each lse subtracts its max first (max + log(sum exp(a - max)),
+// the sum in [1, n]), so any finite logits give finite results. The new state is formed as
+// (a - max) - log(sum): the entries that carry weight (near the max) keep full precision even when
+// |logits| is ~1e3, and rows of P sum to 1 within a few fp32 ulps. The state is kept in base 2
+// (A log2(e), P = 2^A; the scaling rounds each logit once more), so a half-step's exponentials and
+// its logarithm are one special-function instruction each: ex2.approx.ftz for the terms 2^(a - max)
+// of the sum (fast_exp2: a term below 2^-126 flushes to 0 against a sum of at least 1) and lg2.approx
+// for the log of that sum, which lies in [1, n] (__log2f, relative error about 2^-22), where log2f is
+// a polynomial of some twenty instructions. A matrix's chain of 2 * iters half-steps is what limits
+// both kernels, and it issues every one of those instructions.
+//
+// One row per lane: a matrix is a group of G lanes of one warp (G = n rounded up to a power of 2), lane
+// r holding row r of the state in registers (n is a template parameter, dispatched 1..8, and every loop
+// over j is unrolled, so nothing goes to local memory). A row step is the lane's own; a column step
+// reduces each column over the group with shuffles (lanes past n give -inf to the max and 0 to the
+// sum), the same fixed tree every time, so results are deterministic. The work of one iteration is
+// then spread over n lanes instead of being one thread's serial chain: a single matrix (static mHC)
+// and thousands of them (one per token, mhc-dynamic) both run several times faster than one thread a
+// matrix.
+//
+// Backward, one launch: recompute the forward, storing every half-step's lse (n floats), then the exact
+// reverse pass. The lse sit in shared memory, laid out (2 * iters, matrices of the block, n), when the block's
+// fit in SINKHORN_LSE_SMEM bytes (20 iterations need 20 KB); more iterations use a workspace laid out
+// (2 * iters, M, n), whose loads each wait on L2. With n fastest, a row step's stores (lane r: row r's lse) and
+// loads are consecutive addresses, free of bank conflicts, and a column step's are one per matrix. Start with
+// dA = dP * P. A half-step A' = A - lse(A) along an axis has the Jacobian of a log-softmax along that
+// axis: dA = dA' - exp(A') * sum(dA') (sum along the same axis: over j for each row i after a row
+// step, over i for each column j after a column step), since exp(A') is the softmax of A along it.
+// The state before the step is A = A' + lse, from the stored lse (it differs from the forward's by
+// the rounding of lse, which matters only where exp(A) is tiny). The gradient w.r.t. the logits is
+// dA after undoing the first column step.
+//
+// Twin: mhc.sinkhorn_torch. Uses: 1.2 fast_exp2, 8.1.
+
+constexpr int SINKHORN_THREADS = 128;
+constexpr int SINKHORN_LSE_SMEM = 32 * 1024;  // a block's lse in shared memory at most (with the static: <= 48 KB)
+
+// Lanes per matrix: n rounded up to a power of 2.
+__host__ __device__ constexpr int sinkhorn_lanes(int n) { return n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8; }
+
+template <int N>
+struct SinkhornGroup {
+  static constexpr int G = sinkhorn_lanes(N);                        // lanes per matrix
+  static constexpr int PER_BLOCK = SINKHORN_THREADS / G;             // matrices per block
+  int m, r;     // this lane's matrix and row
+  bool active;  // a row of a matrix that exists
+  __device__ SinkhornGroup(int M) {
+    m = blockIdx.x * PER_BLOCK + threadIdx.x / G;
+    r = threadIdx.x % G;
+    active = m < M && r < N;
+  }
+  __device__ static float max(float v) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+  __device__ static float sum(float v) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  }
+};
+
+// Bytes of shared memory a block's lse take, or 0 where they do not fit and go to the workspace.
+__host__ __device__ constexpr int sinkhorn_lse_smem(int n, int iters) {
+  const long long bytes = 8LL * iters * n * (SINKHORN_THREADS / sinkhorn_lanes(n));
+  return bytes <= SINKHORN_LSE_SMEM ? (int)bytes : 0;
+}
+
+// Where the backward keeps the lse of the lane's matrix: half-step h's entry k at p[h * step + k].
+struct SinkhornLse {
+  float* p;
+  int64_t step;
+};
+
+// The lse of grp's matrix: in the block's shared memory smem (sinkhorn_lse_smem bytes), or in the workspace ws
+// when smem is nullptr. Lanes outside a matrix never store; what they read back (their slot's unwritten shared
+// memory, or matrix 0's entries in the workspace) reaches only their own state, which the sums leave out.
+template <int N>
+__device__ __forceinline__ SinkhornLse sinkhorn_lse(const SinkhornGroup<N>& grp, float* smem, float* ws, int M) {
+  using Grp = SinkhornGroup<N>;
+  if (smem) return {smem + threadIdx.x / Grp::G * N, Grp::PER_BLOCK * N};
+  return {ws + (int64_t)(grp.m < M ? grp.m : 0) * N, (int64_t)M * N};
+}
+
+// The forward's iterations on row a of group grp: a comes in as logits and leaves as the last state in base 2
+// (P = exp2f(a)); lse.p != nullptr stores each half-step's lse (base 2) there, lane r the entry of column r and of
+// row r: every lane of the group has each column's lse (the shuffles' sums are the same bits in all of them), so a
+// lane picks its own and stores once a half-step, through a pointer that moves by a constant: the stores sit in the
+// chain of half-steps that limits the kernels, so each takes as few instructions as it can.
+template <int N>
+__device__ __forceinline__ void sinkhorn_iterate(const SinkhornGroup<N>& grp, float (&a)[N], int iters,
+                                                 SinkhornLse lse) {
+  using Grp = SinkhornGroup<N>;
+  const bool store = lse.p && grp.active;
+  float* mine = store ? lse.p + grp.r : nullptr;  // iteration it's: column r's at mine[0], row r's at mine[step]
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] *= 1.4426950408889634f;  // log2(e)
+  for (int it = 0; it < iters; ++it) {
+    float col_lse = 0.f;  // column r's
+#pragma unroll
+    for (int j = 0; j < N; ++j) {  // column j over the group's rows
+      const float mx = Grp::max(grp.active ? a[j] : -INFINITY);
+      const float log_sum = __log2f(Grp::sum(grp.active ? fast_exp2(a[j] - mx) : 0.f));
+      a[j] = (a[j] - mx) - log_sum;
+      if (grp.r == j) col_lse = mx + log_sum;
+    }
+    float mx = a[0];  // row r, the lane's own
+#pragma unroll
+    for (int j = 1; j < N; ++j) mx = fmaxf(mx, a[j]);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum += fast_exp2(a[j] - mx);
+    const float log_sum = __log2f(sum);
+#pragma unroll
+    for (int j = 0; j < N; ++j) a[j] = (a[j] - mx) - log_sum;
+    if (store) {
+      mine[0] = col_lse;
+      mine[lse.step] = mx + log_sum;
+      mine += 2 * lse.step;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void sinkhorn_load_row(const SinkhornGroup<N>& grp, const float* src, float (&a)[N]) {
+  const float* row = src + ((int64_t)grp.m * N + grp.r) * N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] = grp.active ? row[j] : 0.f;
+}
+
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_fwd_kernel(const float* logits, float* out, int M,
+                                                                         int iters) {
+  const SinkhornGroup<N> grp(M);
+  float a[N];
+  sinkhorn_load_row<N>(grp, logits, a);
+  sinkhorn_iterate<N>(grp, a, iters, {});
+  if (!grp.active) return;
+  float* dst = out + ((int64_t)grp.m * N + grp.r) * N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) dst[j] = exp2f(a[j]);
+}
+
+// The reverse pass: a holds the forward's last state (base 2), g = dL/dP of the lane's row; leaves g = dL/dlogits.
+// The state's base does not enter g: each half-step's Jacobian is that of a log-softmax, exp(A') = exp2f(a').
+template <int N>
+__device__ __forceinline__ void sinkhorn_reverse(const SinkhornGroup<N>& grp, float (&a)[N], float (&g)[N],
+                                                 SinkhornLse lse, int iters) {
+  using Grp = SinkhornGroup<N>;
+#pragma unroll
+  for (int j = 0; j < N; ++j) g[j] *= exp2f(a[j]);  // dA = dP * P
+  // The lse of iteration it - 1 are loaded while iteration it is undone: from the workspace each load waits on
+  // L2 (the forward's stores went there), which would otherwise add its latency to every half-step.
+  const int r = grp.r < N ? grp.r : 0;  // lanes outside a matrix read a row's lse, unused
+  const float* at = lse.p + 2 * (iters - 1) * lse.step;  // the last iteration's; then one back at a time
+  auto load_lse = [&](float& row, float (&col)[N]) {
+    row = at[lse.step + r];
+#pragma unroll
+    for (int j = 0; j < N; ++j) col[j] = at[j];
+  };
+  float row_next, col_next[N];
+  load_lse(row_next, col_next);
+  for (int it = iters - 1; it >= 0; --it) {
+    float row_lse = row_next, col_lse[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) col_lse[j] = col_next[j];
+    if (it > 0) {
+      at -= 2 * lse.step;
+      load_lse(row_next, col_next);
+    }
+    float sum = 0.f;  // undo the row step: over j, the lane's own
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum += g[j];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      g[j] -= exp2f(a[j]) * sum;
+      a[j] += row_lse;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {  // undo the column step: column j over the group's rows
+      const float col_sum = Grp::sum(grp.active ? g[j] : 0.f);
+      g[j] -= exp2f(a[j]) * col_sum;
+      a[j] += col_lse[j];
+    }
+  }
+}
+
+// ws: the lse when sinkhorn_lse_smem(N, iters) is 0 (no dynamic shared memory).
+template <int N>
+__global__ void __launch_bounds__(SINKHORN_THREADS) sinkhorn_bwd_kernel(const float* logits, const float* dout,
+    float* dlogits, float* ws, int M, int iters) {
+  extern __shared__ float lse_smem[];
+  const SinkhornGroup<N> grp(M);
+  const SinkhornLse lse = sinkhorn_lse(grp, sinkhorn_lse_smem(N, iters) ? lse_smem : nullptr, ws, M);
+  float a[N], g[N];
+  sinkhorn_load_row<N>(grp, logits, a);
+  sinkhorn_iterate<N>(grp, a, iters, lse);
+  __syncwarp();  // the lse each lane stored are read back by its group's other lanes
+  sinkhorn_load_row<N>(grp, dout, g);
+  sinkhorn_reverse<N>(grp, a, g, lse, iters);
+  if (!grp.active) return;
+  float* dst = dlogits + ((int64_t)grp.m * N + grp.r) * N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) dst[j] = g[j];
+}
+
+// Floats of workspace sinkhorn_bwd needs: the lse, unless they fit in shared memory.
+int64_t launch::sinkhorn_workspace_floats(int M, int n, int iters) {
+  return sinkhorn_lse_smem(n, iters) ? 0 : (int64_t)M * 2 * iters * n;
+}
+
+// LSE: a backward kernel, given its lse's shared memory (sinkhorn_lse_smem(N, iters) bytes; iters in scope).
+#define SINKHORN_LAUNCH(KERNEL, N, LSE, M, stream, ...)                   \
+  KERNEL<N><<<ceil_div(M, SinkhornGroup<N>::PER_BLOCK), SINKHORN_THREADS, \
+              LSE ? sinkhorn_lse_smem(N, iters) : 0, stream>>>(__VA_ARGS__)
+#define SINKHORN_DISPATCH(KERNEL, n, LSE, M, stream, ...)                   \
+  switch (n) {                                                              \
+    case 1: SINKHORN_LAUNCH(KERNEL, 1, LSE, M, stream, __VA_ARGS__); break; \
+    case 2: SINKHORN_LAUNCH(KERNEL, 2, LSE, M, stream, __VA_ARGS__); break; \
+    case 3: SINKHORN_LAUNCH(KERNEL, 3, LSE, M, stream, __VA_ARGS__); break; \
+    case 4: SINKHORN_LAUNCH(KERNEL, 4, LSE, M, stream, __VA_ARGS__); break; \
+    case 5: SINKHORN_LAUNCH(KERNEL, 5, LSE, M, stream, __VA_ARGS__); break; \
+    case 6: SINKHORN_LAUNCH(KERNEL, 6, LSE, M, stream, __VA_ARGS__); break; \
+    case 7: SINKHORN_LAUNCH(KERNEL, 7, LSE, M, stream, __VA_ARGS__); break; \
+    default: SINKHORN_LAUNCH(KERNEL, 8, LSE, M, stream, __VA_ARGS__);       \
+  }
+
+static void sinkhorn_check_args(const char* what, int n, int iters) {
+  if (n < 1 || n > limits::max_streams || iters < 1)
+    throw std::runtime_error(std::string(what) + ": needs 1 <= n <= " + std::to_string(limits::max_streams) +
+                             " and iters >= 1, got n = " + std::to_string(n) + ", iters = " + std::to_string(iters));
+}
+
+// logits, out: M matrices of n x n, contiguous.
+void launch::sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("sinkhorn_fwd", n, iters);
+  if (M == 0) return;
+  SINKHORN_DISPATCH(sinkhorn_fwd_kernel, n, false, M, s, logits, out, M, iters);
+  check_launch("sinkhorn_fwd");
+}
+
+// dout = dL/dP, dlogits = dL/dlogits; ws: sinkhorn_workspace_floats(M, n, iters) floats.
+void launch::sinkhorn_bwd(const float* logits, const float* dout, float* dlogits, float* ws, int M, int n, int iters,
+                          cudaStream_t s) {
+  sinkhorn_check_args("sinkhorn_bwd", n, iters);
+  if (M == 0) return;
+  SINKHORN_DISPATCH(sinkhorn_bwd_kernel, n, true, M, s, logits, dout, dlogits, ws, M, iters);
+  check_launch("sinkhorn_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// 8.3 mhc-dynamic's coefficients
+// Mhc-dynamic's coefficients from the projected streams, one kernel each way (the twin is
+// mhc.hc_coeffs_torch). h (M, K) holds each token's K = 2n + n^2 projections; with the per-group
+// scales alpha (3) and the bias (K),
+//   pre  = sigmoid(alpha[0] h[:, :n] + bias[:n])                      (M, n)
+//   post = 2 sigmoid(alpha[1] h[:, n:2n] + bias[n:2n])                (M, n)
+//   res  = Sinkhorn(alpha[2] h[:, 2n:] + bias[2n:], as (n, n))        (M, n, n)
+// in place of PyTorch's chain of scale, add, slice, sigmoid and Sinkhorn kernels (and in the backward
+// their sums over tokens). A token is a Sinkhorn group (SinkhornGroup): lane r computes pre[r], post[r]
+// and row r of res. The backward returns dh and, summed over the tokens, dalpha and dbias: each block
+// sums its tokens' terms in a fixed order into a row of partials, and one more launch sums the rows
+// (deterministic, no atomics).
+//
+// Twin: mhc.hc_coeffs_torch, hc_pre_torch. Uses: 8.1, 8.2.
+
+__host__ __device__ constexpr int hc_coeff_count(int n) { return 2 * n + n * n; }
+
+// Lane r's logits of row r of res: alpha[2] h + bias.
+template <int N>
+__device__ __forceinline__ void hc_res_logits(const SinkhornGroup<N>& grp, const float* hm, const float* alpha,
+                                              const float* bias, float (&a)[N]) {
+  const int base = 2 * N + (grp.r < N ? grp.r : 0) * N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] = grp.active ? alpha[2] * hm[base + j] + bias[base + j] : 0.f;
+}
+
+// hc_pre (and hc_mix_pre) hand both kernels the streams x (M, n, C) as well: its merge by H_pre happens in the same
+// launch. Sinkhorn's chain of half-steps is latency, a few warps an SM, and the merge is a pass over the streams;
+// a block's first SINKHORN_THREADS run Sinkhorn for its tokens while HC_DOT_WARPS more warps stream those tokens'
+// rows, so the two overlap. Forward, the dot warps write merged[m, c] = sum_i pre[m, i] x[m, i, c] (stream_merge's
+// order; pre is a sigmoid of h, which they compute as the Sinkhorn threads do). Backward, they compute the merge's
+// coefficient gradient dpre[m, i] = sum_c dmerged[m, c] x[m, i, c] into shared memory, which the Sinkhorn threads
+// need only at the end: no stream_merge_bwd launch for it and no dpre through memory. Not more dot warps: they
+// take issue slots from the Sinkhorn warps, whose chain is the longer part at 4 x 256 wide.
+constexpr int HC_DOT_WARPS = 8;
+
+// Threads a block of the coefficient kernels has: SINKHORN_THREADS, and the dot warps where they have streams.
+__host__ __device__ constexpr int hc_coeffs_threads(int vec) {
+  return SINKHORN_THREADS + (vec ? 32 * HC_DOT_WARPS : 0);
+}
+
+struct HcCoeffsFwdArgs {
+  const float* h, *alpha, *bias;
+  float* pre, *post, *res;
+  const float* x;  // hc_pre: the streams, merged by pre into merged
+  float* merged;
+  int M, C, iters;
+};
+
+// merged of the block's tokens, by the dot warps (w: which one), each taking an equal share of the tokens: a token's
+// units spread over the lanes, TU tokens' loads in flight together.
+template <int N, int VEC>
+__device__ __forceinline__ void hc_merge_streams(const HcCoeffsFwdArgs& a, int w) {
+  static_assert(SinkhornGroup<N>::PER_BLOCK % HC_DOT_WARPS == 0, "an equal share of the tokens for each dot warp");
+  constexpr int T = SinkhornGroup<N>::PER_BLOCK / HC_DOT_WARPS, K = hc_coeff_count(N);
+  constexpr int TU = 8 / N < 1 ? 1 : 8 / N > T ? T : 8 / N;
+  const int lane = threadIdx.x % 32, units = a.C / VEC;
+  for (int t0 = 0; t0 < T; t0 += TU) {
+    float pre[TU][N];
+    bool live[TU];
+    int64_t m[TU];
+#pragma unroll
+    for (int t = 0; t < TU; ++t) {
+      m[t] = (int64_t)blockIdx.x * SinkhornGroup<N>::PER_BLOCK + w * T + t0 + t;
+      live[t] = t0 + t < T && m[t] < a.M;
+      const float* hm = a.h + (live[t] ? m[t] : 0) * K;
+#pragma unroll
+      for (int i = 0; i < N; ++i) pre[t][i] = sigmoidf(a.alpha[0] * hm[i] + a.bias[i]);
+    }
+    for (int u = lane; u < units; u += 32) {
+      float xv[TU][N][VEC];
+#pragma unroll
+      for (int t = 0; t < TU; ++t)
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if (live[t]) stream_load<VEC>(a.x + (m[t] * N + i) * a.C, u, xv[t][i]);
+#pragma unroll
+      for (int t = 0; t < TU; ++t) {
+        if (!live[t]) continue;
+        float out[VEC];
+        stream_combine<N, VEC>(pre[t], xv[t], out);
+        stream_store<VEC>(a.merged + m[t] * a.C, u, out);
+      }
+    }
+  }
+}
+
+// VEC 0: the coefficients alone; 1 or 4: with the merge (hc_merge_streams's units).
+template <int N, int VEC = 0>
+__global__ void __launch_bounds__(hc_coeffs_threads(VEC)) hc_coeffs_fwd_kernel(HcCoeffsFwdArgs a) {
+  constexpr int K = hc_coeff_count(N);
+  if (threadIdx.x >= SINKHORN_THREADS) {
+    if constexpr (VEC > 0) hc_merge_streams<N, VEC>(a, threadIdx.x / 32 - SINKHORN_THREADS / 32);
+    return;
+  }
+  const SinkhornGroup<N> grp(a.M);
+  const float* hm = a.h + (int64_t)(grp.active ? grp.m : 0) * K;
+  const float* alpha = a.alpha, *bias = a.bias;
+  float u[N];
+  hc_res_logits<N>(grp, hm, alpha, bias, u);
+  sinkhorn_iterate<N>(grp, u, a.iters, {});
+  if (!grp.active) return;
+  const int64_t row = (int64_t)grp.m * N + grp.r;
+  a.pre[row] = sigmoidf(alpha[0] * hm[grp.r] + bias[grp.r]);
+  a.post[row] = 2.f * sigmoidf(alpha[1] * hm[N + grp.r] + bias[N + grp.r]);
+#pragma unroll
+  for (int j = 0; j < N; ++j) a.res[row * N + j] = exp2f(u[j]);
+}
+
+// What hc_coeffs_bwd_kernel reads and writes. part: one row of 2K floats a block, the block's sums of dL/du (the
+// bias's gradient) and of dL/du * h (alpha's, before the sum over its group), u being alpha h + bias. hc_pre's
+// backward passes the streams x and the merge's output gradient dmerged (M, C) in place of dpre.
+struct HcCoeffsBwdArgs {
+  const float* h, *alpha, *bias, *dpre, *dpost, *dres;
+  const float* x, *dmerged;  // hc_pre's backward: dpre from these
+  float* dh, *part, *ws;
+  int M, C, iters;
+};
+
+// dpre of the block's tokens into dpre_s[slot][i], by the dot warps (w: which one), each taking an equal share of
+// the tokens: a token's units spread over the lanes, TU tokens' loads in flight together, then warp_sums.
+template <int N, int VEC>
+__device__ __forceinline__ void hc_merge_dpre(const HcCoeffsBwdArgs& a, int w, float (*dpre_s)[N]) {
+  static_assert(SinkhornGroup<N>::PER_BLOCK % HC_DOT_WARPS == 0, "an equal share of the tokens for each dot warp");
+  constexpr int T = SinkhornGroup<N>::PER_BLOCK / HC_DOT_WARPS;  // tokens of a dot warp
+  constexpr int TU = 10 / (N + 1) < 1 ? 1 : 10 / (N + 1) > T ? T : 10 / (N + 1);
+  const int lane = threadIdx.x % 32, first = w * T, units = a.C / VEC;
+  for (int t0 = 0; t0 < T; t0 += TU) {
+    const float* x[TU], *g[TU];
+    bool live[TU];
+#pragma unroll
+    for (int t = 0; t < TU; ++t) {
+      const int64_t m = (int64_t)blockIdx.x * SinkhornGroup<N>::PER_BLOCK + first + t0 + t;
+      live[t] = t0 + t < T && m < a.M;
+      x[t] = a.x + (live[t] ? m : 0) * N * a.C;
+      g[t] = a.dmerged + (live[t] ? m : 0) * a.C;
+    }
+    float acc[TU][N] = {};
+    for (int u = lane; u < units; u += 32) {
+      float gv[TU][VEC], xv[TU][N][VEC];
+#pragma unroll
+      for (int t = 0; t < TU; ++t) {
+        if (!live[t]) continue;
+        stream_load<VEC>(g[t], u, gv[t]);
+#pragma unroll
+        for (int i = 0; i < N; ++i) stream_load<VEC>(x[t] + (int64_t)i * a.C, u, xv[t][i]);
+      }
+#pragma unroll
+      for (int t = 0; t < TU; ++t) {
+        if (!live[t]) continue;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[t][i] = fmaf(gv[t][k], xv[t][i][k], acc[t][i]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TU; ++t)
+      if (t0 + t < T) warp_sums(acc[t], [&](int i, float total) { dpre_s[first + t0 + t][i] = total; });
+  }
+}
+
+// VEC 0: dpre read from memory; 1 or 4: computed from x and dmerged by the dot warps (hc_merge_dpre's units). The
+// lse take sinkhorn_lse_smem(N, iters) bytes of dynamic shared memory, or the workspace ws where that is 0.
+template <int N, int VEC = 0>
+__global__ void __launch_bounds__(hc_coeffs_threads(VEC)) hc_coeffs_bwd_kernel(HcCoeffsBwdArgs a) {
+  using Grp = SinkhornGroup<N>;
+  constexpr int K = hc_coeff_count(N);
+  extern __shared__ float lse_smem[];
+  __shared__ float du_s[Grp::PER_BLOCK][K], duh_s[Grp::PER_BLOCK][K];
+  __shared__ float dpre_s[VEC ? Grp::PER_BLOCK : 1][N];
+  const bool sinkhorn = threadIdx.x < SINKHORN_THREADS;  // else a dot warp
+  const Grp grp(a.M);  // for the Sinkhorn threads
+  const int tok = threadIdx.x / Grp::G;  // the token's slot in the block
+  const float* hm = a.h + (int64_t)(grp.active ? grp.m : 0) * K;
+  const float* alpha = a.alpha, *bias = a.bias;
+  float g[N];
+  if (sinkhorn) {
+    const SinkhornLse lse = sinkhorn_lse(grp, sinkhorn_lse_smem(N, a.iters) ? lse_smem : nullptr, a.ws, a.M);
+    float u[N];
+    hc_res_logits<N>(grp, hm, alpha, bias, u);
+    sinkhorn_iterate<N>(grp, u, a.iters, lse);
+    __syncwarp();  // the lse each lane stored are read back by its group's other lanes
+    sinkhorn_load_row<N>(grp, a.dres, g);
+    sinkhorn_reverse<N>(grp, u, g, lse, a.iters);  // g: dL/du of row r of res
+  } else if constexpr (VEC > 0) {
+    hc_merge_dpre<N, VEC>(a, threadIdx.x / 32 - SINKHORN_THREADS / 32, dpre_s);
+  }
+  if constexpr (VEC > 0) __syncthreads();  // dpre_s written
+  if (sinkhorn && grp.r < N) {  // the token's terms, zero for a slot past M
+    const int r = grp.r, base = 2 * N + r * N;
+    const int64_t row = (int64_t)(grp.active ? grp.m : 0) * N + r;
+    float du_pre = 0.f, du_post = 0.f;
+    if (grp.active) {
+      const float sp = sigmoidf(alpha[0] * hm[r] + bias[r]), sq = sigmoidf(alpha[1] * hm[N + r] + bias[N + r]);
+      du_pre = (VEC ? dpre_s[tok][r] : a.dpre[row]) * sp * (1.f - sp);
+      du_post = a.dpost[row] * 2.f * sq * (1.f - sq);
+      float* dhm = a.dh + (int64_t)grp.m * K;
+      dhm[r] = alpha[0] * du_pre;
+      dhm[N + r] = alpha[1] * du_post;
+#pragma unroll
+      for (int j = 0; j < N; ++j) dhm[base + j] = alpha[2] * g[j];
+    }
+    du_s[tok][r] = du_pre;
+    du_s[tok][N + r] = du_post;
+    duh_s[tok][r] = grp.active ? du_pre * hm[r] : 0.f;
+    duh_s[tok][N + r] = grp.active ? du_post * hm[N + r] : 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      du_s[tok][base + j] = grp.active ? g[j] : 0.f;
+      duh_s[tok][base + j] = grp.active ? g[j] * hm[base + j] : 0.f;
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < 2 * K; t += blockDim.x) {
+    const float (*src)[K] = t < K ? du_s : duh_s;
+    const int c = t < K ? t : t - K;
+    float sum = 0.f;
+    for (int i = 0; i < Grp::PER_BLOCK; ++i) sum += src[i][c];
+    a.part[(int64_t)blockIdx.x * 2 * K + t] = sum;
+  }
+}
+
+// The blocks' partials summed: dbias[c] over all rows, dalpha[g] over its group's c too. A warp takes a column,
+// its lanes strided over the blocks, then a shuffle tree: a fixed order, so the same bits every run.
+__global__ void hc_coeffs_finish_kernel(const float* part, int blocks, int n, float* dalpha, float* dbias) {
+  __shared__ float duh[hc_coeff_count(limits::max_streams)];
+  const int K = hc_coeff_count(n), lane = threadIdx.x % 32;
+  for (int t = threadIdx.x / 32; t < 2 * K; t += blockDim.x / 32) {
+    float sum = 0.f;
+#pragma unroll 4
+    for (int b = lane; b < blocks; b += 32) sum += part[(int64_t)b * 2 * K + t];
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      if (t < K) dbias[t] = sum;
+      else duh[t - K] = sum;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 3) {
+    const int lo = threadIdx.x == 0 ? 0 : threadIdx.x == 1 ? n : 2 * n, hi = threadIdx.x == 2 ? K : lo + n;
+    float sum = 0.f;
+    for (int c = lo; c < hi; ++c) sum += duh[c];
+    dalpha[threadIdx.x] = sum;
+  }
+}
+
+static int hc_coeffs_blocks(int M, int n) { return ceil_div(M, SINKHORN_THREADS / sinkhorn_lanes(n)); }
+
+// Floats of workspace hc_coeffs_bwd needs: Sinkhorn's lse, then the blocks' partial sums.
+int64_t launch::hc_coeffs_workspace_floats(int M, int n, int iters) {
+  return sinkhorn_workspace_floats(M, n, iters) + (int64_t)hc_coeffs_blocks(M, n) * 2 * hc_coeff_count(n);
+}
+
+// hc_coeffs_fwd and hc_pre_coeffs_fwd: the kernel, with the merge where a.x is given.
+static void hc_coeffs_fwd_launch(const HcCoeffsFwdArgs& a, int n, cudaStream_t s) {
+  const int M = a.M, iters = a.iters;
+  if (M == 0) return;
+  if (!a.x) {
+    SINKHORN_DISPATCH(hc_coeffs_fwd_kernel, n, false, M, s, a);
+    return;
+  }
+  stream_dispatch(n, stream_vec4(a.C, a.x, a.merged), [&](auto N, auto V) {
+    constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
+    hc_coeffs_fwd_kernel<n_, vec><<<ceil_div(M, SinkhornGroup<n_>::PER_BLOCK), hc_coeffs_threads(vec), 0, s>>>(a);
+  });
+}
+
+// h (M, K) contiguous, K = 2n + n^2; pre, post (M, n); res (M, n, n).
+void launch::hc_coeffs_fwd(const float* h, const float* alpha, const float* bias, float* pre, float* post, float* res, int M,
+                           int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("hc_coeffs_fwd", n, iters);
+  HcCoeffsFwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.pre = pre; a.post = post; a.res = res; a.M = M; a.iters = iters;
+  hc_coeffs_fwd_launch(a, n, s);
+  check_launch("hc_coeffs_fwd");
+}
+
+// hc_pre's: hc_coeffs_fwd and the merge merged = stream_merge(x, pre) (M, C) of the streams x (M, n, C), in one
+// launch; all contiguous.
+void launch::hc_pre_coeffs_fwd(const float* x, int C, const float* h, const float* alpha, const float* bias, float* pre,
+                               float* post, float* res, float* merged, int M, int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("hc_pre_coeffs_fwd", n, iters);
+  HcCoeffsFwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.pre = pre; a.post = post; a.res = res; a.x = x; a.merged = merged;
+  a.M = M; a.C = C; a.iters = iters;
+  hc_coeffs_fwd_launch(a, n, s);
+  check_launch("hc_pre_coeffs_fwd");
+}
+
+// hc_coeffs_bwd and hc_pre_coeffs_bwd: the kernel (its dpre from a.dpre, or from a.x and a.dmerged), then the sums
+// of the blocks' partials.
+static void hc_coeffs_bwd_launch(HcCoeffsBwdArgs a, float* dalpha, float* dbias, int n, cudaStream_t s) {
+  const int M = a.M, iters = a.iters, blocks = M == 0 ? 0 : hc_coeffs_blocks(M, n);
+  a.part = a.ws + launch::sinkhorn_workspace_floats(M, n, iters);
+  if (M > 0 && !a.x) {
+    SINKHORN_DISPATCH(hc_coeffs_bwd_kernel, n, true, M, s, a);
+  } else if (M > 0) {
+    stream_dispatch(n, stream_vec4(a.C, a.x, a.dmerged), [&](auto N, auto V) {
+      constexpr int n_ = decltype(N)::value;
+      constexpr int vec = decltype(V)::value;
+      hc_coeffs_bwd_kernel<n_, vec><<<blocks, hc_coeffs_threads(vec), sinkhorn_lse_smem(n_, iters), s>>>(a);
+    });
+  }
+  hc_coeffs_finish_kernel<<<1, 1024, 0, s>>>(a.part, blocks, n, dalpha, dbias);
+}
+
+// dpre, dpost (M, n), dres (M, n, n) -> dh (M, K), dalpha (3), dbias (K); ws: hc_coeffs_workspace_floats.
+// With M = 0, dalpha and dbias are zeros.
+void launch::hc_coeffs_bwd(const float* h, const float* alpha, const float* bias, const float* dpre, const float* dpost,
+                           const float* dres, float* dh, float* dalpha, float* dbias, float* ws, int M, int n, int iters,
+                           cudaStream_t s) {
+  sinkhorn_check_args("hc_coeffs_bwd", n, iters);
+  HcCoeffsBwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.dpre = dpre; a.dpost = dpost; a.dres = dres;
+  a.dh = dh; a.ws = ws; a.M = M; a.iters = iters;
+  hc_coeffs_bwd_launch(a, dalpha, dbias, n, s);
+  check_launch("hc_coeffs_bwd");
+}
+
+// hc_pre's: hc_coeffs_bwd with dpre the gradient of the merge stream_merge(x, pre), from the streams x (M, n, C)
+// and the merge's output gradient dmerged (M, C), both contiguous.
+void launch::hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, const float* h, const float* alpha,
+                               const float* bias, const float* dpost, const float* dres, float* dh, float* dalpha,
+                               float* dbias, float* ws, int M, int n, int iters, cudaStream_t s) {
+  sinkhorn_check_args("hc_pre_coeffs_bwd", n, iters);
+  HcCoeffsBwdArgs a{};
+  a.h = h; a.alpha = alpha; a.bias = bias; a.dpost = dpost; a.dres = dres; a.x = x; a.dmerged = dmerged;
+  a.dh = dh; a.ws = ws; a.M = M; a.C = C; a.iters = iters;
+  hc_coeffs_bwd_launch(a, dalpha, dbias, n, s);
+  check_launch("hc_pre_coeffs_bwd");
+}
+
+// ------------------------------------------------------------------------------------------------
+// 8.4 mhc-dynamic's projection
+// Mhc-dynamic's projection of the streams, RMSNorm and the narrow matmul in one pass each way (the
+// twin is mhc.hc_project_torch): x (M, D) holds a token's n streams flattened (D = nC), w (D) the norm's
+// weight, phi (K, D) the projection, K = 2n + n^2 outputs (3 to 80). RMSNorm only scales a row, so
+//   h[m, k] = rstd[m] sum_d x[m, d] (w[d] phi[k, d]),   rstd[m] = 1 / sqrt(mean_d x[m, d]^2 + eps),
+// and one read of x gives the K dot products and the sum of squares together, where the unfused path
+// reads x, writes the normalized copy and reads it again (three kernels forward, four backward).
+//
+// Forward: x times w * phi on the tensor cores (below, at hc_project_fwd_kernel); rstd is kept for the
+// backward; hc_mix_pre's forward is the same kernel with the previous sublayer's stream mix in front. The
+// backward's sums (over k for s, over tokens for dphi) would fit tensor-core tiles too (K padded to 8), but a
+// tensor-core version ran no faster: taking the FMAs away leaves the wait on the loads of x and the per-element
+// work, which are what limit it. So the backward runs fp32 FMAs on the CUDA cores.
+// Backward, with g = dh[m] (K values) and c[m] = sum_k g_k h[m, k]:
+//   dx[m, d] = rstd w[d] s[m, d] - x[m, d] rstd^2 c / D,   s[m, d] = sum_k g_k phi[k, d]
+//   dphi[k, d] = w[d] sum_m rstd g_k x[m, d],   dw[d] = sum_m rstd x[m, d] s[m, d]
+// A block owns a run of HPB_TOKENS tokens and HPB_COLS threads of a column each (its K values of phi in
+// registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
+// (before the w) and dw, K + 1 rows; a second kernel adds the runs in order (deterministic).
+//
+// Twin: mhc.hc_project_torch, hc_mix_pre_torch. Uses: 1.2, 8.1.
+
+constexpr int HP_TOKENS = 32, HP_SPLIT = 4;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
+constexpr int HP_THREADS = HP_TOKENS / 16 * HP_SPLIT * 32;
+constexpr int HP_STAGE_FLOATS = 25000;       // forward: floats of w * phi a block stages at most (~98 KB)
+constexpr int HP_LOADS = 20;                 // forward: loads a lane has in flight, about (whole steps of them)
+constexpr int HPB_COLS = 128, HPB_TOKENS = 64;  // backward: a block's threads (a column each) and tokens
+constexpr int HPB_UNROLL = 8;                    // backward: tokens whose loads are issued together
+
+// On the tensor cores: a block takes HP_TOKENS tokens and a range of columns, whose w * phi it stages in shared
+// memory once (K rows padded to 8: the n-tiles of mma m16n8k8, 3xTF32 as the fp32 matmul), then streams x with
+// no further barrier. The block sees a token's row as S streams of C columns: S = 1 and C = D for hc_project;
+// for hc_mix_pre (MIX) S = n, and the row it projects is the mix s = stream_mix(x, h_res, h_post, y), computed
+// from x and y in registers and written out on the way, so the mixed streams are written once and not read back.
+// A range is columns [c0, c0 + CR) of every stream. A warp owns 16 tokens and every HP_SPLIT-th step of 16
+// columns of the range; lane (g, t) takes 4 adjacent columns of rows g and g + 8, in each stream, and its two
+// products take them as the k indices (t, t + 4) of one step and of the next, phi's columns read in the same
+// order (the sum over k does not care which columns go together). Where C needs more than one range (wide
+// models, large n), each range's sums and sums of squares go to a workspace and hc_project_fwd_finish_kernel
+// adds them up.
+__host__ __device__ constexpr int hp_padded_rows(int n) { return (hc_coeff_count(n) + 7) / 8 * 8; }  // n-tiles of 8
+
+__host__ __device__ constexpr int hp_range_cols(int S, int KP, int C) {  // columns of each stream a block takes
+  const int most = (HP_STAGE_FLOATS / KP - 16) / S / 32 * 32, need = (C + 31) / 32 * 32;
+  return most < need ? most : need;
+}
+
+// Shared memory: the staged rows (stride 16 mod 32: conflict-free fragment reads), later the warps' sums; then
+// the tokens' mix coefficients (coefs floats).
+__host__ __device__ constexpr int hp_smem_bytes(int S, int KP, int C, int coefs) {
+  const int staged = KP * (S * hp_range_cols(S, KP, C) + 16), sums = HP_TOKENS * HP_SPLIT * (KP + 1);
+  return 4 * ((staged > sums ? staged : sums) + coefs);
+}
+
+template <int N, bool MIX>
+struct HpFwd {
+  static constexpr int K = hc_coeff_count(N), KP = hp_padded_rows(N), NT = KP / 8;  // padded rows, n-tiles
+  static constexpr int S = MIX ? N : 1;                    // streams in the block's view of a row
+  static constexpr int R = MIX ? N * N + N : 0;            // a token's mix coefficients: h_res, then h_post
+  static constexpr int STEP_LOADS = 2 * (S + (MIX ? 1 : 0));  // a lane's loads a step: x's streams and y, 2 rows
+  static constexpr int U = HP_LOADS / STEP_LOADS < 1 ? 1 : HP_LOADS / STEP_LOADS > 8 ? 8 : HP_LOADS / STEP_LOADS;
+  static constexpr int SMEM = hp_smem_bytes(S, KP, 1 << 30, HP_TOKENS * R);  // bytes at most
+};
+
+template <class TY>
+struct HpFwdArgs {
+  const float* x;                // (M, S, C)
+  const float* w, *phi;          // (S C), (K, S C)
+  const float* h_res, *h_post;   // MIX: token m's (n, n) at m * res_stride, (n) at m * post_stride (0: shared)
+  const TY* y;                   // MIX: (M, C)
+  float* s;                      // MIX: the mixed streams (M, n, C)
+  float* h, *rstd;               // (M, K), (M) when one range takes all of C
+  float* part;                   // else (ranges, M, K + 1): the ranges' sums and sums of squares
+  int64_t res_stride, post_stride;
+  int M, C;
+  float eps;
+};
+
+// w * phi of the block's range, zeros past K and past the stream's end: row k at smem[k * stride + i * CR + c].
+template <int N, bool MIX, bool VEC, class TY>
+__device__ __forceinline__ void hp_stage(const HpFwdArgs<TY>& a, float* smem, int CR, int c0, int cols) {
+  using P = HpFwd<N, MIX>;
+  const int stride = P::S * CR + 16;
+  const int64_t D = (int64_t)P::S * a.C;
+  if (VEC) {  // a thread's quads of columns, every row; C % 4 == 0: a quad is all in or all out
+    for (int q = 4 * threadIdx.x; q < P::S * CR; q += 4 * HP_THREADS) {
+      const int c = q % CR;
+      const bool in = c < cols;
+      const int64_t col = (int64_t)(q / CR) * a.C + c0 + c;
+      const float4 wq = in ? __ldg(reinterpret_cast<const float4*>(a.w + col)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int kk = 0; kk < P::KP; ++kk) {
+        float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (in && kk < P::K) p = __ldg(reinterpret_cast<const float4*>(a.phi + kk * D + col));
+        *reinterpret_cast<float4*>(smem + kk * stride + q) =
+            make_float4(wq.x * p.x, wq.y * p.y, wq.z * p.z, wq.w * p.w);
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < P::KP * P::S * CR; e += HP_THREADS) {
+      const int kk = e / (P::S * CR), q = e % (P::S * CR), c = q % CR;
+      const int64_t col = (int64_t)(q / CR) * a.C + c0 + c;
+      smem[kk * stride + q] = kk < P::K && c < cols ? __ldg(a.w + col) * __ldg(a.phi + kk * D + col) : 0.f;
+    }
+  }
+}
+
+// Stream i of the mix for 4 columns, out = h_post[i] y + sum_j h_res[i, j] x[j], in stream_mixed's order (keep
+// the two in step); cf: the token's coefficients in shared memory, h_res row-major then h_post.
+template <int N>
+__device__ __forceinline__ void hp_mixed(const float* cf, int i, const float (&x)[N][4], const float (&y)[4],
+                                         float (&out)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    out[e] = cf[N * N + i] * y[e];
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[e] = fmaf(cf[i * N + j], x[j][e], out[e]);
+  }
+}
+
+// Columns c..c+3 of a range of one row (fp32 or bf16), zeros past its end or for a token past M.
+template <bool VEC, class T>
+__device__ __forceinline__ void hp_load(const T* row, bool live, int c, int cols, float (&v)[4]) {
+  if (VEC && live && c < cols) {
+    if constexpr (std::is_same_v<T, float>) unpack16(__ldg(reinterpret_cast<const float4*>(row + c)), v);
+    else load4(row + c, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = live && c + e < cols ? to_float(row[c + e]) : 0.f;
+  }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void hp_store(float* row, bool live, int c, int cols, const float (&v)[4]) {
+  if (VEC && live && c < cols) {
+    store4(row + c, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (live && c + e < cols) row[c + e] = v[e];
+  }
+}
+
+// out: h (M, K) and rstd (M) when the block's range is all of C, else its partial sums (ranges, M, K + 1).
+template <int N, bool MIX, bool VEC, class TY>
+__global__ void __launch_bounds__(HP_THREADS) hc_project_fwd_kernel(HpFwdArgs<TY> a) {
+  using P = HpFwd<N, MIX>;
+  constexpr int K = P::K, KP = P::KP, NT = P::NT, S = P::S, R = P::R, U = P::U;
+  extern __shared__ __align__(16) float hp_smem[];
+  const int CR = hp_range_cols(S, KP, a.C), stride = S * CR + 16;
+  const int c0 = blockIdx.y * CR, cols = min(CR, a.C - c0);
+  const int64_t D = (int64_t)S * a.C, mb = (int64_t)blockIdx.x * HP_TOKENS;
+  hp_stage<N, MIX, VEC>(a, hp_smem, CR, c0, cols);
+  float* coef = hp_smem + max(KP * stride, HP_TOKENS * HP_SPLIT * (KP + 1));  // past the staged rows and the sums
+  if constexpr (MIX)
+    for (int e = threadIdx.x; e < HP_TOKENS * R; e += HP_THREADS) {
+      const int k = e % R;
+      const int64_t m = mb + e / R;
+      coef[e] = m >= a.M ? 0.f : k < N * N ? __ldg(a.h_res + m * a.res_stride + k)
+                                           : __ldg(a.h_post + m * a.post_stride + k - N * N);
+    }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int group = warp / HP_SPLIT, split = warp % HP_SPLIT;
+  const int64_t m0 = mb + group * 16;
+  const bool live_a = m0 + g < a.M, live_b = m0 + g + 8 < a.M;
+  const int64_t ra = live_a ? m0 + g : 0, rb = live_b ? m0 + g + 8 : 0;
+  const float* xa = a.x + ra * D + c0;  // stream i at + i * C
+  const float* xb = a.x + rb * D + c0;
+  const float* cfa = coef + (group * 16 + g) * R;
+  const float* cfb = cfa + 8 * R;
+  float acc[NT][4] = {}, ss_a = 0.f, ss_b = 0.f;
+  const int steps = (cols + 15) / 16;
+  for (int s0 = split; s0 < steps; s0 += U * HP_SPLIT) {
+    float va[U][S][4], vb[U][S][4], ya[U][4], yb[U][4];  // U steps' loads in flight before any math
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        hp_load<VEC>(xa + (int64_t)i * a.C, live_a, c, cols, va[u][i]);
+        hp_load<VEC>(xb + (int64_t)i * a.C, live_b, c, cols, vb[u][i]);
+      }
+      if constexpr (MIX) {
+        hp_load<VEC>(a.y + ra * a.C + c0, live_a, c, cols, ya[u]);
+        hp_load<VEC>(a.y + rb * a.C + c0, live_b, c, cols, yb[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s0 + u * HP_SPLIT >= steps) break;
+      const int c = (s0 + u * HP_SPLIT) * 16 + 4 * t;
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        float sa[4], sb[4];  // the row's values: x itself, or the mix, which is also written out
+        if constexpr (MIX) {
+          hp_mixed<N>(cfa, i, va[u], ya[u], sa);
+          hp_mixed<N>(cfb, i, vb[u], yb[u], sb);
+          hp_store<VEC>(a.s + ra * D + (int64_t)i * a.C + c0, live_a, c, cols, sa);
+          hp_store<VEC>(a.s + rb * D + (int64_t)i * a.C + c0, live_b, c, cols, sb);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            sa[e] = va[u][i][e];
+            sb[e] = vb[u][i][e];
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ss_a = fmaf(sa[e], sa[e], ss_a);
+          ss_b = fmaf(sb[e], sb[e], ss_b);
+        }
+        Frag<4, true> fa[2];  // columns 4t + 2 half and 4t + 2 half + 1 as k = t and t + 4 of product `half`
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          fa[half].set({sa[2 * half], sb[2 * half], sa[2 * half + 1], sb[2 * half + 1]});
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const float4 p = *reinterpret_cast<const float4*>(hp_smem + (j * 8 + g) * stride + i * CR + c);
+          Frag<2, true> b0, b1;
+          b0.set({p.x, p.y});
+          b1.set({p.z, p.w});
+          mma<true>(acc[j], fa[0], b0);
+          mma<true>(acc[j], fa[1], b1);
+        }
+      }
+    }
+  }
+  // the HP_SPLIT warps of a group meet in shared memory (over the staged phi, which nobody reads any more)
+  __syncthreads();
+  float* red = hp_smem + (group * HP_SPLIT + split) * 16 * (KP + 1);  // [16 rows][KP sums, sum of squares]
+  ss_a += __shfl_xor_sync(0xffffffffu, ss_a, 1);
+  ss_a += __shfl_xor_sync(0xffffffffu, ss_a, 2);
+  ss_b += __shfl_xor_sync(0xffffffffu, ss_b, 1);
+  ss_b += __shfl_xor_sync(0xffffffffu, ss_b, 2);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    red[g * (KP + 1) + j * 8 + 2 * t] = acc[j][0];
+    red[g * (KP + 1) + j * 8 + 2 * t + 1] = acc[j][1];
+    red[(g + 8) * (KP + 1) + j * 8 + 2 * t] = acc[j][2];
+    red[(g + 8) * (KP + 1) + j * 8 + 2 * t + 1] = acc[j][3];
+  }
+  if (t == 0) {
+    red[g * (KP + 1) + KP] = ss_a;
+    red[(g + 8) * (KP + 1) + KP] = ss_b;
+  }
+  __syncthreads();
+  if (split != 0) return;
+  const float* mine = hp_smem + group * HP_SPLIT * 16 * (KP + 1);
+  for (int i = lane; i < 16 * (K + 1); i += 32) {  // (row, k), k = K: the sum of squares
+    const int row = i / (K + 1), kk = i % (K + 1);
+    const int64_t m = m0 + row;
+    if (m >= a.M) continue;
+    float sum = 0.f, ss = 0.f;  // the splits in order
+#pragma unroll
+    for (int sp = 0; sp < HP_SPLIT; ++sp) {
+      sum += mine[(sp * 16 + row) * (KP + 1) + (kk < K ? kk : KP)];
+      ss += mine[(sp * 16 + row) * (KP + 1) + KP];
+    }
+    if (gridDim.y > 1) {
+      a.part[((int64_t)blockIdx.y * a.M + m) * (K + 1) + kk] = sum;
+    } else {
+      const float r = rsqrtf(ss / D + a.eps);
+      if (kk < K) a.h[m * K + kk] = sum * r;
+      else a.rstd[m] = r;
+    }
+  }
+}
+
+// The ranges' partial sums added in range order: h = sum * rstd, rstd from the sum of squares. A thread per entry
+// (m, k) of a range's (M, K + 1) rows, so a warp's loads are consecutive floats.
+__global__ void hc_project_fwd_finish_kernel(const float* part, int ranges, int M, int K, int64_t D, float eps,
+                                             float* h, float* rstd) {
+  const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)M * (K + 1);
+  if (e >= stride) return;
+  const int64_t m = e / (K + 1);
+  const int kk = (int)(e % (K + 1));
+  float sum = 0.f, ss = 0.f;
+  for (int r = 0; r < ranges; ++r) {
+    sum += part[r * stride + e];
+    ss += part[r * stride + m * (K + 1) + K];
+  }
+  const float rs = rsqrtf(ss / D + eps);
+  if (kk == K) rstd[m] = rs;
+  else h[m * K + kk] = sum * rs;
+}
+
+// part: (runs, K + 1, D), the run's sums of rstd g_k x (rows k < K) and of rstd x s (row K). A thread takes one
+// column (two a thread, with twice the K sums in registers, leaves fewer warps to hide latency).
+// Given pre (M, n) and dmerged (M, C), C = D / n: dx also gets the merge's pre[m, i] dmerged[m, c] (d = iC + c);
+// given dadd (M, D), a gradient of x from elsewhere, dx gets that too.
+template <int N>
+__global__ void __launch_bounds__(HPB_COLS) hc_project_bwd_kernel(const float* x, const float* w, const float* phi,
+    const float* h, const float* rstd, const float* dh, const float* pre, const float* dmerged, const float* dadd,
+    float* dx, float* part, int M, int D) {
+  constexpr int K = hc_coeff_count(N), K4 = (K + 3) / 4 * 4;  // g's rows padded for 16-byte loads
+  __shared__ __align__(16) float g_s[HPB_TOKENS][K4];
+  __shared__ float r_s[HPB_TOKENS], q_s[HPB_TOKENS];  // rstd and rstd^2 c / D
+  __shared__ float pre_s[HPB_TOKENS][N];
+  const int d = blockIdx.y * HPB_COLS + threadIdx.x, m0 = blockIdx.x * HPB_TOKENS;  // runs on x: up to 2^31 - 1
+  const int count = min(HPB_TOKENS, M - m0), C = pre ? D / N : 1;  // C: the merge's stream width
+  if (pre)
+    for (int i = threadIdx.x; i < count * N; i += HPB_COLS) pre_s[i / N][i % N] = pre[(int64_t)m0 * N + i];
+  for (int i = threadIdx.x; i < HPB_TOKENS * K4; i += HPB_COLS) {
+    const int t = i / K4, k = i % K4;
+    g_s[t][k] = t < count && k < K ? dh[(int64_t)(m0 + t) * K + k] : 0.f;
+  }
+  for (int t = threadIdx.x; t < count; t += HPB_COLS) {
+    const float* hm = h + (int64_t)(m0 + t) * K;
+    const float* gm = dh + (int64_t)(m0 + t) * K;
+    float c = 0.f;
+    for (int k = 0; k < K; ++k) c = fmaf(gm[k], hm[k], c);
+    const float r = rstd[m0 + t];
+    r_s[t] = r;
+    q_s[t] = r * r * c / D;
+  }
+  __syncthreads();
+  if (d >= D) return;
+  float p[K], e[K] = {}, ew = 0.f;
+  const float wd = __ldg(w + d);
+#pragma unroll
+  for (int k = 0; k < K; ++k) p[k] = __ldg(phi + (int64_t)k * D + d);
+  const int stream = d / C, col = d % C;  // the merge's (i, c) of the column
+  for (int t0 = 0; t0 < count; t0 += HPB_UNROLL) {
+    float xv[HPB_UNROLL], mv[HPB_UNROLL] = {}, av[HPB_UNROLL] = {};  // HPB_UNROLL tokens' loads in flight
+#pragma unroll
+    for (int i = 0; i < HPB_UNROLL; ++i)
+      if (t0 + i < count) {
+        const int64_t m = m0 + t0 + i;
+        xv[i] = __ldg(x + m * D + d);
+        if (dadd) av[i] = __ldg(dadd + m * D + d);
+        if (pre) mv[i] = __ldg(dmerged + m * C + col);
+      }
+#pragma unroll
+    for (int i = 0; i < HPB_UNROLL; ++i) {
+      const int t = t0 + i;
+      if (t >= count) break;
+      const float r = r_s[t], xr = xv[i] * r;
+      float s4[4] = {};  // s in four partial sums: chains of K / 4 dependent FMAs, not K
+#pragma unroll
+      for (int k4 = 0; k4 < K4; k4 += 4) {
+        const float4 g4 = *reinterpret_cast<const float4*>(&g_s[t][k4]);
+        const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (k4 + j < K) {
+            s4[j] = fmaf(g[j], p[k4 + j], s4[j]);
+            e[k4 + j] = fmaf(g[j], xr, e[k4 + j]);
+          }
+      }
+      const float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+      float out = r * wd * s - xv[i] * q_s[t];
+      if (pre) out = fmaf(pre_s[t][stream], mv[i], out);
+      if (dadd) out += av[i];
+      ew = fmaf(xr, s, ew);
+      dx[(int64_t)(m0 + t) * D + d] = out;
+    }
+  }
+  float* out = part + (int64_t)blockIdx.x * (K + 1) * D + d;
+#pragma unroll
+  for (int k = 0; k < K; ++k) out[(int64_t)k * D] = e[k];
+  out[(int64_t)K * D] = ew;
+}
+
+// The runs' partials summed in run order: row k < K of blockIdx.y gives dphi[k] (times w), row K dw.
+__global__ void __launch_bounds__(HPB_COLS) hc_project_finish_kernel(const float* part, const float* w, int runs, int K,
+                                                                     int D, float* dphi, float* dw) {
+  const int d = blockIdx.x * HPB_COLS + threadIdx.x, k = blockIdx.y;
+  if (d >= D) return;
+  float sum = 0.f;
+#pragma unroll 8
+  for (int run = 0; run < runs; ++run) sum += part[((int64_t)run * (K + 1) + k) * D + d];
+  if (k < K) dphi[(int64_t)k * D + d] = w[d] * sum;
+  else dw[d] = sum;
+}
+
+static int hc_project_runs(int M) { return ceil_div(M, HPB_TOKENS); }
+
+// Floats of workspace hc_project_bwd needs: the runs' partial sums.
+int64_t launch::hc_project_bwd_workspace_floats(int M, int n, int D) {
+  return (int64_t)hc_project_runs(M) * (hc_coeff_count(n) + 1) * D;
+}
+
+#define HP_BWD_LAUNCH(N)                                                                                       \
+  hc_project_bwd_kernel<N><<<dim3(runs, ceil_div(D, HPB_COLS)), HPB_COLS, 0, s>>>(x, w, phi, h, rstd, dh, pre, \
+                                                                                 dmerged, dadd, dx, ws, M, D);
+#define HP_DISPATCH(LAUNCH)  \
+  switch (n) {               \
+    case 1: LAUNCH(1) break; \
+    case 2: LAUNCH(2) break; \
+    case 3: LAUNCH(3) break; \
+    case 4: LAUNCH(4) break; \
+    case 5: LAUNCH(5) break; \
+    case 6: LAUNCH(6) break; \
+    case 7: LAUNCH(7) break; \
+    default: LAUNCH(8)       \
+  }
+
+template <int N, bool MIX, class TY>
+static void hp_fwd_launch(HpFwdArgs<TY> a, float* ws, bool vec4, cudaStream_t s) {
+  using P = HpFwd<N, MIX>;
+  const dim3 grid(ceil_div(a.M, HP_TOKENS), ceil_div(a.C, hp_range_cols(P::S, P::KP, a.C)));
+  const int smem = hp_smem_bytes(P::S, P::KP, a.C, HP_TOKENS * P::R);
+  if (grid.y > 65535) throw std::runtime_error("hc_project_fwd: more than 65535 column ranges");
+  a.part = grid.y > 1 ? ws : nullptr;
+  if (vec4) {
+    raise_smem_limit<hc_project_fwd_kernel<N, MIX, true, TY>>(P::SMEM);
+    hc_project_fwd_kernel<N, MIX, true, TY><<<grid, HP_THREADS, smem, s>>>(a);
+  } else {
+    raise_smem_limit<hc_project_fwd_kernel<N, MIX, false, TY>>(P::SMEM);
+    hc_project_fwd_kernel<N, MIX, false, TY><<<grid, HP_THREADS, smem, s>>>(a);
+  }
+  if (grid.y > 1)
+    hc_project_fwd_finish_kernel<<<ceil_div((int64_t)a.M * (P::K + 1), 256), 256, 0, s>>>(
+        ws, (int)grid.y, a.M, P::K, (int64_t)P::S * a.C, a.eps, a.h, a.rstd);
+}
+
+#define HP_FWD_LAUNCH(N) hp_fwd_launch<N, MIX>(a, ws, vec4, s);
+template <bool MIX, class TY>
+static void hp_fwd(const HpFwdArgs<TY>& a, int n, float* ws, bool vec4, cudaStream_t s) {
+  HP_DISPATCH(HP_FWD_LAUNCH)
+}
+
+// Floats of workspace the forward needs: the column ranges' partial sums, where a stream takes more than one.
+static int64_t hp_fwd_workspace_floats(int M, int n, int S, int C) {
+  const int ranges = ceil_div(C, hp_range_cols(S, hp_padded_rows(n), C));
+  return ranges > 1 ? (int64_t)ranges * M * (hc_coeff_count(n) + 1) : 0;
+}
+int64_t launch::hc_project_fwd_workspace_floats(int M, int n, int D) { return hp_fwd_workspace_floats(M, n, 1, D); }
+int64_t launch::hc_mix_project_fwd_workspace_floats(int M, int n, int C) { return hp_fwd_workspace_floats(M, n, n, C); }
+
+// x (M, D), w (D), phi (K, D) with K = 2n + n^2 -> h (M, K), rstd (M); all contiguous; ws:
+// hc_project_fwd_workspace_floats.
+void launch::hc_project_fwd(const float* x, const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n,
+                            int D, float eps, cudaStream_t s) {
+  sinkhorn_check_args("hc_project_fwd", n, 1);
+  require_tensor_cores("hc_project_fwd");
+  if (M == 0) return;
+  HpFwdArgs<float> a{};
+  a.x = x; a.w = w; a.phi = phi; a.h = h; a.rstd = rstd; a.M = M; a.C = D; a.eps = eps;
+  hp_fwd<false>(a, n, ws, D % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(phi), s);
+  check_launch("hc_project_fwd");
+}
+
+// hc_mix_pre's forward: the mix out = stream_mix(x, h_res, h_post, y) (M, n, C), written out, and its
+// projection h (M, K) and rstd (M) as hc_project_fwd gives them for out flattened, in one pass. h_res (n, n) and
+// h_post (n) per token (per_token) or for all. All contiguous; ws: hc_mix_project_fwd_workspace_floats.
+template <class TY>
+void launch::hc_mix_project_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, float* out,
+                                const float* w, const float* phi, float* h, float* rstd, float* ws, int M, int n, int C,
+                                bool per_token, float eps, cudaStream_t s) {
+  sinkhorn_check_args("hc_mix_project_fwd", n, 1);
+  require_tensor_cores("hc_mix_project_fwd");
+  if (M == 0 || C == 0) return;
+  HpFwdArgs<TY> a{};
+  a.x = x; a.h_res = h_res; a.h_post = h_post; a.y = y; a.s = out; a.w = w; a.phi = phi; a.h = h; a.rstd = rstd;
+  a.res_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
+  a.M = M; a.C = C; a.eps = eps;
+  const bool vec4 = C % 4 == 0 && aligned16(x) && aligned16(out) && aligned16(w) && aligned16(phi) &&
+                    reinterpret_cast<uintptr_t>(y) % (4 * sizeof(TY)) == 0;
+  hp_fwd<true>(a, n, ws, vec4, s);
+  check_launch("hc_mix_project_fwd");
+}
+template void launch::hc_mix_project_fwd<float>(const float*, const float*, const float*, const float*, float*, const float*,
+                                                const float*, float*, float*, float*, int, int, int, bool, float, cudaStream_t);
+ONE_TEMPLATE(hc_mix_project_fwd<float>);
+template void launch::hc_mix_project_fwd<__nv_bfloat16>(const float*, const float*, const float*, const __nv_bfloat16*,
+                                                        float*, const float*, const float*, float*, float*, float*, int, int,
+                                                        int, bool, float, cudaStream_t);
+ONE_TEMPLATE(hc_mix_project_fwd<__nv_bfloat16>);
+
+// dh (M, K) -> dx (M, D), dw (D), dphi (K, D), from the forward's h and rstd; ws:
+// hc_project_bwd_workspace_floats. With M = 0, dw and dphi are zeros. Given pre (M, n) and dmerged (M, D / n),
+// dx also gets the gradient of stream_merge(x, pre) (hc_pre's backward: x read once, no add of two dx); given
+// dadd (M, D), that too (hc_mix_pre's: the gradient of the streams from their next consumer).
+void launch::hc_project_bwd(const float* x, const float* w, const float* phi, const float* h, const float* rstd,
+                            const float* dh, const float* pre, const float* dmerged, const float* dadd, float* dx, float* dw,
+                            float* dphi, float* ws, int M, int n, int D, cudaStream_t s) {
+  sinkhorn_check_args("hc_project_bwd", n, 1);
+  const int K = hc_coeff_count(n), runs = hc_project_runs(M);
+  if (ceil_div(D, HPB_COLS) > 65535) throw std::runtime_error("hc_project_bwd: D > 65535 * 128");
+  if (M > 0) HP_DISPATCH(HP_BWD_LAUNCH)
+  hc_project_finish_kernel<<<dim3(ceil_div(D, HPB_COLS), K + 1), HPB_COLS, 0, s>>>(ws, w, runs, K, D, dphi, dw);
+  check_launch("hc_project_bwd");
+}
+#undef HP_DISPATCH
+#undef HP_BWD_LAUNCH
+#undef HP_FWD_LAUNCH
+
+// ------------------------------------------------------------------------------------------------
+// 8.5 stream mixing
+// Stream mixing for hyper-connections (mhc.py). x (M, n, C) holds the n residual streams of M
+// tokens, n <= limits::max_streams; the PyTorch twins are mhc.stream_merge_torch and mhc.stream_mix_torch:
+//   stream_merge: out[m, c]    = sum_i h[i] x[m, i, c]                               (M, C)
+//   stream_mix:   out[m, i, c] = sum_j h_res[i, j] x[m, j, c] + h_post[i] y[m, c]    (M, n, C)
+// and stream_mix_merge, the mix and then the merge of its out by the next sublayer's h_pre, from the
+// registers that hold out. The coefficients are static (one set for all tokens) or per token; a kernel
+// reads token m's at m * stride, so a stride of 0 makes them static and one kernel serves both. The
+// streams are fp32; y (the sublayer's output) is fp32 or bf16 (mixed precision), widened on load.
+//
+// A few FMAs per byte: the floor is reading every input once and writing every output once, which
+// unfused PyTorch misses by far (permute copies, tiny batched matmuls, separate elementwise kernels,
+// each a pass over memory). A thread owns a "unit" of one token: VEC columns (4, as 16-byte loads of
+// fp32 and 8-byte loads of bf16, when C % 4 == 0 and every pointer is so aligned, else 1) in all n
+// streams, so the n x n mixing of the unit happens in registers and each element is loaded once.
+// Blocks are 32 x STREAM_TOKENS, a warp per token, lanes on consecutive units (coalesced); the
+// token's coefficients sit in registers, loaded once per thread from warp-uniform addresses (one L1
+// broadcast each). -Xptxas -v: the n = 8 backward with the merge takes 255 registers at 128 threads,
+// without spills.
+//
+// Forward: a token's units are also spread over grid.y, so each thread has one unit when C allows.
+// Backward: dx (and dy) are per unit like the forward, but the coefficient gradients are sums over
+// C (dh[i] = sum_c dout[c] x[i, c], ...), so a token stays in one warp and each lane sums its units.
+// Per-token coefficients: the lanes' K sums (n for the merge, n * n + n for the mix, n * n + 2n with
+// the merge) are added up by one butterfly that leaves value k's total in lane k (warp_sums: about 31
+// shuffles instead of 5 per value), and lane k stores it. Static coefficients: a warp walks several
+// tokens and keeps adding into the same K sums, the block adds its warps' totals into one row of
+// partials, and stream_coef_finish adds the rows. Every order is fixed: no atomics, the same bits
+// every run.
+//
+// Twin: mhc.stream_merge_torch, stream_mix_torch. Uses: 8.1.
+
+constexpr int STREAM_TOKENS = 4;  // tokens (warps) per block
+
+// What a stream kernel reads and writes (unused pointers stay nullptr). Strides: floats per token.
+// y and dy are the sublayer output's dtype (TY: fp32, or bf16 under --dtype=bf16), the streams fp32.
+struct StreamArgs {
+  const float* x;       // (M, n, C)
+  const float* h;       // merge: h; mix: h_res
+  const float* h_post;  // mix
+  const float* h_pre;   // mix_merge: the next sublayer's merge coefficients
+  const void* y;        // mix: (M, C)
+  const float* dout;    // backward: merge (M, C), mix (M, n, C)
+  const float* dmerged; // mix_merge backward: (M, C)
+  float* out;           // forward
+  float* merged;        // mix_merge forward: (M, C)
+  float* dx;            // backward, like x
+  void* dy;             // mix backward, like y
+  float* dh;            // backward: merge's dh or mix's dh_res, token m's at m * dh_stride
+  float* dh_post;       // mix backward, token m's at m * dpost_stride
+  float* dh_pre;        // mix_merge backward, token m's at m * dpost_stride
+  float* part;          // backward with static coefficients: a row of the block's K sums per block
+  int64_t h_stride, post_stride, dh_stride, dpost_stride;
+  int M, C;
+};
+
+template <int K>
+__device__ __forceinline__ void stream_coefs(const float* p, float (&c)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) c[k] = __ldg(p + k);
+}
+
+// Stream i of the mix, out[i] = sum_j r[i, j] x[j] + p[i] y, for one unit.
+template <int N, int VEC>
+__device__ __forceinline__ void stream_mixed(int i, const float (&r)[N * N], const float (&p)[N],
+                                             const float (&xv)[N][VEC], const float (&yv)[VEC], float (&o)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    o[k] = p[i] * yv[k];
+#pragma unroll
+    for (int j = 0; j < N; ++j) o[k] = fmaf(r[i * N + j], xv[j][k], o[k]);
+  }
+}
+
+// Static coefficients: each warp's K sums (over all its tokens) added over its lanes, then the block's warps
+// added in order into row blockIdx.x of part. Every thread of the block must call it.
+template <int K>
+__device__ __forceinline__ void stream_block_sums(const float (&acc)[K], float* part) {
+  __shared__ float sums[STREAM_TOKENS][K];
+  warp_sums(acc, [&](int k, float total) { sums[threadIdx.y][k] = total; });
+  __syncthreads();
+  for (int k = threadIdx.y * 32 + threadIdx.x; k < K; k += 32 * STREAM_TOKENS) {
+    float t = sums[0][k];
+#pragma unroll
+    for (int w = 1; w < STREAM_TOKENS; ++w) t += sums[w][k];
+    part[(int64_t)blockIdx.x * K + k] = t;
+  }
+}
+
+template <int N, int VEC>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_fwd_kernel(StreamArgs a) {
+  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
+  if (m >= a.M) return;
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  float* out = a.out + (int64_t)m * a.C;
+  float h[N];
+  stream_coefs<N>(a.h + m * a.h_stride, h);
+  for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
+    float xv[N][VEC], o[VEC];
+#pragma unroll
+    for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
+    stream_combine<N, VEC>(h, xv, o);
+    stream_store<VEC>(out, u, o);
+  }
+}
+
+// The mix; with MERGE (stream_mix_merge) also the next sublayer's merged input, sum_i h_pre[i] out[i],
+// from the registers that hold out: the merge's read of the streams is saved.
+template <int N, int VEC, class TY, bool MERGE>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_fwd_kernel(StreamArgs a) {
+  const int m = blockIdx.x * STREAM_TOKENS + threadIdx.y;
+  if (m >= a.M) return;
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
+  float* out = a.out + (int64_t)m * N * a.C;
+  float r[N * N], p[N], q[N];  // h_res row-major, h_post, h_pre
+  stream_coefs<N * N>(a.h + m * a.h_stride, r);
+  stream_coefs<N>(a.h_post + m * a.post_stride, p);
+  if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
+  for (int u = blockIdx.y * 32 + threadIdx.x; u < units; u += gridDim.y * 32) {
+    float xv[N][VEC], yv[VEC], o[N][VEC];
+#pragma unroll
+    for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
+    stream_load<VEC>(y, u, yv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      stream_mixed<N, VEC>(i, r, p, xv, yv, o[i]);
+      stream_store<VEC>(out + (int64_t)i * a.C, u, o[i]);
+    }
+    if constexpr (MERGE) {
+      float mv[VEC];
+      stream_combine<N, VEC>(q, o, mv);
+      stream_store<VEC>(a.merged + (int64_t)m * a.C, u, mv);
+    }
+  }
+}
+
+// dx[i] = h[i] dout; dh[i] = sum_c dout[c] x[i, c] for each of the warp's tokens (static: summed over them).
+template <int N, int VEC>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_merge_bwd_kernel(StreamArgs a) {
+  const bool per_token = a.h_stride != 0;
+  const int units = a.C / VEC;
+  float acc[N] = {};
+  // m is the same for the whole warp, so the shuffles in warp_sums always have every lane
+  for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
+    const float* x = a.x + (int64_t)m * N * a.C;
+    const float* g = a.dout + (int64_t)m * a.C;
+    float* dx = a.dx + (int64_t)m * N * a.C;
+    float h[N];
+    stream_coefs<N>(a.h + m * a.h_stride, h);
+    for (int u = threadIdx.x; u < units; u += 32) {
+      float gv[VEC], xv[N][VEC];
+      stream_load<VEC>(g, u, gv);
+#pragma unroll
+      for (int i = 0; i < N; ++i) stream_load<VEC>(x + (int64_t)i * a.C, u, xv[i]);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float d[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          d[k] = h[i] * gv[k];
+          acc[i] = fmaf(gv[k], xv[i][k], acc[i]);
+        }
+        stream_store<VEC>(dx + (int64_t)i * a.C, u, d);
+      }
+    }
+    if (per_token) {
+      warp_sums(acc, [&](int k, float total) { a.dh[m * a.dh_stride + k] = total; });
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = 0.f;
+    }
+  }
+  if (!per_token) stream_block_sums<N>(acc, a.part);
+}
+
+// dx[j] = sum_i h_res[i, j] dout[i]; dy = sum_i h_post[i] dout[i]; for token m, added into acc (K = n * n + n
+// values, n * n + 2n with MERGE): dh_res[i, j] = sum_c dout[i, c] x[j, c] and dh_post[i] = sum_c dout[i, c] y[c].
+// With MERGE the gradient reaching out[i] is dout[i] + h_pre[i] dmerged (the add autograd would make,
+// rounded as it would round it), and dh_pre[i] = sum_c dmerged[c] out[i, c] with out recomputed from x and y.
+template <int N, int VEC, class TY, bool MERGE, int K>
+__device__ __forceinline__ void stream_mix_bwd_token(const StreamArgs& a, int m, float (&acc)[K]) {
+  constexpr int RES = 0, POST = N * N, PRE = N * N + N;  // where each coefficient's sums start in acc
+  const int units = a.C / VEC;
+  const float* x = a.x + (int64_t)m * N * a.C;
+  const TY* y = static_cast<const TY*>(a.y) + (int64_t)m * a.C;
+  const float* g = a.dout + (int64_t)m * N * a.C;
+  float* dx = a.dx + (int64_t)m * N * a.C;
+  TY* dy = static_cast<TY*>(a.dy) + (int64_t)m * a.C;
+  float r[N * N], p[N], q[N];
+  stream_coefs<N * N>(a.h + m * a.h_stride, r);
+  stream_coefs<N>(a.h_post + m * a.post_stride, p);
+  if constexpr (MERGE) stream_coefs<N>(a.h_pre + m * a.post_stride, q);
+  for (int u = threadIdx.x; u < units; u += 32) {
+    float gv[N][VEC], xv[N][VEC], yv[VEC];
+#pragma unroll
+    for (int i = 0; i < N; ++i) stream_load<VEC>(g + (int64_t)i * a.C, u, gv[i]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) stream_load<VEC>(x + (int64_t)j * a.C, u, xv[j]);
+    stream_load<VEC>(y, u, yv);
+    if constexpr (MERGE) {
+      float dm[VEC];
+      stream_load<VEC>(a.dmerged + (int64_t)m * a.C, u, dm);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        float o[VEC];
+        stream_mixed<N, VEC>(i, r, p, xv, yv, o);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          acc[PRE + i] = fmaf(dm[k], o[k], acc[PRE + i]);
+          gv[i][k] = __fadd_rn(gv[i][k], __fmul_rn(q[i], dm[k]));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float d[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        d[k] = r[j] * gv[0][k];
+#pragma unroll
+        for (int i = 1; i < N; ++i) d[k] = fmaf(r[i * N + j], gv[i][k], d[k]);
+      }
+      stream_store<VEC>(dx + (int64_t)j * a.C, u, d);
+    }
+    float d[VEC];
+    stream_combine<N, VEC>(p, gv, d);
+    stream_store<VEC>(dy, u, d);
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        acc[POST + i] = fmaf(gv[i][k], yv[k], acc[POST + i]);
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc[RES + i * N + j] = fmaf(gv[i][k], xv[j][k], acc[RES + i * N + j]);
+      }
+  }
+}
+
+// The mix's backward for each of the warp's tokens (stream_mix_bwd_token); the coefficient gradients stored per
+// token (h_res's, then h_post's, then h_pre's) or, static, summed over the tokens (stream_block_sums).
+template <int N, int VEC, class TY, bool MERGE>
+__global__ void __launch_bounds__(32 * STREAM_TOKENS) stream_mix_bwd_kernel(StreamArgs a) {
+  constexpr int K = N * N + (MERGE ? 2 : 1) * N;
+  const bool per_token = a.h_stride != 0;
+  float acc[K] = {};
+  // m is the same for the whole warp, so the shuffles in warp_sums always have every lane
+  for (int m = blockIdx.x * STREAM_TOKENS + threadIdx.y; m < a.M; m += gridDim.x * STREAM_TOKENS) {
+    stream_mix_bwd_token<N, VEC, TY, MERGE>(a, m, acc);
+    if (per_token) {
+      warp_sums(acc, [&](int k, float total) {
+        if (k < N * N) a.dh[m * a.dh_stride + k] = total;
+        else if (k < N * N + N) a.dh_post[m * a.dpost_stride + k - N * N] = total;
+        else a.dh_pre[m * a.dpost_stride + k - N * N - N] = total;
+      });
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = 0.f;
+    }
+  }
+  if (!per_token) stream_block_sums<K>(acc, a.part);
+}
+
+// The static coefficients' gradients: the column sums of the blocks' rows of part (rows x K), a warp a column, its
+// lanes strided over the rows and then a shuffle tree (a fixed order: the same bits every run); columns
+// [0, k0) go to out0, [k0, k0 + k1) to out1 and the rest to out2.
+__global__ void stream_coef_finish_kernel(const float* part, int rows, int K, float* out0, int k0, float* out1,
+                                          int k1, float* out2) {
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= K) return;
+  float sum = 0.f;
+  for (int b = lane; b < rows; b += 32) sum += part[(int64_t)b * K + t];
+  sum = warp_sum(sum);
+  if (lane == 0) {
+    if (t < k0) out0[t] = sum;
+    else if (t < k0 + k1) out1[t - k0] = sum;
+    else out2[t - k0 - k1] = sum;
+  }
+}
+
+static const dim3 STREAM_BLOCK(32, STREAM_TOKENS);
+
+static void stream_check_n(const char* what, int n) {
+  if (n < 1 || n > limits::max_streams)
+    throw std::runtime_error(std::string(what) + ": needs 1 <= n <= " + std::to_string(limits::max_streams) +
+                             ", got n = " + std::to_string(n));
+}
+
+// Forward grid: STREAM_TOKENS tokens per block in x, a token's units over y (32 per block).
+static dim3 stream_fwd_grid(int M, int C, bool vec4) {
+  return dim3(ceil_div(M, STREAM_TOKENS), std::min(ceil_div(vec4 ? C / 4 : C, 32), 65535));
+}
+
+// x (M, n, C) -> out (M, C); h: n floats, or n per token when per_token. All contiguous.
+void launch::stream_merge_fwd(const float* x, const float* h, float* out, int M, int n, int C, bool per_token,
+                              cudaStream_t s) {
+  stream_check_n("stream_merge_fwd", n);
+  if (M == 0 || C == 0) return;
+  StreamArgs a{};
+  a.x = x; a.h = h; a.out = out; a.h_stride = per_token ? n : 0; a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, out);
+  const dim3 grid = stream_fwd_grid(M, C, vec4);
+  stream_dispatch(n, vec4, [&](auto N, auto V) {
+    stream_merge_fwd_kernel<decltype(N)::value, decltype(V)::value><<<grid, STREAM_BLOCK, 0, s>>>(a);
+  });
+  check_launch("stream_merge_fwd");
+}
+
+// Rows of partial sums the static coefficients' backward writes (K floats each): one per block, 4 blocks an SM
+// (STREAM_TOKENS warps each), so each warp walks about M / (4 * STREAM_TOKENS * SMs) tokens.
+int launch::stream_coef_rows(int M) { return std::max(1, std::min(ceil_div(M, STREAM_TOKENS), 4 * num_sms())); }
+
+// The backward's blocks: a warp per token for per-token coefficients, stream_coef_rows for static ones (then the
+// K = k0 + k1 + k2 column sums of their rows into out0, out1 and out2 by stream_coef_finish_kernel).
+template <class Launch>
+static void stream_bwd_launch(const char* what, int M, bool per_token, Launch launch, const float* part, int k0,
+                              float* out0, int k1, float* out1, int k2, float* out2, cudaStream_t s) {
+  const int blocks = per_token ? ceil_div(M, STREAM_TOKENS) : launch::stream_coef_rows(M);
+  if (blocks > 0) launch(blocks);
+  check_launch(what);
+  if (per_token) return;
+  const int K = k0 + k1 + k2;
+  stream_coef_finish_kernel<<<ceil_div(K, 8), 256, 0, s>>>(part, blocks, K, out0, k0, out1, k1, out2);
+  check_launch("stream_coef_finish");
+}
+
+// dout (M, C) -> dx (M, n, C) and dh: per token (M, n); static (n,), the token sum, through the workspace part
+// (stream_coef_rows(M) * n floats). Zeros where C or M is 0.
+void launch::stream_merge_bwd(const float* x, const float* h, const float* dout, float* dx, float* dh, float* part, int M,
+                              int n, int C, bool per_token, cudaStream_t s) {
+  stream_check_n("stream_merge_bwd", n);
+  StreamArgs a{};
+  a.x = x; a.h = h; a.dout = dout; a.dx = dx; a.dh = dh; a.part = part;
+  a.h_stride = per_token ? n : 0; a.dh_stride = n; a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, dout, dx);
+  auto launch = [&](int blocks) {
+    stream_dispatch(n, vec4, [&](auto N, auto V) {
+      stream_merge_bwd_kernel<decltype(N)::value, decltype(V)::value><<<blocks, STREAM_BLOCK, 0, s>>>(a);
+    });
+  };
+  stream_bwd_launch("stream_merge_bwd", M, per_token, launch, part, n, dh, 0, nullptr, 0, nullptr, s);
+}
+
+// x (M, n, C), y (M, C) -> out (M, n, C); h_res n * n floats (row-major) and h_post n, or that many per
+// token when per_token. With h_pre (n floats, or n per token, like h_post) also merged (M, C), the merge of
+// out by h_pre (stream_mix_merge); h_pre = nullptr: the mix alone. All contiguous.
+template <class TY>
+void launch::stream_mix_fwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                            float* out, float* merged, int M, int n, int C, bool per_token, cudaStream_t s) {
+  stream_check_n("stream_mix_fwd", n);
+  if (M == 0 || C == 0) return;
+  StreamArgs a{};
+  a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.out = out; a.merged = merged;
+  a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0; a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, y, out, merged);
+  const dim3 grid = stream_fwd_grid(M, C, vec4);
+  stream_dispatch(n, vec4, [&](auto N, auto V) {
+    constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
+    if (h_pre) stream_mix_fwd_kernel<n_, vec, TY, true><<<grid, STREAM_BLOCK, 0, s>>>(a);
+    else stream_mix_fwd_kernel<n_, vec, TY, false><<<grid, STREAM_BLOCK, 0, s>>>(a);
+  });
+  check_launch("stream_mix_fwd");
+}
+
+// dout (M, n, C) -> dx (M, n, C), dy (M, C), and the coefficient gradients: per token dh_res (M, n, n) and
+// dh_post (M, n); static, their token sums (n, n) and (n,) through the workspace part (stream_coef_rows(M) * K
+// floats, K = n * n + n). With h_pre (stream_mix_merge) dmerged (M, C) comes in too and dh_pre (M, n) or (n,)
+// goes out (K = n * n + 2n). Zeros where C or M is 0.
+template <class TY>
+void launch::stream_mix_bwd(const float* x, const float* h_res, const float* h_post, const TY* y, const float* h_pre,
+                            const float* dout, const float* dmerged, float* dx, TY* dy, float* dh_res, float* dh_post,
+                            float* dh_pre, float* part, int M, int n, int C, bool per_token, cudaStream_t s) {
+  stream_check_n("stream_mix_bwd", n);
+  StreamArgs a{};
+  a.x = x; a.h = h_res; a.h_post = h_post; a.h_pre = h_pre; a.y = y; a.dout = dout; a.dmerged = dmerged;
+  a.dx = dx; a.dy = dy; a.dh = dh_res; a.dh_post = dh_post; a.dh_pre = dh_pre; a.part = part;
+  a.h_stride = per_token ? n * n : 0; a.post_stride = per_token ? n : 0;
+  a.dh_stride = n * n; a.dpost_stride = n;
+  a.M = M; a.C = C;
+  const bool vec4 = stream_vec4(C, x, y, dout, dmerged, dx, dy);
+  auto launch = [&](int blocks) {
+    stream_dispatch(n, vec4, [&](auto N, auto V) {
+      constexpr int n_ = decltype(N)::value, vec = decltype(V)::value;
+      if (h_pre) stream_mix_bwd_kernel<n_, vec, TY, true><<<blocks, STREAM_BLOCK, 0, s>>>(a);
+      else stream_mix_bwd_kernel<n_, vec, TY, false><<<blocks, STREAM_BLOCK, 0, s>>>(a);
+    });
+  };
+  stream_bwd_launch("stream_mix_bwd", M, per_token, launch, part, n * n, dh_res, n, dh_post, h_pre ? n : 0, dh_pre,
+                    s);
+}
+
+#define STREAM_MIX_INSTANTIATE(TY)                                                                                    \
+  template void launch::stream_mix_fwd<TY>(const float*, const float*, const float*, const TY*, const float*, float*, \
+                                           float*, int, int, int, bool, cudaStream_t);                                        \
+  ONE_TEMPLATE(stream_mix_fwd<TY>);                                                                                   \
+  template void launch::stream_mix_bwd<TY>(const float*, const float*, const float*, const TY*, const float*,         \
+                                           const float*, const float*, float*, TY*, float*, float*, float*, float*,           \
+                                           int, int, int, bool, cudaStream_t);                                                \
+  ONE_TEMPLATE(stream_mix_bwd<TY>);
+STREAM_MIX_INSTANTIATE(float)
+STREAM_MIX_INSTANTIATE(__nv_bfloat16)
+#undef STREAM_MIX_INSTANTIATE
+
+// ================================================================================================
+// 9. The decode megakernel
+// A whole decode step in one persistent kernel.
+// ================================================================================================
+
+// ------------------------------------------------------------------------------------------------
+// 9.1 decode megakernel
+// One decoded token of a gpt model (LayerNorm, learned positions, GELU MLP, biases) or a
 // llama model (RMSNorm, RoPE, SwiGLU MLP, no biases), dense or a mixture of experts, multi-head or
 // grouped-query attention, fp32 or bf16, in one launch, where the op set launches about ten kernels a
 // layer. Decoding one token reads every weight once, so its limit is bandwidth; with a kernel per op each
@@ -7222,14 +7604,12 @@ void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const _
 // orders data before a flag. A release (a barrier's arrival) would also wait for the producer's bulk
 // copies in flight. With a trace, thread 0 of each block records the clock when it has finished each
 // step's work and when the next step's inputs have all arrived (test_ops.py --bench --only megakernel).
+//
+// Twin: a decode step of train.GPT on the torch op set (inference.py). Uses: 1.2, 1.4, 1.7 named barriers.
 
 constexpr int MK_THREADS = 256, MK_WARPS = MK_THREADS / 32;  // the consumer warps; one producer warp more
 constexpr int MK_MAX_PAGES = 6, MK_MIN_PAGE_BYTES = 32 * 1024;  // pages a block streams through (mk_pages)
-constexpr int MK_MAX_LAYERS = 64;   // layers the kernel's argument holds
-constexpr int MK_MAX_HEAD = 128;    // head size: at most 4 values a lane
 constexpr int MK_MAX_SPLITS = 32;   // splits of a head's keys (blocks per head in step B)
-constexpr int MK_LAYER_WEIGHTS = 14;
-constexpr int MK_MAX_EXPERTS = 64, MK_MAX_TOPK = 2;  // a mixture's experts, and those a token takes
 constexpr int MK_MAX_OWN = 64;      // rows of the residual stream a block keeps: n_embd <= 64 x its SMs
 
 __device__ __forceinline__ void mk_sync() {  // the consumer warps' barrier (the producer warp runs apart)
@@ -7243,12 +7623,33 @@ __host__ __device__ constexpr int mk_scratch_floats(int hs, int splits) {
 }
 
 template <class T>
-struct MkLayer {  // one layer's weights, in the order of decode_megakernel's `layers`; nullptr: none (biases
+struct MkLayer {  // one layer's weights, in the slots of limits::megakernel_layer_weights; nullptr: none (biases
                   // in llama, up_w in gpt, router_w in a dense model). A mixture's fc, up and mlp projection
                   // weights and biases hold every expert's, one after another.
   const T *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *up_w, *fc2_w, *fc2_b;
   const T* router_w;
 };
+
+// The slot of a weight named as in limits::megakernel_layer_weights, at compile time (-1: no such name).
+constexpr int mk_slot(const char* name) {
+  for (int i = 0; i < limits::megakernel_layer_slots; ++i) {
+    const char *a = limits::megakernel_layer_weights[i], *b = name;
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return i;
+  }
+  return -1;
+}
+// MkLayer's fields sit in the named slots: the launcher fills them from the caller's array by position.
+#define MK_SLOT_IS(field, name)                                                          \
+  static_assert(offsetof(MkLayer<float>, field) == mk_slot(name) * sizeof(const float*), \
+                "MkLayer::" #field " is not slot " name " of limits::megakernel_layer_weights")
+MK_SLOT_IS(ln1_w, "ln_1_w"); MK_SLOT_IS(ln1_b, "ln_1_b"); MK_SLOT_IS(attn_w, "attn_w"); MK_SLOT_IS(attn_b, "attn_b");
+MK_SLOT_IS(proj_w, "attn_proj_w"); MK_SLOT_IS(proj_b, "attn_proj_b"); MK_SLOT_IS(ln2_w, "ln_2_w");
+MK_SLOT_IS(ln2_b, "ln_2_b"); MK_SLOT_IS(fc_w, "mlp.fc_w"); MK_SLOT_IS(fc_b, "mlp.fc_b"); MK_SLOT_IS(up_w, "mlp.up_w");
+MK_SLOT_IS(fc2_w, "mlp.proj_w"); MK_SLOT_IS(fc2_b, "mlp.proj_b"); MK_SLOT_IS(router_w, "mlp.router_w");
+#undef MK_SLOT_IS
+static_assert(sizeof(MkLayer<float>) == limits::megakernel_layer_slots * sizeof(const float*),
+              "MkLayer has a field for every slot of limits::megakernel_layer_weights, and no other");
 
 constexpr int MK_MAX_QKV_ROWS = 3 * MK_MAX_OWN + 1;  // a block's rows of the QKV product: (3 n_embd) / SMs
 
@@ -7260,7 +7661,7 @@ __host__ __device__ constexpr int mk_max_chunk_rows(int C, int elem_bytes, int p
 
 template <class T>
 struct MkArgs {
-  MkLayer<T> layer[MK_MAX_LAYERS];
+  MkLayer<T> layer[limits::megakernel_max_layers];
   const T *wte, *wpe, *lnf_w, *lnf_b;  // wpe and lnf_b nullptr in llama
   const float *rope_cos, *rope_sin;    // llama's angles, (>= capacity, hs / 2) each; nullptr in gpt
   T *k_cache, *v_cache;    // (n_layer, n_kv_head, capacity, hs)
@@ -7399,7 +7800,7 @@ template <class T>
 __device__ void mk_produce(const MkArgs<T>& a, const MkPlan<T>& plan, char* pages, float* pbias, int max_rows,
                            uint32_t full, uint32_t empty, uint32_t route, const int* experts) {
   const int lane = threadIdx.x % 32;
-  int j = 0, chosen[MK_MAX_TOPK] = {};
+  int j = 0, chosen[limits::megakernel_max_top_k] = {};
   // Only a block with rows of the experts' products waits for their choice: its consumers cannot complete
   // route's next phase before this warp has filled the pages of the last one, so the parity never aliases.
   // (A block without such rows would let its consumers run phases ahead, and it needs no choice.)
@@ -7786,11 +8187,11 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
   __shared__ uint64_t empty_bars[MK_MAX_PAGES];  // page p has been read by every consumer thread
   __shared__ unsigned qkv_at[MK_MAX_QKV_ROWS];  // where each of the block's QKV rows goes (mk_qkv_at)
   __shared__ float own[MK_MAX_OWN];          // the block's rows of the residual stream
-  __shared__ float gate[MK_MAX_TOPK * 4 * MK_MAX_OWN];  // llama: the block's rows of fc, SwiGLU's gate, by run
+  __shared__ float gate[limits::megakernel_max_top_k * 4 * MK_MAX_OWN];  // llama: the block's rows of fc, SwiGLU's gate, by run
   __shared__ float mix[MK_MAX_OWN];          // a mixture: the block's rows of the experts' outputs so far
-  __shared__ float router[MK_MAX_EXPERTS];   // a mixture: the router's logits, then its probabilities
-  __shared__ int experts[MK_MAX_TOPK];       // a mixture: the layer's chosen experts
-  __shared__ float expert_p[MK_MAX_TOPK];    // and their renormalised probabilities
+  __shared__ float router[limits::megakernel_max_experts];   // a mixture: the router's logits, then its probabilities
+  __shared__ int experts[limits::megakernel_max_top_k];       // a mixture: the layer's chosen experts
+  __shared__ float expert_p[limits::megakernel_max_top_k];    // and their renormalised probabilities
   __shared__ uint64_t route_bar;             // phase l: layer l's experts are chosen (mk_route)
   const uint32_t full = smem_addr(full_bars), empty = smem_addr(empty_bars), route = smem_addr(&route_bar);
   const MkWorkspace w(a.ws, a.C, a.n_kv_head * a.hs, a.top_k);
@@ -7971,56 +8372,65 @@ static int mk_static_smem(int elem_bytes) {  // bytes of the kernel's __shared__
   return (int)attr.sharedSizeBytes;
 }
 
-int decode_megakernel_max_layers() { return MK_MAX_LAYERS; }
-int decode_megakernel_grid() { return num_sms(); }
-int decode_megakernel_trace_stamps(int n_layer) { return mk_trace_stamps(n_layer); }
+
+int launch::decode_megakernel_grid() { return num_sms(); }
+int launch::decode_megakernel_trace_stamps(int n_layer) { return mk_trace_stamps(n_layer); }
 
 // Floats of workspace decode_megakernel needs (top_k: the experts a token takes, 1 for a dense model); zero
 // it once, then keep it for every step.
-int64_t decode_megakernel_workspace_floats(int C, int n_head, int hs, int top_k) {
+int64_t launch::decode_megakernel_workspace_floats(int C, int n_head, int hs, int top_k) {
   return mk_workspace_floats(C, n_head, hs, mk_splits(n_head), top_k);
 }
 
-// Why decode_megakernel cannot run this shape, or nullptr.
-const char* decode_megakernel_unsupported(int C, int n_head, int n_kv_head, int hs, int elem_bytes) {
+std::string launch::decode_megakernel_unsupported(int C, int n_layer, int n_head, int n_kv_head, int hidden,
+                                                  int n_expert, int top_k, int elem_bytes) {
+  auto n = [](int v) { return std::to_string(v); };
   if (compute_major() < 9) return "a GPU of compute capability 9.0 or later (its bulk copies are Hopper's)";
-  if (hs > MK_MAX_HEAD) return "head size (n_embd / n_head) over 128";
+  if (n_layer < 1 || n_layer > limits::megakernel_max_layers)
+    return "n_layer outside [1, " + n(limits::megakernel_max_layers) + "]";
+  if (n_head < 1 || n_kv_head < 1 || C % n_head != 0) return "n_head not dividing n_embd";
+  const int hs = C / n_head;
+  if (hs > limits::megakernel_max_head_size)
+    return "a head size (n_embd / n_head) over " + n(limits::megakernel_max_head_size);
   if (n_head % n_kv_head != 0) return "n_head not a multiple of n_kv_head";
   if (n_head > num_sms()) return "more heads than the GPU has SMs";
   if (hs % 2 != 0) return "an odd head size";
   if ((C * elem_bytes) % 16 != 0) return "a row of n_embd values not a multiple of 16 bytes";
-  if ((C + num_sms() - 1) / num_sms() > MK_MAX_OWN) return "n_embd over 64 rows for each SM of the GPU";
+  if ((C + num_sms() - 1) / num_sms() > MK_MAX_OWN)
+    return "n_embd over " + n(MK_MAX_OWN) + " rows for each SM of the GPU";
+  if (hidden < C || hidden > 4 * C)  // a page's biases are sized for rows of n_embd columns
+    return "its mlp width " + n(hidden) + " is outside [n_embd, 4 n_embd] = [" + n(C) + ", " + n(4 * C) + "]";
+  if (hidden * elem_bytes % 16 != 0) return "an mlp row not a multiple of 16 bytes";
+  if (n_expert && (n_expert > limits::megakernel_max_experts || top_k < 1 ||
+                   top_k > std::min(n_expert, limits::megakernel_max_top_k)))
+    return "it decodes mixtures of at most " + n(limits::megakernel_max_experts) + " experts, of which a token takes at most " +
+           n(limits::megakernel_max_top_k);
   if (mk_pages(C, hs, elem_bytes, mk_splits(n_head)).count < 2)
     return "more shared memory a block than the GPU has (n_embd too wide: two weight pages must fit)";
-  return nullptr;
+  return "";
 }
 
-// layers: n_layer * per_layer (14) device pointers, host array, in MkLayer's order, nullptr for those the
-// model has none of; with rope_cos and rope_sin (fp32, (>= capacity, hs / 2)) a llama model, else gpt (wpe
-// and lnf_b given); hidden: the mlp's width; n_expert 0 (dense), or a mixture's experts of which a token
-// takes top_k (router_w given). The caches (n_layer, n_kv_head, capacity, hs); ws:
+// layers: n_layer * per_layer (limits::megakernel_layer_slots) device pointers, host array, in MkLayer's
+// order, nullptr for those the model has none of; with rope_cos and rope_sin (fp32, (>= capacity, hs / 2)) a
+// llama model, else gpt (wpe and lnf_b given); hidden: the mlp's width; n_expert 0 (dense), or a mixture's
+// experts of which a token takes top_k (router_w given). The caches (n_layer, n_kv_head, capacity, hs); ws:
 // decode_megakernel_workspace_floats, zeroed before the first step; trace: nullptr or
 // decode_megakernel_trace_stamps(n_layer) ns for each of decode_megakernel_grid() blocks.
 template <class T>
-void decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
-                       const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
-                       int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
-                       int n_kv_head, int hidden, int n_expert, int top_k, int V, int capacity, float eps,
-                       cudaStream_t s) {
+void launch::decode_megakernel(const T* const* layers, int per_layer, const T* wte, const T* wpe, const T* lnf_w, const T* lnf_b,
+                               const float* rope_cos, const float* rope_sin, T* k_cache, T* v_cache, const int64_t* tok,
+                               int64_t* pos, T* logits, float* ws, uint64_t* trace, int n_layer, int C, int n_head,
+                               int n_kv_head, int hidden, int n_expert, int top_k, int V, int capacity, float eps,
+                               cudaStream_t s) {
+  std::string why = decode_megakernel_unsupported(C, n_layer, n_head, n_kv_head, hidden, n_expert, top_k, sizeof(T));
+  if (per_layer != limits::megakernel_layer_slots)
+    why = std::to_string(limits::megakernel_layer_slots) + " weight slots a layer (limits::megakernel_layer_weights)";
+  if (!why.empty()) throw std::runtime_error(std::string("decode_megakernel: ") + why);
   const int hs = C / n_head;
-  const char* why = decode_megakernel_unsupported(C, n_head, n_kv_head, hs, sizeof(T));
-  if (per_layer != MK_LAYER_WEIGHTS) why = "14 weight slots a layer expected";
-  if (!why && n_expert && (n_expert > MK_MAX_EXPERTS || top_k < 1 || top_k > std::min(n_expert, MK_MAX_TOPK)))
-    why = "a mixture of at most 64 experts, of which a token takes 1 or 2";
-  if (!why && (hidden < C || hidden > 4 * C || hidden * (int)sizeof(T) % 16 != 0))
-    why = "the mlp's width outside [n_embd, 4 n_embd] (a page's biases are sized for rows of n_embd columns), "
-          "or its rows no multiple of 16 bytes";
-  if (!why && (n_layer < 1 || n_layer > MK_MAX_LAYERS)) why = "n_layer outside [1, 64]";
-  if (why) throw std::runtime_error(std::string("decode_megakernel: ") + why);
   MkArgs<T> a = {};
   for (int l = 0; l < n_layer; ++l) {
-    const T* const* p = layers + MK_LAYER_WEIGHTS * l;
-    a.layer[l] = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13]};
+    const T* const* p = layers + limits::megakernel_layer_slots * l;
+    std::memcpy(&a.layer[l], p, sizeof(MkLayer<T>));  // slot by slot (MK_SLOT_IS)
   }
   a.wte = wte; a.wpe = wpe; a.lnf_w = lnf_w; a.lnf_b = lnf_b; a.rope_cos = rope_cos; a.rope_sin = rope_sin;
   a.k_cache = k_cache; a.v_cache = v_cache; a.tok = tok; a.pos = pos; a.logits = logits; a.ws = ws;
@@ -8048,13 +8458,17 @@ void decode_megakernel(const T* const* layers, int per_layer, const T* wte, cons
   check_launch("decode_megakernel");
 }
 
-template void decode_megakernel<float>(const float* const*, int, const float*, const float*, const float*, const float*,
-                                       const float*, const float*, float*, float*, const int64_t*, int64_t*, float*,
-                                       float*, uint64_t*, int, int, int, int, int, int, int, int, int, float,
-                                       cudaStream_t);
-template void decode_megakernel<__nv_bfloat16>(const __nv_bfloat16* const*, int, const __nv_bfloat16*,
-                                               const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-                                               const float*, const float*, __nv_bfloat16*, __nv_bfloat16*,
-                                               const int64_t*, int64_t*, __nv_bfloat16*, float*, uint64_t*, int, int,
-                                               int, int, int, int, int, int, int, float, cudaStream_t);
+template void launch::decode_megakernel<float>(const float* const*, int, const float*, const float*, const float*, const float*,
+                                               const float*, const float*, float*, float*, const int64_t*, int64_t*, float*,
+                                               float*, uint64_t*, int, int, int, int, int, int, int, int, int, float,
+                                               cudaStream_t);
+ONE_TEMPLATE(decode_megakernel<float>);
+template void launch::decode_megakernel<__nv_bfloat16>(const __nv_bfloat16* const*, int, const __nv_bfloat16*,
+                                                       const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                                                       const float*, const float*, __nv_bfloat16*, __nv_bfloat16*,
+                                                       const int64_t*, int64_t*, __nv_bfloat16*, float*, uint64_t*, int, int,
+                                                       int, int, int, int, int, int, int, float, cudaStream_t);
+ONE_TEMPLATE(decode_megakernel<__nv_bfloat16>);
 
+
+#endif  // KERNELS_LAUNCHERS_ONLY

@@ -7,6 +7,7 @@
     python test_ops.py --bench [--json PATH]    # speed against PyTorch (needs a GPU and the build)
     python test_ops.py --bench --only attention_bf16   # one bench table (names as in --only)
     python test_ops.py --mutants                # plant known faults: each must fail the cases that guard it
+    python test_ops.py --toc                    # renumber kernels.cu's table of contents
 
 Each case prints one line. A numeric check reads `label max|ours - ref|/tolerance`, where a
 tolerance `a+r|ref|` allows a + r * |ref| per element. References run in float64 where that
@@ -21,6 +22,7 @@ import functools
 import hashlib
 import http.server
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -1087,9 +1089,9 @@ def bench_main(json_path):
     return 1 if failed else 0
 
 
-# ==== op: gelu, silu, swiglu ====
-# gelu (exact and tanh), silu and swiglu against their float64 twins, forward and backward, in fp32 and in
-# bf16 (misaligned and strided inputs too); their bad inputs, opcheck arguments and bench rows.
+# ==== op: gelu, silu ====
+# gelu (exact and tanh) and silu against their float64 twins, forward and backward, in fp32 and in bf16
+# (misaligned inputs too); their bad inputs, opcheck arguments and bench rows.
 
 
 GELU_TOL, GELU_GRAD_TOL = (1e-6, 1e-5), (2e-6, 2e-5)
@@ -1110,6 +1112,76 @@ def t_silu(shape, scale=1.0):
     compare(lambda ops, x: ops.silu(x), GELU_TOL, GELU_GRAD_TOL, x=rand(*shape, scale=scale))
 
 
+for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
+    _suffix = "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
+    add("silu/" + _suffix, t_silu, _shape, _scale)
+
+
+def bf16_input(shape, scale=1.0, layout="contiguous"):
+    if layout == "misaligned":  # 2 bytes into an allocation: no 16-byte loads
+        return rand(1 + math.prod(shape), scale=scale).to(BF16)[1:].view(shape)
+    return rand(*shape, scale=scale).to(BF16)
+
+
+ACTIVATION_BF16_CASES = (((1,), 1, "contiguous"), ((17, 33), 1, "contiguous"), ((8192, 768), 1, "contiguous"),
+                         ((1001,), 10, "contiguous"), ((37, 1000), 1, "misaligned"))
+
+
+def activation_bf16_name(op, shape, scale, layout):
+    return (f"{op}_bf16/" + "x".join(map(str, shape)) + f"_x{scale}" * (scale != 1)
+            + f"_{layout}" * (layout != "contiguous"))
+
+
+def t_activation_bf16(op, shape, scale=1.0, layout="contiguous"):
+    def x_():
+        return bf16_input(shape, scale, layout)
+    approximate = "tanh" if op == "gelu_tanh" else "none"
+    fns = {"gelu": (lambda ops, x: ops.gelu(x, approximate=approximate)), "silu": (lambda ops, x: ops.silu(x))}
+    compare_dtypes(*on_both(fns[op.split("_")[0]]), GELU_TOL, GELU_GRAD_TOL, x=x_())
+
+
+for _op in ("gelu", "gelu_tanh", "silu"):
+    for _case in ACTIVATION_BF16_CASES:
+        add(activation_bf16_name(_op, *_case), t_activation_bf16, _op, *_case)
+
+
+bad_inputs(
+    ("silu_cpu_x", RuntimeError, lambda: kernels.silu(torch.randn(4, 8)), ("silu", "x")),
+    # string arguments: only the values the op knows
+    ("gelu_approximate_exact", ValueError, lambda: kernels.gelu(rand(4, 8), approximate="exact"),
+     ("gelu", "approximate", "exact")),
+    ("gelu_approximate_Tanh_x_requires_grad", ValueError,
+     lambda: kernels.gelu(rand(4, 8).requires_grad_(), approximate="Tanh"), ("gelu", "approximate", "Tanh")),
+)
+
+
+@opcheck_args
+def opcheck_activations(dt):
+    x, plain, k = _leaf(5, 7, 37, dtype=dt), _plain(dt), torch.ops.kernels
+    return [("gelu", k.gelu, (x,), {}), ("gelu_tanh", k.gelu, (x,), {"approximate": "tanh"}),
+            ("gelu_backward", k.gelu_backward, (plain(3, 41), plain(3, 41), "tanh"), {}),
+            ("silu", k.silu, (x,), {}), ("silu_backward", k.silu_backward, (plain(3, 41), plain(3, 41)), {})]
+
+
+@bench_rows("ops")
+def bench_activations(rows):
+    # bf16 against PyTorch's bf16 op: the large preset's tokens per step, an MLP of a 768-wide model
+    R, C = 16384, 768
+    bench_bf16_rows(rows, "gelu bf16", lambda ops, x: ops.gelu(x), [rand(R, 4 * C).to(BF16)])
+    bench_row_ops(rows, (("gelu", lambda ops, x: ops.gelu(x), lambda x: [x]),
+                         ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), lambda x: [x])))
+    # SiLU at a feed-forward's width (tokens x hidden), as SwiGLU's rows below
+    R, C = 8192, 2048
+    a = rand(R, C)
+    bench_op(rows, "silu", f"{R}x{C}", "fwd", lambda ops, a: ops.silu(a), [a], 4 * 2 * R * C, "GB/s")
+    bench_op(rows, "silu", f"{R}x{C}", "bwd", lambda ops, a: ops.silu(a), [a], 4 * 3 * R * C, "GB/s")
+
+
+# ==== op: swiglu ====
+# swiglu against its float64 twin, forward and backward, in fp32 and in bf16 (the halves of one projection,
+# misaligned inputs); its bad inputs, opcheck arguments and bench rows.
+
+
 def t_swiglu(shape, scale=1.0, layout="contiguous"):
     # halves: a and b are the two halves of one projection's output (strided views, copied first);
     # misaligned: 4 bytes into an allocation, so the kernel's 16-byte loads must not be used
@@ -1125,73 +1197,42 @@ def t_swiglu(shape, scale=1.0, layout="contiguous"):
 
 
 for _shape, _scale in (((1,), 1), ((17, 33), 1), ((8192, 768), 1), ((1001,), 10)):
-    _suffix = "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
-    add("silu/" + _suffix, t_silu, _shape, _scale)
-    add("swiglu/" + _suffix, t_swiglu, _shape, _scale)
+    add("swiglu/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1), t_swiglu, _shape, _scale)
 add("swiglu/37x1000_halves", t_swiglu, (37, 1000), layout="halves")
 add("swiglu/37x1000_misaligned", t_swiglu, (37, 1000), layout="misaligned")
 add("empty/swiglu_0x64", t_swiglu, (0, 64))
 
 
-def t_activation_bf16(op, shape, scale=1.0, layout="contiguous"):
-    def x_():
-        if layout == "misaligned":  # 2 bytes into an allocation: no 16-byte loads
-            return rand(1 + math.prod(shape), scale=scale).to(BF16)[1:].view(shape)
-        return rand(*shape, scale=scale).to(BF16)
-    if op == "swiglu":
-        compare_dtypes(kernels.swiglu, REF.swiglu, GELU_TOL, GELU_GRAD_TOL, a=x_(), b=x_())
-        return
-    approximate = "tanh" if op == "gelu_tanh" else "none"
-    fns = {"gelu": (lambda ops, x: ops.gelu(x, approximate=approximate)), "silu": (lambda ops, x: ops.silu(x))}
-    compare_dtypes(*on_both(fns[op.split("_")[0]]), GELU_TOL, GELU_GRAD_TOL, x=x_())
+def t_swiglu_bf16(shape, scale=1.0, layout="contiguous"):
+    compare_dtypes(kernels.swiglu, REF.swiglu, GELU_TOL, GELU_GRAD_TOL, a=bf16_input(shape, scale, layout),
+                   b=bf16_input(shape, scale, layout))
 
 
-for _op in ("gelu", "gelu_tanh", "silu", "swiglu"):
-    for _shape, _scale, _layout in (((1,), 1, "contiguous"), ((17, 33), 1, "contiguous"),
-                                    ((8192, 768), 1, "contiguous"), ((1001,), 10, "contiguous"),
-                                    ((37, 1000), 1, "misaligned")):
-        add(f"{_op}_bf16/" + "x".join(map(str, _shape)) + f"_x{_scale}" * (_scale != 1)
-            + f"_{_layout}" * (_layout != "contiguous"), t_activation_bf16, _op, _shape, _scale, _layout)
-
+for _case in ACTIVATION_BF16_CASES:
+    add(activation_bf16_name("swiglu", *_case), t_swiglu_bf16, *_case)
 
 bad_inputs(
     ("swiglu_shape_mismatch", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 9)), ("swiglu", "a", "b")),
     ("swiglu_float64_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8), rand(4, 8).double()), ("swiglu", "b")),
-    ("silu_cpu_x", RuntimeError, lambda: kernels.silu(torch.randn(4, 8)), ("silu", "x")),
     # bf16: one dtype for both inputs
     ("swiglu_bf16_a_float32_b", RuntimeError, lambda: kernels.swiglu(rand(4, 8).bfloat16(), rand(4, 8)),
      ("swiglu", "b", "BFloat16")),
-    # string arguments: only the values the op knows
-    ("gelu_approximate_exact", ValueError, lambda: kernels.gelu(rand(4, 8), approximate="exact"),
-     ("gelu", "approximate", "exact")),
-    ("gelu_approximate_Tanh_x_requires_grad", ValueError,
-     lambda: kernels.gelu(rand(4, 8).requires_grad_(), approximate="Tanh"), ("gelu", "approximate", "Tanh")),
 )
 
 
 @opcheck_args
-def opcheck_activations(dt):
-    x, plain, k = _leaf(5, 7, 37, dtype=dt), _plain(dt), torch.ops.kernels
-    return [("gelu", k.gelu, (x,), {}), ("gelu_tanh", k.gelu, (x,), {"approximate": "tanh"}),
-            ("gelu_backward", k.gelu_backward, (plain(3, 41), plain(3, 41), "tanh"), {}),
-            ("silu", k.silu, (x,), {}), ("silu_backward", k.silu_backward, (plain(3, 41), plain(3, 41)), {}),
-            ("swiglu", k.swiglu, (x, _leaf(5, 7, 37, dtype=dt)), {}),
-            ("swiglu_backward", k.swiglu_backward, (plain(3, 41), plain(3, 41), plain(3, 41)), {})]
+def opcheck_swiglu(dt):
+    plain = _plain(dt)
+    return [("swiglu", torch.ops.kernels.swiglu, (_leaf(5, 7, 37, dtype=dt), _leaf(5, 7, 37, dtype=dt)), {}),
+            ("swiglu_backward", torch.ops.kernels.swiglu_backward, (plain(3, 41), plain(3, 41), plain(3, 41)), {})]
 
 
 @bench_rows("ops")
-def bench_activations(rows):
-    # bf16 against PyTorch's bf16 op: the large preset's tokens per step, an MLP of a 768-wide model
-    R, C = 16384, 768
-    bench_bf16_rows(rows, "gelu bf16", lambda ops, x: ops.gelu(x), [rand(R, 4 * C).to(BF16)])
-    bench_row_ops(rows, (("gelu", lambda ops, x: ops.gelu(x), lambda x: [x]),
-                         ("gelu tanh", lambda ops, x: ops.gelu(x, approximate="tanh"), lambda x: [x])))
+def bench_swiglu(rows):
     # SwiGLU's gate at a feed-forward's width (tokens x hidden): fwd reads a, b and writes y; bwd reads
     # a, b, dy and writes da, db
     R, C = 8192, 2048
     a, b = rand(R, C), rand(R, C)
-    bench_op(rows, "silu", f"{R}x{C}", "fwd", lambda ops, a: ops.silu(a), [a], 4 * 2 * R * C, "GB/s")
-    bench_op(rows, "silu", f"{R}x{C}", "bwd", lambda ops, a: ops.silu(a), [a], 4 * 3 * R * C, "GB/s")
     bench_op(rows, "swiglu", f"{R}x{C}", "fwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 3 * R * C, "GB/s")
     bench_op(rows, "swiglu", f"{R}x{C}", "bwd", lambda ops, a, b: ops.swiglu(a, b), [a, b], 4 * 5 * R * C, "GB/s")
 
@@ -3878,12 +3919,21 @@ def opcheck_decode_megakernel(dt):
     if not _megakernel_supported(dt):
         return []
     plain = _plain(dt)
-    C, H = 64, train.swiglu_hidden(64)
-    gpt = [(11, C), (64, C), (C,), (C,), (C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,),
-           (4 * C, C), (4 * C,), (C, 4 * C), (C,)]
-    llama = [(11, C), (C,), (C,), (2 * C, C), (C, C), (C,), (H, C), (H, C), (C, H)]
-    E = 3
-    moe = gpt[:12] + [(E, 4 * C, C), (E, 4 * C), (E, C, 4 * C), (E, C), (E, C)]
+    C, H, E = 64, train.swiglu_hidden(64), 3
+    gpt_layer = {"ln_1_w": (C,), "ln_1_b": (C,), "attn_w": (3 * C, C), "attn_b": (3 * C,), "attn_proj_w": (C, C),
+                 "attn_proj_b": (C,), "ln_2_w": (C,), "ln_2_b": (C,), "mlp.fc_w": (4 * C, C), "mlp.fc_b": (4 * C,),
+                 "mlp.proj_w": (C, 4 * C), "mlp.proj_b": (C,)}
+    llama_layer = {"ln_1_w": (C,), "attn_w": (2 * C, C), "attn_proj_w": (C, C), "ln_2_w": (C,), "mlp.fc_w": (H, C),
+                   "mlp.up_w": (H, C), "mlp.proj_w": (C, H)}
+    moe_layer = {**gpt_layer, **{n: (E, *shape) for n, shape in gpt_layer.items() if n.startswith("mlp.")},
+                 "mlp.router_w": (E, C)}
+    order = kernels.LIMITS["megakernel_layer_weights"]  # a layer's weights go in this order
+
+    def in_order(layer):
+        return [layer[n] for n in order if n in layer]
+    gpt = [(11, C), (64, C), (C,), (C,)] + in_order(gpt_layer)
+    llama = [(11, C), (C,)] + in_order(llama_layer)
+    moe = gpt[:4] + in_order(moe_layer)
     cases = []
     for name, shapes, n_kv, kw in (("gpt", gpt, 2, {}),
                                    ("llama", llama, 1, dict(rope_cos=torch.rand(64, 16, device=DEV),
@@ -5993,7 +6043,7 @@ def _fake_kernels(calls):
         return aten.gelu(x.float(), approximate=approximate).to(x.dtype)
 
     return types.SimpleNamespace(
-        FUSED_HEAD_SIZES=fused,
+        LIMITS={"fused_head_sizes": fused},
         linear=op("linear", linear),
         layernorm=op("layernorm", lambda cast, x, w, b, eps, out_dtype=None: norm(
             aten.layer_norm, x, w, b, eps, out_dtype, cast)),
@@ -6247,7 +6297,7 @@ def _autocast_of(t):
 
 def _our_sdpa(kernels, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return kernels.attention(q, k, v, causal=is_causal, scale=scale,
-                             mode="fused" if q.shape[-1] in kernels.FUSED_HEAD_SIZES else "tiled")
+                             mode="fused" if q.shape[-1] in kernels.LIMITS["fused_head_sizes"] else "tiled")
 
 
 def _our_linear(kernels, x, w, b=None):
@@ -6531,7 +6581,7 @@ def inference_gpu_megakernel_tokens():
             hs, decs = n_embd // n_head, {}
             # the cuda op set decodes with the fused attention: where it lacks the head size, the
             # megakernel's prefill and pick run on the torch op set
-            cuda = train.cuda_op_set(kernels, hs) if hs in kernels.FUSED_HEAD_SIZES else None
+            cuda = train.cuda_op_set(kernels, hs) if hs in kernels.LIMITS["fused_head_sizes"] else None
             paths = [("torch", train.TORCH_OPS, "graph"), ("cuda", cuda, "graph"),
                      ("megakernel", cuda or train.TORCH_OPS, "megakernel")]
             for name, ops, mode in paths:
@@ -6665,13 +6715,9 @@ for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, infe
     add(_fn.__name__.replace("_", "/", 1), _fn)
 
 
-def inference_megakernel_refuses():
-    # the models decode_megakernel does not decode say why, before any GPU is asked (CPU, in CI)
-    for kw, want in ((dict(mlp=lambda: inference.MoE(32, 4, 3)), "of which a token takes at most 2"),
-                     (dict(mlp=lambda: inference.MoE(32, 65, 2)), "mixtures of at most 64 experts"),
-                     (dict(arch="llama", n_embd=8), "mlp width 64 is outside [n_embd, 4 n_embd] = [8, 32]"),
-                     (dict(residual="mhc"), "baseline residual stream"),
-                     (dict(residual="hc", n_streams=1), "baseline residual stream")):  # one stream still mixes
+def expect_megakernel_refuses(cases):
+    """Each (train.GPT keywords, words): megakernel_why_not gives the reason, and Megakernel refuses the model."""
+    for kw, want in cases:
         kw = {"n_embd": 32, **kw}
         model = train.GPT(95, 24, kw.pop("n_embd"), 2, 2, 0, train.TORCH_OPS, **kw)
         assert want in (inference.megakernel_why_not(model) or ""), f"{kw}: {inference.megakernel_why_not(model)}"
@@ -6680,11 +6726,28 @@ def inference_megakernel_refuses():
             raise AssertionError(f"{kw}: Megakernel took the model")
         except ValueError as e:
             assert want in str(e), f"{kw}: {e}"
-    return ("MoE of top-3 and of 65 experts, an mlp wider than 4 n_embd, mHC and one-stream HC models refused with "
-            "their reason")
+
+
+def inference_megakernel_refuses():
+    # hyper-connection models, which decode_megakernel does not decode, say why before any GPU is asked (CPU, in CI)
+    expect_megakernel_refuses([(dict(residual="mhc"), "baseline residual stream"),
+                               (dict(residual="hc", n_streams=1), "baseline residual stream")])  # one stream still mixes
+    return "mHC and one-stream HC models refused with their reason"
+
+
+def inference_gpu_megakernel_refuses_shapes():
+    # the shapes past kernels.LIMITS' megakernel entries (kernels.cu's part 0) are refused with kernels.cu's reason
+    limits = kernels.LIMITS
+    experts, top_k = limits["megakernel_max_experts"], limits["megakernel_max_top_k"]
+    expect_megakernel_refuses([
+        (dict(mlp=lambda: inference.MoE(32, top_k + 2, top_k + 1)), f"of which a token takes at most {top_k}"),
+        (dict(mlp=lambda: inference.MoE(32, experts + 1, top_k)), f"mixtures of at most {experts} experts"),
+        (dict(arch="llama", n_embd=8), "mlp width 64 is outside [n_embd, 4 n_embd] = [8, 32]")])
+    return f"MoE of top-{top_k + 1} and of {experts + 1} experts, an mlp wider than 4 n_embd refused with their reason"
 
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
+add("inference/gpu_megakernel_refuses_shapes", inference_gpu_megakernel_refuses_shapes)
 
 
 # ==== script tests: mHC on the CPU ====
@@ -7596,6 +7659,244 @@ for _arch, _res in (("gpt", "baseline"), ("llama", "baseline"), ("gpt", "mhc-dyn
     add(f"train/gpu_first_step_grads_{_arch}_{_res}", train_gpu_first_step_grads, _arch, _res)
 
 
+# ==== the sources' layout (CPU) ====
+# kernels.cu reads top to bottom in numbered sections; its table of contents gives the line each starts
+# on. Each limit is stated once, in kernels.cu's part 0; and the README's "Adding an op" counts the edits
+# a new op takes, checked against one that exists (swiglu).
+
+TOC_START = "// Contents: section, the line it starts on"
+
+
+def kernels_sections(lines):
+    """(number, title, line) of each section of kernels.cu: a '// N. Title' line under a '// ====' rule
+    (a layer) or a '// N.M title' line under a '// ----' rule (a section in it); lines count from 1."""
+    for i in range(1, len(lines)):
+        m = re.fullmatch(r"// (\d+)\. (.+)", lines[i]) if lines[i - 1].startswith("// ====") else \
+            re.fullmatch(r"// (\d+\.\d+) (.+)", lines[i]) if lines[i - 1].startswith("// ----") else None
+        if m:
+            yield m.group(1), m.group(2), i + 1
+
+
+def toc_entries(lines):
+    """The table of contents as written: [(number, title, line)], and where it sits (first, end)."""
+    first = next(i for i, line in enumerate(lines) if line.startswith(TOC_START)) + 1
+    end = first
+    while end < len(lines) and re.match(r"//\s+\d", lines[end]):
+        end += 1
+    entries = []
+    for line in lines[first:end]:
+        m = re.fullmatch(r"//\s+(\d+(?:\.\d+)?)\s+(.+?) \.+ (\d+)", line)
+        entries.append((m.group(1), m.group(2), int(m.group(3))) if m else (None, line, None))
+    return entries, first, end
+
+
+def toc_line(number, title, line):
+    head = f"//   {number:<5}{title} "
+    return head + "." * max(3, 100 - len(head) - len(str(line)) - 1) + f" {line}"
+
+
+def renumbered_toc(text):
+    """kernels.cu's text with its table of contents rewritten from its sections (the TOC's own length is
+    that of the section list, so one pass puts every line number right)."""
+    lines = text.split("\n")
+    _, first, end = toc_entries(lines)
+    sections = list(kernels_sections(lines))
+    shift = len(sections) - (end - first)
+    lines[first:end] = [toc_line(n, t, line + shift) for n, t, line in sections]
+    return "\n".join(lines)
+
+
+def source_text(name):
+    """A file of the repo as text (the layout's mutants plant their faults here)."""
+    with open(os.path.join(HERE, name)) as f:
+        return f.read()
+
+
+def write_toc():
+    path = os.path.join(HERE, "kernels.cu")
+    text = source_text("kernels.cu")
+    new = renumbered_toc(text)
+    if new != text:
+        data.atomic_write(path, lambda f: f.write(new.encode()))
+    sections = len(list(kernels_sections(new.split("\n"))))
+    print(f"kernels.cu: {sections} sections; table of contents " + ("rewritten" if new != text else "already up to date"))
+    return 0
+
+
+def kernels_table_of_contents():
+    lines = source_text("kernels.cu").split("\n")
+    entries, _, _ = toc_entries(lines)
+    sections = list(kernels_sections(lines))
+    if entries != sections:
+        stale = [f"{w} (file: {s})" for w, s in itertools.zip_longest(entries, sections) if w != s]
+        raise AssertionError(f"kernels.cu's table of contents is stale at {stale[:3]}: run python test_ops.py --toc")
+    CHECKS.append(f"{len(sections)} sections, each at the line its entry gives")
+
+
+add("kernels/table_of_contents", kernels_table_of_contents, gpu=False)
+
+
+# Each limit's value where a source, a message or the README would restate it for that limit (the words
+# around the number say which). kernels.cu's part 0 states them; everything else reads kernels.LIMITS or
+# limits::<name>.
+LIMIT_RESTATED = {
+    "max_streams": r"(?:\b|_)n\s*<=?\s*8\b|\b8\s+streams|streams?\D{0,24}\b(?:up to|at most|<=)\s*8\b|n up to 8",
+    "topk_max_k": r"(?:\b|_)k\s*<=?\s*128\b|top-?k\D{0,30}\b(?:at most|up to|<=)\s*128\b|min\(128",
+    "megakernel_max_experts": r"\b64\s+(?:rows \()?experts|experts\D{0,16}\b(?:at most|<=|>)\s*64\b|\bE\s*<=\s*64\b",
+    "megakernel_max_top_k": r"takes at most 2\b|top_k\s*(?:<=|>)\s*2\b|1 or 2\b",
+    "megakernel_max_layers": r"\b64\s+layers|layers\D{0,12}\b(?:at most|<=)\s*64\b|\[1, 64\]",
+    "fused_head_sizes": r"\b32, 64, 96,? (?:and )?128\b",
+    "megakernel_layer_weights": r"\"ln_1_w\",\s*\"ln_1_b\"",
+}
+LIMIT_FILES = ("kernels.cu", "bindings.cpp", "train.py", "inference.py", "mhc.py", "data.py", "README.md")
+
+
+def limits_of_kernels_cu(text):
+    """The names and values of kernels.cu's namespace limits (part 0), as text."""
+    block = text[text.index("namespace limits {"):text.index("}  // namespace limits")]
+    return dict(re.findall(r"(?:constexpr [\w\s\*]+?|using )(\w+)(?:\[\])? = ([^;]+);", block))
+
+
+def limit_restatements(texts):
+    """(file, line number, limit, line) of each place a limit is restated outside kernels.cu's part 0."""
+    found = []
+    for name, text in texts.items():
+        lines = text.split("\n")
+        skip = range(0)
+        if name == "kernels.cu":  # part 0 states them
+            skip = range(lines.index("namespace limits {"), lines.index("}  // namespace limits") + 1)
+        for i, line in enumerate(lines):
+            for limit, pattern in LIMIT_RESTATED.items():
+                if i not in skip and re.search(pattern, line):
+                    found.append((name, i + 1, limit, line.strip()))
+    return found
+
+
+def kernels_limits_stated_once():
+    texts = {f: source_text(f) for f in LIMIT_FILES}
+    stated = limits_of_kernels_cu(texts["kernels.cu"])
+    missing = sorted(set(LIMIT_RESTATED) - set(stated))
+    assert not missing, f"kernels.cu's namespace limits lacks {missing}"
+    again = limit_restatements(texts)
+    assert not again, "limits restated outside kernels.cu's part 0 (read kernels.LIMITS or limits::<name>):\n" + \
+        "\n".join(f"  {f}:{n} ({limit}): {line}" for f, n, limit, line in again)
+    CHECKS.append(f"{len(stated)} limits in kernels.cu's part 0, none restated in {len(LIMIT_FILES)} files")
+
+
+add("kernels/limits_stated_once", kernels_limits_stated_once, gpu=False)
+
+
+@mutant("toc_line_stale", "kernels/table_of_contents")
+def _toc_line_stale():
+    real = source_text
+    with unittest.mock.patch(__name__ + ".source_text",
+                             lambda name: real(name).replace("\n", "\n\n", 1) if name == "kernels.cu" else real(name)):
+        yield  # every section one line further down than its entry says
+
+
+@mutant("limit_restated", "kernels/limits_stated_once")
+def _limit_restated():
+    real = source_text
+    with unittest.mock.patch(__name__ + ".source_text", lambda name: real(name) + (
+            "\n    if not 0 <= cfg.sample_top_k <= 128:\n" if name == "inference.py" else "")):
+        yield
+
+
+# What adding an op takes, counted on one that exists: the places of each file that hold its material.
+ADDING_AN_OP_EXAMPLE = "swiglu"
+
+
+def op_edits(op, texts):
+    """[(file, place)]: where op's own material sits. kernels.cu: part 0's declarations and each numbered
+    section that defines a launch::<op>_ launcher; bindings.cpp: each '// ---- ' section that names the op's
+    schema or functions; train.py: its twin in TORCH_OPS; test_ops.py: each '# ==== ' block that registers
+    its cases, bad inputs, opcheck arguments or bench rows; README.md: its row in the ops table."""
+    places = []
+
+    def sections(text, starts):
+        name, out = "(top)", collections.defaultdict(list)
+        for line in text.split("\n"):
+            m = re.match(starts, line)
+            name = m.group(1) if m else name
+            out[name].append(line)
+        return {k: "\n".join(v) for k, v in out.items()}
+    kcu = texts["kernels.cu"]
+    launch = kcu[kcu.index("namespace launch {"):kcu.index("}  // namespace launch")]
+    places += [("kernels.cu", "0 (declarations)")] * bool(re.search(rf"\b{op}_\w*\(", launch))
+    lines = kcu.split("\n")
+    numbered = [(n, line) for n, _, line in kernels_sections(lines) if "." in n]
+    for (n, start), (_, end) in zip(numbered, numbered[1:] + [(None, len(lines) + 1)]):
+        if re.search(rf"launch::{op}_\w+\(", "\n".join(lines[start - 1:end - 1])):
+            places.append(("kernels.cu", n))
+    for name, text in sections(texts["bindings.cpp"], r"// ---- (.+?) -+$").items():
+        if re.search(rf'"{op}[(_"]|\b{op}_(?:cuda|meta|autograd|autocast)\b', text):
+            places.append(("bindings.cpp", name))
+    places += [("train.py", "TORCH_OPS")] * len(re.findall(rf"^\s+{op}=", texts["train.py"], re.M))
+    own = rf'add\("(?:empty/)?{op}[/_]|\("{op}_\w+", \w+Error|\("{op}(?:_backward)?", k(?:ernels)?\.|bench_op\(rows, "{op}'
+    for name, text in sections(texts["test_ops.py"], r"# ==== (.+) ====$").items():
+        if re.search(own, text):
+            places.append(("test_ops.py", name))
+    places += [("README.md", "the ops table")] * len(re.findall(rf"^\| `{op}\(", texts["README.md"], re.M))
+    return places
+
+
+def readme_adding_an_op():
+    texts = {f: source_text(f) for f in ("kernels.cu", "bindings.cpp", "train.py", "test_ops.py", "README.md")}
+    places = op_edits(ADDING_AN_OP_EXAMPLE, texts)
+    m = re.search(r"## Adding an op\n\n.*?\b(\w+) edits, as `(\w+)`", texts["README.md"], re.S)
+    assert m and m.group(2) == ADDING_AN_OP_EXAMPLE, "README's 'Adding an op' does not state its count for " + \
+        ADDING_AN_OP_EXAMPLE
+    words = {"four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8}
+    stated = words.get(m.group(1).lower(), m.group(1))
+    assert stated == len(places), f"README says {m.group(1)} edits; {ADDING_AN_OP_EXAMPLE} takes {len(places)}: {places}"
+    CHECKS.append(f"{ADDING_AN_OP_EXAMPLE}: {len(places)} edits, as the README says: " +
+                  ", ".join(f"{f} {p}" for f, p in places))
+
+
+add("readme/adding_an_op", readme_adding_an_op, gpu=False)
+
+
+@mutant("op_material_scattered", "readme/adding_an_op")
+def _op_material_scattered():
+    real = source_text
+    stray = f'\nadd("{ADDING_AN_OP_EXAMPLE}/stray", t_swiglu, (3,))\n'  # a case registered in the runner's section
+    with unittest.mock.patch(__name__ + ".source_text", lambda name: real(name).replace(
+            "# ==== mutants ====\n", "# ==== mutants ====\n" + stray, 1) if name == "test_ops.py" else real(name)):
+        yield
+
+
+def readme_reading_path():
+    """The README's reading path names sections kernels.cu has and --only values that pick cases (and, after
+    --bench, a bench table or an op's rows)."""
+    readme = source_text("README.md")
+    section = readme[readme.index("## Reading path"):readme.index("\n## ", readme.index("## Reading path") + 3)]
+    stops = re.findall(r"^\| \d\. .*$", section, re.M)
+    path = "\n".join(stops)
+    assert 5 <= len(stops) <= 8, f"{len(stops)} stops"
+    numbers = {n for n, _, _ in kernels_sections(source_text("kernels.cu").split("\n"))}
+    named = set(re.findall(r"\b(\d\.\d)\b", path)) | {f"{a}.{i}" for a, b, c in re.findall(
+        r"\b(\d)\.(\d)-\d\.(\d)\b", path) for i in range(int(b), int(c) + 1)}
+    assert named <= numbers, f"sections the README names that kernels.cu lacks: {sorted(named - numbers)}"
+    cases = [n for n, _, _ in CASES]
+    for only in re.findall(r"(?<!bench )--only ([\w-]+)", path):
+        assert any(only in n for n in cases), f"--only {only} picks no case"
+    bench_names = set(BENCH_TABLES) | set(re.findall(r'bench_(?:op|bf16_rows)\(rows, f?"([^"{]+)', source_text("test_ops.py")))
+    for only in re.findall(r"--bench --only ([\w-]+)", path):
+        assert any(only in n for n in bench_names), f"--bench --only {only} picks no bench row"
+    CHECKS.append(f"{len(stops)} stops; sections {', '.join(sorted(named))} are kernels.cu's; every --only picks cases")
+
+
+add("readme/reading_path", readme_reading_path, gpu=False)
+
+
+@mutant("reading_path_stale", "readme/reading_path")
+def _reading_path_stale():
+    real = source_text
+    with unittest.mock.patch(__name__ + ".source_text", lambda name: real(name).replace(
+            "| 9.1 the megakernel |", "| 9.9 the megakernel |") if name == "README.md" else real(name)):
+        yield  # a stop naming a section kernels.cu does not have
+
+
 # ==== main ====
 
 
@@ -7617,6 +7918,8 @@ if __name__ == "__main__":
     parser.add_argument("--log_dir", default="out/sanitize", help="with --sanitize: where the logs go")
     parser.add_argument("--skip_file", metavar="PATH", help="don't run the cases named in this file, one a line "
                         "(--sanitize uses it to resume)")
+    parser.add_argument("--toc", action="store_true",
+                        help="rewrite kernels.cu's table of contents from its sections (after adding or moving one)")
     parser.add_argument("--filter", choices=("ours", "none"), default="ours",
                         help="with --sanitize: instrument only kernels.cu's kernels where the tool allows (ours) "
                              "or every kernel (none)")
@@ -7641,4 +7944,6 @@ if __name__ == "__main__":
         sys.exit(sanitize(tools, args.shards, args.only, args.log_dir, args.filter == "ours"))
     if args.mutants:
         sys.exit(run_mutants(args.only))
+    if args.toc:
+        sys.exit(write_toc())
     sys.exit(bench_main(args.json) if args.bench else run_tests(args.only, args.gpu_only, shard, skip))

@@ -54,7 +54,8 @@ OPTIONS = dict(
     batch_size=(16, "sequences per training step"),
     block_size=(64, "context length in characters"),
     n_embd=(128, "model width"),
-    n_head=(4, "attention heads; the fused attention kernel takes n_embd // n_head in kernels.FUSED_HEAD_SIZES"),
+    n_head=(4, "attention heads; the fused attention kernel takes n_embd // n_head in "
+                  "kernels.LIMITS['fused_head_sizes']"),
     n_layer=(4, "transformer blocks"),
     arch=("gpt", "gpt: LayerNorm, learned positions, GELU MLP, biases | llama: RMSNorm, RoPE, SwiGLU, no biases"),
     n_kv_head=(0, "key/value heads dividing n_head (grouped-query attention); 0: n_head (gpt), n_head // 2 (llama)"),
@@ -327,7 +328,7 @@ def cuda_op_set(kernels, head_size, dtype="fp32"):
     them in bindings.cpp. Attention is the fused kernel where it supports the head size, else tiled (in fp32,
     its output rounded to bf16 under autocast); 'fp32' (3xTF32) matches SDPA's fp32 accuracy, which the curve
     comparison relies on. With bf16, the same ops under torch.autocast, as the torch op set."""
-    mode = "fused" if head_size in kernels.FUSED_HEAD_SIZES else "tiled"
+    mode = "fused" if head_size in kernels.LIMITS["fused_head_sizes"] else "tiled"
     ops = SimpleNamespace(name="cuda", autocast=precision(dtype, "cuda"),
                           split=joined_split, **{n: getattr(kernels, n) for n in OP_NAMES})
     ops.attention = functools.partial(kernels.attention, mode=mode, precision="fp32")
@@ -346,8 +347,8 @@ def choose_op_sets(cfg):
         return [torch_ops], [f"note: training the PyTorch op set only: {why}"]
     head_size = cfg.n_embd // cfg.n_head
     notes = []
-    if head_size not in kernels.FUSED_HEAD_SIZES:
-        notes.append(f"note: head size {head_size} is not one of {kernels.FUSED_HEAD_SIZES}; "
+    if head_size not in kernels.LIMITS["fused_head_sizes"]:
+        notes.append(f"note: head size {head_size} is not one of {kernels.LIMITS['fused_head_sizes']}; "
                      f"cuda attention uses mode='tiled' instead of 'fused'" + " (in fp32)" * (cfg.dtype == "bf16"))
     cuda = cuda_op_set(kernels, head_size, cfg.dtype)
     return ([torch_ops, cuda] if cfg.backend == "both" else [cuda]), notes
@@ -963,7 +964,8 @@ def run_ranks(cfg, ranks, argv):
     for note in notes:
         print(note)
     streams = cfg.residual != "baseline" or cfg.sweep
-    if streams and any(o.name == "cuda" for o in op_sets) and cfg.n_streams > (limit := import_kernels()[0].MAX_STREAMS):
+    cuda = any(o.name == "cuda" for o in op_sets)
+    if streams and cuda and cfg.n_streams > (limit := import_kernels()[0].LIMITS["max_streams"]):
         fail(f"--n_streams={cfg.n_streams}: the cuda op set's stream and Sinkhorn kernels take at most {limit} "
              f"streams; use --n_streams<={limit} or --backend=torch")
     cfg.backend = "both" if len(op_sets) == 2 else op_sets[0].name  # what runs, for results.json and checkpoints
