@@ -282,6 +282,8 @@ def megakernel_why_not(model):
     block = model.blocks[0]
     if model.streams.variant != "baseline":
         return "it decodes the baseline residual stream, not hyper-connections"
+    if model.wte.device.type != "cuda":
+        return f"its weights are on {model.wte.device}, not a CUDA device"
     kernels, why = data.import_kernels()
     if kernels is None:
         return f"`import kernels` failed ({why})"

@@ -3479,7 +3479,7 @@ def sinkhorn_tol(scale):
     """(atol, rtol) for P and dlogits when the logits are randn * scale. fp32 holds a logit of size s
     to about s * 6e-8, and Sinkhorn carries that resolution into P and into the gradient. An fp32 CPU
     emulation of the kernel's arithmetic, against float64, erred by up to 2e-6 at s = 30 and 2.2e-5
-    at s = 1e3 (M = 4096, n <= 8, iters 1 to 20), in P and in dlogits alike; a wrong half-step order
+    at s = 1e3 (M = 4096, every n the kernels take, iters 1 to 20), in P and in dlogits alike; a wrong half-step order
     or a slip in the backward errs by ~0.1."""
     return (1e-6 + scale * 1e-7, 1e-5)
 
@@ -6638,7 +6638,8 @@ def inference_gpu_megakernel_bad_inputs():
                          (dict(n_head=3), "n_head must divide n_embd"),
                          (dict(tok=torch.tensor([[1]])), "tok must be a CUDA tensor"),
                          (dict(trace=torch.zeros(3, 5, dtype=torch.long, device=DEV)), "trace must have shape"),
-                         (dict(top_k=3), "top_k must be 0 (a dense model) or the 1 or 2 experts"),
+                         (dict(top_k=3), f"top_k must be 0 (a dense model) or the 1 to "
+                                         f"{kernels.LIMITS['megakernel_max_top_k']} experts"),
                          (dict(top_k=2), "then 13 a layer"),
                          (dict(weights=[w.t() if w.dim() == 2 and w.shape[0] == w.shape[1] else w
                                         for w in mk.weights]), "must be contiguous")):
@@ -6656,7 +6657,8 @@ def inference_gpu_megakernel_bad_inputs():
                          (dict(rope_sin=llama.rope_sin.double()), "rope_sin must be float32"),
                          (dict(weights=mk.weights), "weights must be wte, ln_f_w, then 7 a layer")):
             expect_error(RuntimeError, lambda: torch.ops.kernels.decode_megakernel(**largs(**kw)), want)
-    for n_embd, n_head, want in ((1024, 4, "head size"), (36, 4, "an odd head size")):  # head sizes 256 and 9
+    over = f"a head size (n_embd / n_head) over {kernels.LIMITS['megakernel_max_head_size']}"
+    for n_embd, n_head, want in ((1024, 4, over), (36, 4, "an odd head size")):  # head sizes 256 and 9
         bad = train.GPT(95, 16, n_embd, n_head, 1, 0, train.TORCH_OPS).to(DEV).eval()
         expect_error(ValueError, lambda: inference.Megakernel(bad, inference.kv_cache(bad, DEV)),
                      f"decode_megakernel cannot decode this model: {want}")
@@ -6715,11 +6717,11 @@ for _fn in (inference_gpu_megakernel_step, inference_gpu_megakernel_tokens, infe
     add(_fn.__name__.replace("_", "/", 1), _fn)
 
 
-def expect_megakernel_refuses(cases):
+def expect_megakernel_refuses(cases, device="cpu"):
     """Each (train.GPT keywords, words): megakernel_why_not gives the reason, and Megakernel refuses the model."""
     for kw, want in cases:
         kw = {"n_embd": 32, **kw}
-        model = train.GPT(95, 24, kw.pop("n_embd"), 2, 2, 0, train.TORCH_OPS, **kw)
+        model = train.GPT(95, 24, kw.pop("n_embd"), 2, 2, 0, train.TORCH_OPS, **kw).to(device)
         assert want in (inference.megakernel_why_not(model) or ""), f"{kw}: {inference.megakernel_why_not(model)}"
         try:
             inference.Megakernel(model, None)
@@ -6742,12 +6744,18 @@ def inference_gpu_megakernel_refuses_shapes():
     expect_megakernel_refuses([
         (dict(mlp=lambda: inference.MoE(32, top_k + 2, top_k + 1)), f"of which a token takes at most {top_k}"),
         (dict(mlp=lambda: inference.MoE(32, experts + 1, top_k)), f"mixtures of at most {experts} experts"),
-        (dict(arch="llama", n_embd=8), "mlp width 64 is outside [n_embd, 4 n_embd] = [8, 32]")])
+        (dict(arch="llama", n_embd=8), "mlp width 64 is outside [n_embd, 4 n_embd] = [8, 32]")], DEV)
     return f"MoE of top-{top_k + 1} and of {experts + 1} experts, an mlp wider than 4 n_embd refused with their reason"
 
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
 add("inference/gpu_megakernel_refuses_shapes", inference_gpu_megakernel_refuses_shapes)
+
+
+@mutant("megakernel_limits_unchecked", "inference/gpu_megakernel_refuses_shapes")
+def _megakernel_limits_unchecked():
+    with unittest.mock.patch.object(kernels, "decode_megakernel_why_not", lambda *args, **kwargs: None):
+        yield  # kernels.cu's shape limits not asked: the models past them go on to the launch
 
 
 # ==== script tests: mHC on the CPU ====
@@ -7748,7 +7756,8 @@ LIMIT_RESTATED = {
     "fused_head_sizes": r"\b32, 64, 96,? (?:and )?128\b",
     "megakernel_layer_weights": r"\"ln_1_w\",\s*\"ln_1_b\"",
 }
-LIMIT_FILES = ("kernels.cu", "bindings.cpp", "train.py", "inference.py", "mhc.py", "data.py", "README.md")
+LIMIT_FILES = ("kernels.cu", "bindings.cpp", "train.py", "inference.py", "mhc.py", "data.py", "test_ops.py", "README.md")
+LAYOUT_SECTION = "# ==== the sources' layout (CPU) ===="  # its patterns and planted faults state the limits
 
 
 def limits_of_kernels_cu(text):
@@ -7765,6 +7774,9 @@ def limit_restatements(texts):
         skip = range(0)
         if name == "kernels.cu":  # part 0 states them
             skip = range(lines.index("namespace limits {"), lines.index("}  // namespace limits") + 1)
+        if name == "test_ops.py":
+            first = lines.index(LAYOUT_SECTION)
+            skip = range(first, next(i for i in range(first + 1, len(lines)) if lines[i].startswith("# ==== ")))
         for i, line in enumerate(lines):
             for limit, pattern in LIMIT_RESTATED.items():
                 if i not in skip and re.search(pattern, line):
