@@ -44,15 +44,15 @@
 //   7.4  fused launch: the operand policy and head size of a call, splits .................... 4890
 //   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 4981
 //   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5249
-//   7.7  attention launchers ................................................................. 5733
-//   8    Hyper-connections (mhc.py) .......................................................... 5970
-//   8.1  stream loads and per-lane sums ...................................................... 5976
-//   8.2  Sinkhorn-Knopp ...................................................................... 6075
-//   8.3  mhc-dynamic's coefficients .......................................................... 6336
-//   8.4  mhc-dynamic's projection ............................................................ 6670
-//   8.5  stream mixing ....................................................................... 7161
-//   9    The decode megakernel ............................................................... 7565
-//   9.1  decode megakernel ................................................................... 7570
+//   7.7  attention launchers ................................................................. 5731
+//   8    Hyper-connections (mhc.py) .......................................................... 5968
+//   8.1  stream loads and per-lane sums ...................................................... 5974
+//   8.2  Sinkhorn-Knopp ...................................................................... 6073
+//   8.3  mhc-dynamic's coefficients .......................................................... 6334
+//   8.4  mhc-dynamic's projection ............................................................ 6668
+//   8.5  stream mixing ....................................................................... 7159
+//   9    The decode megakernel ............................................................... 7563
+//   9.1  decode megakernel ................................................................... 7568
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -5596,10 +5596,8 @@ __global__ void __launch_bounds__(128) attention_bwd_dq_finish_kernel(const floa
 // is waited for. Every dQ row is this block's alone: deterministic.
 // Recomputing S and dP here takes two products a tile that the dK/dV kernel has done already; the
 // dK/dV kernel's ADD_DQ (deterministic=False) adds each tile's dS K into fp32 sums instead. Kept
-// deterministic, the key blocks must add in a fixed order, each waiting for its turn. Built that way
-// (each block's part added in its turn by the copy engine from a producer thread), it won only at head
-// size 128 from 8k queries, by 2-9%, and lost at head size 64 and at short lengths, where the turns cost
-// more than the two products.
+// deterministic, the key blocks must add in a fixed order, each waiting for its turn: at head size 64
+// and at short lengths the turns cost more than the two products.
 template <int D>
 struct AttnDqTmaShape {
   static constexpr int BM = 128, BN = 64, THREADS = 384;
