@@ -6749,6 +6749,12 @@ def inference_gpu_megakernel_refuses_shapes():
 
 
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
+
+
+@mutant("megakernel_takes_any_model", "inference/megakernel_refuses")
+def _megakernel_takes_any_model():
+    with unittest.mock.patch.object(inference, "megakernel_why_not", lambda model: None):
+        yield  # no reason asked: a hyper-connection model goes on to the kernel
 add("inference/gpu_megakernel_refuses_shapes", inference_gpu_megakernel_refuses_shapes)
 
 
