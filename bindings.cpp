@@ -131,7 +131,7 @@ static void check_dim(const char* op, const Tensor& t, const char* name, int64_t
 // positions) are found by the kernels, on the device: checking them here would copy them to the host
 // and stall the stream on every call, and could not run inside a CUDA graph. A bad index gives NaN in
 // its rows (a bad kv_write position writes nothing), and the first one is left in a mailbox in pinned
-// host memory (kernels.cu, "bad indices"). Every op raises it at entry, a host memory read with no
+// host memory (kernels.cu, 1.4). Every op raises it at entry, a host memory read with no
 // sync, as a ValueError that names the op, the argument, the value and the valid range, and clears it;
 // check_errors() waits for the current stream first.
 static void raise_pending_index_error() {

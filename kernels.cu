@@ -10,49 +10,49 @@
 //
 // Contents: section, the line it starts on (`python test_ops.py --toc` renumbers; a test checks it).
 //   0    The launchers: limits, shared structs, declarations ................................... 58
-//   1    Primitives ........................................................................... 260
-//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 268
-//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 440
-//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 546
-//   1.4  index errors: the mailbox ............................................................ 632
-//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 740
-//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 770
-//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 868
-//   2    Elementwise ......................................................................... 1138
-//   2.1  activations: GELU, SiLU, SwiGLU ..................................................... 1143
-//   2.2  SwiGLU .............................................................................. 1298
-//   2.3  RoPE ................................................................................ 1334
-//   3    Rows ................................................................................ 1404
-//   3.1  softmax ............................................................................. 1409
-//   3.2  layernorm and RMSNorm ............................................................... 1545
+//   1    Primitives ........................................................................... 261
+//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 269
+//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 441
+//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 547
+//   1.4  index errors: the mailbox ............................................................ 633
+//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 741
+//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 771
+//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 869
+//   2    Elementwise ......................................................................... 1139
+//   2.1  activations: GELU, SiLU ............................................................. 1144
+//   2.2  SwiGLU .............................................................................. 1299
+//   2.3  RoPE ................................................................................ 1335
+//   3    Rows ................................................................................ 1405
+//   3.1  softmax ............................................................................. 1410
+//   3.2  layernorm and RMSNorm ............................................................... 1546
 //   3.3  column sums: the norms' weight and bias gradients ................................... 1854
-//   4    Embedding and cross-entropy ......................................................... 2090
-//   4.1  embedding ........................................................................... 2095
-//   4.2  cross-entropy ....................................................................... 2315
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2424
-//   5.1  GEMV ................................................................................ 2429
-//   5.2  KV cache write ...................................................................... 2547
-//   5.3  top-k ............................................................................... 2616
-//   6    Matmul .............................................................................. 2909
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2914
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3136
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3304
-//   7    Attention ........................................................................... 3973
-//   7.1  attention: shapes, operand policies, tiles .......................................... 3979
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4480
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4694
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4890
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 4981
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5249
-//   7.7  attention launchers ................................................................. 5731
-//   8    Hyper-connections (mhc.py) .......................................................... 5968
-//   8.1  stream loads and per-lane sums ...................................................... 5974
-//   8.2  Sinkhorn-Knopp ...................................................................... 6073
-//   8.3  mhc-dynamic's coefficients .......................................................... 6334
-//   8.4  mhc-dynamic's projection ............................................................ 6668
-//   8.5  stream mixing ....................................................................... 7159
-//   9    The decode megakernel ............................................................... 7563
-//   9.1  decode megakernel ................................................................... 7568
+//   4    Embedding and cross-entropy ......................................................... 2089
+//   4.1  embedding ........................................................................... 2094
+//   4.2  cross-entropy ....................................................................... 2314
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2423
+//   5.1  GEMV ................................................................................ 2428
+//   5.2  KV cache write ...................................................................... 2546
+//   5.3  top-k ............................................................................... 2615
+//   6    Matmul .............................................................................. 2908
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2913
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3135
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3303
+//   7    Attention ........................................................................... 3972
+//   7.1  attention: shapes, operand policies, tiles .......................................... 3978
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4479
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4693
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4889
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 4980
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5248
+//   7.7  attention launchers ................................................................. 5730
+//   8    Hyper-connections (mhc.py) .......................................................... 5967
+//   8.1  stream loads and per-lane sums ...................................................... 5973
+//   8.2  Sinkhorn-Knopp ...................................................................... 6072
+//   8.3  mhc-dynamic's coefficients .......................................................... 6332
+//   8.4  mhc-dynamic's projection ............................................................ 6666
+//   8.5  stream mixing ....................................................................... 7157
+//   9    The decode megakernel ............................................................... 7561
+//   9.1  decode megakernel ................................................................... 7566
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -99,7 +99,8 @@ struct AttnLayouts {
 
 // The launchers, section by section. Templates on the element type are built for float and
 // __nv_bfloat16 (the row ops for the pairs TI -> TO of FOR_ROW_TYPES). Each is defined below as
-// launch::name, which the compiler accepts only where it matches a declaration here.
+// launch::name: a definition unlike its declaration here fails to compile (for a template, through the
+// ONE_TEMPLATE check after its instantiation).
 namespace launch {
 // 1. primitives
 void set_pdl(bool on);  // programmatic dependent launch on (default) or off, for launches from now on
@@ -534,8 +535,8 @@ __device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
 }
 
 // 2^x on the special-function unit: ex2.approx.ftz (relative error ~2^-22, the instruction exp2f
-// wraps in a fix-up for results below 2^-126, which flush to 0 here). Softmax and Sinkhorn sum terms
-// of at most 1 (the max subtracted) into a sum of at least 1, so one that small is 0 at fp32's resolution.
+// wraps in a fix-up for results below 2^-126, which flush to 0 here). Attention's online softmax and
+// Sinkhorn sum terms of at most 1 (the max subtracted) into a sum of at least 1, so one that small is 0 at fp32's resolution.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -1140,13 +1141,13 @@ constexpr int SMEM_BLOCK_MAX = 227 * 1024;  // the most shared memory a block ma
 // ================================================================================================
 
 // ------------------------------------------------------------------------------------------------
-// 2.1 activations: GELU, SiLU, SwiGLU
-// GELU (erf and tanh), SiLU, and SwiGLU's silu(a) * b. Formulas follow
-// PyTorch's own (same operation order) so results agree to the last bit or two. One kernel serves
-// them all: a functor maps NIN input values to NOUT outputs (GELU forward 1 -> 1, SwiGLU backward
-// a, b, dy -> da, db). 16-byte loads when every pointer allows.
+// 2.1 activations: GELU, SiLU
+// GELU (erf and tanh) and SiLU, forward and backward. Formulas follow PyTorch's own (same operation
+// order) so results agree to the last bit or two. One kernel serves every elementwise op: a functor maps
+// NIN input values to NOUT outputs (GELU forward 1 -> 1; SwiGLU's backward, in 2.2, a, b, dy -> da, db).
+// 16-byte loads when every pointer allows.
 //
-// Twin: F.gelu, F.silu, F.silu(a) * b. Uses: 1.1 launch_pdl, 1.2 load_stream4.
+// Twin: F.gelu, F.silu. Uses: 1.1 launch_pdl, 1.2 load_stream4.
 
 struct GeluErf {
   __device__ float fwd(float x) const { return x * 0.5f * (1.f + erff(x * (float)M_SQRT1_2)); }
@@ -1187,7 +1188,7 @@ struct Silu {
   }
 };
 
-// The functors the kernel runs: an activation's forward and backward, and SwiGLU's.
+// The functors the kernel runs for an activation: its forward and its backward.
 template <class A>
 struct ActFwd {
   __device__ void operator()(const float (&in)[1], float (&out)[1]) const { out[0] = A().fwd(in[0]); }
@@ -1412,7 +1413,7 @@ ONE_TEMPLATE(rope<__nv_bfloat16>);
 // j <= (r % sq) + offset (offset = Sk - Sq); masked entries get probability 0. sq = 0: no mask.
 // In-place (y == x) is safe: each thread rereads only what it has not yet written.
 //
-// Twin: torch.softmax. Uses: 1.2 row_reduce, fast_exp2; 1.3 LAUNCH_ROW.
+// Twin: torch.softmax. Uses: 1.2 row_reduce; 1.3 LAUNCH_ROW.
 
 template <int TX, int N, int VEC, class TI, class TO>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) softmax_fwd_kernel(const TI* x, TO* y, int R, int C,
@@ -1690,8 +1691,7 @@ struct NormBwdArgs {
 // Where the backward keeps its column sums while it walks rows. A block a row (256 threads): each
 // thread its own columns' sums, in registers. A warp a row: each warp in its own slice of shared
 // memory, each column read and written by the one thread that owns it (no barrier until the end); in
-// registers they took the warp-a-row kernel from 78 to 120 registers a thread, a third of its warps,
-// and slowed its pass by as much. 1024 threads a row: none (64 registers a thread leave no room; a
+// registers they would cost the warp-a-row kernel registers, and so resident warps. 1024 threads a row: none (64 registers a thread leave no room; a
 // second pass adds them).
 enum NormSums { kSumsNone, kSumsRegs, kSumsShared };
 __host__ __device__ constexpr NormSums norm_sums(int tx) {
@@ -1857,8 +1857,7 @@ void launch::rmsnorm_fwd(const TI* x, const TO* addend, const TI* w, TO* y, TI* 
 // gradient of linear (LN = false). Pass 1: each block sums a chunk of rows for 32 units of columns
 // (VEC = 4 columns a unit when rows allow 4-wide loads, as in the row kernels) into a partial row;
 // pass 2 adds the partial rows in a fixed order. No atomics, same bits every run. The row loop
-// loads four rows before it adds any: one narrow load at a time left the kernel waiting on memory
-// (a 16384 x 1536 bf16 bias gradient ran at a quarter of the copy rate).
+// loads four rows before it adds any: one narrow load at a time leaves the kernel waiting on memory.
 //
 // Twin: the weight and bias gradients of 3.2's twins. Uses: 1.2, 1.3.
 
@@ -3321,7 +3320,7 @@ __global__ void __launch_bounds__(384, 1) matmul_wgmma_kernel(WgmmaArgs p) {
 // two pieces back. The tile is packed to bf16 pairs in registers first; at BN 256 with 12 or more K
 // tiles (and A K-major) it is written out only after the next tile's first products are issued, so
 // those run under the stores. Stores straight from registers write 16 bytes per row per instruction
-// and keep the tensor cores idle for as long (a third of the time of a K = 384 tile); they remain for
+// and keep the tensor cores idle for as long; they remain for
 // fp32 outputs (split-K partials) and outputs a tensor map cannot address.
 //
 // Split-K: an output of few tiles with a long K (a weight gradient: 1152 x 384 over 16384 tokens is
@@ -6096,8 +6095,7 @@ static bool stream_vec4(int C, P... ptrs) {
 // reduces each column over the group with shuffles (lanes past n give -inf to the max and 0 to the
 // sum), the same fixed tree every time, so results are deterministic. The work of one iteration is
 // then spread over n lanes instead of being one thread's serial chain: a single matrix (static mHC)
-// and thousands of them (one per token, mhc-dynamic) both run several times faster than one thread a
-// matrix.
+// and thousands of them (one per token, mhc-dynamic) both get more lanes than one thread a matrix would.
 //
 // Backward, one launch: recompute the forward, storing every half-step's lse (n floats), then the exact
 // reverse pass. The lse sit in shared memory, laid out (2 * iters, matrices of the block, n), when the block's
@@ -6111,7 +6109,7 @@ static bool stream_vec4(int C, P... ptrs) {
 // the rounding of lse, which matters only where exp(A) is tiny). The gradient w.r.t. the logits is
 // dA after undoing the first column step.
 //
-// Twin: mhc.sinkhorn_torch. Uses: 1.2 fast_exp2, 8.1.
+// Twin: mhc.sinkhorn_torch. Uses: 1.2 fast_exp2.
 
 constexpr int SINKHORN_THREADS = 128;
 constexpr int SINKHORN_LSE_SMEM = 32 * 1024;  // a block's lse in shared memory at most (with the static: <= 48 KB)
@@ -6685,7 +6683,7 @@ void launch::hc_pre_coeffs_bwd(const float* x, const float* dmerged, int C, cons
 // registers), the run's g staged in shared memory. It writes dx and its run's partial sums of dphi
 // (before the w) and dw, K + 1 rows; a second kernel adds the runs in order (deterministic).
 //
-// Twin: mhc.hc_project_torch, hc_mix_pre_torch. Uses: 1.2, 8.1.
+// Twin: mhc.hc_project_torch, hc_mix_pre_torch. Uses: 1.2; 1.6 Frag, mma.
 
 constexpr int HP_TOKENS = 32, HP_SPLIT = 4;  // forward: a block's tokens (16 a warp); warps sharing a token's columns
 constexpr int HP_THREADS = HP_TOKENS / 16 * HP_SPLIT * 32;
@@ -7603,7 +7601,9 @@ STREAM_MIX_INSTANTIATE(__nv_bfloat16)
 // copies in flight. With a trace, thread 0 of each block records the clock when it has finished each
 // step's work and when the next step's inputs have all arrived (test_ops.py --bench --only megakernel).
 //
-// Twin: a decode step of train.GPT on the torch op set (inference.py). Uses: 1.2, 1.4, 1.7 named barriers.
+// Twin: a decode step of train.GPT on the torch op set (inference.py). Uses: 1.2, 1.4, 1.5 cp_async, 1.7
+// mbarriers and bulk_copy; 2.1 GeluErf, Silu; 2.3 rope_turn. Its own: the consumer warps' barrier (mk_sync,
+// a named barrier at a fixed id), the tagged hand-offs through global memory (mk_put, mk_load2, mk_poll).
 
 constexpr int MK_THREADS = 256, MK_WARPS = MK_THREADS / 32;  // the consumer warps; one producer warp more
 constexpr int MK_MAX_PAGES = 6, MK_MIN_PAGE_BYTES = 32 * 1024;  // pages a block streams through (mk_pages)
