@@ -18,41 +18,41 @@
 //   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 741
 //   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 771
 //   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 869
-//   2    Elementwise ......................................................................... 1139
-//   2.1  activations: GELU, SiLU ............................................................. 1144
-//   2.2  SwiGLU .............................................................................. 1299
-//   2.3  RoPE ................................................................................ 1335
-//   3    Rows ................................................................................ 1405
-//   3.1  softmax ............................................................................. 1410
-//   3.2  layernorm and RMSNorm ............................................................... 1546
-//   3.3  column sums: the norms' weight and bias gradients ................................... 1854
-//   4    Embedding and cross-entropy ......................................................... 2089
-//   4.1  embedding ........................................................................... 2094
-//   4.2  cross-entropy ....................................................................... 2314
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2423
-//   5.1  GEMV ................................................................................ 2428
-//   5.2  KV cache write ...................................................................... 2546
-//   5.3  top-k ............................................................................... 2615
-//   6    Matmul .............................................................................. 2908
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2913
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3135
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3303
-//   7    Attention ........................................................................... 3972
-//   7.1  attention: shapes, operand policies, tiles .......................................... 3978
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4479
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4693
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4889
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 4980
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5248
-//   7.7  attention launchers ................................................................. 5730
-//   8    Hyper-connections (mhc.py) .......................................................... 5967
-//   8.1  stream loads and per-lane sums ...................................................... 5973
-//   8.2  Sinkhorn-Knopp ...................................................................... 6072
-//   8.3  mhc-dynamic's coefficients .......................................................... 6332
-//   8.4  mhc-dynamic's projection ............................................................ 6666
-//   8.5  stream mixing ....................................................................... 7157
-//   9    The decode megakernel ............................................................... 7561
-//   9.1  decode megakernel ................................................................... 7566
+//   2    Elementwise ......................................................................... 1177
+//   2.1  activations: GELU, SiLU ............................................................. 1182
+//   2.2  SwiGLU .............................................................................. 1337
+//   2.3  RoPE ................................................................................ 1373
+//   3    Rows ................................................................................ 1443
+//   3.1  softmax ............................................................................. 1448
+//   3.2  layernorm and RMSNorm ............................................................... 1584
+//   3.3  column sums: the norms' weight and bias gradients ................................... 1892
+//   4    Embedding and cross-entropy ......................................................... 2127
+//   4.1  embedding ........................................................................... 2132
+//   4.2  cross-entropy ....................................................................... 2352
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2461
+//   5.1  GEMV ................................................................................ 2466
+//   5.2  KV cache write ...................................................................... 2584
+//   5.3  top-k ............................................................................... 2653
+//   6    Matmul .............................................................................. 2946
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2951
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3173
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3341
+//   7    Attention ........................................................................... 4009
+//   7.1  attention: shapes, operand policies, tiles .......................................... 4015
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4516
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4730
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4926
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5017
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5285
+//   7.7  attention launchers ................................................................. 5764
+//   8    Hyper-connections (mhc.py) .......................................................... 6001
+//   8.1  stream loads and per-lane sums ...................................................... 6007
+//   8.2  Sinkhorn-Knopp ...................................................................... 6106
+//   8.3  mhc-dynamic's coefficients .......................................................... 6366
+//   8.4  mhc-dynamic's projection ............................................................ 6700
+//   8.5  stream mixing ....................................................................... 7191
+//   9    The decode megakernel ............................................................... 7595
+//   9.1  decode megakernel ................................................................... 7600
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -880,6 +880,10 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
 }
 
+// Makes one thread's mbarrier inits visible to the block and the copy engine: after the inits, before
+// the __syncthreads that publishes them.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -913,7 +917,7 @@ __device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empt
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, readers);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 }
@@ -1115,6 +1119,40 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 // Arrives on barrier id for `threads` threads without waiting (the other side waits in named_sync).
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Warp specialization's register hand-off (sm_90a): a warpgroup gives its registers back down to N a thread
+// (a producer), or waits until the block's pool lets each of its threads hold N (the consumers).
+template <int N>
+__device__ __forceinline__ void regs_release() {
+#ifdef WG_ENABLED
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void regs_acquire() {
+#ifdef WG_ENABLED
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+
+// Four 8 x 8 bf16 matrices from registers to shared memory, ldmatrix's inverse: lane l gives the address
+// of row l % 8 of matrix l / 8 and holds in r[i] row l / 4, columns 2 (l % 4) .. + 1 of matrix i.
+__device__ __forceinline__ void stmatrix_x4(uint32_t dst, const uint32_t* r) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// 4 or 16 bytes to shared memory at a shared-space address (as the copy engine's buffers are addressed).
+__device__ __forceinline__ void st_shared4(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared16(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ void st_shared16_zero(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
@@ -3472,7 +3510,7 @@ __global__ void __launch_bounds__(384, 1)
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
-    if (OVERLAP) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (OVERLAP) regs_release<40>();
     if (rowsum && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
       bf16_a_rowsums<STAGE_BYTES, STAGES>(p, base, full, empty, tiles_m, tiles_n, units);
     } else if (threadIdx.x == 0) {
@@ -3500,7 +3538,7 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   } else {  // consumers
-    if (OVERLAP) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    if (OVERLAP) regs_acquire<232>();
     const int half = wg - 1;  // rows 64 * half .. of the block's tile
     // One stage: 4 wgmma (k16 each) into the accumulators, committed as one group. A unit's first
     // stage is issued before its loop, so the loop can keep one group in flight while it issues the
@@ -3552,8 +3590,7 @@ __global__ void __launch_bounds__(384, 1)
           const uint32_t* r = out + 2 * (8 * q + jj);
           const int m = lane / 8, row = 16 * warp + lane % 8 + 8 * (m % 2), chunk = jj + m / 2;
           const uint32_t dst = buf + row * 128 + ((chunk ^ (row % 8)) << 4);
-          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(r[0]),
-                       "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+          stmatrix_x4(dst, r);
         }
         fence_proxy_async();
         named_sync(1 + half, 128);
@@ -5064,7 +5101,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
       mbar_init(v_full + 8 * st, 1);
       mbar_init(empty + 8 * st, 8);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   pdl_begin();
@@ -5073,7 +5110,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
   // warpgroup keeps 32 and the consumers take 232: setmaxnreg.inc waits until the block's pool holds
   // what it asks, so the two must balance (128 x 32 + 256 x 232 <= 384 x 168).
   if (warp < 4) {  // producer: lane 0 of warp 0 issues every copy
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;");
+    regs_release<32>();
     if (warp > 0 || lane > 0) return;
     int it = 0, nq = 0;  // K/V tiles and Q tiles loaded so far
     for (int i = 0, u = blockIdx.x;; ++i, u = gridDim.x + atomicAdd(p.next_unit, 1)) {
@@ -5105,7 +5142,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
   // Consumer warpgroup wg: rows 64 wg .. of a unit's queries; thread (warp, g, t) holds rows
   // r0 = q0 + 64 wg + 16 (warp % 4) + g and r0 + 8, columns 8j + 2t, +1 of each n8 tile j, in
   // s[4j + 2h + e] (and o likewise).
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  regs_acquire<232>();
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, row = 64 * wg + 16 * (warp % 4) + g;
   const float k2 = p.scale_log2;
   const int offset = p.Sk - p.Sq;
@@ -5325,14 +5362,14 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
       mbar_init(dq_full + 8 * w, 4);   // the warpgroup's warps
       mbar_init(dq_empty + 8 * w, 1);  // its writer
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   pdl_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Registers as in attention_fwd_tma_kernel, but 24 / 240: dK and dV take 128 a thread at D 128.
   if (warp < 4) {  // producer warpgroup
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    regs_release<24>();
     if (tiles == 0 || lane > 0 || warp > (ADD_DQ ? 2 : 0)) return;
     if (ADD_DQ && warp > 0) {  // warp 1 + w, one thread: warpgroup w's dQ parts added into the sums
       const int w = warp - 1;
@@ -5365,7 +5402,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+  regs_acquire<240>();
   // Consumer warpgroup wg: keys 64 wg .. of the block's; thread (warp, g, t) holds keys
   // key0 = k0 + 64 wg + 16 (warp % 4) + g and key0 + 8 (rows), queries 8j + 2t, +1 of the tile (columns).
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, key0 = k0 + 64 * wg + 16 * (warp % 4) + g;
@@ -5400,9 +5437,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     const uint32_t buf = dq_s + wg * S::DQ_BYTES + (threadIdx.x - 128 - 128 * wg) * 16;
 #pragma unroll
     for (int c = 0; c < 8; ++c)
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(buf + c * 128 * 16), "f"(dq[4 * c]),
-                   "f"(dq[4 * c + 1]), "f"(dq[4 * c + 2]), "f"(dq[4 * c + 3])
-                   : "memory");
+      st_shared16(buf + c * 128 * 16, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(dq_full + 8 * wg);
@@ -5417,7 +5452,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   if (ADD_DQ && D == 128) {  // buffer 1 zeroed: tile 0 issues a dQ product too, thrown away (a wgmma
     // under a branch would serialize every wgmma of the kernel)
     for (int o = (threadIdx.x - 128) * 16; o < S::DS_BYTES; o += 256 * 16)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(ds_s + S::DS_BYTES + o), "r"(0) : "memory");
+      st_shared16_zero(ds_s + S::DS_BYTES + o);
     fence_proxy_async();
     named_sync(3, 256);
   }
@@ -5503,8 +5538,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = 64 * wg + 16 * (warp % 4) + g + 8 * (e & 1), c = 2 * kk + (e >> 1);
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(dss + r * 128 + ((c ^ g) << 4) + 4 * t), "r"(dsf[kk][e])
-                       : "memory");
+          st_shared4(dss + r * 128 + ((c ^ g) << 4) + 4 * t, dsf[kk][e]);
         }
       fence_proxy_async();
       if (D == 64) named_sync(4 + wg, 128);  // the warpgroup's own dS^T, read below
@@ -5636,13 +5670,13 @@ __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
       mbar_init(full + 8 * st, 1);
       mbar_init(empty + 8 * st, 8);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   pdl_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {  // producer warpgroup: registers as in attention_fwd_tma_kernel
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 32;");
+    regs_release<32>();
     if (threadIdx.x > 0 || ntiles == 0) return;
     mbar_expect_bytes(q_full, 2 * S::Q_BYTES);
     for (int c = 0; c < D / 64; ++c) {
@@ -5662,7 +5696,7 @@ __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  regs_acquire<232>();
   // Consumer warpgroup wg: rows r0 = q0 + 64 wg + 16 (warp % 4) + g and r0 + 8, keys 8j + 2t, +1.
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, r0 = q0 + 64 * wg + 16 * (warp % 4) + g;
   const uint32_t qs = q_s + wg * 64 * 128, dos = do_s + wg * 64 * 128;
@@ -8217,7 +8251,7 @@ __global__ void __launch_bounds__(MK_THREADS + 32, 1) decode_megakernel_kernel(c
       mbar_init(empty + 8 * p, MK_THREADS);
     }
     mbar_init(route, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x >= MK_THREADS) {
