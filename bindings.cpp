@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -2870,56 +2871,66 @@ TORCH_LIBRARY_IMPL(kernels, AutocastCUDA, m) {
 static const char* const* const kMkSlotNames = limits::megakernel_layer_weights;
 constexpr int MK_WEIGHTS = limits::megakernel_layer_slots;
 
-static bool mk_is(int slot, const char* name) { return std::string(kMkSlotNames[slot]) == name; }
+// A layer's weight slots by name (limits::megakernel_slot, evaluated at compile time).
+namespace mk {
+constexpr int attn_w = limits::megakernel_slot("attn_w"),
+              attn_b = limits::megakernel_slot("attn_b"), attn_proj_w = limits::megakernel_slot("attn_proj_w"),
+              fc_w = limits::megakernel_slot("mlp.fc_w"), fc_b = limits::megakernel_slot("mlp.fc_b"),
+              up_w = limits::megakernel_slot("mlp.up_w"), proj_w = limits::megakernel_slot("mlp.proj_w"),
+              router_w = limits::megakernel_slot("mlp.router_w");
+}  // namespace mk
+
+static bool mk_is_bias(int slot) {
+  const char* name = kMkSlotNames[slot];
+  const size_t n = std::strlen(name);
+  return n > 2 && std::strcmp(name + n - 2, "_b") == 0;
+}
 
 // The slots a model fills, in order: gpt's lack up_w, llama's the biases, a dense model's the router.
-static std::vector<int> mk_slots(bool llama, bool moe) {
-  std::vector<int> slots;
-  for (int i = 0; i < MK_WEIGHTS; ++i) {
-    const std::string name = kMkSlotNames[i];
-    const bool bias = name.size() > 2 && name.compare(name.size() - 2, 2, "_b") == 0;
-    if (mk_is(i, "mlp.router_w") ? moe : mk_is(i, "mlp.up_w") ? llama : !(llama && bias)) slots.push_back(i);
-  }
-  return slots;
+static const std::vector<int>& mk_slots(bool llama, bool moe) {
+  static const std::array<std::vector<int>, 4> table = [] {
+    std::array<std::vector<int>, 4> t;
+    for (int k = 0; k < 4; ++k) {
+      const bool is_llama = k / 2, is_moe = k % 2;
+      for (int i = 0; i < MK_WEIGHTS; ++i)
+        if (i == mk::router_w ? is_moe : i == mk::up_w ? is_llama : !(is_llama && mk_is_bias(i))) t[k].push_back(i);
+    }
+    return t;
+  }();
+  return table[2 * llama + moe];
 }
 
-// The slot of a weight's name.
-static int mk_slot_of(const char* name) {
-  for (int i = 0; i < MK_WEIGHTS; ++i)
-    if (mk_is(i, name)) return i;
-  return -1;
-}
 static int64_t mk_globals(bool llama) { return llama ? 2 : 4; }  // wte, (wpe), ln_f_w, (ln_f_b)
 
 // Slot's shape at width C, key width kv, mlp width H, E experts (0: dense).
 static std::vector<int64_t> mk_slot_shape(int slot, int64_t C, int64_t kv, int64_t H, int64_t E) {
   std::vector<int64_t> shape = {C};
-  if (mk_is(slot, "attn_w")) shape = {C + 2 * kv, C};
-  else if (mk_is(slot, "attn_b")) shape = {C + 2 * kv};
-  else if (mk_is(slot, "attn_proj_w")) shape = {C, C};
-  else if (mk_is(slot, "mlp.fc_w") || mk_is(slot, "mlp.up_w")) shape = {H, C};
-  else if (mk_is(slot, "mlp.fc_b")) shape = {H};
-  else if (mk_is(slot, "mlp.proj_w")) shape = {C, H};
-  else if (mk_is(slot, "mlp.router_w")) return {E, C};
-  if (E && std::string(kMkSlotNames[slot]).rfind("mlp.", 0) == 0) shape.insert(shape.begin(), E);  // each expert's
+  if (slot == mk::attn_w) shape = {C + 2 * kv, C};
+  else if (slot == mk::attn_b) shape = {C + 2 * kv};
+  else if (slot == mk::attn_proj_w) shape = {C, C};
+  else if (slot == mk::fc_w || slot == mk::up_w) shape = {H, C};
+  else if (slot == mk::fc_b) shape = {H};
+  else if (slot == mk::proj_w) shape = {C, H};
+  else if (slot == mk::router_w) return {E, C};
+  if (E && std::strncmp(kMkSlotNames[slot], "mlp.", 4) == 0) shape.insert(shape.begin(), E);  // each expert's
   return shape;
 }
 
 // Where layer 0's weight for `slot` sits among the arguments (a slot the model has).
 static size_t mk_first(bool llama, bool moe, int slot) {
-  const std::vector<int> slots = mk_slots(llama, moe);
+  const std::vector<int>& slots = mk_slots(llama, moe);
   return mk_globals(llama) + (std::find(slots.begin(), slots.end(), slot) - slots.begin());
 }
 
 // The mlp's width: gpt's 4C, llama's fc_w rows (of an expert, in a mixture).
 static int64_t mk_hidden(const std::vector<Tensor>& weights, bool llama, int64_t C) {
-  const size_t at = mk_first(llama, false, mk_slot_of("mlp.fc_w"));
+  const size_t at = mk_first(llama, false, mk::fc_w);
   return llama && weights.size() > at && weights[at].dim() >= 2 ? weights[at].size(-2) : 4 * C;
 }
 
 // A mixture's experts: layer 0's router_w rows (0 for a dense model).
 static int64_t mk_experts(const std::vector<Tensor>& weights, bool llama, int64_t top_k) {
-  const size_t at = mk_first(llama, true, mk_slot_of("mlp.router_w"));
+  const size_t at = mk_first(llama, true, mk::router_w);
   return top_k > 0 && weights.size() > at && weights[at].dim() == 2 ? weights[at].size(0) : 0;
 }
 
@@ -2942,7 +2953,7 @@ static MkLayout check_decode_megakernel(const std::vector<Tensor>& weights, cons
           ": rope_cos and rope_sin come together (a llama model) or not at all (gpt)");
   REQUIRE(top_k >= 0 && top_k <= limits::megakernel_max_top_k, op, ": top_k must be 0 (a dense model) or the 1 to ",
           limits::megakernel_max_top_k, " experts a token takes, got ", top_k);
-  const std::vector<int> slots = mk_slots(llama, top_k > 0);
+  const std::vector<int>& slots = mk_slots(llama, top_k > 0);
   const int64_t G = mk_globals(llama), per = (int64_t)slots.size();
   std::string names;
   for (int i : slots) names += std::string(names.empty() ? "" : ", ") + kMkSlotNames[i];

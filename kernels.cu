@@ -10,49 +10,49 @@
 //
 // Contents: section, the line it starts on (`python test_ops.py --toc` renumbers; a test checks it).
 //   0    The launchers: limits, shared structs, declarations ................................... 58
-//   1    Primitives ........................................................................... 261
-//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 269
-//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 441
-//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 547
-//   1.4  index errors: the mailbox ............................................................ 633
-//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 741
-//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 771
-//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 869
-//   2    Elementwise ......................................................................... 1177
-//   2.1  activations: GELU, SiLU ............................................................. 1182
-//   2.2  SwiGLU .............................................................................. 1337
-//   2.3  RoPE ................................................................................ 1373
-//   3    Rows ................................................................................ 1443
-//   3.1  softmax ............................................................................. 1448
-//   3.2  layernorm and RMSNorm ............................................................... 1584
-//   3.3  column sums: the norms' weight and bias gradients ................................... 1892
-//   4    Embedding and cross-entropy ......................................................... 2127
-//   4.1  embedding ........................................................................... 2132
-//   4.2  cross-entropy ....................................................................... 2352
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2461
-//   5.1  GEMV ................................................................................ 2466
-//   5.2  KV cache write ...................................................................... 2584
-//   5.3  top-k ............................................................................... 2653
-//   6    Matmul .............................................................................. 2946
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2951
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3173
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3341
-//   7    Attention ........................................................................... 4009
-//   7.1  attention: shapes, operand policies, tiles .......................................... 4015
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4516
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4730
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4926
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5017
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5285
-//   7.7  attention launchers ................................................................. 5764
-//   8    Hyper-connections (mhc.py) .......................................................... 6001
-//   8.1  stream loads and per-lane sums ...................................................... 6007
-//   8.2  Sinkhorn-Knopp ...................................................................... 6106
-//   8.3  mhc-dynamic's coefficients .......................................................... 6366
-//   8.4  mhc-dynamic's projection ............................................................ 6700
-//   8.5  stream mixing ....................................................................... 7191
-//   9    The decode megakernel ............................................................... 7595
-//   9.1  decode megakernel ................................................................... 7600
+//   1    Primitives ........................................................................... 270
+//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 278
+//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 450
+//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 556
+//   1.4  index errors: the mailbox ............................................................ 642
+//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 750
+//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 780
+//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 878
+//   2    Elementwise ......................................................................... 1186
+//   2.1  activations: GELU, SiLU ............................................................. 1191
+//   2.2  SwiGLU .............................................................................. 1346
+//   2.3  RoPE ................................................................................ 1382
+//   3    Rows ................................................................................ 1452
+//   3.1  softmax ............................................................................. 1457
+//   3.2  layernorm and RMSNorm ............................................................... 1593
+//   3.3  column sums: the norms' weight and bias gradients ................................... 1901
+//   4    Embedding and cross-entropy ......................................................... 2136
+//   4.1  embedding ........................................................................... 2141
+//   4.2  cross-entropy ....................................................................... 2361
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2470
+//   5.1  GEMV ................................................................................ 2475
+//   5.2  KV cache write ...................................................................... 2593
+//   5.3  top-k ............................................................................... 2662
+//   6    Matmul .............................................................................. 2955
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2960
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3182
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3350
+//   7    Attention ........................................................................... 4018
+//   7.1  attention: shapes, operand policies, tiles .......................................... 4024
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4525
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4739
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4935
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5026
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5294
+//   7.7  attention launchers ................................................................. 5773
+//   8    Hyper-connections (mhc.py) .......................................................... 6010
+//   8.1  stream loads and per-lane sums ...................................................... 6016
+//   8.2  Sinkhorn-Knopp ...................................................................... 6115
+//   8.3  mhc-dynamic's coefficients .......................................................... 6375
+//   8.4  mhc-dynamic's projection ............................................................ 6709
+//   8.5  stream mixing ....................................................................... 7200
+//   9    The decode megakernel ............................................................... 7604
+//   9.1  decode megakernel ................................................................... 7609
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -84,6 +84,15 @@ constexpr const char* megakernel_layer_weights[] = {
     "ln_1_w", "ln_1_b", "attn_w", "attn_b", "attn_proj_w", "attn_proj_b", "ln_2_w",
     "ln_2_b", "mlp.fc_w", "mlp.fc_b", "mlp.up_w", "mlp.proj_w", "mlp.proj_b", "mlp.router_w"};
 constexpr int megakernel_layer_slots = sizeof(megakernel_layer_weights) / sizeof(megakernel_layer_weights[0]);
+// The slot of a weight named as in megakernel_layer_weights, at compile time where the name is (-1: none).
+constexpr int megakernel_slot(const char* name) {
+  for (int i = 0; i < megakernel_layer_slots; ++i) {
+    const char *a = megakernel_layer_weights[i], *b = name;
+    while (*a && *a == *b) ++a, ++b;
+    if (*a == *b) return i;
+  }
+  return -1;
+}
 }  // namespace limits
 
 // Where an attention tensor (B, H, S, D) keeps its values: (b, h, s, d) at b * sb + h * sh + s * ss + d
@@ -7662,18 +7671,9 @@ struct MkLayer {  // one layer's weights, in the slots of limits::megakernel_lay
   const T* router_w;
 };
 
-// The slot of a weight named as in limits::megakernel_layer_weights, at compile time (-1: no such name).
-constexpr int mk_slot(const char* name) {
-  for (int i = 0; i < limits::megakernel_layer_slots; ++i) {
-    const char *a = limits::megakernel_layer_weights[i], *b = name;
-    while (*a && *a == *b) ++a, ++b;
-    if (*a == *b) return i;
-  }
-  return -1;
-}
 // MkLayer's fields sit in the named slots: the launcher fills them from the caller's array by position.
 #define MK_SLOT_IS(field, name)                                                          \
-  static_assert(offsetof(MkLayer<float>, field) == mk_slot(name) * sizeof(const float*), \
+  static_assert(offsetof(MkLayer<float>, field) == limits::megakernel_slot(name) * sizeof(const float*), \
                 "MkLayer::" #field " is not slot " name " of limits::megakernel_layer_weights")
 MK_SLOT_IS(ln1_w, "ln_1_w"); MK_SLOT_IS(ln1_b, "ln_1_b"); MK_SLOT_IS(attn_w, "attn_w"); MK_SLOT_IS(attn_b, "attn_b");
 MK_SLOT_IS(proj_w, "attn_proj_w"); MK_SLOT_IS(proj_b, "attn_proj_b"); MK_SLOT_IS(ln2_w, "ln_2_w");
