@@ -6751,6 +6751,40 @@ def inference_gpu_megakernel_refuses_shapes():
 add("inference/megakernel_refuses", inference_megakernel_refuses, gpu=False)
 
 
+def inference_sample_top_k_limit():
+    # sampling on the cuda op set is refused past its top-k's limit (kernels.LIMITS, here a stand-in's 5),
+    # naming the option or the vocabulary; the torch op set alone, or greedy decoding, has no such limit
+    spec = types.SimpleNamespace(label="dense", tok=types.SimpleNamespace(vocab_size=95))
+    both = {"dense": [("torch", None, "eager"), ("cuda", None, "eager")]}
+    torch_only = {"dense": [("torch", None, "eager")]}
+    stand_in = types.SimpleNamespace(LIMITS={"topk_max_k": 5})
+    refused = []
+    with unittest.mock.patch.object(data, "import_kernels", lambda: (stand_in, None)):
+        for temperature, k, paths, want in ((0.8, 6, both, "--sample_top_k=6"), (0.8, 0, both, "all 95 tokens"),
+                                            (0.8, 5, both, None), (0.0, 6, both, None), (0.8, 6, torch_only, None)):
+            cfg = types.SimpleNamespace(temperature=temperature, sample_top_k=k)
+            try:
+                inference.check_sample_top_k(cfg, [spec], paths)
+                got = None
+            except SystemExit as e:
+                got = str(e.code)
+                refused.append(got)
+            if want is None:
+                assert got is None, f"temperature {temperature}, k {k}, {paths}: refused"
+            else:
+                assert got is not None and want in got and "at most 5" in got, f"temperature {temperature}, k {k}: {got}"
+    return "; ".join(refused)[:160]
+
+
+add("inference/sample_top_k_limit", inference_sample_top_k_limit, gpu=False)
+
+
+@mutant("sample_top_k_unchecked", "inference/sample_top_k_limit")
+def _sample_top_k_unchecked():
+    with unittest.mock.patch.object(inference, "check_sample_top_k", lambda cfg, specs, paths: None):
+        yield
+
+
 @mutant("megakernel_takes_any_model", "inference/megakernel_refuses")
 def _megakernel_takes_any_model():
     with unittest.mock.patch.object(inference, "megakernel_why_not", lambda model: None):
@@ -7733,7 +7767,8 @@ def write_toc():
     if new != text:
         data.atomic_write(path, lambda f: f.write(new.encode()))
     sections = len(list(kernels_sections(new.split("\n"))))
-    print(f"kernels.cu: {sections} sections; table of contents " + ("rewritten" if new != text else "already up to date"))
+    state = "rewritten" if new != text else "already up to date"
+    print(f"kernels.cu: {sections} sections; table of contents {state}")
     return 0
 
 
@@ -7762,7 +7797,8 @@ LIMIT_RESTATED = {
     "fused_head_sizes": r"\b32, 64, 96,? (?:and )?128\b",
     "megakernel_layer_weights": r"\"ln_1_w\",\s*\"ln_1_b\"",
 }
-LIMIT_FILES = ("kernels.cu", "bindings.cpp", "train.py", "inference.py", "mhc.py", "data.py", "test_ops.py", "README.md")
+LIMIT_FILES = ("kernels.cu", "bindings.cpp", "train.py", "inference.py", "mhc.py", "data.py", "test_ops.py",
+               "README.md")
 LAYOUT_SECTION = "# ==== the sources' layout (CPU) ===="  # its patterns and planted faults state the limits
 
 
@@ -7850,7 +7886,8 @@ def op_edits(op, texts):
         if re.search(rf'"{op}[(_"]|\b{op}_(?:cuda|meta|autograd|autocast)\b', text):
             places.append(("bindings.cpp", name))
     places += [("train.py", "TORCH_OPS")] * len(re.findall(rf"^\s+{op}=", texts["train.py"], re.M))
-    own = rf'add\("(?:empty/)?{op}[/_]|\("{op}_\w+", \w+Error|\("{op}(?:_backward)?", k(?:ernels)?\.|bench_op\(rows, "{op}'
+    own = (rf'add\("(?:empty/)?{op}[/_]|\("{op}_\w+", \w+Error|\("{op}(?:_backward)?", k(?:ernels)?\.'
+           rf'|bench_op\(rows, "{op}')
     for name, text in sections(texts["test_ops.py"], r"# ==== (.+) ====$").items():
         if re.search(own, text):
             places.append(("test_ops.py", name))
@@ -7866,7 +7903,8 @@ def readme_adding_an_op():
         ADDING_AN_OP_EXAMPLE
     words = {"four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8}
     stated = words.get(m.group(1).lower(), m.group(1))
-    assert stated == len(places), f"README says {m.group(1)} edits; {ADDING_AN_OP_EXAMPLE} takes {len(places)}: {places}"
+    assert stated == len(places), \
+        f"README says {m.group(1)} edits; {ADDING_AN_OP_EXAMPLE} takes {len(places)}: {places}"
     CHECKS.append(f"{ADDING_AN_OP_EXAMPLE}: {len(places)} edits, as the README says: " +
                   ", ".join(f"{f} {p}" for f, p in places))
 
@@ -7898,7 +7936,8 @@ def readme_reading_path():
     cases = [n for n, _, _ in CASES]
     for only in re.findall(r"(?<!bench )--only ([\w-]+)", path):
         assert any(only in n for n in cases), f"--only {only} picks no case"
-    bench_names = set(BENCH_TABLES) | set(re.findall(r'bench_(?:op|bf16_rows)\(rows, f?"([^"{]+)', source_text("test_ops.py")))
+    bench_names = set(BENCH_TABLES) | set(
+        re.findall(r'bench_(?:op|bf16_rows)\(rows, f?"([^"{]+)', source_text("test_ops.py")))
     for only in re.findall(r"--bench --only ([\w-]+)", path):
         assert any(only in n for n in bench_names), f"--bench --only {only} picks no bench row"
     CHECKS.append(f"{len(stops)} stops; sections {', '.join(sorted(named))} are kernels.cu's; every --only picks cases")
