@@ -48,6 +48,11 @@ static void put(std::string& s, const char* v) { s += v; }
 static void put(std::string& s, const std::string& v) { s += v; }
 static void put(std::string& s, int64_t v) { s += std::to_string(v); }
 static void put(std::string& s, int v) { s += std::to_string(v); }
+static void put(std::string& s, double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", v);
+  s += b;
+}
 static void put(std::string& s, const c10::Device& d) { s += d.str(); }
 static void put(std::string& s, at::ScalarType t) { s += c10::toString(t); }
 static void put(std::string& s, at::IntArrayRef v) {
@@ -2104,6 +2109,81 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   cuda_meta(m, "rope_backward", rope_backward_cuda, rope_backward_meta);
 }
 
+// ---- dropout ----------------------------------------------------------------------------------
+
+// rng: a 2-element int64 tensor {seed, offset} on x's GPU, read by the kernel (a CUDA graph replays
+// whatever it holds then); salt: the call site, in [0, 2^32). The mask is drawn, never stored.
+static void check_dropout_rng(const char* op, const Tensor& x, double p, const Tensor& rng, int64_t salt) {
+  REQUIRE_VALUE(p >= 0.0 && p <= 1.0, op, ": dropout p must be in [0, 1], got ", p);
+  REQUIRE(rng.defined() && cuda_or_meta(rng) && rng.scalar_type() == at::kLong && rng.numel() == 2, op,
+          ": rng must be a 2-element int64 CUDA tensor {seed, offset}, got ",
+          rng.defined() ? msg(rng.scalar_type(), " of shape ", rng.sizes(), " on ", rng.device()) : std::string("None"));
+  check_same_device(op, x, "x", rng, "rng");
+  REQUIRE_VALUE(salt >= 0 && salt <= (int64_t)UINT32_MAX, op, ": salt must be in [0, 2^32), got ", salt);
+}
+
+static DropoutArgs dropout_of(double p, const Tensor& rng, int64_t salt) {
+  return {rng.data_ptr<int64_t>(), (uint32_t)salt, (uint32_t)std::llround(p * 65536.0),
+          p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f};
+}
+
+static void check_dropout(const Tensor& x, double p, const Tensor& rng, int64_t salt) {
+  check_fp_cuda("dropout", x, "x", x, "x");
+  check_dropout_rng("dropout", x, p, rng, salt);
+  const int64_t cols = x.dim() ? x.size(-1) : 1;
+  REQUIRE_VALUE(cols == 0 || x.numel() / cols <= (int64_t)UINT32_MAX, "dropout: at most 2^32 rows of the last dim, ",
+                "got ", x.numel() / cols);
+}
+
+Tensor dropout_cuda(const Tensor& x_in, double p, const Tensor& rng, int64_t salt) {
+  raise_pending_index_error();
+  check_dropout(x_in, p, rng, salt);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor x = x_in.contiguous();
+  Tensor y = at::empty_like(x);
+  const int64_t cols = x.dim() ? x.size(-1) : 1;
+  with_type(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    launch::dropout(ptr<T>(x), ptr<T>(y), cols ? x.numel() / cols : 0, cols, dropout_of(p, rng, salt), stream());
+  });
+  return y;
+}
+
+Tensor dropout_meta(const Tensor& x, double p, const Tensor& rng, int64_t salt) {
+  check_dropout(x, p, rng, salt);
+  return empty_like_contiguous(x);
+}
+
+// The backward is the forward's kernel on dy: the same draws, so the same mask. rng is saved as it is; the
+// caller advances its offset only after the backward (autograd's version check says so otherwise).
+struct DropoutFn : torch::autograd::Function<DropoutFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, double p, const Tensor& rng, int64_t salt) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->save_for_backward({rng});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["salt"] = salt;
+    return KERNELS_OP("dropout", dropout_cuda).call(x, p, rng, salt);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor rng = ctx->get_saved_variables()[0];
+    const Tensor dx = KERNELS_OP("dropout", dropout_cuda)
+                          .call(grads[0], ctx->saved_data["p"].toDouble(), rng, ctx->saved_data["salt"].toInt());
+    return {dx, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor dropout_autograd(const Tensor& x, double p, const Tensor& rng, int64_t salt) {
+  return autograd_or_below<DropoutFn>(KERNELS_OP("dropout", dropout_cuda), x, p, rng, salt);
+}
+
+TORCH_LIBRARY_FRAGMENT(kernels, m) {
+  // x times its dropout factors: 1 / (1 - p) where kept, 0 where dropped (x's dtype; train.torch_dropout's masks).
+  def_op(m, "dropout(Tensor x, float p, Tensor rng, int salt=0) -> Tensor");
+  cuda_meta(m, "dropout", dropout_cuda, dropout_meta, CPU_ERRORS);
+  autograd(m, "dropout", dropout_autograd);
+}
+
 // ---- embedding --------------------------------------------------------------------------------
 
 // weight float32 or bfloat16, rows copied as they are. The backward sums in fp32 (its deterministic
@@ -2568,9 +2648,15 @@ static std::vector<int64_t> fused_head_sizes() { return as_vector(limits::fused_
 
 // The fused forward: (out, lse_log2), lse_log2 the rows' log2-sum-exp2 that the backward reads. kv_len (a
 // 1-element int64 tensor on q's device) counts the valid keys.
+// Dropout on the probabilities where dropout_p > 0 (rng checked by attention_args).
+static DropoutArgs attention_dropout(double dropout_p, const std::optional<Tensor>& rng, int64_t salt) {
+  return dropout_p > 0.0 ? dropout_of(dropout_p, *rng, salt) : DropoutArgs{};
+}
+
 std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                                 bool causal, double scale, bool precise,
-                                                const std::optional<Tensor>& kv_len_opt) {
+                                                const std::optional<Tensor>& kv_len_opt, double dropout_p,
+                                                const std::optional<Tensor>& rng, int64_t salt) {
   raise_pending_index_error();
   const AttnShape s = check_attention(q_in, k_in, v_in, causal);
   REQUIRE_VALUE(launch::attention_fused_supports((int)s.D), "attention: fused mode supports head dim D in ",
@@ -2594,18 +2680,20 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
   const Tensor kv_len = kv_len_opt.has_value() && kv_len_opt->defined() ? kv_len_opt->contiguous() : Tensor();
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
+  const DropoutArgs drop = attention_dropout(dropout_p, rng, salt);
   if (q.scalar_type() == at::kBFloat16)
     launch::attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse_log2.data_ptr<float>(), l, BH,
-                        s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd, n, ws_ptr(ws), stream());
+                        s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd, n, drop, ws_ptr(ws), stream());
   else
     launch::attention_fwd_fused(q_fwd.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         lse_log2.data_ptr<float>(), l, BH, s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd,
-                        precise, n, ws_ptr(ws), stream());
+                        precise, n, drop, ws_ptr(ws), stream());
   return {out, lse_log2};
 }
 
 std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                                                double, bool, const std::optional<Tensor>&) {
+                                                double, bool, const std::optional<Tensor>&, double,
+                                                const std::optional<Tensor>&, int64_t) {
   const AttnShape s = check_attention(q, k, v, causal);
   return {empty_bshd(q), at::empty({s.B, s.H, s.Sq}, q.options().dtype(at::kFloat))};
 }
@@ -2614,7 +2702,8 @@ std::tuple<Tensor, Tensor> attention_fused_meta(const Tensor& q, const Tensor& k
 // deterministic = false: bf16 on Hopper adds dQ across key blocks in fp32 sums, in no fixed order.
 static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out,
                                 const Tensor& lse_log2, const Tensor& dout_in, bool causal, double scale, bool precise,
-                                bool deterministic, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+                                bool deterministic, const DropoutArgs& drop, const Tensor& dq, const Tensor& dk,
+                                const Tensor& dv) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   if (std::isnan(scale)) {  // a NaN scale's outputs are NaN, and so are their gradients
     for (const Tensor* t : {&dq, &dk, &dv}) t->fill_(std::numeric_limits<float>::quiet_NaN());
@@ -2637,44 +2726,50 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
     const Tensor dq_sum = at::empty({sum_floats}, lse_log2.options());
     launch::attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
                         lse_log2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk),
-                        ptr<bf16>(dv), l, BH, group, Sq, Sk, D, causal, (float)scale,
+                        ptr<bf16>(dv), l, BH, group, Sq, Sk, D, causal, (float)scale, drop,
                         sum_floats ? dq_sum.data_ptr<float>() : nullptr, stream());
   } else
     launch::attention_bwd_fused(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                         dout.data_ptr<float>(), lse_log2.data_ptr<float>(), delta.data_ptr<float>(),
                         dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), l, BH, group, Sq, Sk, D,
-                        causal, (float)scale, precise, stream());
+                        causal, (float)scale, precise, drop, stream());
 }
 
 // dq, dk, dv, each in (B, S, H, D) memory, from the forward's inputs, output and lse_log2.
 std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                  const Tensor& out, const Tensor& lse_log2,
                                                                  const Tensor& dout, bool causal, double scale,
-                                                                 bool precise, bool deterministic) {
+                                                                 bool precise, bool deterministic, double dropout_p,
+                                                                 const std::optional<Tensor>& rng, int64_t salt) {
   Tensor dq = empty_bshd(q), dk = empty_bshd(k), dv = empty_bshd(v);
-  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic, dq, dk, dv);
+  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic,
+                      attention_dropout(dropout_p, rng, salt), dq, dk, dv);
   return {dq, dk, dv};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_meta(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                  const Tensor&, const Tensor&, const Tensor&, bool,
-                                                                 double, bool, bool) {
+                                                                 double, bool, bool, double,
+                                                                 const std::optional<Tensor>&, int64_t) {
   return {empty_bshd(q), empty_bshd(k), empty_bshd(v)};
 }
 
 // The same for packed_qkv's inputs: one (B, S, (H + 2 H_kv) * D) buffer, dq, dk and dv side by side.
 Tensor attention_fused_backward_packed_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                             const Tensor& lse_log2, const Tensor& dout, bool causal, double scale,
-                                            bool precise, bool deterministic) {
+                                            bool precise, bool deterministic, double dropout_p,
+                                            const std::optional<Tensor>& rng, int64_t salt) {
   const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(3);
   Tensor buf = at::empty({q.size(0), q.size(2), (H + 2 * Hkv) * D}, q.options());
   const auto [dq, dk, dv] = packed_heads(buf, H, Hkv, D);
-  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic, dq, dk, dv);
+  fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic,
+                      attention_dropout(dropout_p, rng, salt), dq, dk, dv);
   return buf;
 }
 
 Tensor attention_fused_backward_packed_meta(const Tensor& q, const Tensor& k, const Tensor&, const Tensor&,
-                                            const Tensor&, const Tensor&, bool, double, bool, bool) {
+                                            const Tensor&, const Tensor&, bool, double, bool, bool, double,
+                                            const std::optional<Tensor>&, int64_t) {
   return at::empty({q.size(0), q.size(2), (q.size(1) + 2 * k.size(1)) * q.size(3)}, q.options());
 }
 
@@ -2729,7 +2824,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_tiled_backward_meta(const Tensor& q
 // The public op's arguments, checked; returns the scale (default 1/sqrt(D)).
 static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view mode,
                              c10::string_view precision, std::optional<double> scale,
-                             const std::optional<Tensor>& kv_len) {
+                             const std::optional<Tensor>& kv_len, double dropout_p, const std::optional<Tensor>& rng,
+                             int64_t salt) {
   REQUIRE_VALUE(mode == "fused" || mode == "tiled", "attention: mode must be 'fused' or 'tiled', got '",
                 std::string(mode), "'");
   REQUIRE_VALUE(precision == "fp32" || precision == "tf32",
@@ -2748,28 +2844,38 @@ static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, 
     REQUIRE(!wants_grad(q, k, v),
             "attention: kv_len is for inference and has no backward; call it under torch.no_grad()");
   }
+  if (dropout_p != 0.0) {  // on the probabilities, inside the fused kernels
+    REQUIRE_VALUE(mode == "fused", "attention: dropout_p needs mode='fused', got mode='", std::string(mode), "'");
+    check_dropout_rng("attention", q, dropout_p, rng.has_value() ? *rng : Tensor(), salt);
+  }
   return scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
 }
 
 // Below autograd: the forward op of the mode, its output.
 Tensor attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
                       c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
-                      bool /*deterministic: the backward's*/) {
-  const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
+                      bool /*deterministic: the backward's*/, double dropout_p, const std::optional<Tensor>& rng,
+                      int64_t salt) {
+  const double sc = attention_args(q, k, v, mode, precision, scale, kv_len, dropout_p, rng, salt);
   if (mode == "tiled")
     return std::get<0>(KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, sc));
-  return std::get<0>(
-      KERNELS_OP("attention_fused", attention_fused_cuda).call(q, k, v, causal, sc, precision == "fp32", kv_len));
+  return std::get<0>(KERNELS_OP("attention_fused", attention_fused_cuda)
+                         .call(q, k, v, causal, sc, precision == "fp32", kv_len, dropout_p, rng, salt));
 }
 
 struct AttentionFn : torch::autograd::Function<AttentionFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                        double scale, bool tiled, bool precise, bool deterministic) {
+                        double scale, bool tiled, bool precise, bool deterministic, double dropout_p,
+                        const std::optional<Tensor>& rng, int64_t salt) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto [out, stats] =
         tiled ? KERNELS_OP("attention_tiled", attention_tiled_cuda).call(q, k, v, causal, scale)
-              : KERNELS_OP("attention_fused", attention_fused_cuda).call(q, k, v, causal, scale, precise, std::nullopt);
-    ctx->save_for_backward({q, k, v, out, stats});  // stats: lse_log2 (fused) or P (tiled)
+              : KERNELS_OP("attention_fused", attention_fused_cuda)
+                    .call(q, k, v, causal, scale, precise, std::nullopt, dropout_p, rng, salt);
+    // stats: lse_log2 (fused) or P (tiled); rng as it is (dropout's offset advances after the backward)
+    ctx->save_for_backward({q, k, v, out, stats, rng.has_value() ? *rng : Tensor()});
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["salt"] = salt;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["tiled"] = tiled;
@@ -2782,12 +2888,16 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     const auto t = ctx->get_saved_variables();
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool tiled = ctx->saved_data["tiled"].toBool(), det = ctx->saved_data["deterministic"].toBool();
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const int64_t salt = ctx->saved_data["salt"].toInt();
+    const std::optional<Tensor> rng = t[5].defined() ? std::optional<Tensor>(t[5]) : std::nullopt;
+    const variable_list none(AttentionFn::forward_args - 3);  // no gradient but for q, k, v
     if (!tiled && packed_qkv(t[0], t[1], t[2])) {
       const Tensor buf = KERNELS_OP("attention_fused_backward_packed", attention_fused_backward_packed_cuda)
                              .call(t[0], t[1], t[2], t[3], t[4], grads[0], ctx->saved_data["causal"].toBool(),
-                                   scale, ctx->saved_data["precise"].toBool(), det);
+                                   scale, ctx->saved_data["precise"].toBool(), det, dropout_p, rng, salt);
       const auto [dq, dk, dv] = packed_heads(buf, t[0].size(1), t[1].size(1), t[0].size(3));
-      return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+      return with_grads({dq, dk, dv}, none);
     }
     const auto [dq, dk, dv] =
         tiled
@@ -2795,20 +2905,28 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
                                                                                         grads[0], scale)
             : KERNELS_OP("attention_fused_backward", attention_fused_backward_cuda)
                   .call(t[0], t[1], t[2], t[3], t[4], grads[0], ctx->saved_data["causal"].toBool(), scale,
-                        ctx->saved_data["precise"].toBool(), det);
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                        ctx->saved_data["precise"].toBool(), det, dropout_p, rng, salt);
+    return with_grads({dq, dk, dv}, none);
+  }
+
+  static constexpr int forward_args = 11;  // q, k, v and the 8 after them
+
+  static variable_list with_grads(variable_list grads, const variable_list& none) {
+    grads.insert(grads.end(), none.begin(), none.end());
+    return grads;
   }
 };
 
 Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
                           c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
-                          bool deterministic) {
+                          bool deterministic, double dropout_p, const std::optional<Tensor>& rng, int64_t salt) {
   if ((kv_len.has_value() && kv_len->defined()) || !wants_grad(q, k, v)) {  // kv_len: inference only
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return attention_impl(q, k, v, causal, scale, mode, precision, kv_len, deterministic);
+    return attention_impl(q, k, v, causal, scale, mode, precision, kv_len, deterministic, dropout_p, rng, salt);
   }
-  const double sc = attention_args(q, k, v, mode, precision, scale, kv_len);
-  return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32", deterministic);
+  const double sc = attention_args(q, k, v, mode, precision, scale, kv_len, dropout_p, rng, salt);
+  return AttentionFn::apply(q, k, v, causal, sc, mode == "tiled", precision == "fp32", deterministic, dropout_p, rng,
+                            salt);
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
@@ -2818,18 +2936,23 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   // (precision 'fp32') or TF32; bfloat16 (mode 'fused') in bf16 with fp32 softmax statistics.
   // deterministic=False: the bf16 backward on Hopper adds dQ across key blocks in one kernel, in no
   // fixed order (faster at long sequences; dq's last bits vary from run to run, dk and dv do not).
+  // dropout_p > 0 (fused): dropout on the probabilities, drawn as kernels.dropout draws from rng and salt,
+  // the probabilities being rows (b * H + h) * Sq + query of Sk columns.
   def_op(m, "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str mode='fused', "
-         "str precision='fp32', Tensor? kv_len=None, bool deterministic=True) -> Tensor");
+         "str precision='fp32', Tensor? kv_len=None, bool deterministic=True, float dropout_p=0., "
+         "Tensor? rng=None, int salt=0) -> Tensor");
   composite(m, "attention", attention_impl);
   autograd(m, "attention", attention_autograd);
   def_half(m, "attention_fused(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool precise, "
-           "Tensor? kv_len) -> (Tensor, Tensor)");
+           "Tensor? kv_len, float dropout_p, Tensor? rng, int salt) -> (Tensor, Tensor)");
   cuda_meta(m, "attention_fused", attention_fused_cuda, attention_fused_meta, CPU_ERRORS);
   def_half(m, "attention_fused_backward(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse_log2, Tensor dout, "
-           "bool causal, float scale, bool precise, bool deterministic) -> (Tensor, Tensor, Tensor)");
+           "bool causal, float scale, bool precise, bool deterministic, float dropout_p, Tensor? rng, int salt) "
+           "-> (Tensor, Tensor, Tensor)");
   cuda_meta(m, "attention_fused_backward", attention_fused_backward_cuda, attention_fused_backward_meta);
   def_half(m, "attention_fused_backward_packed(Tensor q, Tensor k, Tensor v, Tensor output, Tensor lse_log2, "
-           "Tensor dout, bool causal, float scale, bool precise, bool deterministic) -> Tensor");
+           "Tensor dout, bool causal, float scale, bool precise, bool deterministic, float dropout_p, Tensor? rng, "
+           "int salt) -> Tensor");
   cuda_meta(m, "attention_fused_backward_packed", attention_fused_backward_packed_cuda,
             attention_fused_backward_packed_meta);
   def_half(m, "attention_tiled(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
@@ -2842,15 +2965,18 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // Under bf16 autocast: in bf16 where the fused kernels take the head size, else tiled in fp32, rounded.
 Tensor attention_autocast(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, std::optional<double> scale,
                           c10::string_view mode, c10::string_view precision, const std::optional<Tensor>& kv_len,
-                          bool deterministic) {
+                          bool deterministic, double dropout_p, const std::optional<Tensor>& rng, int64_t salt) {
   BELOW_AUTOCAST;
   const auto& op = KERNELS_OP("attention", attention_impl);
-  if (!bf16_autocast() || q.dim() != 4) return op.call(q, k, v, causal, scale, mode, precision, kv_len, deterministic);
-  const bool cache = kv_len.has_value() && kv_len->defined();  // fused only: its own error if D is not supported
-  if (mode == "fused" && (cache || launch::attention_fused_supports((int)q.size(3))))
-    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len, deterministic);
+  if (!bf16_autocast() || q.dim() != 4)
+    return op.call(q, k, v, causal, scale, mode, precision, kv_len, deterministic, dropout_p, rng, salt);
+  // fused only with a cache or dropout: its own error if D is not supported
+  const bool fused_only = (kv_len.has_value() && kv_len->defined()) || dropout_p != 0.0;
+  if (mode == "fused" && (fused_only || launch::attention_fused_supports((int)q.size(3))))
+    return op.call(to_bf16(q), to_bf16(k), to_bf16(v), causal, scale, "fused", precision, kv_len, deterministic,
+                   dropout_p, rng, salt);
   return op.call(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), causal, scale, "tiled", precision, kv_len,
-                 deterministic)
+                 deterministic, dropout_p, rng, salt)
       .to(at::kBFloat16);
 }
 

@@ -667,7 +667,8 @@ def checkpoint_digests(ckpt):
 
 
 CKPT_PARTS = {"model": "weights", "optimizer": "optimizer state", "batch_rng": "batch generator state",
-              "iter": "iteration", "train_loss": "loss history", "evals": "evaluations"}  # for messages
+              "dropout_rng": "dropout's rng", "iter": "iteration", "train_loss": "loss history",
+              "evals": "evaluations"}  # for messages
 
 
 def all_finite(tensors):
@@ -814,6 +815,8 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
             saved_group.update({k: v for k, v in current.items() if k != "params"})
         opt.load_state_dict(state)
         batch_gen.set_state(ckpt["batch_rng"])
+        if getattr(model, "dropout_rng", None) is not None and "dropout_rng" in ckpt:  # where the masks left off
+            model.dropout_rng.copy_(torch.as_tensor(ckpt["dropout_rng"]))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         bad(f"its optimizer or batch-generator state does not fit this model ({one_line(e)})")
 
@@ -838,6 +841,8 @@ def save_checkpoint(path, cfg, tok, ops, done, model, opt, batch_gen, train_loss
         "model": model.state_dict(), "optimizer": opt.state_dict(),
         "batch_rng": batch_gen.get_state(), "train_loss": train_loss, "evals": evals, "timing": timing,
     }
+    if getattr(model, "dropout_rng", None) is not None:  # a model trained with dropout: its masks' {seed, offset}
+        ckpt["dropout_rng"] = model.dropout_rng.cpu()
     ckpt["sha256"] = checkpoint_digests(ckpt)
     atomic_write(path, lambda f: torch.save(ckpt, f))
 

@@ -603,20 +603,35 @@ def _functional_routes(kernels, device_type):
               and dtype in (None, input.dtype, torch.float32))
         return kernels.softmax(input, out_dtype=dtype) if ok else NotImplemented
 
+    def fresh_rng(device):
+        # dropout's {seed, offset}, drawn from PyTorch's generator as its own dropout draws: the generator
+        # advances, torch.manual_seed repeats the masks, and a CUDA graph replays fresh ones
+        return torch.empty(2, dtype=torch.long, device=device).random_()
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        # Outside training PyTorch's returns the input itself (no work); in place stays PyTorch's.
+        if not (ours(input) and training and not inplace and isinstance(p, (int, float)) and 0 < p <= 1):
+            return NotImplemented
+        return kernels.dropout(input, float(p), fresh_rng(input.device))
+
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
         # Ours takes q (B, H, Sq, D) and k, v (B, H_kv, Sk, D), query head h reading key head h // (H / H_kv) as
         # SDPA's enable_gqa does. SDPA also broadcasts batch and head dims and lets v's head size differ; its
-        # causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk.
-        if not (ours(query, key, value) and query.dim() == key.dim() == 4 and attn_mask is None and dropout_p == 0.0):
+        # causal mask aligns the queries to the first keys, ours to the last: alike when Sq == Sk. Dropout on
+        # the probabilities runs in the fused kernels (masks of our own, from PyTorch's generator).
+        if not (ours(query, key, value) and query.dim() == key.dim() == 4 and attn_mask is None
+                and 0.0 <= dropout_p <= 1.0):
             return NotImplemented
         (B, H, Sq, D), (Bk, Hkv, Sk, Dk) = query.shape, key.shape
         fused = D in kernels.LIMITS["fused_head_sizes"]
         if (value.shape == key.shape and (Bk, Dk) == (B, D) and query.numel() > 0 and key.numel() > 0
                 and (H == Hkv or (enable_gqa and H % Hkv == 0)) and (not is_causal or Sq == Sk)
+                and (fused or not dropout_p)
                 and (autocast() or (one_dtype(query, key, value) and (fused or query.dtype == torch.float32)))):
+            drop = dict(dropout_p=float(dropout_p), rng=fresh_rng(query.device)) if dropout_p else {}
             return kernels.attention(query, key, value, causal=is_causal, scale=scale,
-                                     mode="fused" if fused else "tiled")
+                                     mode="fused" if fused else "tiled", **drop)
         return NotImplemented
 
     def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -634,16 +649,17 @@ def _functional_routes(kernels, device_type):
         return loss if autocast() else loss.to(input.dtype)
 
     return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, cross_entropy,
-                                    scaled_dot_product_attention)}
+                                    dropout, scaled_dot_product_attention)}
 
 
 @contextlib.contextmanager
 def patched(kernels=None, device_type="cuda"):
-    """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax,
+    """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, dropout,
     scaled_dot_product_attention and cross_entropy run on our kernels wherever they compute what PyTorch's
-    would (its dtype and shape, values within the op's tolerance), and on PyTorch's own otherwise: where
+    would (its dtype and shape, values within the op's tolerance; dropout's masks are ours, drawn from
+    PyTorch's generator, which advances as with its own), and on PyTorch's own otherwise: where
     PyTorch's would raise, or broadcast, or take what ours do not (float16 or float64, mixed dtypes outside
-    bf16 autocast, float16 autocast, bf16 products off Hopper, an attention mask or dropout, v's own head
+    bf16 autocast, float16 autocast, bf16 products off Hopper, an attention mask, in-place dropout, v's own head
     size, SDPA's causal mask with Sq != Sk, an embedding's padding_idx or max_norm, softmax to bf16 from
     fp32, a loss's weights, a reduction other than the mean, label smoothing, an empty batch, an ignored or
     out-of-range target). Yields a Counter of the eager calls by (name, "ours" or "torch"). A model under

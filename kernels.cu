@@ -9,50 +9,52 @@
 // this file on its own. bindings.cpp is the PyTorch face (checks, allocation, autograd).
 //
 // Contents: section, the line it starts on (`python test_ops.py --toc` renumbers; a test checks it).
-//   0    The launchers: limits, shared structs, declarations ................................... 58
-//   1    Primitives ........................................................................... 270
-//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 278
-//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 450
-//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 556
-//   1.4  index errors: the mailbox ............................................................ 642
-//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 750
-//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 780
-//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 878
-//   2    Elementwise ......................................................................... 1186
-//   2.1  activations: GELU, SiLU ............................................................. 1191
-//   2.2  SwiGLU .............................................................................. 1346
-//   2.3  RoPE ................................................................................ 1382
-//   3    Rows ................................................................................ 1452
-//   3.1  softmax ............................................................................. 1457
-//   3.2  layernorm and RMSNorm ............................................................... 1593
-//   3.3  column sums: the norms' weight and bias gradients ................................... 1901
-//   4    Embedding and cross-entropy ......................................................... 2136
-//   4.1  embedding ........................................................................... 2141
-//   4.2  cross-entropy ....................................................................... 2361
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2470
-//   5.1  GEMV ................................................................................ 2475
-//   5.2  KV cache write ...................................................................... 2593
-//   5.3  top-k ............................................................................... 2662
-//   6    Matmul .............................................................................. 2955
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 2960
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3182
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3350
-//   7    Attention ........................................................................... 4018
-//   7.1  attention: shapes, operand policies, tiles .......................................... 4024
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4525
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4739
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 4935
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5026
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5294
-//   7.7  attention launchers ................................................................. 5773
-//   8    Hyper-connections (mhc.py) .......................................................... 6010
-//   8.1  stream loads and per-lane sums ...................................................... 6016
-//   8.2  Sinkhorn-Knopp ...................................................................... 6115
-//   8.3  mhc-dynamic's coefficients .......................................................... 6375
-//   8.4  mhc-dynamic's projection ............................................................ 6709
-//   8.5  stream mixing ....................................................................... 7200
-//   9    The decode megakernel ............................................................... 7604
-//   9.1  decode megakernel ................................................................... 7609
+//   0    The launchers: limits, shared structs, declarations ................................... 60
+//   1    Primitives ........................................................................... 287
+//   1.1  launch helpers: grids, per-device queries, programmatic dependent launch, tensor maps ... 295
+//   1.2  values: fp32 and bf16, warp and row reductions, 16-byte loads and stores, fast exp2 ... 467
+//   1.3  row launches: a row per warp or per block, shaped by the row's length ................ 573
+//   1.4  index errors: the mailbox ............................................................ 659
+//   1.5  async copies (sm_80): cp.async from global to shared memory .......................... 767
+//   1.6  tensor cores (sm_80): mma.sync, ldmatrix ............................................. 797
+//   1.7  Hopper (sm_90a): mbarriers, bulk and tensor-map copies, wgmma, named barriers ........ 895
+//   1.8  random numbers: Philox4x32-10, dropout's draws ...................................... 1203
+//   2    Elementwise ......................................................................... 1268
+//   2.1  activations: GELU, SiLU ............................................................. 1273
+//   2.2  SwiGLU .............................................................................. 1428
+//   2.3  RoPE ................................................................................ 1464
+//   2.4  dropout ............................................................................. 1534
+//   3    Rows ................................................................................ 1589
+//   3.1  softmax ............................................................................. 1594
+//   3.2  layernorm and RMSNorm ............................................................... 1730
+//   3.3  column sums: the norms' weight and bias gradients ................................... 2038
+//   4    Embedding and cross-entropy ......................................................... 2273
+//   4.1  embedding ........................................................................... 2278
+//   4.2  cross-entropy ....................................................................... 2498
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2607
+//   5.1  GEMV ................................................................................ 2612
+//   5.2  KV cache write ...................................................................... 2730
+//   5.3  top-k ............................................................................... 2799
+//   6    Matmul .............................................................................. 3092
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3097
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3319
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3487
+//   7    Attention ........................................................................... 4155
+//   7.1  attention: shapes, operand policies, tiles .......................................... 4161
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4670
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4889
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5105
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5202
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5470
+//   7.7  attention launchers ................................................................. 5949
+//   8    Hyper-connections (mhc.py) .......................................................... 6192
+//   8.1  stream loads and per-lane sums ...................................................... 6198
+//   8.2  Sinkhorn-Knopp ...................................................................... 6297
+//   8.3  mhc-dynamic's coefficients .......................................................... 6557
+//   8.4  mhc-dynamic's projection ............................................................ 6891
+//   8.5  stream mixing ....................................................................... 7382
+//   9    The decode megakernel ............................................................... 7786
+//   9.1  decode megakernel ................................................................... 7791
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -106,6 +108,16 @@ struct AttnLayouts {
   AttnLayout q, k, v, out, dout, dq, dk, dv;
 };
 
+// Dropout of one call (2.4, and attention's probabilities in 7): a kept value is multiplied by scale,
+// a dropped one by 0. rng points at the device's int64 {seed, offset} (read when the kernel runs, so a
+// CUDA graph replays fresh masks once the caller advances offset); salt tells a step's call sites apart.
+// An element is kept where its 16-bit draw (1.8) is >= threshold = round(p * 65536).
+struct DropoutArgs {
+  const int64_t* rng;  // nullptr: no dropout
+  uint32_t salt, threshold;
+  float scale;  // 1 / (1 - p); 0 at p = 1
+};
+
 // The launchers, section by section. Templates on the element type are built for float and
 // __nv_bfloat16 (the row ops for the pairs TI -> TO of FOR_ROW_TYPES). Each is defined below as
 // launch::name: a definition unlike its declaration here fails to compile (for a template, through the
@@ -124,6 +136,8 @@ template <class T> void swiglu_bwd(const T* a, const T* b, const T* dy, T* da, T
 template <class T>
 void rope(const T* x, const float* cos, const float* sin, T* out, int B, int H, int T_, int D, int64_t sb,
           int64_t sh, int64_t st, bool backward, cudaStream_t s);
+// x viewed as (rows, cols), contiguous; also the backward (the same mask applied to dy)
+template <class T> void dropout(const T* x, T* y, int64_t rows, int64_t cols, const DropoutArgs& d, cudaStream_t s);
 // 3. rows
 template <class TI, class TO>
 void softmax_fwd(const TI* x, TO* y, int R, int C, float scale, int sq, int offset, cudaStream_t s);
@@ -183,18 +197,21 @@ int64_t attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk, int D)
 int64_t attention_bwd_dq_sum_floats(int BH, int Sq, int D);
 void attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
                          const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
-                         bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s);
+                         bool precise, const int64_t* kv_len, const DropoutArgs& drop, float* workspace,
+                         cudaStream_t s);
 void attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
-                         int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s);
+                         int D, bool causal, float scale, const int64_t* kv_len, const DropoutArgs& drop,
+                         float* workspace, cudaStream_t s);
 void attention_bwd_fused(const float* q, const float* k, const float* v, const float* out, const float* dout,
                          const float* lse_log2, float* delta, float* dq, float* dk, float* dv, const AttnLayouts& l,
                          int BH, int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                         cudaStream_t s);
+                         const DropoutArgs& drop, cudaStream_t s);
 void attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                          const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
-                         int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s);
+                         int group, int Sq, int Sk, int D, bool causal, float scale, const DropoutArgs& drop,
+                         float* dq_sum, cudaStream_t s);
 // 8. hyper-connections (mhc.py)
 int64_t sinkhorn_workspace_floats(int M, int n, int iters);
 void sinkhorn_fwd(const float* logits, float* out, int M, int n, int iters, cudaStream_t s);
@@ -1182,6 +1199,71 @@ __device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t 
 
 constexpr int SMEM_BLOCK_MAX = 227 * 1024;  // the most shared memory a block may have (sm_90)
 
+// ------------------------------------------------------------------------------------------------
+// 1.8 random numbers: Philox4x32-10, dropout's draws
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011; cuRAND's and
+// PyTorch's CUDA generator) turns a 128-bit counter and a 64-bit key into 128 random bits in ten rounds of
+// two 32-bit multiplies. A draw is a pure function of where it is used, so a backward regenerates the
+// forward's mask instead of storing it, and any kernel can draw the same number for the same element.
+//
+// Dropout's draws: element (r, c) of a matrix of rows r and columns c, at a call site `salt` and the
+// rng's {seed, offset}, is 16-bit number lane(c) of
+//   philox(counter = {unit(c), r, salt, offset}, key = seed),
+//   unit(c) = (c / 32) * 4 + (c % 8) / 2,  lane(c) = (c / 8 % 4) * 2 + c % 2  (number i: bits 16i.. of the 128).
+// So one counter's 8 numbers fall on the 8 columns one thread of an mma.sync C fragment holds among 32
+// (columns 2t and 2t + 1 of four n8 tiles): attention draws a probability tile with one call per 8 of its
+// values. 16-bit numbers keep p to 1/65536 (FlashAttention-2 draws 8-bit ones).
+//
+// Twin: train.philox, train.dropout_keep (the same integers in PyTorch, bit for bit).
+
+__device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round) k = make_uint2(k.x + 0x9E3779B9u, k.y + 0xBB67AE85u);  // the key's Weyl sequence
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+  }
+  return c;
+}
+
+// A kernel's dropout, its {seed, offset} read once from the device.
+struct Dropout {
+  uint2 key;
+  uint32_t salt, offset, threshold;
+  float scale;
+  Dropout() = default;  // no dropout: never read
+  __device__ explicit Dropout(const DropoutArgs& d)
+      : key(make_uint2((uint32_t)d.rng[0], (uint32_t)((uint64_t)d.rng[0] >> 32))), salt(d.salt),
+        offset((uint32_t)d.rng[1]), threshold(d.threshold), scale(d.scale) {}
+  __device__ __forceinline__ static uint32_t unit(int64_t c) { return (uint32_t)((c >> 5) * 4 + ((c & 7) >> 1)); }
+  __device__ __forceinline__ static int lane(int64_t c) { return (int)(((c >> 3) & 3) * 2 + (c & 1)); }
+  // The 8 numbers of row r's counter u.
+  __device__ __forceinline__ uint4 draws(uint32_t r, uint32_t u) const { return philox(make_uint4(u, r, salt, offset), key); }
+  // The factor of the element whose number is lane i of draws d: scale where kept, 0 where dropped.
+  __device__ __forceinline__ float factor(const uint4& d, int i) const {
+    const uint32_t w = (i >> 1) == 0 ? d.x : (i >> 1) == 1 ? d.y : (i >> 1) == 2 ? d.z : d.w;
+    return ((w >> (16 * (i & 1))) & 0xFFFFu) >= threshold ? scale : 0.f;
+  }
+  // A 16 x 8NT tile of C fragments (rows row0: e < 2, row1: e >= 2; column c0 + 8j + 2t + (e & 1), c0 a
+  // multiple of 32) times its factors: two calls per 32 columns.
+  template <int NT>
+  __device__ __forceinline__ void apply(float (&s)[NT][4], uint32_t row0, uint32_t row1, int c0) const {
+    static_assert(NT % 4 == 0, "whole 32-column units");
+    const uint32_t t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < NT; j += 4) {
+      const uint32_t u = (uint32_t)((c0 + 8 * j) >> 5) * 4 + t;
+      const uint4 d0 = draws(row0, u), d1 = draws(row1, u);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        s[j + jj][0] *= factor(d0, 2 * jj); s[j + jj][1] *= factor(d0, 2 * jj + 1);
+        s[j + jj][2] *= factor(d1, 2 * jj); s[j + jj][3] *= factor(d1, 2 * jj + 1);
+      }
+    }
+  }
+};
+
 // ================================================================================================
 // 2. Elementwise
 // Each thread maps values to values; bound by memory, so the work is in the loads.
@@ -1447,6 +1529,61 @@ ONE_TEMPLATE(rope<float>);
 template void launch::rope<__nv_bfloat16>(const __nv_bfloat16*, const float*, const float*, __nv_bfloat16*, int, int, int,
                                           int, int64_t, int64_t, int64_t, bool, cudaStream_t);
 ONE_TEMPLATE(rope<__nv_bfloat16>);
+
+// ------------------------------------------------------------------------------------------------
+// 2.4 dropout
+// y = x * factor, the factor scale = 1 / (1 - p) where element (r, c) of x, seen as rows of its last dim,
+// is kept (1.8's draw >= threshold), 0 where dropped. The backward is the same kernel on dy: the mask is
+// drawn again, never stored. A thread owns 32 columns of a row: its 4 Philox calls give their 32 numbers.
+//
+// Twin: train.torch_dropout. Uses: 1.2 unpack16 / pack16, 1.8 Dropout.
+
+template <class T, bool VEC>
+__global__ void __launch_bounds__(256) dropout_kernel(const T* x, T* y, int64_t rows, int64_t cols, DropoutArgs a) {
+  const Dropout d(a);
+  const int64_t segs = (cols + 31) / 32, n = rows * segs;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / segs, c0 = i % segs * 32;
+    uint4 dr[4];  // counter unit(c0) + t holds the numbers of columns c0 + 8j + 2t + {0, 1}
+#pragma unroll
+    for (int t = 0; t < 4; ++t) dr[t] = d.draws((uint32_t)r, Dropout::unit(c0) + t);
+    const T* xr = x + r * cols + c0;
+    T* yr = y + r * cols + c0;
+    if (VEC && c0 + 32 <= cols) {
+      constexpr int W = per16<T>();
+#pragma unroll
+      for (int c = 0; c < 32; c += W) {
+        float v[W];
+        unpack16(*reinterpret_cast<const float4*>(xr + c), v);
+#pragma unroll
+        for (int w = 0; w < W; ++w) v[w] *= d.factor(dr[((c + w) & 7) >> 1], Dropout::lane(c + w));
+        *reinterpret_cast<float4*>(yr + c) = pack16(v);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < 32; ++c)
+        if (c0 + c < cols) yr[c] = from_float<T>(to_float(xr[c]) * d.factor(dr[(c & 7) >> 1], Dropout::lane(c)));
+    }
+  }
+}
+
+// x and y contiguous (rows, cols); 16-byte loads where rows start on 16 bytes.
+template <class T>
+void launch::dropout(const T* x, T* y, int64_t rows, int64_t cols, const DropoutArgs& d, cudaStream_t s) {
+  const int64_t n = rows * ((cols + 31) / 32);
+  if (n == 0) return;
+  const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 32 * num_sms());
+  if (aligned16(x) && aligned16(y) && cols % per16<T>() == 0)
+    dropout_kernel<T, true><<<blocks, 256, 0, s>>>(x, y, rows, cols, d);
+  else
+    dropout_kernel<T, false><<<blocks, 256, 0, s>>>(x, y, rows, cols, d);
+  check_launch("dropout");
+}
+template void launch::dropout<float>(const float*, float*, int64_t, int64_t, const DropoutArgs&, cudaStream_t);
+ONE_TEMPLATE(dropout<float>);
+template void launch::dropout<__nv_bfloat16>(const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t,
+                                             const DropoutArgs&, cudaStream_t);
+ONE_TEMPLATE(dropout<__nv_bfloat16>);
 
 // ================================================================================================
 // 3. Rows
@@ -4067,7 +4204,14 @@ void launch::matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const _
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
 // the online softmax, the splits and their merge do not depend on it.
 //
-// Twin: train.torch_attention (SDPA). Uses: 1.5 cp_async, 1.6 mma/mma_bf16/ldmatrix, 1.7 (Hopper).
+// Dropout on the probabilities (the mma.sync kernels' DROP; the Hopper ones have none, so a call with
+// dropout runs these): probability (i, j) of query head h is element ((b * H + h) * Sq + i, j) of 1.8's
+// draws. The forward multiplies P by its factors after the row sums took it whole; the backward draws them
+// again, multiplying dP (dO V^T is the gradient of the kept, scaled P) before dS = P (dP - delta), and
+// P before dV = P^T dO. delta = rowsum(dO * O) holds as it is: O is the output with dropout.
+//
+// Twin: train.torch_attention (SDPA; with dropout spelled out). Uses: 1.5 cp_async, 1.6 mma/mma_bf16/ldmatrix,
+// 1.7 (Hopper), 1.8 Dropout.
 
 // Elements of a shared-memory row holding D of them: one 16-byte chunk of padding.
 template <class T, int D>
@@ -4435,6 +4579,7 @@ struct AttnArgs {
   float *part_o, *part_lse_log2;    // forward with splits: each split's output and lse_log2 (workspace)
   bool causal;
   float scale, scale_log2;  // scale, and scale * log2(e)
+  DropoutArgs drop;         // on the probabilities, where the kernel's DROP is set
 };
 
 // Number of 'tile'-key tiles the queries [q0, q1) attend to, of Sk valid keys.
@@ -4531,7 +4676,7 @@ __device__ __forceinline__ void store_rows(const Rows& out, const float (&acc)[N
 // queries against a long cache), the key tiles are also split among `splits` blocks per row tile:
 // each writes its rows' output and lse_log2 over its keys to a workspace, and attention_combine_kernel
 // merges them in split order (deterministic).
-template <class Ops, int MT>
+template <class Ops, int MT, bool DROP>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<typename Ops::T> p,
                                                                      int kv_heads) {
   using T = typename Ops::T;
@@ -4567,6 +4712,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
   const int r_last = min(r0 + BM - 1, R - 1);
   const bool one_head = r0 / p.Sq == r_last / p.Sq;
   const int qmin = one_head ? r0 % p.Sq : 0, qmax = one_head ? r_last % p.Sq : p.Sq - 1;
+  // Dropout's row of a probability: (b * H + h) * Sq + query, which is kvh * R + row (kvh counts the batch).
+  const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
+  const uint32_t drop_row = (uint32_t)((int64_t)kvh * R);
 
   float o[MT][D / 8][4] = {};
   float m0[MT], m1[MT], l0[MT], l1[MT];
@@ -4620,6 +4768,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_fwd_kernel(AttnArgs<ty
       for (int n = 0; n < D / 8; ++n) {
         o[mt][n][0] *= a0; o[mt][n][1] *= a0; o[mt][n][2] *= a1; o[mt][n][3] *= a1;
       }
+      // The row sums l above hold every probability; the output sums the kept ones, scaled.
+      if constexpr (DROP) drop.apply(s[mt], drop_row + row0[mt], drop_row + row0[mt] + 8, k0);
     }
 
     if (STAGES == 1) tiles_landed<Ops, 1>();  // this V tile has landed
@@ -4765,7 +4915,7 @@ __device__ __forceinline__ void softmax_grad_tile(const AttnArgs<T>& p, float (&
 // dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q. Each block writes its own rows of dK and dV, summed
 // over the group in a fixed order: no atomics, deterministic. Tile i's Q, dO, lse_log2 and delta load
 // into stage i % STAGES.
-template <class Ops, int BQ, int STAGES>
+template <class Ops, int BQ, int STAGES, bool DROP>
 __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int kvh,
                                                   int kblock) {
   using T = typename Ops::T;
@@ -4783,7 +4933,11 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
   // (< Sq) of each query head sharing this K/V head, in head order. The loads walk them with a cursor
   // (hq_load, q0_load): an add per tile, a head's row addresses looked up when it starts.
   const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
-  const int tiles = p.group * ((p.Sq - qstart + BQ - 1) / BQ);
+  const int head_tiles = (p.Sq - qstart + BQ - 1) / BQ, tiles = p.group * head_tiles;
+  // Dropout: this thread's keys key0 and key0 + 8 take numbers lane(key0) and lane(key0) + 2 of one counter.
+  const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
+  const uint32_t drop_unit = Dropout::unit(key0);
+  const int drop_lane = Dropout::lane(key0);
   int hq_load = kvh * p.group, q0_load = qstart;
   AttnRows<const T> q_rows = attn_rows(p.q, p.lq, hq_load), do_rows = attn_rows(p.dout, p.ldout, hq_load);
   auto load_next = [&](int st) {
@@ -4832,11 +4986,24 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
         const float lq[4] = {l2.x, l2.y, l2.x, l2.y}, dq[4] = {d2.x, d2.y, d2.x, d2.y};
         float sj[1][4] = {{s[j][0], s[j][1], s[j][2], s[j][3]}};
         float dj[1][4] = {{dp[j][0], dp[j][1], dp[j][2], dp[j][3]}};
+        // With dropout, dP (of the kept probabilities) is dP' * factor, and dV's P is P * factor.
+        float z[4] = {1.f, 1.f, 1.f, 1.f};
+        if constexpr (DROP) {
+          const int64_t row = (int64_t)(kvh * p.group + i / head_tiles) * p.Sq + q0 + j * 8 + 2 * t;
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const uint4 d = drop.draws((uint32_t)(row + b), drop_unit);
+            z[b] = drop.factor(d, drop_lane);
+            z[b + 2] = drop.factor(d, drop_lane + 2);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dj[0][e] *= z[e];
+        }
         softmax_grad_tile<decltype(masked)::value>(p, sj, dj,
             [&](int, int e) { return q0 + j * 8 + 2 * t + (e & 1); },
             [&](int, int e) { return key0 + (e < 2 ? 0 : 8); }, lq, dq);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e]; dp[j][e] = dj[0][e]; }
+        for (int e = 0; e < 4; ++e) { s[j][e] = sj[0][e] * z[e]; dp[j][e] = dj[0][e]; }
       }
     };
     if (q0 + BQ > p.Sq || k0 + 64 > p.Sk || (p.causal && k0 + 63 > q0 + offset)) grads(std::true_type{});
@@ -4855,7 +5022,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
 // dQ for 64 queries per block over key tiles of BK: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 // Recomputing S and dP here (instead of atomically adding dQ in the dK/dV kernel) keeps dQ
 // deterministic. Key tile kt's K and V load into stage kt % STAGES.
-template <class Ops, int BK, int STAGES>
+template <class Ops, int BK, int STAGES, bool DROP>
 __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>& p, unsigned char* smem, int bh,
                                                  int qblock) {
   using T = typename Ops::T;
@@ -4875,6 +5042,8 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
   const float dl[4] = {row0 < p.Sq ? p.delta[qbase + row0] : 0.f, 0.f,
                        row0 + 8 < p.Sq ? p.delta[qbase + row0 + 8] : 0.f, 0.f};
   const float delta[4] = {dl[0], dl[0], dl[2], dl[2]};
+  const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
+  const uint32_t drop_row = (uint32_t)((int64_t)bh * p.Sq + row0);
   auto load_tile = [&](int kt, int st) {
     T* Ks = KV + st * 2 * BK * LD;
     load_rows_async<BK, Ops>(Ks, k, kt * BK, p.Sk);
@@ -4897,6 +5066,7 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
     float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
     Ops::template a_times_bt<BK / 8>(s, Qs, warp * 16, Ks);
     Ops::template a_times_bt<BK / 8>(dp, dOs, warp * 16, Vs);
+    if constexpr (DROP) drop.apply(dp, drop_row, drop_row + 8, k0);  // dP of the kept probabilities
     auto qidx = [&](int, int e) { return row0 + (e < 2 ? 0 : 8); };
     auto kidx = [&](int j, int e) { return k0 + j * 8 + 2 * t + (e & 1); };
     if (q0 + 64 > p.Sq || k0 + BK > p.Sk || (p.causal && k0 + BK - 1 > q0 + offset))
@@ -4917,7 +5087,7 @@ __device__ __forceinline__ void attention_bwd_dq(const AttnArgs<typename Ops::T>
 // rest dQ for a query block (heaviest causal ones first). Sharing the grid lets the two halves
 // fill each other's last wave, and both need the same shared memory at the chosen tile sizes.
 // bh runs over the query heads; with grouped K/V heads only the first BH / group have a dK/dV block.
-template <class Ops, int BQ, int BK, int STAGES>
+template <class Ops, int BQ, int BK, int STAGES, bool DROP>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<typename Ops::T> p, int BH,
                                                                      int kv_blocks) {
   extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -4925,9 +5095,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_bwd_kernel(AttnArgs<ty
   // x: (query head bh, block y) with the heads fastest (attention_bwd_dispatch)
   const int bh = blockIdx.x % BH, y = blockIdx.x / BH, blocks_y = gridDim.x / BH;
   if (y < kv_blocks) {
-    if (bh < BH / p.group) attention_bwd_dkv<Ops, BQ, STAGES>(p, smem, bh, y);
+    if (bh < BH / p.group) attention_bwd_dkv<Ops, BQ, STAGES, DROP>(p, smem, bh, y);
   } else {
-    attention_bwd_dq<Ops, BK, STAGES>(p, smem, bh, blocks_y - 1 - y);
+    attention_bwd_dq<Ops, BK, STAGES, DROP>(p, smem, bh, blocks_y - 1 - y);
   }
 }
 
@@ -4950,18 +5120,21 @@ static AttnArgs<T> attn_args(int Sq, int Sk, int group, bool causal, float scale
 // fastest (the order of a 2-D grid's blocks): grid.y would stop at 65535 row blocks, 4.2M rows. Rows
 // that fit one block of 64 (decoding) take MT = 1: the kernel is then bound by reading K and V, and
 // more blocks fit on an SM.
-template <class Ops, int MT>
+template <class Ops, int MT, bool DROP>
 static void attention_fwd_launch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
   const size_t smem = attn_smem_bytes<Ops>(64 * MT + attn_stages<Ops>(64 * MT, 128) * 128);
   const int64_t blocks = (int64_t)kv_heads * ceil_div((int64_t)p.group * p.Sq, 64 * MT);
   const dim3 grid(grid_x(blocks, "attention_fwd_fused"), 1, splits);
-  raise_smem_limit<attention_fwd_kernel<Ops, MT>>(smem);
-  launch_pdl(attention_fwd_kernel<Ops, MT>, grid, dim3(ATTN_THREADS), smem, s, p, kv_heads);
+  raise_smem_limit<attention_fwd_kernel<Ops, MT, DROP>>(smem);
+  launch_pdl(attention_fwd_kernel<Ops, MT, DROP>, grid, dim3(ATTN_THREADS), smem, s, p, kv_heads);
 }
 template <class Ops>
 static void attention_fwd_dispatch(const AttnArgs<typename Ops::T>& p, int kv_heads, int splits, cudaStream_t s) {
-  if (Ops::MT > 1 && (int64_t)p.group * p.Sq > 64) attention_fwd_launch<Ops, Ops::MT>(p, kv_heads, splits, s);
-  else attention_fwd_launch<Ops, 1>(p, kv_heads, splits, s);
+  with_flag(p.drop.rng != nullptr, [&](auto drop) {
+    constexpr bool DROP = decltype(drop)::value;
+    if (Ops::MT > 1 && (int64_t)p.group * p.Sq > 64) attention_fwd_launch<Ops, Ops::MT, DROP>(p, kv_heads, splits, s);
+    else attention_fwd_launch<Ops, 1, DROP>(p, kv_heads, splits, s);
+  });
 }
 
 // Splits of the key tiles per forward block (see attention_fwd_kernel): 1 when the row tiles alone
@@ -4986,11 +5159,14 @@ static void attention_bwd_dispatch(const AttnArgs<typename Ops::T>& p, int BH, c
   constexpr size_t smem_q = attn_smem_bytes<Ops>(128 + STAGES * 2 * BK);
   const int kv_blocks = ceil_div(p.Sk, 64), q_blocks = ceil_div(p.Sq, 64);
   constexpr size_t smem = std::max(smem_kv, smem_q);
-  raise_smem_limit<attention_bwd_kernel<Ops, BQ, BK, STAGES>>(smem);
   // (query heads x blocks) folded into x as in attention_fwd_launch: a grid.y of kv_blocks + q_blocks
   // stopped at 65535, 4.2M keys (or 2.1M keys and queries each)
   const unsigned grid = grid_x((int64_t)BH * (kv_blocks + q_blocks), "attention_bwd_fused");
-  attention_bwd_kernel<Ops, BQ, BK, STAGES><<<grid, ATTN_THREADS, smem, s>>>(p, BH, kv_blocks);
+  with_flag(p.drop.rng != nullptr, [&](auto drop) {
+    constexpr bool DROP = decltype(drop)::value;
+    raise_smem_limit<attention_bwd_kernel<Ops, BQ, BK, STAGES, DROP>>(smem);
+    attention_bwd_kernel<Ops, BQ, BK, STAGES, DROP><<<grid, ATTN_THREADS, smem, s>>>(p, BH, kv_blocks);
+  });
   check_launch("attention_bwd");
 }
 
@@ -5917,7 +6093,7 @@ int64_t launch::attention_fwd_workspace_floats(int BH, int group, int Sq, int Sk
 template <class T>
 static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse_log2, const AttnLayouts& l, int BH,
                           int group, int Sq, int Sk, int D, bool causal, float scale, bool precise,
-                          const int64_t* kv_len, float* workspace, cudaStream_t s) {
+                          const int64_t* kv_len, const DropoutArgs& drop, float* workspace, cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_fwd_fused");
   // The forward's row max over raw scores needs scale > 0. A negative scale is the caller's to turn
@@ -5927,9 +6103,10 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
   scale = std::max(scale, FLT_MIN);
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse_log2 = lse_log2; p.kv_len = kv_len;
-  p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out;
+  p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.drop = drop;
+  // Dropout runs on the mma.sync kernels (7.2, 7.3), the Hopper ones have none.
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (attention_fwd_tma(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, p.scale_log2, kv_len, workspace,
+    if (!drop.rng && attention_fwd_tma(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, p.scale_log2, kv_len, workspace,
                           s)) {
       check_launch("attention_fwd_fused");
       return;
@@ -5957,19 +6134,22 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
 // kv_len: nullptr, or a device pointer to the number of valid keys (see the section comment).
 void launch::attention_fwd_fused(const float* q, const float* k, const float* v, float* out, float* lse_log2,
                                  const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal, float scale,
-                                 bool precise, const int64_t* kv_len, float* workspace, cudaStream_t s) {
-  attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, workspace, s);
+                                 bool precise, const int64_t* kv_len, const DropoutArgs& drop, float* workspace,
+                                 cudaStream_t s) {
+  attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, precise, kv_len, drop, workspace, s);
 }
 void launch::attention_fwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                                  __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
-                                 int D, bool causal, float scale, const int64_t* kv_len, float* workspace, cudaStream_t s) {
-  attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, false, kv_len, workspace, s);
+                                 int D, bool causal, float scale, const int64_t* kv_len, const DropoutArgs& drop,
+                                 float* workspace, cudaStream_t s) {
+  attention_fwd(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, scale, false, kv_len, drop, workspace, s);
 }
 
 template <class T>
 static void attention_bwd(const T* q, const T* k, const T* v, const T* out, const T* dout, const float* lse_log2,
                           float* delta, T* dq, T* dk, T* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk,
-                          int D, bool causal, float scale, bool precise, float* dq_sum, cudaStream_t s) {
+                          int D, bool causal, float scale, bool precise, const DropoutArgs& drop, float* dq_sum,
+                          cudaStream_t s) {
   if (BH == 0 || Sq == 0) return;
   require_tensor_cores("attention_bwd_fused");
   const int64_t rows = (int64_t)BH * Sq;
@@ -5980,8 +6160,9 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse_log2 = const_cast<float*>(lse_log2);
   p.delta = delta; p.dq = dq; p.dk = dk; p.dv = dv;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.ldout = l.dout; p.ldq = l.dq; p.ldk = l.dk; p.ldv = l.dv;
+  p.drop = drop;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, dq_sum,
+    if (!drop.rng && attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, dq_sum,
                           s))
       return;
   }
@@ -5994,16 +6175,17 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
 void launch::attention_bwd_fused(const float* q, const float* k, const float* v, const float* out,
                                  const float* dout, const float* lse_log2, float* delta, float* dq, float* dk,
                                  float* dv, const AttnLayouts& l, int BH, int group, int Sq, int Sk, int D, bool causal,
-                                 float scale, bool precise, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise,
+                                 float scale, bool precise, const DropoutArgs& drop, cudaStream_t s) {
+  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, precise, drop,
                 nullptr, s);
 }
 void launch::attention_bwd_fused(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                                  const __nv_bfloat16* out, const __nv_bfloat16* dout, const float* lse_log2, float* delta,
                                  __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH,
-                                 int group, int Sq, int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
-  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, dq_sum,
-                s);
+                                 int group, int Sq, int Sk, int D, bool causal, float scale, const DropoutArgs& drop,
+                                 float* dq_sum, cudaStream_t s) {
+  attention_bwd(q, k, v, out, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, false, drop,
+                dq_sum, s);
 }
 
 // ================================================================================================

@@ -1041,7 +1041,7 @@ def bench_bf16_rows(rows, op, f, ins):
 
 # --bench's tables, in the order it prints them; each op's block adds its functions with @bench_rows(table).
 BENCH_TABLES = {table: [] for table in ("ops", "overhead", "attention", "attention_bf16", "attention gqa",
-                                        "megakernel", "mhc_profile", "ddp")}
+                                        "attention dropout", "megakernel", "mhc_profile", "ddp")}
 
 
 def bench_rows(table):
@@ -1325,6 +1325,159 @@ def bench_rope(rows):
     for pas in ("fwd", "bwd"):
         bench_op(rows, "rope", f"{B}x{H}x{T}x{D} qkv view", pas, lambda ops, x: ops.rope(x, cos, sin), [x],
                  4 * 2 * x.numel(), "GB/s")
+
+
+# ==== op: dropout ====
+# dropout against its twin bit for bit (train.torch_dropout: Philox4x32-10 in PyTorch), forward and backward,
+# in fp32 and bf16, at awkward sizes; the masks' keep rate within binomial bounds at every column position,
+# the scaling by 1 / (1 - p), p = 0 and 1, fresh masks under CUDA-graph replay; the twin's Philox against
+# Random123's known answers (CPU); its bad inputs, opcheck arguments and bench rows.
+
+
+def dropout_rng(seed=1234, offset=0):
+    return torch.tensor([seed, offset], device=DEV)
+
+
+def t_dropout(shape, p, dtype=torch.float32, salt=0, layout="contiguous"):
+    # misaligned: 4 bytes into an allocation (the kernel's scalar path); the mask is a function of (row, column)
+    # of the last dim, so a strided x (a transpose, copied first) must give the twin's mask of its own shape
+    x = (misaligned(*shape) if layout == "misaligned" else rand(*shape).t() if layout == "transposed"
+         else rand(*shape)).to(dtype)
+    rng = dropout_rng(seed=-977 * (1 + salt), offset=2**31 + 5)  # a negative seed: its high word is used too
+    leaf = lambda: x.detach().clone().requires_grad_()
+    a, b = leaf(), leaf()
+    ours, twin = kernels.dropout(a, p, rng, salt), train.torch_dropout(b, p, rng, salt)
+    assert ours.dtype == dtype and ours.shape == x.shape, (ours.dtype, ours.shape)
+    assert torch.equal(ours, twin), f"not bit-equal to the twin: {int((ours != twin).sum())} of {x.numel()} differ"
+    dy = rand(*x.shape).to(dtype)
+    ours.backward(dy)
+    twin.backward(dy)
+    assert torch.equal(a.grad, b.grad), f"dx not bit-equal: {int((a.grad != b.grad).sum())} of {x.numel()} differ"
+    kept = ours != 0
+    if dtype == torch.float32:  # every kept value is x * fp32(1 / (1 - p)) exactly, every other one 0
+        scale = torch.tensor(1 / (1 - p) if p < 1 else 0.0, dtype=torch.float32)
+        assert torch.equal(ours[kept], x[kept] * scale.to(DEV)), "a kept value is not x / (1 - p)"
+    # against float64: a kept value's one rounding of x * scale, half an fp32 ulp
+    compare(lambda ops, x: ops.dropout(x, p, rng, salt), (0.0, 2**-24), (0.0, 2**-24), x=x.float())
+    return f"bit-equal forward and backward; kept {kept.float().mean().item():.4f} (1 - p = {1 - p:.4f})"
+
+
+for _shape, _p in (((1,), 0.5), ((17, 33), 0.2), ((3, 1001), 0.1), ((5, 7, 37), 0.9), ((8192, 768), 0.2),
+                   ((64, 32), 0.999), ((31, 65), 0.0), ((2, 3), 1.0)):
+    add("dropout/" + "x".join(map(str, _shape)) + f"_p{_p}", t_dropout, _shape, _p)
+add("dropout/37x1000_p0.3_misaligned", t_dropout, (37, 1000), 0.3, layout="misaligned")
+add("dropout/100x37_p0.3_transposed", t_dropout, (100, 37), 0.3, layout="transposed")
+add("dropout/17x33_p0.2_salt7", t_dropout, (17, 33), 0.2, salt=7)
+add("empty/dropout_0x64", t_dropout, (0, 64), 0.2)
+for _shape, _p in (((17, 33), 0.2), ((3, 1001), 0.5), ((8192, 768), 0.1)):
+    add("dropout_bf16/" + "x".join(map(str, _shape)) + f"_p{_p}", t_dropout, _shape, _p, dtype=BF16)
+
+
+def t_dropout_keep_rate(p):
+    # 2^22 draws: the kept count within 6 sigma of n (1 - p), p held to 1/65536 (the 16-bit draws); and
+    # at each of the 32 column positions of a counter's unit, and for each of 8 salts: a lane that reused
+    # another's bits, or a salt that changed nothing, shows up as a rate or an overlap off its binomial
+    R, C = 4096, 1024
+    ones = torch.ones(R, C, device=DEV)
+    q = round(p * 65536) / 65536  # the drop probability the 16-bit threshold gives
+    masks = [kernels.dropout(ones, p, dropout_rng(), salt) != 0 for salt in range(8)]
+    n, kept = R * C, masks[0].sum().item()
+    sigma = math.sqrt(n * q * (1 - q))
+    assert abs(kept - n * (1 - q)) <= 6 * sigma, f"kept {kept} of {n}, expected {n * (1 - q):.0f} +- {6 * sigma:.0f}"
+    by_col = masks[0].view(R, C // 32, 32).sum((0, 1)).double()  # kept at column position c % 32
+    per, sigma_col = n / 32, math.sqrt(n / 32 * q * (1 - q))
+    worst_col = (by_col - per * (1 - q)).abs().max().item()
+    assert worst_col <= 6 * sigma_col, f"a column position's keep count is {worst_col:.0f} off ({6 * sigma_col:.0f})"
+    both = max((a & b).sum().item() for i, a in enumerate(masks) for b in masks[i + 1:])
+    expect, sigma_both = n * (1 - q) ** 2, math.sqrt(n * (1 - q) ** 2 * (1 - (1 - q) ** 2))
+    assert abs(both - expect) <= 6 * sigma_both + 1, f"two salts keep {both} together, expected {expect:.0f}"
+    return (f"kept {kept} of {n} ({abs(kept - n * (1 - q)) / sigma:.1f} sigma); worst column position "
+            f"{worst_col / sigma_col:.1f} sigma; two salts' overlap {both}, expected {expect:.0f}")
+
+
+for _p in (0.1, 0.5, 0.97):
+    add(f"dropout/keep_rate_p{_p}", t_dropout_keep_rate, _p)
+
+
+def t_dropout_graph_replay():
+    # rng's offset advanced inside a CUDA graph: each replay draws the next step's masks, as the twin
+    # computes them for that offset (a kernel reading {seed, offset} at capture would repeat one mask)
+    x, rng = rand(64, 100), dropout_rng(offset=0)
+    y = kernels.dropout(x, 0.5, rng, 3)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rng[1:].add_(1)
+        y = kernels.dropout(x, 0.5, rng, 3)
+    outs = []
+    for step in range(1, 4):
+        graph.replay()
+        outs.append(y.clone())
+        assert torch.equal(outs[-1], train.torch_dropout(x, 0.5, dropout_rng(offset=step), 3)), f"replay {step}"
+    assert not torch.equal(outs[0], outs[1]), "two replays drew the same mask"
+    return f"3 replays, offsets 1..3, each the twin's mask"
+
+
+add("dropout/graph_replay", t_dropout_graph_replay)
+
+
+def dropout_philox_known_answers():
+    # Random123's known-answer vectors for Philox4x32-10 (kat_vectors): counter, key -> output
+    kat = [((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+           ((0xffffffff,) * 4, (0xffffffff,) * 2, (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+           ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+            (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1))]
+    for ctr, key, want in kat:
+        got = tuple(int(w) for w in train.philox(tuple(map(torch.tensor, ctr)), tuple(map(torch.tensor, key))))
+        assert got == want, f"philox({ctr}, {key}) = {tuple(map(hex, got))}, expected {tuple(map(hex, want))}"
+    return f"{len(kat)} known answers"
+
+
+add("dropout/philox_known_answers", dropout_philox_known_answers, gpu=False)
+
+bad_inputs(
+    ("dropout_p_above_1", ValueError, lambda: kernels.dropout(rand(4, 8), 1.5, dropout_rng()), ("dropout", "p")),
+    ("dropout_p_negative", ValueError, lambda: kernels.dropout(rand(4, 8), -0.1, dropout_rng()), ("dropout", "p")),
+    ("dropout_rng_shape", RuntimeError, lambda: kernels.dropout(rand(4, 8), 0.5, torch.tensor([1], device=DEV)),
+     ("dropout", "rng")),
+    ("dropout_rng_float", RuntimeError, lambda: kernels.dropout(rand(4, 8), 0.5, rand(2)), ("dropout", "rng")),
+    ("dropout_rng_cpu", RuntimeError, lambda: kernels.dropout(rand(4, 8), 0.5, torch.tensor([1, 2])),
+     ("dropout", "rng")),
+    ("dropout_salt_negative", ValueError, lambda: kernels.dropout(rand(4, 8), 0.5, dropout_rng(), -1),
+     ("dropout", "salt")),
+    ("dropout_float64_x", RuntimeError, lambda: kernels.dropout(rand(4, 8).double(), 0.5, dropout_rng()),
+     ("dropout", "x")),
+)
+
+
+@opcheck_args
+def opcheck_dropout(dt):
+    return [("dropout", torch.ops.kernels.dropout, (_leaf(5, 7, 37, dtype=dt), 0.3, dropout_rng(), 2), {})]
+
+
+def dropout_check(ours, theirs, tol):
+    """Ours and PyTorch's F.dropout draw different masks: their dropped fractions agree within tol."""
+    frac = lambda t: (t[0] if isinstance(t, tuple) else t).eq(0).float().mean().item()
+    a, b = frac(ours), frac(theirs)
+    return abs(a - b) <= tol, f"dropped {a:.4f} vs {b:.4f}"
+
+
+@bench_rows("ops")
+def bench_dropout(rows):
+    # dropout at p = 0.1 against F.dropout (PyTorch's fused kernel, which also writes its mask) on the
+    # 256 MB rows where the copy's rate is measured: fwd reads x and writes y; bwd reads dy, writes dx
+    R, C = 16384, 4096
+    x, rng = rand(R, C), dropout_rng()
+    copy_rate = copy_rate_for(rows, x, ["dropout"])
+
+    def f(ops, x):
+        return kernels.dropout(x, 0.1, rng) if ops is kernels else F.dropout(x, 0.1, training=True)
+    for pas in ("fwd", "bwd"):
+        bench_op(rows, "dropout", f"{R}x{C}", pas, f, [x], 2 * 4 * R * C, "GB/s", tol=2e-3, check_fn=dropout_check,
+                 copy_rate=copy_rate if pas == "fwd" else None)
+    xb = x.bfloat16()
+    for pas in ("fwd", "bwd"):
+        bench_op(rows, "dropout bf16", f"{R}x{C}", pas, f, [xb], 2 * 2 * R * C, "GB/s", tol=2e-3,
+                 check_fn=dropout_check)
 
 
 # ==== op: softmax ====
@@ -2822,6 +2975,92 @@ def t_attention_joined_split():
 add("attention/fused-fp32/joined_split", t_attention_joined_split)
 
 
+def t_attention_dropout(dtype, B, H, Sq, Sk, D, causal, p=0.2, kv_heads=None, packed=False):
+    """Dropout on the probabilities inside the fused kernels, against the twin's spelled-out attention with the
+    same masks (train.torch_attention: rows (b * H + h) * Sq + i of Sk columns), forward and backward: a
+    kernel that skipped the dropout, or drew another mask, is off by whole probabilities. The outputs grow by
+    1 / (1 - p), and so do the tolerances."""
+    Hkv = kv_heads or H
+    rng, salt = dropout_rng(seed=4321, offset=77), 5
+    grow = 1 / (1 - p)
+
+    def f(ops, q, k, v):
+        return ops.attention(q, k, v, causal=causal, dropout_p=p, rng=rng, salt=salt)
+    if packed:
+        q, k, v = packed_qkv(B, Sq, H, Hkv, D)
+    else:
+        q, k, v = rand(B, H, Sq, D), rand(B, Hkv, Sk, D), rand(B, Hkv, Sk, D)
+    if dtype == torch.float32:
+        tol, g = ATTN_TOL["fused-fp32"]
+        group = math.sqrt(H // Hkv)
+        compare(f, tol * grow, dict(q=g * grow, k=g * grow * group, v=g * grow * group), q=q, k=k, v=v)
+    else:
+        tol = {n: (a * grow, r) for n, (a, r) in attn_bf16_tol(1, H // Hkv).items()}
+        compare_bf16(f, D, tol=tol, hopper=False, q=q, k=k, v=v)
+    with torch.no_grad():  # the dropout did something: without it the output differs
+        q0, k0, v0 = (t.to(dtype) for t in (q, k, v))
+        moved = (kernels.attention(q0, k0, v0, causal=causal, dropout_p=p, rng=rng, salt=salt)
+                 - kernels.attention(q0, k0, v0, causal=causal)).abs().max().item()
+    assert p == 0 or moved > 0, "dropout_p changed nothing"
+    return f"|out with dropout - without| up to {moved:.2f}"
+
+
+for _dt, _B, _H, _Sq, _Sk, _D, _causal, _extra in (
+        (torch.float32, 1, 1, 1, 1, 64, False, {}),
+        (torch.float32, 2, 3, 17, 17, 32, _C, {}),
+        (torch.float32, 2, 3, 17, 70, 96, _C, {}),
+        (torch.float32, 2, 3, 64, 64, 128, False, {}),
+        (torch.float32, 2, 3, 1000, 1000, 64, _C, {}),
+        (torch.float32, 2, 3, 100, 100, 64, _C, dict(p=0.9)),
+        (torch.float32, 2, 3, 1, 300, 64, _C, {}),
+        (torch.float32, 2, 8, 129, 129, 64, _C, dict(kv_heads=2)),
+        (torch.float32, 1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
+        (BF16, 2, 3, 17, 17, 64, _C, {}),
+        (BF16, 2, 3, 1000, 1000, 64, _C, {}),
+        (BF16, 2, 3, 256, 256, 128, False, {}),
+        (BF16, 2, 8, 300, 300, 32, _C, dict(kv_heads=2)),
+        (BF16, 2, 3, 200, 200, 96, _C, dict(p=0.9)),
+        (BF16, 8, 6, 256, 256, 64, _C, dict(packed=True))):
+    _name = (f"attention/dropout-{'bf16' if _dt == BF16 else 'fp32'}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}"
+             + "_causal" * _causal + "".join(f"_{k}" if v is True else f"_{k}{v}" for k, v in _extra.items()))
+    add(_name, t_attention_dropout, _dt, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def t_attention_dropout_graph_replay():
+    # the training step's use: forward and backward captured with the offset's advance; every replay the
+    # twin's output and gradients at that offset
+    B, H, S, D = 2, 3, 40, 64
+    q, k, v, dy = (rand(B, H, S, D) for _ in range(4))
+    rng = dropout_rng(offset=0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        rng[1:].add_(1)
+        out = kernels.attention(*leaves, causal=True, dropout_p=0.3, rng=rng, salt=1)
+        return (out, *torch.autograd.grad(out, leaves, dy))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    worst = 0.0
+    for offset in (2, 3):  # the warm-up took 1
+        graph.replay()
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = train.torch_attention(*ref_in, causal=True, dropout_p=0.3, rng=dropout_rng(offset=offset), salt=1)
+        refs = (ref, *torch.autograd.grad(ref, ref_in, dy.double()))
+        for label, a, r in zip(("out", "dq", "dk", "dv"), static, refs, strict=True):
+            check(f"{label}@offset{offset}", a, r, 1e-3)
+            worst = max(worst, (a.double() - r).abs().max().item())
+    return f"2 replays against the twin at offsets 2, 3: max |err| {worst:.1e}"
+
+
+add("attention/dropout-fp32/graph_replay", t_attention_dropout_graph_replay)
+
+
 def t_attention_kv_len(H, Sq, capacity, n_valid, D, causal=True, kv_heads=None):
     # A preallocated cache: keys past kv_len hold garbage (large values) that must not leak in.
     k, v = rand(1, kv_heads or H, capacity, D), rand(1, kv_heads or H, capacity, D)
@@ -3205,6 +3444,14 @@ bad_inputs(
      ("attention", "mode", "flash")),
     ("attention_precision_fp16", ValueError,
      lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), precision="fp16"), ("attention", "precision", "fp16")),
+    # dropout: fused mode, with an rng, p in [0, 1]
+    ("attention_dropout_tiled", ValueError,
+     lambda: kernels.attention(*_qkv(*[(1, 2, 5, 48)] * 3), mode="tiled", dropout_p=0.1, rng=dropout_rng()),
+     ("attention", "dropout_p", "fused")),
+    ("attention_dropout_no_rng", RuntimeError, lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), dropout_p=0.1),
+     ("attention", "rng", "None")),
+    ("attention_dropout_p_above_1", ValueError,
+     lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), dropout_p=1.5, rng=dropout_rng()), ("attention", "p")),
     # kv_len: one int64 on q's GPU, fused mode, no gradient
     ("attention_kv_len_int32", RuntimeError,
      lambda: kernels.attention(*_qkv((1, 2, 1, 32), (1, 2, 9, 32), (1, 2, 9, 32)), causal=True, kv_len=_pos(5).int()),
@@ -3229,12 +3476,14 @@ def opcheck_attention(dt):
     plain, k = _plain(dt), torch.ops.kernels
     q, kk, v = _leaf(2, 4, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt), _leaf(2, 2, 17, 64, dtype=dt)
     pq, pk, pv = plain(2, 4, 17, 64), plain(2, 2, 17, 64), plain(2, 2, 17, 64)
-    out, lse_log2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None)
+    out, lse_log2 = k.attention_fused(pq, pk, pv, True, 0.125, True, None, 0.0, None, 0)
+    rng = dropout_rng()
     cases = [("attention_causal_gqa", k.attention, (q, kk, v), {"causal": True}),
              ("attention_added_dq", k.attention, (q, kk, v), {"causal": True, "deterministic": False}),
-             ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None), {}),
+             ("attention_dropout", k.attention, (q, kk, v), {"causal": True, "dropout_p": 0.2, "rng": rng, "salt": 3}),
+             ("attention_fused", k.attention_fused, (pq, pk, pv, True, 0.125, True, None, 0.2, rng, 3), {}),
              ("attention_fused_backward", k.attention_fused_backward,
-              (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True, True), {}),
+              (pq, pk, pv, out, lse_log2, plain(2, 4, 17, 64), True, 0.125, True, True, 0.2, rng, 3), {}),
              ("attention_kv_len", k.attention, (pq[:, :, :1], pk, pv),
               {"causal": True, "kv_len": torch.tensor([9], device=DEV)})]
     qkv = _leaf(2, 17, (4 + 2 + 2) * 64, dtype=dt)  # the model's q, k, v: views of one projection
@@ -3242,9 +3491,9 @@ def opcheck_attention(dt):
     cases.append(("attention_packed_qkv", k.attention, (pq2, pk2, pv2), {"causal": True}))
     packed = plain(2, 17, (4 + 2 + 2) * 64)  # the backward of q, k, v viewed from one buffer writes one buffer
     pq3, pk3, pv3 = (t.view(2, 17, -1, 64).transpose(1, 2) for t in packed.split([4 * 64, 2 * 64, 2 * 64], -1))
-    out3, lse3 = k.attention_fused(pq3, pk3, pv3, True, 0.125, True, None)
+    out3, lse3 = k.attention_fused(pq3, pk3, pv3, True, 0.125, True, None, 0.0, None, 0)
     cases.append(("attention_fused_backward_packed", k.attention_fused_backward_packed,
-                  (pq3, pk3, pv3, out3, lse3, plain(2, 4, 17, 64), True, 0.125, True, True), {}))
+                  (pq3, pk3, pv3, out3, lse3, plain(2, 4, 17, 64), True, 0.125, True, True, 0.0, None, 0), {}))
     if dt == torch.float32:  # tiled attention takes float32 only
         tiled_qkv = (plain(2, 4, 9, 40), plain(2, 2, 11, 40), plain(2, 2, 11, 40))
         cases += [("attention_tiled", k.attention, (_leaf(2, 4, 9, 40), _leaf(2, 2, 11, 40), _leaf(2, 2, 11, 40)),
@@ -3437,6 +3686,44 @@ def bench_attention_bf16(rows):
 GQA_BENCH = (4, 8, 2)  # B, H_q, H_kv: four query heads share each K/V head
 GQA_BENCH_S = (1024, 4096)
 GQA_DECODE_S = (256, 1024, 8192)  # one query per head against a cache this long, D 128, H_kv 8 (MHA) and 2
+
+
+ATTN_DROPOUT_P = 0.1
+ATTN_DROPOUT_BENCH = [(64, 6, 256, 64, True), (16, 16, 1024, 64, True), (16, 16, 1024, 128, False),
+                      (8, 16, 2048, 128, True)]  # B, H, S, D, causal: the large preset's step first
+
+
+@bench_rows("attention dropout")
+def bench_attention_dropout(rows):
+    """Attention with dropout on the probabilities: ours (the masks drawn inside the fused mma.sync kernels)
+    against SDPA with dropout_p (the backend PyTorch picks for it), and both without dropout, in the same run.
+    The masks differ, so ours is checked against the twin with its own masks."""
+    p, rng = ATTN_DROPOUT_P, dropout_rng()
+    print(f"\nattention with dropout p={p}; SDPA = F.scaled_dot_product_attention(dropout_p={p}), default backend")
+    cols = ["dtype", "B", "H", "S", "D", "causal", "pass", "SDPA ms", "ours ms", "SDPA/ours", "SDPA p=0 ms",
+            "ours p=0 ms", "check vs twin"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+    for dtype in (torch.float32, BF16):
+        for B, H, S, D, causal in ATTN_DROPOUT_BENCH:
+            q, k, v, dout = (rand(B, H, S, D).to(dtype) for _ in range(4))
+            fns = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal),
+                   "ours": lambda q, k, v: kernels.attention(q, k, v, causal=causal, dropout_p=p, rng=rng),
+                   "sdpa0": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                   "ours0": lambda q, k, v: kernels.attention(q, k, v, causal=causal)}
+            twin = train.torch_attention(q, k, v, causal=causal, dropout_p=p, rng=rng).float()
+            for pas in ("fwd", "fwd+bwd"):
+                ms, outs = time_attention(fns, pas, q, k, v, dout)
+                ok, text = (rel_check(outs["ours"].float(), twin, 2e-4 if dtype == torch.float32 else 2e-2)
+                            if pas == "fwd" else (None, "-"))
+                ratio = ms["sdpa"] / ms["ours"] if ms["sdpa"] and ms["ours"] else None
+                name = "bf16" if dtype == BF16 else "fp32"
+                rows.append(dict(op="attention dropout", shape=f"{name} B{B} H{H} S{S} D{D}", causal=causal,
+                                 **{"pass": pas}, sdpa_ms=ms["sdpa"], ours_ms=ms["ours"], sdpa_over_ours=ratio,
+                                 sdpa_p0_ms=ms["sdpa0"], ours_p0_ms=ms["ours0"], check_ok=ok, check=text))
+                print(md_row([name, str(B), str(H), str(S), str(D), str(causal), pas,
+                              *(fmt(ms[n], ".4f") for n in ("sdpa", "ours")), fmt(ratio, ".2f") + "x",
+                              *(fmt(ms[n], ".4f") for n in ("sdpa0", "ours0")), text]), flush=True)
 
 
 @bench_rows("attention gqa")
@@ -4843,6 +5130,74 @@ def _resume_without_batch_rng():
         yield
 
 
+def train_cpu_dropout_resume():
+    # --dropout: 6 steps, a resume to 8, against 8 in one go: a step's masks come from the rng offset, which
+    # the checkpoint carries; the offset counts the steps; the masks change the losses (against no dropout)
+    tiny = [*_TRAIN_TINY, "--n_layer=2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        text = _train_text_file(tmp)
+        out, out8, plain = (os.path.join(tmp, d) for d in ("out", "out8", "plain"))
+        _train_main_ok(*tiny, f"--data_path={text}", f"--out_dir={out}", "--max_iters=6", "--dropout=0.3")
+        ck = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
+        assert ck["dropout_rng"].tolist() == [train.DEFAULTS["seed"], 6], f"dropout rng {ck['dropout_rng'].tolist()}"
+        _train_main_ok(*tiny, f"--data_path={text}", f"--out_dir={out}", "--max_iters=8", "--dropout=0.3",
+                       "--resume=true")
+        resumed = _train_load_ckpt(os.path.join(out, "ckpt_torch.pt"))
+        _train_main_ok(*tiny, f"--data_path={text}", f"--out_dir={out8}", "--max_iters=8", "--dropout=0.3")
+        straight = _train_load_ckpt(os.path.join(out8, "ckpt_torch.pt"))
+        _train_main_ok(*tiny, f"--data_path={text}", f"--out_dir={plain}", "--max_iters=8")
+        without = _train_load_ckpt(os.path.join(plain, "ckpt_torch.pt"))
+    worst = max(abs(a - b) for a, b in zip(straight["train_loss"], resumed["train_loss"]))
+    assert worst < 1e-6, f"resumed losses differ from an uninterrupted run's by {worst:.2e}"
+    moved = max(abs(a - b) for a, b in zip(straight["train_loss"], without["train_loss"]))
+    assert moved > 1e-3, f"--dropout=0.3 changed the losses by {moved:.1e} only"
+    assert "dropout_rng" not in without, "a run without dropout saved a dropout rng"
+    return f"6 + 2 resumed steps against 8 in one go: max |loss diff| {worst:.1e}; {moved:.2f} from no dropout"
+
+
+@mutant("resume_skips_dropout_rng", "train/cpu_dropout_resume")
+def _resume_skips_dropout_rng():
+    """--resume=true restores everything but dropout's offset, which starts from 0 again."""
+    real = data.load_checkpoint
+
+    def load(path, cfg, tok, model, opt, batch_gen, fail):
+        rng = model.dropout_rng.clone()
+        out = real(path, cfg, tok, model, opt, batch_gen, fail)
+        model.dropout_rng.copy_(rng)
+        return out
+    with unittest.mock.patch.object(train, "load_checkpoint", load):
+        yield
+
+
+def train_cpu_dropout_off_in_eval():
+    # evaluation and sampling see no dropout: a model with dropout 0.5 evaluates and samples as the same
+    # weights without it, and its training-mode forward draws the same masks twice for one offset
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, "device": "cpu", "n_layer": 2, "n_embd": 32, "n_head": 2,
+                                   "block_size": 16, "batch_size": 4, "eval_iters": 2, "sample_len": 12})
+    with_drop = train.model_from_config(cfg, 20, train.TORCH_OPS, dropout=0.5)
+    without = train.model_from_config(cfg, 20, train.TORCH_OPS)
+    ids = torch.randint(0, 20, (400,), generator=torch.Generator().manual_seed(0))
+    splits = {"train": ids[:300], "val": ids[300:]}
+    a, b = train.estimate_loss(with_drop, splits, cfg), train.estimate_loss(without, splits, cfg)
+    assert a == b, f"evaluation with dropout 0.5: {a}, without: {b}"
+    tok = data.CharTokenizer("abcdefghijklmnopqrs\n")
+    sa, sb = train.generate(with_drop, tok, cfg, "cpu"), train.generate(without, tok, cfg, "cpu")
+    assert sa == sb, f"samples differ: {sa!r} and {sb!r}"
+    assert with_drop.training, "evaluation left the model in eval mode"
+    x = ids[:64].view(4, 16)
+    l1, l2 = with_drop(x, x)[1], with_drop(x, x)[1]
+    with_drop.next_dropout_masks()
+    l3 = with_drop(x, x)[1]
+    assert l1 == l2 != l3, f"training-mode losses {l1.item()}, {l2.item()}, after the next masks {l3.item()}"
+    return f"eval losses {a}; training-mode loss {l1.item():.4f}, next masks {l3.item():.4f}"
+
+
+@mutant("evaluation_with_dropout", "train/cpu_dropout_off_in_eval")
+def _evaluation_with_dropout():
+    with unittest.mock.patch.object(train, "evaluating", lambda model: contextlib.nullcontext()):
+        yield
+
+
 def train_rejects_unknown_key():
     p = _train_run("--bogus=1")
     assert p.returncode != 0, "--bogus=1 was accepted"
@@ -4929,11 +5284,14 @@ def train_rejects_bad_values():
                            ("--beta1=1", ("--beta1", "[0, 1)")), ("--beta2=-0.5", ("--beta2", "[0, 1)")),
                            ("--weight_decay=-1", ("--weight_decay", ">= 0")),
                            ("--arch=bert", ("--arch", "gpt", "llama", "bert")),
-                           ("--n_kv_head=3", ("--n_kv_head", "divide", "--n_head (2)"))):
+                           ("--n_kv_head=3", ("--n_kv_head", "divide", "--n_head (2)")),
+                           ("--dropout=1", ("--dropout", "[0, 1)")), ("--dropout=-0.1", ("--dropout", "[0, 1)"))):
             _train_fails(arg, words, *_train_tiny_args(tmp, "--max_iters=1", arg))
         _train_fails("odd llama head", ("--arch=llama", "even", "15"),
                      *_train_tiny_args(tmp, "--max_iters=1", "--arch=llama", "--n_embd=30"))
-    return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch and heads checked"
+        _train_fails("dropout in the sweep", ("--dropout", "sweep"),
+                     *_train_tiny_args(tmp, "--max_iters=1", "--dropout=0.1", "--sweep=increment"))
+    return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch, heads and dropout checked"
 
 
 def train_compile_option():
@@ -5585,7 +5943,8 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_max_iters_zero, train_fresh_run_keeps_checkpoint, train_bad_checkpoints,
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_torchrun_ctrl_c,
             train_torchrun_refusal, train_resume_nothing_to_train, train_interrupted_sample, train_home_in_paths,
-            train_out_of_memory, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks):
+            train_out_of_memory, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks,
+            train_cpu_dropout_resume, train_cpu_dropout_off_in_eval):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
@@ -6021,12 +6380,16 @@ def _fake_kernels(calls):
     def softmax(cast, x, out_dtype=None):
         return aten._softmax(x.float(), -1, False).to(out_dtype or (f32 if cast else x.dtype))
 
-    def attention(cast, q, k, v, causal=False, scale=None, mode="fused"):
+    def attention(cast, q, k, v, causal=False, scale=None, mode="fused", dropout_p=0.0, rng=None, salt=0):
         # its causal mask aligns the queries to the last keys; under autocast it returns bf16
         need((q.dtype == k.dtype == v.dtype or cast) and k.shape == v.shape and q.shape[0] == k.shape[0]
              and q.shape[3] == k.shape[3] and q.shape[1] % k.shape[1] == 0, "attention")
         need(mode == "tiled" or q.shape[-1] in fused, "attention: fused head size")
         need(mode == "fused" or q.dtype == f32 or cast, "attention: tiled takes float32")
+        if dropout_p:  # the twin's spelled-out attention with our masks
+            need(mode == "fused" and rng is not None, "attention: dropout in fused mode, with an rng")
+            return train.torch_attention(q.float(), k.float(), v.float(), causal, scale, None, dropout_p, rng,
+                                         salt).to(bf16 if cast else q.dtype)
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]) if causal else None
         out = aten.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask, scale=scale,
                                                 enable_gqa=q.shape[1] != k.shape[1])
@@ -6053,8 +6416,78 @@ def _fake_kernels(calls):
         silu=op("silu", lambda cast, x: aten.silu(x.float()).to(x.dtype)),
         embedding=op("embedding", lambda cast, idx, w: aten.embedding(w, idx)),
         softmax=op("softmax", softmax),
+        dropout=op("dropout", lambda cast, x, p, rng, salt=0: train.torch_dropout(x, p, rng, salt)),
         attention=op("attention", attention),
         cross_entropy=op("cross_entropy", cross_entropy))
+
+
+class _DropoutBlock(torch.nn.Module):
+    """nanoGPT's block with its dropout: nn.Dropout on the input and on the attention's and MLP's outputs, and
+    SDPA's dropout_p on the probabilities while training."""
+
+    def __init__(self, width=64, heads=2, p=0.2):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.fc, self.out = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.drop, self.resid_drop, self.mlp_drop = (torch.nn.Dropout(p) for _ in range(3))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = self.drop(x)
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return x + self.mlp_drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+def run_patched_dropout(kernels, dev):
+    """_DropoutBlock trained under inference.patched(kernels): every call of the step ours (dropout and SDPA's
+    dropout_p included), masks drawn from PyTorch's generator (a seed repeats them, the next call draws
+    others), gradients through them; in eval mode the output is PyTorch's; F.dropout's values 0 or 1 / (1 - p)
+    at a dropped fraction within 6 sigma of p."""
+    torch.manual_seed(0)
+    net, x = _DropoutBlock().to(dev), torch.randn(2, 16, 64, device=dev)
+    net.eval()
+    want_eval = net(x)
+    net.train()
+    p, n = 0.25, 256 * 256
+    with inference.patched(kernels, device_type=dev.type) as counts:
+        torch.manual_seed(1)
+        y1 = net(x)
+        torch.manual_seed(1)
+        y2 = net(x)
+        y3 = net(x)
+        y1.square().mean().backward()
+        ones = F.dropout(torch.ones(256, 256, device=dev), p)
+        training_counts = dict(counts)
+        net.eval()
+        got_eval = net(x)
+    torch_calls = {k: v for k, v in training_counts.items() if k[1] == "torch"}
+    assert not torch_calls, f"training calls on PyTorch's kernels: {torch_calls}"
+    assert training_counts[("dropout", "ours")] == 3 * 3 + 1, training_counts
+    assert training_counts[("scaled_dot_product_attention", "ours")] == 3, training_counts
+    assert torch.equal(y1, y2), "one generator state drew two masks"
+    assert not torch.equal(y1, y3), "the generator did not advance: the next call drew the same masks"
+    grads = [q.grad for q in net.parameters()]
+    assert all(g is not None and g.isfinite().all() for g in grads), "a parameter got no or a non-finite gradient"
+    check("eval", got_eval, want_eval, 1e-5)
+    dropped = (ones == 0).float().mean().item()
+    scale = torch.tensor(1 / (1 - p), dtype=torch.float32).item()
+    assert set(ones.unique().tolist()) <= {0.0, scale}, f"values {ones.unique().tolist()[:5]}, not 0 or {scale}"
+    assert abs(dropped - p) <= 6 * math.sqrt(p * (1 - p) / n), f"dropped {dropped:.4f}, p = {p}"
+    calls = sum(v for k, v in training_counts.items())
+    return f"{calls} training calls, all ours; F.dropout dropped {dropped:.4f} at p = {p}"
+
+
+def inference_patched_dropout():
+    # on the CPU, our ops as _fake_kernels (dropout and attention through the twins' masks)
+    return run_patched_dropout(_fake_kernels([]), torch.device("cpu"))
+
+
+def inference_gpu_patched_dropout():
+    return run_patched_dropout(kernels, torch.device(DEV))
 
 
 def inference_patched_routes():
@@ -6282,8 +6715,15 @@ def _route_fault(name, when, ours):
         yield
 
 
+@mutant("patched_dropout_reuses_one_rng", "inference/patched_dropout", "inference/gpu_patched_dropout")
+def _patched_dropout_reuses_one_rng():
+    # patched()'s dropout takes one fixed {seed, offset}, not a fresh draw of PyTorch's generator per call
+    with unittest.mock.patch.object(torch.Tensor, "random_", lambda self, *a, **kw: self.fill_(12345)):
+        yield
+
+
 @mutant("patched_routes_to_pytorch", "inference/patched_routes", "inference/patched_calls", "readme/patched_example",
-        "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls")
+        "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls", "inference/patched_dropout")
 def _mutant_patched_routes_to_pytorch():
     real = inference._functional_routes
     with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: {
@@ -6417,7 +6857,7 @@ for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, in
             inference_moe_weights_sum_to_one, inference_cli_cpu, inference_bad_inputs,
             inference_interrupt_keeps_results, inference_option_typos, inference_patched_routes, inference_trained_row,
             inference_match_margins, inference_patched_calls, inference_sigterm_keeps_results,
-            inference_second_run_beside_first):
+            inference_second_run_beside_first, inference_patched_dropout):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
@@ -7449,20 +7889,28 @@ OP_SETS_LOSS_TOL = 7e-6  # train/gpu_op_sets_agree, 20 steps' losses: 7.2e-7 mea
 FIRST_GRADS_TOL = 1e-5   # train/gpu_first_step_grads, error over a gradient's largest entry: up to 4.7e-6 measured
 
 
-def train_gpu_op_sets_agree(arch="gpt"):
+def train_gpu_op_sets_agree(arch="gpt", dropout=0.0):
     # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
-    # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them.
+    # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them. With dropout both
+    # draw the same masks, a step's from the rng offset the step advances (the graphed one inside its graph):
+    # each checkpoint's offset counts the steps.
     steps = under_tool(20, 5)
     cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch)[0]
-                for ops in (train.TORCH_OPS, cuda)}
+        trained = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dropout=dropout)
+                   for ops in (train.TORCH_OPS, cuda)}
+    runs = {name: r for name, (r, _) in trained.items()}
+    if dropout:
+        for name, (_, ckpt) in trained.items():
+            assert ckpt["dropout_rng"].tolist() == [train.DEFAULTS["seed"], steps], \
+                f"{name}: dropout's rng {ckpt['dropout_rng'].tolist()} after {steps} steps"
     t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
     assert len(t) == len(c) == steps, f"{len(t)} and {len(c)} losses"
     check("loss", c, t, OP_SETS_LOSS_TOL)
     diff = (c - t).abs()
-    return (f"{arch}: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps} (torch "
-            f"{runs['torch']['mode']}, cuda {runs['cuda']['mode']}); loss {t[0]:.4f} -> {t[-1]:.4f}")
+    return (f"{arch}{f', dropout {dropout}' * bool(dropout)}: max |loss difference| {diff.max():.2e} at step "
+            f"{int(diff.argmax()) + 1} of {steps} (torch {runs['torch']['mode']}, cuda {runs['cuda']['mode']}); "
+            f"loss {t[0]:.4f} -> {t[-1]:.4f}")
 
 
 def tf32_round(x):
@@ -7484,6 +7932,36 @@ def _products_in_single_pass_tf32():
         ops.attention = functools.partial(ops.attention, precision="tf32")
         return ops
     with unittest.mock.patch.object(train, "cuda_op_set", tf32_op_set):
+        yield
+
+
+@mutant("cuda_op_set_draws_other_masks", "train/gpu_op_sets_agree_dropout", "train/gpu_op_sets_agree_llama_dropout")
+def _cuda_op_set_draws_other_masks():
+    # the cuda op set's dropout sites draw their neighbour's masks (salt + 1): each mask alone is as random
+    real = train.cuda_op_set
+
+    def shifted(kernels, head_size, dtype="fp32"):
+        ops = real(kernels, head_size, dtype)
+        ops.dropout = lambda x, p, rng, salt=0: kernels.dropout(x, p, rng, salt + 1)
+        return ops
+    with unittest.mock.patch.object(train, "cuda_op_set", shifted):
+        yield
+
+
+@mutant("attention_dropout_ignored", "train/gpu_op_sets_agree_dropout", "attention/dropout-fp32/b2h3_q17k17_d32_causal",
+        "attention/dropout-bf16/b2h3_q1000k1000_d64_causal", "attention/dropout-fp32/graph_replay")
+def _attention_dropout_ignored():
+    # our attention runs without its dropout (the other sites keep theirs)
+    real = kernels.attention
+    with unittest.mock.patch.object(kernels, "attention",
+                                    lambda *a, dropout_p=0.0, rng=None, salt=0, **kw: real(*a, **kw)):
+        yield
+
+
+@mutant("dropout_offset_frozen", "train/gpu_op_sets_agree_dropout", "train/cpu_dropout_resume")
+def _dropout_offset_frozen():
+    # every training step draws the first step's masks
+    with unittest.mock.patch.object(train.GPT, "next_dropout_masks", lambda self: None):
         yield
 
 
@@ -7635,7 +8113,7 @@ def train_gpu_cuda_model_fullgraph(arch, residual, dtype):
     return f"{explain.graph_count} graph(s), 0 breaks; gradients within {worst:.1e} (relative)"
 
 
-def train_gpu_bf16_op_sets_close(arch="gpt", residual="baseline"):
+def train_gpu_bf16_op_sets_close(arch="gpt", residual="baseline", dropout=0.0):
     # --dtype=bf16: the torch op set under autocast and ours on the bf16 kernels, 100 steps each from the
     # same weights and batches. bf16 rounds differently in each (cuBLAS's and our accumulation orders), so
     # the curves drift apart; how far is what this reports, and it must stay at bf16's scale
@@ -7645,14 +8123,14 @@ def train_gpu_bf16_op_sets_close(arch="gpt", residual="baseline"):
     head = train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dtype="bf16",
-                                    residual=residual)[0]
+                                    residual=residual, dropout=dropout)[0]
                 for ops in (train.torch_op_set("bf16", DEV), train.cuda_op_set(kernels, head, "bf16"))}
     t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
     diff = (c - t).abs()
     check("loss", c, t, (0.0, 0.02))  # within 2% of the torch op set's loss at every step
     vt, vc = runs["torch"]["final_val_loss"], runs["cuda"]["final_val_loss"]
     check("val_loss", torch.tensor(vc), torch.tensor(vt), (0.0, 0.01))
-    return (f"{arch} {residual} bf16: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps}; loss "
+    return (f"{arch} {residual} bf16{f' dropout {dropout}' * bool(dropout)}: max |loss difference| {diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps}; loss "
             f"{t[0]:.4f} -> {t[-1]:.4f}; val torch {vt:.4f}, cuda {vc:.4f}")
 
 
@@ -7688,16 +8166,20 @@ add("train/gpu_deterministic_mhc", train_gpu_deterministic, "mhc")
 add("train/gpu_deterministic_llama", train_gpu_deterministic, "baseline", arch="llama")
 add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
+add("train/gpu_op_sets_agree_dropout", train_gpu_op_sets_agree, dropout=0.2)
+add("train/gpu_op_sets_agree_llama_dropout", train_gpu_op_sets_agree, "llama", dropout=0.2)
 add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_first_step_grads_gpt", train_gpu_bf16_first_step_grads, "gpt")
 add("train/gpu_bf16_first_step_grads_llama", train_gpu_bf16_first_step_grads, "llama")
 add("train/gpu_bf16_op_sets_close_llama", train_gpu_bf16_op_sets_close, "llama")
 add("train/gpu_bf16_op_sets_close_mhc", train_gpu_bf16_op_sets_close, "gpt", "mhc")
 add("train/gpu_bf16_op_sets_close_mhc-dynamic", train_gpu_bf16_op_sets_close, "gpt", "mhc-dynamic")
+add("train/gpu_bf16_op_sets_close_dropout", train_gpu_bf16_op_sets_close, dropout=0.2)
 add("train/gpu_compiled_torch_step", train_gpu_compiled_torch_step)
 add("train/gpu_compiled_cuda_step", train_gpu_compiled_cuda_step)
 add("inference/gpu_patched_compiled_gpt", inference_gpu_patched_compiled_gpt)
 add("inference/gpu_patched_calls", inference_gpu_patched_calls)
+add("inference/gpu_patched_dropout", inference_gpu_patched_dropout)
 add("readme/patched_example", readme_patched_example)
 for _arch, _res, _dt in (("gpt", "baseline", "fp32"), ("llama", "baseline", "fp32"), ("gpt", "mhc", "fp32"),
                          ("gpt", "mhc-dynamic", "fp32"), ("gpt", "baseline", "bf16"), ("llama", "baseline", "bf16"),

@@ -7,7 +7,7 @@ the speedup. With --dtype=bf16 both run under torch.autocast from fp32 master we
 our bf16 kernels) and agree to bf16 rounding.
 
     python train.py                                   # both op sets, default tiny config
-    python train.py --preset=large --max_iters=3000   # 6 layers, 6 heads, 384 wide, context 256; out/large
+    python train.py --preset=large                    # nanoGPT's char recipe: 6 x 384, context 256, dropout 0.2
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
     python train.py --dtype=bf16 --compile=true       # mixed precision: autocast vs our bf16 kernels, compiled
@@ -47,7 +47,9 @@ from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRe
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
 # python train.py --help prints this table.
 PRESETS = {
-    "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, out_dir="out/large"),
+    # nanoGPT's char recipe; on the book's 187k characters validation is lowest near step 1200, then rises
+    "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2, max_iters=1200,
+                  out_dir="out/large"),
     **mhc.PRESETS,  # the mHC depth sweeps
 }
 OPTIONS = dict(
@@ -58,6 +60,8 @@ OPTIONS = dict(
                   "kernels.LIMITS['fused_head_sizes']"),
     n_layer=(4, "transformer blocks"),
     arch=("gpt", "gpt: LayerNorm, learned positions, GELU MLP, biases | llama: RMSNorm, RoPE, SwiGLU, no biases"),
+    dropout=(0.0, "training's dropout, in [0, 1): on the embeddings, the attention probabilities and the attention "
+                  "and MLP outputs; both op sets draw the same masks (torch_dropout); 0: none, not even the draws"),
     n_kv_head=(0, "key/value heads dividing n_head (grouped-query attention); 0: n_head (gpt), n_head // 2 (llama)"),
     lr=(3e-4, "AdamW learning rate, > 0; constant: no schedule keeps the graphed step free of lr updates"),
     weight_decay=(0.1, "AdamW decay, on weight matrices and embeddings only (not biases or LayerNorm)"),
@@ -91,8 +95,6 @@ DEFAULTS = {k: v for k, (v, _) in OPTIONS.items()}
 HELP = {k: h for k, (_, h) in OPTIONS.items()}
 LN_EPS = 1e-5
 GRAPH_WARMUP = 3                  # eager steps before capture, as in PyTorch's whole-network capture recipe
-# No dropout anywhere: the two op sets must compute the same function for their loss curves to be
-# compared step by step, and random masks drawn by two different implementations would not match.
 
 
 def fail(msg):
@@ -128,6 +130,10 @@ def parse_config(argv):
     check_compile(cfg)
     if cfg.dtype not in DTYPES:
         fail(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    if not 0 <= cfg.dropout < 1:
+        fail(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.dropout and cfg.sweep:
+        fail(f"--dropout applies to the op sets' training runs, not to the mHC sweep (--sweep={cfg.sweep})")
     if given:
         print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in given))
     return cfg
@@ -166,7 +172,7 @@ def check_compile(cfg):
 # op sets: the same names, signatures and meaning, one on PyTorch, one on our kernels.
 # The torch op set is also the reference test_ops.py proves every kernel against.
 
-def torch_attention(q, k, v, causal=False, scale=None, kv_len=None):
+def torch_attention(q, k, v, causal=False, scale=None, kv_len=None, dropout_p=0.0, rng=None, salt=0):
     """SDPA with this repo's causal convention: q (B, H, Sq, D), k and v (B, H_kv, Sk, D); with causal,
     query i sees keys j <= i + Sk - Sq, so the queries line up with the *last* keys (SDPA's is_causal
     lines them up with the first, which would let one new query against a KV cache see key 0 only).
@@ -174,12 +180,14 @@ def torch_attention(q, k, v, causal=False, scale=None, kv_len=None):
     cache: the others are ignored and the queries line up with the last valid key. It stays on the
     device, so a decode step that uses it can be captured in a CUDA graph.
     With H_kv < H (grouped-query attention) each K/V head serves H / H_kv consecutive query heads; they are
-    repeated here (SDPA's enable_gqa would do the same, but its fp32 CUDA path is the unfused math one)."""
+    repeated here (SDPA's enable_gqa would do the same, but its fp32 CUDA path is the unfused math one).
+    dropout_p > 0: dropout on the probabilities with torch_dropout's masks (row (b * H + h) * Sq + i, column
+    j), spelled out in fp32 (SDPA's own dropout draws other masks)."""
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     Sq, Sk = q.shape[-2], k.shape[-2]
-    if kv_len is None and (not causal or Sq == Sk):
+    if kv_len is None and (not causal or Sq == Sk) and not dropout_p:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     i = torch.arange(Sq, device=q.device)[:, None]  # (Sq, 1)
     j = torch.arange(Sk, device=q.device)[None, :]  # (1, Sk)
@@ -187,7 +195,68 @@ def torch_attention(q, k, v, causal=False, scale=None, kv_len=None):
     mask = j < n
     if causal:
         mask = mask & (j <= i + (n - Sq))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if not dropout_p:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the tests' references in float64
+    with torch.autocast(q.device.type, enabled=False):
+        s = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+        p = torch.softmax(s.masked_fill(~mask, -math.inf), dim=-1).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        p = torch_dropout(p.flatten(0, 2), dropout_p, rng, salt).view(p.shape)  # rows (b * H + h) * Sq + i
+        return torch.matmul(p, v.to(dtype)).to(q.dtype)
+
+
+# Dropout's masks, as kernels.cu draws them (its section 1.8): element (r, c) of a matrix is kept where the
+# 16-bit number lane(c) of philox(counter = (unit(c), r, salt, offset), key = seed) is >= round(p * 65536).
+# Philox4x32-10 in int64 tensors (32-bit words), on the device and without a host sync, so a CUDA graph
+# replays it with the rng's new offset.
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # the round's multipliers
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # the key's Weyl increments
+WORD = 0xFFFFFFFF
+
+
+def mulhilo(a, m):
+    """(high, low) 32-bit words of a * m, for a tensor a of 32-bit words and a 32-bit m: by 16-bit halves of a,
+    so no product leaves int64."""
+    p_lo, p_hi = (a & 0xFFFF) * m, (a >> 16) * m  # each < 2^48
+    t = p_lo + ((p_hi & 0xFFFF) << 16)
+    return ((p_hi >> 16) + (t >> 32)) & WORD, t & WORD
+
+
+def philox(c, key):
+    """Philox4x32-10 of the counters c (4 tensors of 32-bit words, broadcast together) under key (2 words)."""
+    (c0, c1, c2, c3), (k0, k1) = c, key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + PHILOX_W[0]) & WORD, (k1 + PHILOX_W[1]) & WORD
+        hi0, lo0 = mulhilo(c0, PHILOX_M[0])
+        hi1, lo1 = mulhilo(c2, PHILOX_M[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def dropout_keep(rows, cols, p, rng, salt, device):
+    """The (rows, cols) mask drawn from rng (int64 {seed, offset}) at call site salt: True where kept."""
+    c = torch.arange(cols, device=device)
+    unit, lane = (c >> 5) * 4 + ((c & 7) >> 1), ((c >> 3) & 3) * 2 + (c & 1)  # (cols,) each
+    units = torch.arange(-(-cols // 32) * 4, device=device)  # the row's counters
+    r = torch.arange(rows, device=device)[:, None]
+    seed, offset = rng[0], rng[1] & WORD
+    words = torch.stack(philox((units, r, torch.tensor(salt, device=device), offset),
+                               (seed & WORD, (seed >> 32) & WORD)), -1)  # (rows, units, 4)
+    draw = (words[:, unit, lane >> 1] >> (16 * (lane & 1))) & 0xFFFF  # (rows, cols)
+    return draw >= math.floor(p * 65536 + 0.5)
+
+
+def torch_dropout(x, p, rng, salt=0):
+    """x times its dropout factors, 1 / (1 - p) where kept, 0 where dropped: x seen as rows of its last dim,
+    masks from dropout_keep (kernels.dropout's). The factor is rounded to fp32; a bf16 x is multiplied in fp32
+    and rounded once (the tests' float64 x in float64)."""
+    cols = x.shape[-1] if x.dim() else 1
+    keep = dropout_keep(x.numel() // max(cols, 1), cols, p, rng, salt, x.device).view(x.shape)
+    scale = torch.tensor(1 / (1 - p) if p < 1 else 0.0, dtype=torch.float32, device=x.device)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(dtype) * torch.where(keep, scale, 0.0).to(dtype)).to(x.dtype)
 
 
 def torch_expert_gemv(weight, x, bias, experts):
@@ -291,6 +360,7 @@ TORCH_OPS = SimpleNamespace(
     swiglu=lambda a, b: F.silu(a) * b,
     rope=lambda x, cos, sin: torch_rope(x, cos, sin).to(x.dtype),  # bf16 x: rotated in fp32, rounded once
     softmax=lambda x: torch.softmax(x, -1),
+    dropout=torch_dropout,
     cross_entropy=F.cross_entropy,
     gemv=lambda weight, x, bias=None: torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x),
     expert_gemv=torch_expert_gemv,
@@ -347,6 +417,9 @@ def choose_op_sets(cfg):
         return [torch_ops], [f"note: training the PyTorch op set only: {why}"]
     head_size = cfg.n_embd // cfg.n_head
     notes = []
+    if head_size not in kernels.LIMITS["fused_head_sizes"] and cfg.dropout:
+        fail(f"--dropout: the cuda op set drops attention probabilities in its fused kernels, whose head sizes are "
+             f"{kernels.LIMITS['fused_head_sizes']}, not {head_size}; change --n_embd / --n_head or pass --backend=torch")
     if head_size not in kernels.LIMITS["fused_head_sizes"]:
         notes.append(f"note: head size {head_size} is not one of {kernels.LIMITS['fused_head_sizes']}; "
                      f"cuda attention uses mode='tiled' instead of 'fused'" + " (in fp32)" * (cfg.dtype == "bf16"))
@@ -389,6 +462,26 @@ def pre_norm(ops, x, weight, bias):
             return ops.add_layernorm(x.x, x.y, weight, bias)
         return ops.add_rmsnorm(x.x, x.y, weight)
     return x, ops.layernorm(x, weight, bias) if bias is not None else ops.rmsnorm(x, weight)
+
+
+class Dropout:
+    """One training step's dropout for an op set: p, the model's rng {seed, offset} (a device tensor the
+    step advances) and a call site's salt, so that every site draws its own mask and both op sets the same."""
+
+    def __init__(self, ops, p, rng):
+        self.ops, self.p, self.rng = ops, p, rng
+
+    def __call__(self, x, salt):
+        return self.ops.dropout(x, self.p, self.rng, salt)
+
+    def attention(self, salt):  # the attention op's arguments for dropout on its probabilities
+        return dict(dropout_p=self.p, rng=self.rng, salt=salt)
+
+
+# Dropout's call sites: the embedding's 0, then per layer the attention probabilities, the attention's and
+# the MLP's outputs.
+def dropout_salt(layer, site):  # site 0, 1, 2: probabilities, attention output, MLP output
+    return 1 + 3 * layer + site
 
 
 def last_position(x):  # (B, T, C) -> (B, 1, C), of a tensor or of both terms of a PendingSum
@@ -449,7 +542,7 @@ class Block(nn.Module):
         self.mlp = mlp
         self.res_attn, self.res_mlp = residual(), residual()
 
-    def attention(self, h, ops, cache, layer, rope):  # h (B, T, C); rope: (cos, sin) (T, hs/2) each, or None
+    def attention(self, h, ops, cache, layer, rope, drop):  # h (B, T, C); rope: (cos, sin) (T, hs/2) each, or None
         B, T, C = h.shape
         nh, nkv, hs = self.n_head, self.n_kv_head, C // self.n_head
         q, k, v = ops.split(ops.linear(h, self.attn_w, self.attn_b), [C, nkv * hs, nkv * hs])
@@ -462,16 +555,24 @@ class Block(nn.Module):
         if cache is not None:  # write this step's keys and values at their positions, attend to all so far
             ops.kv_write(cache.k[layer], cache.v[layer], cache.positions, k, v)
             k, v, kv_len = cache.k[layer], cache.v[layer], cache.kv_len  # (B, nkv, block_size, hs)
-        y = ops.attention(q, k, v, causal=True, kv_len=kv_len)  # (B, nh, T, hs)
+        dropout = drop.attention(dropout_salt(layer, 0)) if drop else {}
+        y = ops.attention(q, k, v, causal=True, kv_len=kv_len, **dropout)  # (B, nh, T, hs)
         # (B, T, C): heads side by side again; no copy when the attention wrote (B, T, nh, hs) memory,
         # as our fused kernels do (and q, k, v above reach them as views, read in place)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return ops.linear(y, self.attn_proj_w, self.attn_proj_b)
+        y = ops.linear(y, self.attn_proj_w, self.attn_proj_b)
+        return drop(y, dropout_salt(layer, 1)) if drop else y
 
-    def forward(self, x, ops, cache=None, layer=0, rope=None):  # x: the residual stream, maybe a PendingSum
+    def feed_forward(self, h, ops, layer, drop):
+        y = self.mlp(h, ops)
+        return drop(y, dropout_salt(layer, 2)) if drop else y
+
+    def forward(self, x, ops, cache=None, layer=0, rope=None, drop=None):
+        # x: the residual stream, maybe a PendingSum; drop: a Dropout while training with dropout, else None
         x = self.res_attn(x, lambda s: pre_norm(ops, s, self.ln_1_w, self.ln_1_b),
-                          lambda h: self.attention(h, ops, cache, layer, rope), ops)
-        return self.res_mlp(x, lambda s: pre_norm(ops, s, self.ln_2_w, self.ln_2_b), lambda h: self.mlp(h, ops), ops)
+                          lambda h: self.attention(h, ops, cache, layer, rope, drop), ops)
+        return self.res_mlp(x, lambda s: pre_norm(ops, s, self.ln_2_w, self.ln_2_b),
+                            lambda h: self.feed_forward(h, ops, layer, drop), ops)
 
 
 def is_weight_matrix(name, p):
@@ -485,10 +586,16 @@ class GPT(nn.Module):
     # backward, so both accumulation paths of each op set are exercised.
 
     def __init__(self, vocab_size, block_size, n_embd, n_head, n_layer, seed, ops,
-                 mlp=None, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0, init_std=0.02):
+                 mlp=None, residual="baseline", n_streams=4, arch="gpt", n_kv_head=0, init_std=0.02, dropout=0.0):
         super().__init__()
         n_kv_head = kv_heads(arch, n_head, n_kv_head)
         self.block_size = block_size
+        self.dropout = dropout  # while self.training (model.eval() turns it off)
+        if dropout:
+            # Its masks' {seed, offset}: next_dropout_masks advances the offset once a training step (a device
+            # add, which a CUDA graph replays), so a step's masks depend on the seed and the step alone.
+            # Checkpoints carry it (save_checkpoint); not in state_dict, which inference.py loads without it.
+            self.register_buffer("dropout_rng", torch.tensor([seed, 0]), persistent=False)
         self.ops = ops  # a plain attribute, not state: swapping op sets never touches the weights
         self.wte = nn.Parameter(torch.empty(vocab_size, n_embd))  # token embedding and output head
         # gpt learns a position embedding; llama rotates q and k instead (tables below)
@@ -540,9 +647,12 @@ class GPT(nn.Module):
             x = x + ops.embedding(positions, self.wpe)  # + (T, C)
         else:
             rope = self.rope_cos[positions], self.rope_sin[positions]  # (T, hs/2) each
+        drop = Dropout(ops, self.dropout, self.dropout_rng) if self.dropout and self.training else None
+        if drop:
+            x = drop(x, 0)
         x = self.streams.expand(x, ops)  # (B, T, n, C) with n residual streams, else unchanged
         for layer, block in enumerate(self.blocks):
-            x = block(x, ops, cache, layer, rope)
+            x = block(x, ops, cache, layer, rope, drop)
         x = self.streams.collapse(x, ops)  # (B, T, C), or the baseline's PendingSum: ln_f does the last add
         if cache is not None:
             cache.pos += T
@@ -555,11 +665,17 @@ class GPT(nn.Module):
         loss = ops.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
         return logits, loss
 
+    def next_dropout_masks(self):
+        """Called before each training step: its dropout draws new masks (nothing without dropout)."""
+        if self.dropout:
+            self.dropout_rng[1:].add_(1)
+
 
 def model_from_config(cfg, vocab_size, ops, **overrides):
     """The GPT a config describes (a train.py config or a checkpoint's; keys it lacks take their defaults);
     overrides replace any of GPT's arguments (the sweep's depth and residual, inference's experts)."""
     keys = ("block_size", "n_embd", "n_head", "n_layer", "seed", "residual", "n_streams", "arch", "n_kv_head")
+    # dropout is training's: a model for inference (or from a checkpoint) is built without it
     args = {k: getattr(cfg, k, DEFAULTS[k]) for k in keys}
     return GPT(vocab_size, ops=ops, **{**args, **overrides})
 
@@ -576,8 +692,11 @@ def make_optimizer(model, cfg, on_cuda, graphed):
 # -----------------------------------------------------------------------------
 # one training step, eager or replayed from a CUDA graph
 
-def train_step(model, opt, x, y):
-    """Forward, backward, AdamW update. Returns the loss as a device tensor (reading it would sync)."""
+def train_step(model, opt, x, y, before=None):
+    """Forward, backward, AdamW update. Returns the loss as a device tensor (reading it would sync). before:
+    called first (GPT.next_dropout_masks, outside a compiled model)."""
+    if before is not None:
+        before()
     opt.zero_grad(set_to_none=True)
     _, loss = model(x, y)
     loss.backward()
@@ -623,7 +742,7 @@ class GraphedStep:
         return self.static_loss  # overwritten by the next replay: copy it out before then
 
 
-def compiled_step(model, opt):
+def compiled_step(model, opt, step=train_step):
     """train_step on the model under torch.compile(mode='reduce-overhead'): forward, loss and backward as
     Inductor's kernels around ours (on the cuda op set), replayed from CUDA graphs; AdamW stays eager. The
     compiled module shares the model's parameters and serves this step only: evaluation, sampling and
@@ -631,12 +750,12 @@ def compiled_step(model, opt):
     register_inductor_fallbacks()
     compiled = torch.compile(model, mode="reduce-overhead")
 
-    def step(x, y):
+    def compiled_step_call(x, y):
         # A new iteration for the graphs: the last step's outputs may be overwritten now (its loss has been
         # copied out, and its gradients are dropped by zero_grad before anything reads them).
         torch.compiler.cudagraph_mark_step_begin()
-        return train_step(compiled, opt, x, y)
-    return step
+        return step(compiled, opt, x, y)
+    return compiled_step_call
 
 
 DDP_GRAPH_WARMUP = 11  # eager DDP steps before a capture: DDP settles its gradient buckets in the first ones
@@ -655,18 +774,30 @@ def timing_skip(cfg):
 # -----------------------------------------------------------------------------
 # evaluation and sampling
 
+@contextlib.contextmanager
+def evaluating(model):
+    """model.eval() (no dropout) within, its mode before restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
 @torch.no_grad()
 def estimate_loss(model, splits, cfg, ranks=ONE_PROCESS):
     """Mean loss over eval_iters batches per split, the same windows at every evaluation of every op set (a
     fresh generator). Under torchrun each rank takes its slice of every batch and the means are averaged."""
     out = {}
-    for name, data in splits.items():
-        g = torch.Generator().manual_seed(cfg.seed + 1)
-        losses = torch.zeros(cfg.eval_iters, device=data.device)
-        for k in range(cfg.eval_iters):
-            x, y = get_batch(data, cfg.batch_size, cfg.block_size, g, data.device, ranks.rank, ranks.world)
-            losses[k] = model(x, y)[1]
-        out[name] = ranks.mean_(losses).mean().item()
+    with evaluating(model):
+        for name, data in splits.items():
+            g = torch.Generator().manual_seed(cfg.seed + 1)
+            losses = torch.zeros(cfg.eval_iters, device=data.device)
+            for k in range(cfg.eval_iters):
+                x, y = get_batch(data, cfg.batch_size, cfg.block_size, g, data.device, ranks.rank, ranks.world)
+                losses[k] = model(x, y)[1]
+            out[name] = ranks.mean_(losses).mean().item()
     return out
 
 
@@ -676,12 +807,13 @@ def generate(model, tok, cfg, device):
     g = torch.Generator().manual_seed(cfg.seed + 2)
     ids = tok.encode("\n") if "\n" in tok.chars else [0]
     n_prompt = len(ids)
-    for _ in range(cfg.sample_len):
-        ctx = torch.tensor([ids[-cfg.block_size:]], dtype=torch.long, device=device)  # (1, T <= block_size)
-        logits, _ = model(ctx)  # (1, 1, V)
-        # Softmax and draw on the CPU in float64 with a CPU generator: identical logits give identical text.
-        probs = F.softmax(logits[0, -1].double().cpu(), dim=-1)
-        ids.append(int(torch.multinomial(probs, 1, generator=g)))
+    with evaluating(model):
+        for _ in range(cfg.sample_len):
+            ctx = torch.tensor([ids[-cfg.block_size:]], dtype=torch.long, device=device)  # (1, T <= block_size)
+            logits, _ = model(ctx)  # (1, 1, V)
+            # Softmax and draw on the CPU in float64 with a CPU generator: identical logits give identical text.
+            probs = F.softmax(logits[0, -1].double().cpu(), dim=-1)
+            ids.append(int(torch.multinomial(probs, 1, generator=g)))
     return tok.decode(ids[n_prompt:])
 
 
@@ -700,7 +832,7 @@ class OpSetRun:
         compiled = cfg.compile  # check_compile: on a GPU, and not with graph_torch
         graphed = on_cuda and not compiled and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
         self.mode = "graph" if graphed else "compile" if compiled else "eager"
-        self.model = model_from_config(cfg, tok.vocab_size, ops).to(self.device)
+        self.model = model_from_config(cfg, tok.vocab_size, ops, dropout=cfg.dropout).to(self.device)
         self.opt = make_optimizer(self.model, cfg, on_cuda, graphed)
         self.batch_gen = torch.Generator().manual_seed(cfg.seed)  # CPU generator: every op set, the same batches
         self.ckpt_path = os.path.join(cfg.out_dir, f"ckpt_{ops.name}.pt")
@@ -709,12 +841,13 @@ class OpSetRun:
         self.saved_iter = None  # the iteration held by ckpt_path once this run has read or written it
         self.resume()
         net = ranks.wrap(self.model, graphed)
+        step = functools.partial(train_step, before=self.model.next_dropout_masks)
         if graphed:
-            self.step = GraphedStep(net, self.opt, warmup=graph_warmup(ranks.world))
+            self.step = GraphedStep(net, self.opt, step, warmup=graph_warmup(ranks.world))
         elif compiled:
-            self.step = compiled_step(net, self.opt)
+            self.step = compiled_step(net, self.opt, step)
         else:
-            self.step = functools.partial(train_step, net, self.opt)
+            self.step = functools.partial(step, net, self.opt)
         self.tokens_per_step = cfg.batch_size * cfg.block_size * ranks.world  # of all ranks
         # Losses stay on the device until a log or eval point: reading each one would sync every step.
         self.loss_buf = torch.zeros(max(cfg.max_iters - self.start, 0), device=self.device)
