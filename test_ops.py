@@ -5294,6 +5294,18 @@ def train_rejects_bad_values():
     return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch, heads and dropout checked"
 
 
+@mutant("dropout_range_unchecked", "train/rejects_bad_values")
+def _dropout_range_unchecked():
+    # --dropout=1 trains (every value dropped), --dropout=-0.1 runs as a negative p
+    real = train.check_compile
+
+    def check(cfg):
+        cfg.dropout = min(max(cfg.dropout, 0.0), 0.5)
+        return real(cfg)
+    with unittest.mock.patch.object(train, "check_compile", check):
+        yield
+
+
 def train_compile_option():
     # --compile=true is refused in one line that names it wherever it cannot do what it says; the compiled
     # step itself runs on a GPU only (train/gpu_compiled_torch_step)
