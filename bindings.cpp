@@ -2113,26 +2113,28 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 
 // rng: a 2-element int64 tensor {seed, offset} on x's GPU, read by the kernel (a CUDA graph replays
 // whatever it holds then); salt: the call site, in [0, 2^32). The mask is drawn, never stored.
-static void check_dropout_rng(const char* op, const Tensor& x, double p, const Tensor& rng, int64_t salt) {
+// x (named x_name) is the tensor whose rows the masks cover: at most 2^32 of them (a draw's row is 32 bits).
+static void check_dropout_rng(const char* op, const Tensor& x, const char* x_name, int64_t rows, double p,
+                              const Tensor& rng, int64_t salt) {
   REQUIRE_VALUE(p >= 0.0 && p <= 1.0, op, ": dropout p must be in [0, 1], got ", p);
   REQUIRE(rng.defined() && cuda_or_meta(rng) && rng.scalar_type() == at::kLong && rng.numel() == 2, op,
           ": rng must be a 2-element int64 CUDA tensor {seed, offset}, got ",
           rng.defined() ? msg(rng.scalar_type(), " of shape ", rng.sizes(), " on ", rng.device()) : std::string("None"));
-  check_same_device(op, x, "x", rng, "rng");
+  check_same_device(op, x, x_name, rng, "rng");
   REQUIRE_VALUE(salt >= 0 && salt <= (int64_t)UINT32_MAX, op, ": salt must be in [0, 2^32), got ", salt);
+  REQUIRE_VALUE(rows <= (int64_t)UINT32_MAX, op, ": dropout draws at most 2^32 rows, got ", rows);
 }
 
+// p kept to 1/65536: the threshold rounds p * 65536 as train.dropout_keep does (floor of x + 0.5, in double).
 static DropoutArgs dropout_of(double p, const Tensor& rng, int64_t salt) {
-  return {rng.data_ptr<int64_t>(), (uint32_t)salt, (uint32_t)std::llround(p * 65536.0),
+  return {rng.data_ptr<int64_t>(), (uint32_t)salt, (uint32_t)std::floor(p * 65536.0 + 0.5),
           p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f};
 }
 
 static void check_dropout(const Tensor& x, double p, const Tensor& rng, int64_t salt) {
   check_fp_cuda("dropout", x, "x", x, "x");
-  check_dropout_rng("dropout", x, p, rng, salt);
   const int64_t cols = x.dim() ? x.size(-1) : 1;
-  REQUIRE_VALUE(cols == 0 || x.numel() / cols <= (int64_t)UINT32_MAX, "dropout: at most 2^32 rows of the last dim, ",
-                "got ", x.numel() / cols);
+  check_dropout_rng("dropout", x, "x", cols ? x.numel() / cols : 0, p, rng, salt);
 }
 
 Tensor dropout_cuda(const Tensor& x_in, double p, const Tensor& rng, int64_t salt) {
@@ -2648,8 +2650,17 @@ static std::vector<int64_t> fused_head_sizes() { return as_vector(limits::fused_
 
 // The fused forward: (out, lse_log2), lse_log2 the rows' log2-sum-exp2 that the backward reads. kv_len (a
 // 1-element int64 tensor on q's device) counts the valid keys.
-// Dropout on the probabilities where dropout_p > 0 (rng checked by attention_args).
-static DropoutArgs attention_dropout(double dropout_p, const std::optional<Tensor>& rng, int64_t salt) {
+// Dropout on q's probabilities where dropout_p != 0: rows (b * H + h) * Sq + query.
+static void check_attention_dropout(const Tensor& q, double dropout_p, const std::optional<Tensor>& rng,
+                                    int64_t salt) {
+  if (dropout_p != 0.0)
+    check_dropout_rng("attention", q, "q", q.size(0) * q.size(1) * q.size(2), dropout_p,
+                      rng.has_value() ? *rng : Tensor(), salt);
+}
+
+static DropoutArgs attention_dropout(const Tensor& q, double dropout_p, const std::optional<Tensor>& rng,
+                                     int64_t salt) {
+  check_attention_dropout(q, dropout_p, rng, salt);  // the halves are ops too: checked here as well
   return dropout_p > 0.0 ? dropout_of(dropout_p, *rng, salt) : DropoutArgs{};
 }
 
@@ -2680,7 +2691,7 @@ std::tuple<Tensor, Tensor> attention_fused_cuda(const Tensor& q_in, const Tensor
   Tensor ws = ws_floats ? at::empty({ws_floats}, f32) : Tensor();  // split keys' partial results
   const Tensor kv_len = kv_len_opt.has_value() && kv_len_opt->defined() ? kv_len_opt->contiguous() : Tensor();
   const int64_t* n = kv_len.defined() ? kv_len.data_ptr<int64_t>() : nullptr;
-  const DropoutArgs drop = attention_dropout(dropout_p, rng, salt);
+  const DropoutArgs drop = attention_dropout(q, dropout_p, rng, salt);
   if (q.scalar_type() == at::kBFloat16)
     launch::attention_fwd_fused(ptr<bf16>(q_fwd), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), lse_log2.data_ptr<float>(), l, BH,
                         s.group(), (int)s.Sq, (int)s.Sk, (int)s.D, causal, scale_fwd, n, drop, ws_ptr(ws), stream());
@@ -2743,7 +2754,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_fused_backward_cuda(const Tensor& q
                                                                  const std::optional<Tensor>& rng, int64_t salt) {
   Tensor dq = empty_bshd(q), dk = empty_bshd(k), dv = empty_bshd(v);
   fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic,
-                      attention_dropout(dropout_p, rng, salt), dq, dk, dv);
+                      attention_dropout(q, dropout_p, rng, salt), dq, dk, dv);
   return {dq, dk, dv};
 }
 
@@ -2763,7 +2774,7 @@ Tensor attention_fused_backward_packed_cuda(const Tensor& q, const Tensor& k, co
   Tensor buf = at::empty({q.size(0), q.size(2), (H + 2 * Hkv) * D}, q.options());
   const auto [dq, dk, dv] = packed_heads(buf, H, Hkv, D);
   fused_backward_into(q, k, v, out, lse_log2, dout, causal, scale, precise, deterministic,
-                      attention_dropout(dropout_p, rng, salt), dq, dk, dv);
+                      attention_dropout(q, dropout_p, rng, salt), dq, dk, dv);
   return buf;
 }
 
@@ -2846,7 +2857,7 @@ static double attention_args(const Tensor& q, const Tensor& k, const Tensor& v, 
   }
   if (dropout_p != 0.0) {  // on the probabilities, inside the fused kernels
     REQUIRE_VALUE(mode == "fused", "attention: dropout_p needs mode='fused', got mode='", std::string(mode), "'");
-    check_dropout_rng("attention", q, dropout_p, rng.has_value() ? *rng : Tensor(), salt);
+    check_attention_dropout(q, dropout_p, rng, salt);
   }
   return scale.has_value() ? *scale : 1.0 / std::sqrt((double)q.size(3));
 }

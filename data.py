@@ -820,6 +820,8 @@ def load_checkpoint(path, cfg, tok, model, opt, batch_gen, fail):
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         bad(f"its optimizer or batch-generator state does not fit this model ({one_line(e)})")
 
+    if getattr(model, "dropout_rng", None) is not None and "dropout_rng" not in ckpt:
+        print(f"note: {path} was trained without dropout: its masks start from the seed's first")
     if saved.get("world_size", 1) != cfg.world_size:
         print(f"note: {path} was trained by {saved.get('world_size', 1)} process(es), this run has "
               f"{cfg.world_size}: the global batch is now {cfg.world_size} x {cfg.batch_size}")

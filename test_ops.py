@@ -3450,6 +3450,9 @@ bad_inputs(
      ("attention", "dropout_p", "fused")),
     ("attention_dropout_no_rng", RuntimeError, lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), dropout_p=0.1),
      ("attention", "rng", "None")),
+    ("attention_dropout_rows_past_2_32", ValueError,  # expanded views: the check comes before any copy
+     lambda: kernels.attention(*(rand(1, 1, 1, 32).expand(2**16, 2**8, 2**8 + 1, 32) for _ in range(3)),
+                               dropout_p=0.1, rng=dropout_rng()), ("attention", "2^32")),
     ("attention_dropout_p_above_1", ValueError,
      lambda: kernels.attention(*_qkv(*[(1, 2, 5, 32)] * 3), dropout_p=1.5, rng=dropout_rng()), ("attention", "p")),
     # kv_len: one int64 on q's GPU, fused mode, no gradient
@@ -5189,7 +5192,19 @@ def train_cpu_dropout_off_in_eval():
     with_drop.next_dropout_masks()
     l3 = with_drop(x, x)[1]
     assert l1 == l2 != l3, f"training-mode losses {l1.item()}, {l2.item()}, after the next masks {l3.item()}"
-    return f"eval losses {a}; training-mode loss {l1.item():.4f}, next masks {l3.item():.4f}"
+    with_drop.dropout_stream = 1  # torchrun's rank 1: masks of its own at the same offset
+    l4 = with_drop(x, x)[1]
+    assert l4 != l3, f"rank 1 drew rank 0's masks: loss {l4.item()}"
+    return f"eval losses {a}; training-mode loss {l1.item():.4f}, next masks {l3.item():.4f}, rank 1's {l4.item():.4f}"
+
+
+@mutant("ranks_draw_one_mask", "train/cpu_dropout_off_in_eval")
+def _ranks_draw_one_mask():
+    # every torchrun rank draws rank 0's masks
+    real = train.Dropout.__init__
+    with unittest.mock.patch.object(train.Dropout, "__init__",
+                                    lambda self, ops, p, rng, stream=0: real(self, ops, p, rng, 0)):
+        yield
 
 
 @mutant("evaluation_with_dropout", "train/cpu_dropout_off_in_eval")
@@ -7901,17 +7916,20 @@ OP_SETS_LOSS_TOL = 7e-6  # train/gpu_op_sets_agree, 20 steps' losses: 7.2e-7 mea
 FIRST_GRADS_TOL = 1e-5   # train/gpu_first_step_grads, error over a gradient's largest entry: up to 4.7e-6 measured
 
 
-def train_gpu_op_sets_agree(arch="gpt", dropout=0.0):
+def train_gpu_op_sets_agree(arch="gpt", dropout=0.0, graph_torch=False):
     # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
     # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them. With dropout both
     # draw the same masks, a step's from the rng offset the step advances (the graphed one inside its graph):
-    # each checkpoint's offset counts the steps.
+    # each checkpoint's offset counts the steps. graph_torch: the torch op set graphed too (its twin's masks
+    # captured, drawn on the device from the advancing offset).
     steps = under_tool(20, 5)
     cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
-        trained = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dropout=dropout)
+        trained = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dropout=dropout,
+                                       graph_torch=graph_torch)
                    for ops in (train.TORCH_OPS, cuda)}
     runs = {name: r for name, (r, _) in trained.items()}
+    assert not graph_torch or runs["torch"]["mode"] == "graph", f"torch op set ran {runs['torch']['mode']}"
     if dropout:
         for name, (_, ckpt) in trained.items():
             assert ckpt["dropout_rng"].tolist() == [train.DEFAULTS["seed"], steps], \
@@ -8180,6 +8198,7 @@ add("train/gpu_op_sets_agree", train_gpu_op_sets_agree)
 add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
 add("train/gpu_op_sets_agree_dropout", train_gpu_op_sets_agree, dropout=0.2)
 add("train/gpu_op_sets_agree_llama_dropout", train_gpu_op_sets_agree, "llama", dropout=0.2)
+add("train/gpu_op_sets_agree_dropout_graph_torch", train_gpu_op_sets_agree, dropout=0.2, graph_torch=True)
 add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_first_step_grads_gpt", train_gpu_bf16_first_step_grads, "gpt")
 add("train/gpu_bf16_first_step_grads_llama", train_gpu_bf16_first_step_grads, "llama")

@@ -224,7 +224,7 @@ def mulhilo(a, m):
 
 
 def philox(c, key):
-    """Philox4x32-10 of the counters c (4 tensors of 32-bit words, broadcast together) under key (2 words)."""
+    """Philox4x32-10 of the counters c (4 tensors or ints of 32-bit words, broadcast together) under key (2)."""
     (c0, c1, c2, c3), (k0, k1) = c, key
     for r in range(10):
         if r:
@@ -241,9 +241,9 @@ def dropout_keep(rows, cols, p, rng, salt, device):
     unit, lane = (c >> 5) * 4 + ((c & 7) >> 1), ((c >> 3) & 3) * 2 + (c & 1)  # (cols,) each
     units = torch.arange(-(-cols // 32) * 4, device=device)  # the row's counters
     r = torch.arange(rows, device=device)[:, None]
-    seed, offset = rng[0], rng[1] & WORD
-    words = torch.stack(philox((units, r, torch.tensor(salt, device=device), offset),
-                               (seed & WORD, (seed >> 32) & WORD)), -1)  # (rows, units, 4)
+    seed, offset = rng[0], rng[1] & WORD  # device tensors; nothing here copies from the host, so a CUDA
+    # graph can capture it (the torch op set's graphed step)
+    words = torch.stack(philox((units, r, salt, offset), (seed & WORD, (seed >> 32) & WORD)), -1)  # (rows, units, 4)
     draw = (words[:, unit, lane >> 1] >> (16 * (lane & 1))) & 0xFFFF  # (rows, cols)
     return draw >= math.floor(p * 65536 + 0.5)
 
@@ -254,7 +254,7 @@ def torch_dropout(x, p, rng, salt=0):
     and rounded once (the tests' float64 x in float64)."""
     cols = x.shape[-1] if x.dim() else 1
     keep = dropout_keep(x.numel() // max(cols, 1), cols, p, rng, salt, x.device).view(x.shape)
-    scale = torch.tensor(1 / (1 - p) if p < 1 else 0.0, dtype=torch.float32, device=x.device)
+    scale = torch.full((), 1 / (1 - p) if p < 1 else 0.0, dtype=torch.float32, device=x.device)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (x.to(dtype) * torch.where(keep, scale, 0.0).to(dtype)).to(x.dtype)
 
@@ -466,16 +466,18 @@ def pre_norm(ops, x, weight, bias):
 
 class Dropout:
     """One training step's dropout for an op set: p, the model's rng {seed, offset} (a device tensor the
-    step advances) and a call site's salt, so that every site draws its own mask and both op sets the same."""
+    step advances) and a call site's salt, so that every site draws its own mask and both op sets the same.
+    stream: torchrun's rank, whose rows (its slice of the batch) draw masks of their own."""
+    SITES_PER_STREAM = 2**20
 
-    def __init__(self, ops, p, rng):
-        self.ops, self.p, self.rng = ops, p, rng
+    def __init__(self, ops, p, rng, stream=0):
+        self.ops, self.p, self.rng, self.salt0 = ops, p, rng, stream * self.SITES_PER_STREAM
 
     def __call__(self, x, salt):
-        return self.ops.dropout(x, self.p, self.rng, salt)
+        return self.ops.dropout(x, self.p, self.rng, self.salt0 + salt)
 
     def attention(self, salt):  # the attention op's arguments for dropout on its probabilities
-        return dict(dropout_p=self.p, rng=self.rng, salt=salt)
+        return dict(dropout_p=self.p, rng=self.rng, salt=self.salt0 + salt)
 
 
 # Dropout's call sites: the embedding's 0, then per layer the attention probabilities, the attention's and
@@ -591,6 +593,7 @@ class GPT(nn.Module):
         n_kv_head = kv_heads(arch, n_head, n_kv_head)
         self.block_size = block_size
         self.dropout = dropout  # while self.training (model.eval() turns it off)
+        self.dropout_stream = 0  # the rank under torchrun (OpSetRun sets it): each rank draws its own masks
         if dropout:
             # Its masks' {seed, offset}: next_dropout_masks advances the offset once a training step (a device
             # add, which a CUDA graph replays), so a step's masks depend on the seed and the step alone.
@@ -647,7 +650,8 @@ class GPT(nn.Module):
             x = x + ops.embedding(positions, self.wpe)  # + (T, C)
         else:
             rope = self.rope_cos[positions], self.rope_sin[positions]  # (T, hs/2) each
-        drop = Dropout(ops, self.dropout, self.dropout_rng) if self.dropout and self.training else None
+        drop = Dropout(ops, self.dropout, self.dropout_rng, self.dropout_stream) \
+            if self.dropout and self.training else None
         if drop:
             x = drop(x, 0)
         x = self.streams.expand(x, ops)  # (B, T, n, C) with n residual streams, else unchanged
@@ -833,6 +837,7 @@ class OpSetRun:
         graphed = on_cuda and not compiled and (cfg.cuda_graph if ops.name == "cuda" else cfg.graph_torch)
         self.mode = "graph" if graphed else "compile" if compiled else "eager"
         self.model = model_from_config(cfg, tok.vocab_size, ops, dropout=cfg.dropout).to(self.device)
+        self.model.dropout_stream = ranks.rank
         self.opt = make_optimizer(self.model, cfg, on_cuda, graphed)
         self.batch_gen = torch.Generator().manual_seed(cfg.seed)  # CPU generator: every op set, the same batches
         self.ckpt_path = os.path.join(cfg.out_dir, f"ckpt_{ops.name}.pt")
