@@ -1434,6 +1434,30 @@ def dropout_philox_known_answers():
 
 add("dropout/philox_known_answers", dropout_philox_known_answers, gpu=False)
 
+
+def dropout_twin_compiles():
+    # the twin under torch.compile(fullgraph=True), as --compile=true runs the torch op set: one graph, the
+    # same mask bit for bit (Inductor keeps the int64 words exact)
+    x, rng = torch.randn(37, 100), torch.tensor([1234, 5])
+    eager = train.torch_dropout(x, 0.3, rng, 7)
+    compiled = torch.compile(train.torch_dropout, fullgraph=True)(x, 0.3, rng, 7)
+    assert torch.equal(eager, compiled), f"{int((eager != compiled).sum())} of {x.numel()} differ compiled"
+    return "compiled whole, bit-equal to eager"
+
+
+add("dropout/twin_compiles", dropout_twin_compiles, gpu=False)
+
+
+@mutant("dropout_twin_branches_on_the_offset", "dropout/twin_compiles")
+def _dropout_twin_branches_on_the_offset():
+    # the twin branches on rng's value on the host (a sync that breaks the graph)
+    real = train.dropout_keep
+
+    def keep(rows, cols, p, rng, salt, device):
+        return real(rows, cols, p, rng if bool(rng[1] >= 0) else -rng, salt, device)
+    with unittest.mock.patch.object(train, "dropout_keep", keep):
+        yield
+
 bad_inputs(
     ("dropout_p_above_1", ValueError, lambda: kernels.dropout(rand(4, 8), 1.5, dropout_rng()), ("dropout", "p")),
     ("dropout_p_negative", ValueError, lambda: kernels.dropout(rand(4, 8), -0.1, dropout_rng()), ("dropout", "p")),
