@@ -24,37 +24,37 @@
 //   2.2  SwiGLU .............................................................................. 1430
 //   2.3  RoPE ................................................................................ 1466
 //   2.4  dropout ............................................................................. 1536
-//   3    Rows ................................................................................ 1591
-//   3.1  softmax ............................................................................. 1596
-//   3.2  layernorm and RMSNorm ............................................................... 1732
-//   3.3  column sums: the norms' weight and bias gradients ................................... 2040
-//   4    Embedding and cross-entropy ......................................................... 2275
-//   4.1  embedding ........................................................................... 2280
-//   4.2  cross-entropy ....................................................................... 2500
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2609
-//   5.1  GEMV ................................................................................ 2614
-//   5.2  KV cache write ...................................................................... 2732
-//   5.3  top-k ............................................................................... 2801
-//   6    Matmul .............................................................................. 3094
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3099
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3321
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3489
-//   7    Attention ........................................................................... 4157
-//   7.1  attention: shapes, operand policies, tiles .......................................... 4163
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4672
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4891
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5107
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5204
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5472
-//   7.7  attention launchers ................................................................. 5951
-//   8    Hyper-connections (mhc.py) .......................................................... 6194
-//   8.1  stream loads and per-lane sums ...................................................... 6200
-//   8.2  Sinkhorn-Knopp ...................................................................... 6299
-//   8.3  mhc-dynamic's coefficients .......................................................... 6559
-//   8.4  mhc-dynamic's projection ............................................................ 6893
-//   8.5  stream mixing ....................................................................... 7384
-//   9    The decode megakernel ............................................................... 7788
-//   9.1  decode megakernel ................................................................... 7793
+//   3    Rows ................................................................................ 1636
+//   3.1  softmax ............................................................................. 1641
+//   3.2  layernorm and RMSNorm ............................................................... 1777
+//   3.3  column sums: the norms' weight and bias gradients ................................... 2085
+//   4    Embedding and cross-entropy ......................................................... 2320
+//   4.1  embedding ........................................................................... 2325
+//   4.2  cross-entropy ....................................................................... 2545
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2654
+//   5.1  GEMV ................................................................................ 2659
+//   5.2  KV cache write ...................................................................... 2777
+//   5.3  top-k ............................................................................... 2846
+//   6    Matmul .............................................................................. 3139
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3144
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3366
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3534
+//   7    Attention ........................................................................... 4202
+//   7.1  attention: shapes, operand policies, tiles .......................................... 4208
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4717
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4936
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5152
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5249
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5517
+//   7.7  attention launchers ................................................................. 5996
+//   8    Hyper-connections (mhc.py) .......................................................... 6239
+//   8.1  stream loads and per-lane sums ...................................................... 6245
+//   8.2  Sinkhorn-Knopp ...................................................................... 6344
+//   8.3  mhc-dynamic's coefficients .......................................................... 6604
+//   8.4  mhc-dynamic's projection ............................................................ 6938
+//   8.5  stream mixing ....................................................................... 7429
+//   9    The decode megakernel ............................................................... 7833
+//   9.1  decode megakernel ................................................................... 7838
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -1536,7 +1536,9 @@ ONE_TEMPLATE(rope<__nv_bfloat16>);
 // 2.4 dropout
 // y = x * factor, the factor scale = 1 / (1 - p) where element (r, c) of x, seen as rows of its last dim,
 // is kept (1.8's draw >= threshold), 0 where dropped. The backward is the same kernel on dy: the mask is
-// drawn again, never stored. A thread owns 32 columns of a row: its 4 Philox calls give their 32 numbers.
+// drawn again, never stored. Four Philox calls give the numbers of 32 columns of a row, a segment. Rows of
+// whole segments (the models' widths) take dropout_segments_kernel, whose loads are coalesced; other
+// shapes dropout_kernel, a thread a segment.
 //
 // Twin: train.torch_dropout. Uses: 1.2 unpack16 / pack16, 1.8 Dropout.
 
@@ -1569,11 +1571,54 @@ __global__ void __launch_bounds__(256) dropout_kernel(const T* x, T* y, int64_t 
   }
 }
 
+// Rows of whole segments (cols % 32 == 0, 16-byte aligned), which then lie side by side in memory: a warp
+// takes 32 consecutive segments, each lane drawing one segment's numbers into shared memory; then lane i
+// copies the warp's 16-byte chunks i, i + 32, ... (a warp's accesses one contiguous span, where a thread a
+// segment would read 32 spans 128 bytes apart), each chunk's numbers read back from its segment's lane.
+constexpr int DROPOUT_WARPS = 8;
+
+template <class T>
+__global__ void __launch_bounds__(32 * DROPOUT_WARPS) dropout_segments_kernel(const T* x, T* y, int64_t segs,
+                                                                               int64_t segs_per_row, DropoutArgs a) {
+  __shared__ uint4 nums[DROPOUT_WARPS][4][32];  // a warp's counters t of its 32 segments, segment fastest
+  constexpr int W = per16<T>(), CHUNKS = 32 / W;  // a chunk's values, a segment's chunks
+  const Dropout d(a);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t stride = (int64_t)gridDim.x * DROPOUT_WARPS * 32;
+  for (int64_t s0 = ((int64_t)blockIdx.x * DROPOUT_WARPS + warp) * 32; s0 < segs; s0 += stride) {
+    if (s0 + lane < segs) {
+      const int64_t s = s0 + lane;
+      const uint32_t r = (uint32_t)(s / segs_per_row), u = Dropout::unit(s % segs_per_row * 32);
+#pragma unroll
+      for (int t = 0; t < 4; ++t) nums[warp][t][lane] = d.draws(r, u + t);
+    }
+    __syncwarp();
+    const int chunks = (int)min((int64_t)32, segs - s0) * CHUNKS;
+    const T* xs = x + s0 * 32;
+    T* ys = y + s0 * 32;
+    for (int ch = lane; ch < chunks; ch += 32) {
+      const int seg = ch / CHUNKS, c = ch % CHUNKS * W;  // the chunk's segment, its first column there
+      float v[W];
+      unpack16(*reinterpret_cast<const float4*>(xs + ch * W), v);
+#pragma unroll
+      for (int w = 0; w < W; ++w) v[w] *= d.factor(nums[warp][((c + w) & 7) >> 1][seg], Dropout::lane(c + w));
+      *reinterpret_cast<float4*>(ys + ch * W) = pack16(v);
+    }
+    __syncwarp();  // every lane has read the numbers before the next segments' overwrite them
+  }
+}
+
 // x and y contiguous (rows, cols); 16-byte loads where rows start on 16 bytes.
 template <class T>
 void launch::dropout(const T* x, T* y, int64_t rows, int64_t cols, const DropoutArgs& d, cudaStream_t s) {
   const int64_t n = rows * ((cols + 31) / 32);
   if (n == 0) return;
+  if (cols % 32 == 0 && aligned16(x) && aligned16(y)) {
+    const unsigned blocks = (unsigned)std::min<int64_t>((n + 32 * DROPOUT_WARPS - 1) / (32 * DROPOUT_WARPS), 32 * num_sms());
+    dropout_segments_kernel<T><<<blocks, 32 * DROPOUT_WARPS, 0, s>>>(x, y, n, cols / 32, d);
+    check_launch("dropout");
+    return;
+  }
   const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 32 * num_sms());
   if (aligned16(x) && aligned16(y) && cols % per16<T>() == 0)
     dropout_kernel<T, true><<<blocks, 256, 0, s>>>(x, y, rows, cols, d);
