@@ -1366,7 +1366,11 @@ def t_dropout(shape, p, dtype=torch.float32, salt=0, layout="contiguous"):
 for _shape, _p in (((1,), 0.5), ((17, 33), 0.2), ((3, 1001), 0.1), ((5, 7, 37), 0.9), ((8192, 768), 0.2),
                    ((64, 32), 0.999), ((31, 65), 0.0), ((2, 3), 1.0)):
     add("dropout/" + "x".join(map(str, _shape)) + f"_p{_p}", t_dropout, _shape, _p)
+# rows of whole 32-column segments (dropout_segments_kernel): a last warp partly full (21 and 65 segments)
+add("dropout/7x96_p0.3", t_dropout, (7, 96), 0.3)
+add("dropout_bf16/13x160_p0.3", t_dropout, (13, 160), 0.3, dtype=BF16)
 add("dropout/37x1000_p0.3_misaligned", t_dropout, (37, 1000), 0.3, layout="misaligned")
+add("dropout/37x1024_p0.3_misaligned", t_dropout, (37, 1024), 0.3, layout="misaligned")
 add("dropout/100x37_p0.3_transposed", t_dropout, (100, 37), 0.3, layout="transposed")
 add("dropout/17x33_p0.2_salt7", t_dropout, (17, 33), 0.2, salt=7)
 add("empty/dropout_0x64", t_dropout, (0, 64), 0.2)
