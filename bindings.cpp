@@ -2733,7 +2733,8 @@ static void fused_backward_into(const Tensor& q_in, const Tensor& k_in, const Te
   const int BH = (int)(q.size(0) * q.size(1)), group = (int)(q.size(1) / k.size(1));
   const int Sq = (int)q.size(2), Sk = (int)k.size(2), D = (int)q.size(3);
   if (q.scalar_type() == at::kBFloat16) {
-    const int64_t sum_floats = deterministic ? 0 : launch::attention_bwd_dq_sum_floats(BH, Sq, D);
+    // with dropout the backward is the deterministic one (kernels.cu 7.1)
+    const int64_t sum_floats = deterministic || drop.rng ? 0 : launch::attention_bwd_dq_sum_floats(BH, Sq, D);
     const Tensor dq_sum = at::empty({sum_floats}, lse_log2.options());
     launch::attention_bwd_fused(ptr<bf16>(q), ptr<bf16>(k), ptr<bf16>(v), ptr<bf16>(out), ptr<bf16>(dout),
                         lse_log2.data_ptr<float>(), delta.data_ptr<float>(), ptr<bf16>(dq), ptr<bf16>(dk),
@@ -2948,7 +2949,7 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
   // deterministic=False: the bf16 backward on Hopper adds dQ across key blocks in one kernel, in no
   // fixed order (faster at long sequences; dq's last bits vary from run to run, dk and dv do not).
   // dropout_p > 0 (fused): dropout on the probabilities, drawn as kernels.dropout draws from rng and salt,
-  // the probabilities being rows (b * H + h) * Sq + query of Sk columns.
+  // the probabilities being rows (b * H + h) * Sq + query of Sk columns; its backward is deterministic.
   def_op(m, "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str mode='fused', "
          "str precision='fp32', Tensor? kv_len=None, bool deterministic=True, float dropout_p=0., "
          "Tensor? rng=None, int salt=0) -> Tensor");

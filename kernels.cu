@@ -1247,6 +1247,24 @@ struct Dropout {
     const uint32_t w = (i >> 1) == 0 ? d.x : (i >> 1) == 1 ? d.y : (i >> 1) == 2 ? d.z : d.w;
     return ((w >> (16 * (i & 1))) & 0xFFFFu) >= threshold ? scale : 0.f;
   }
+  // The factors of a backward's 2 x 2 block in the transposed frame (keys as rows, queries as columns):
+  // z[e] of query q + (e & 1), key key0 + 8 (e >> 1), where key0 = 16m + g, g = lane / 4. Lanes g and
+  // g ^ 1 (lane ^ 4) need the same two counters, rows q and q + 1, and from each the same two words (keys
+  // key0 and key0 + 8; the two keys of one lane pair are a word's halves): each lane draws one counter and
+  // the pair swap words, one Philox call per 4 values. Every lane of the warp calls it.
+  __device__ __forceinline__ void factors_t(uint32_t q, int64_t key0, float (&z)[4]) const {
+    const uint32_t odd = (uint32_t)(key0 & 1);  // the odd key's lane draws row q + 1, the even one's row q
+    const uint4 d = draws(q + odd, unit(key0));
+    const bool low = lane(key0) < 2;  // key0's number in word 0 (key0 + 8's in word 1), else words 2 and 3
+    const uint32_t a = low ? d.x : d.z, b = low ? d.y : d.w;
+    const uint32_t pa = __shfl_xor_sync(0xffffffffu, a, 4), pb = __shfl_xor_sync(0xffffffffu, b, 4);
+    const int half = 16 * (int)odd;
+    auto f = [&](uint32_t w) { return ((w >> half) & 0xFFFFu) >= threshold ? scale : 0.f; };
+    z[0] = f(odd ? pa : a);  // query q, key0
+    z[1] = f(odd ? a : pa);  // query q + 1
+    z[2] = f(odd ? pb : b);  // query q, key0 + 8
+    z[3] = f(odd ? b : pb);
+  }
   // A 16 x 8NT tile of C fragments (rows row0: e < 2, row1: e >= 2; column c0 + 8j + 2t + (e & 1), c0 a
   // multiple of 32) times its factors: two calls per 32 columns.
   template <int NT>
@@ -4251,11 +4269,13 @@ void launch::matmul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const _
 // its shared-memory row, and the two products every kernel is built from. Tile walking, masking,
 // the online softmax, the splits and their merge do not depend on it.
 //
-// Dropout on the probabilities (the mma.sync kernels' DROP; the Hopper ones have none, so a call with
-// dropout runs these): probability (i, j) of query head h is element ((b * H + h) * Sq + i, j) of 1.8's
-// draws. The forward multiplies P by its factors after the row sums took it whole; the backward draws them
-// again, multiplying dP (dO V^T is the gradient of the kept, scaled P) before dS = P (dP - delta), and
-// P before dV = P^T dO. delta = rowsum(dO * O) holds as it is: O is the output with dropout.
+// Dropout on the probabilities (every fused kernel's DROP, mma.sync and Hopper): probability (i, j) of
+// query head h is element ((b * H + h) * Sq + i, j) of 1.8's draws. The forward multiplies P by its
+// factors after the row sums took it whole; the backward draws them again, multiplying dP (dO V^T is the
+// gradient of the kept, scaled P) before dS = P (dP - delta), and P before dV = P^T dO. delta =
+// rowsum(dO * O) holds as it is: O is the output with dropout. The dK/dV kernels work in the transposed
+// frame, where a lane's values sit on 4 counters instead of 1: Dropout::factors_t shares them between
+// lane pairs. With dropout the bf16 backward is the deterministic one (no dQ added across key blocks).
 //
 // Twin: train.torch_attention (SDPA; with dropout spelled out). Uses: 1.5 cp_async, 1.6 mma/mma_bf16/ldmatrix,
 // 1.7 (Hopper), 1.8 Dropout.
@@ -4981,10 +5001,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
   // (hq_load, q0_load): an add per tile, a head's row addresses looked up when it starts.
   const int qstart = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
   const int head_tiles = (p.Sq - qstart + BQ - 1) / BQ, tiles = p.group * head_tiles;
-  // Dropout: this thread's keys key0 and key0 + 8 take numbers lane(key0) and lane(key0) + 2 of one counter.
   const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
-  const uint32_t drop_unit = Dropout::unit(key0);
-  const int drop_lane = Dropout::lane(key0);
   int hq_load = kvh * p.group, q0_load = qstart;
   AttnRows<const T> q_rows = attn_rows(p.q, p.lq, hq_load), do_rows = attn_rows(p.dout, p.ldout, hq_load);
   auto load_next = [&](int st) {
@@ -5037,12 +5054,7 @@ __device__ __forceinline__ void attention_bwd_dkv(const AttnArgs<typename Ops::T
         float z[4] = {1.f, 1.f, 1.f, 1.f};
         if constexpr (DROP) {
           const int64_t row = (int64_t)(kvh * p.group + i / head_tiles) * p.Sq + q0 + j * 8 + 2 * t;
-#pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            const uint4 d = drop.draws((uint32_t)(row + b), drop_unit);
-            z[b] = drop.factor(d, drop_lane);
-            z[b + 2] = drop.factor(d, drop_lane + 2);
-          }
+          drop.factors_t((uint32_t)row, key0, z);
 #pragma unroll
           for (int e = 0; e < 4; ++e) dj[0][e] *= z[e];
         }
@@ -5280,6 +5292,7 @@ struct AttnTmaArgs {
   int Sq, Sk, BH, heads, group;  // BH: query heads of all batch entries; heads: per entry
   float scale_log2;
   int* next_unit;  // the units handed out beyond the first gridDim.x (zero at launch)
+  DropoutArgs drop;  // on the probabilities, where the kernel's DROP is set
 };
 
 // A work unit: queries q0 .. q0 + 127 of query head bh, which see `ntiles` key tiles.
@@ -5307,7 +5320,7 @@ __device__ __forceinline__ AttnTmaUnit attn_tma_unit(const AttnTmaArgs& p, int u
 // them and passes each on through a two-slot mailbox in shared memory. The K/V ring runs on across
 // units, and Q is reloaded as soon as a unit's last Q K^T has landed, so the next unit's loads hide
 // behind this one's last P V and its output stores.
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool DROP>
 __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
     attention_fwd_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, AttnTmaArgs p) {
@@ -5383,6 +5396,8 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // (set again for each unit)
   int it = 0, nq = 0;  // as the producer counts them
   int q0 = 0, r0 = 0;  // the current unit's first query, and this thread's first row
+  const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
+  uint32_t drop_row = 0;  // row r0's in the draws: (b * H + h) * Sq + r0
 
   auto issue_qk = [&](int j) {
     const int st = (it + j) % STAGES;
@@ -5409,13 +5424,16 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
     if (lane == 0) mbar_arrive(bar);
   };
   // The online softmax over tile j's scores (in s), its hidden keys masked first; returns the factors
-  // the output so far must be scaled by.
+  // the output so far must be scaled by. With dropout, P is multiplied by its factors once the row sums
+  // have taken it whole.
   auto softmax = [&](int j) {
     float(&sf)[BN / 8][4] = as_fragments<BN>(s);
     const int k0 = j * BN;
     if (k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset))
       mask_scores(sf, k0 + 2 * t, p.Sk, CAUSAL ? r0 + offset : INT_MAX, CAUSAL ? r0 + 8 + offset : INT_MAX);
-    return online_softmax_step(sf, k2, m0, m1, l0, l1);
+    const float2 a = online_softmax_step(sf, k2, m0, m1, l0, l1);
+    if constexpr (DROP) drop.apply(sf, drop_row, drop_row + 8, k0);
+    return a;
   };
   auto pack_p = [&]() {
 #pragma unroll
@@ -5445,6 +5463,7 @@ __global__ void __launch_bounds__(AttnTmaShape<D>::THREADS, 1)
     const AttnTmaUnit w = attn_tma_unit<BM, BN, CAUSAL>(p, u, qtiles);
     q0 = w.q0;
     r0 = q0 + row;
+    drop_row = (uint32_t)((int64_t)w.bh * p.Sq + r0);
     m0 = m1 = -INFINITY;
     l0 = l1 = 0.f;
     const int n = w.ntiles;
@@ -5562,15 +5581,17 @@ struct AttnBwdTmaArgs {
   float scale, scale_log2;
   int nq = 0;              // ADD_DQ: query tiles (64) a head
   float* dq_sum = nullptr;  // ADD_DQ: (B * H, nq, D / 64, a 64 x 64 part in fragment order), zero at launch
+  DropoutArgs drop{};       // on the probabilities, where the kernel's DROP is set (never with ADD_DQ)
 };
 
-template <int D, bool CAUSAL, bool ADD_DQ>
+template <int D, bool CAUSAL, bool ADD_DQ, bool DROP>
 __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     attention_bwd_dkv_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                                  const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
                                  AttnBwdTmaArgs p) {
 #ifdef WG_ENABLED
   using S = AttnBwdTmaShape<D, ADD_DQ>;
+  static_assert(!(ADD_DQ && DROP), "dropout's backward adds no dQ here");
   constexpr int BN = S::BN, BQ = S::BQ, STAGES = S::STAGES;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t k_s = (smem_addr(smem_raw) + 1023) & ~1023u, v_s = k_s + S::KV_BYTES, ds_s = v_s + S::KV_BYTES;
@@ -5639,6 +5660,7 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
   // key0 = k0 + 64 wg + 16 (warp % 4) + g and key0 + 8 (rows), queries 8j + 2t, +1 of the tile (columns).
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, key0 = k0 + 64 * wg + 16 * (warp % 4) + g;
   const uint32_t ks = k_s + wg * 64 * 128, vs = v_s + wg * 64 * 128;
+  const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
   float s[BQ / 2], dp[BQ / 2], dk[D / 2], dv[D / 2], dq[32];
   uint32_t pf[BQ / 16][4], dsf[BQ / 16][4];  // P^T and dS^T as A operands, one k16 step of queries each
   // Tile i's lse_log2 and delta (BQ each): a warp's columns span all of them, too many registers for
@@ -5733,11 +5755,16 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
     // (accumulators read while a wgmma is in flight would serialize them all)
     if (ADD_DQ && S::OVERLAP && i > 0) stage_dq();
     const bool masked = q0 + BQ > p.Sq || k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + offset);
+    // Dropout: the rows of this tile's queries in the draws, (b * H + h) * Sq + q
+    const uint32_t drop_row = (uint32_t)((int64_t)(b * p.heads + hk * p.group + i / per_head) * p.Sq + q0);
 #pragma unroll
     for (int j = 0; j < BQ / 8; ++j) {  // this thread's queries, columns 8j + 2t and + 1
       const float2 l2 = *reinterpret_cast<const float2*>(ts + 8 * j + 2 * t);
       const float2 d2 = *reinterpret_cast<const float2*>(ts + BQ + 8 * j + 2 * t);
       const float lq[2] = {l2.x, l2.y}, dl[2] = {d2.x, d2.y};
+      // With dropout, dP (of the kept probabilities) is dP' * factor, and dV's P is P * factor.
+      float z[4] = {1.f, 1.f, 1.f, 1.f};
+      if constexpr (DROP) drop.factors_t(drop_row + 8 * j + 2 * t, key0, z);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pr = fast_exp2(s[4 * j + e] * p.scale_log2 - lq[e & 1]);
@@ -5745,8 +5772,8 @@ __global__ void __launch_bounds__(AttnBwdTmaShape<D>::THREADS, 1)
           const int q = q0 + 8 * j + 2 * t + (e & 1), key = key0 + (e & 2 ? 8 : 0);
           if (q >= p.Sq || key >= p.Sk || (CAUSAL && key > q + offset)) pr = 0.f;
         }
-        s[4 * j + e] = pr;
-        dp[4 * j + e] = pr * (dp[4 * j + e] - dl[e & 1]);
+        s[4 * j + e] = DROP ? pr * z[e] : pr;
+        dp[4 * j + e] = pr * ((DROP ? dp[4 * j + e] * z[e] : dp[4 * j + e]) - dl[e & 1]);
       }
     }
 #pragma unroll
@@ -5878,9 +5905,10 @@ struct AttnDqTmaArgs {
   AttnLayout ldq;
   int Sq, Sk, heads, group;
   float scale, scale_log2;
+  DropoutArgs drop;  // on the probabilities, where the kernel's DROP is set
 };
 
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool DROP>
 __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
     attention_bwd_dq_tma_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                                 const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
@@ -5932,6 +5960,8 @@ __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
   // Consumer warpgroup wg: rows r0 = q0 + 64 wg + 16 (warp % 4) + g and r0 + 8, keys 8j + 2t, +1.
   const int wg = warp / 4 - 1, g = lane / 4, t = lane % 4, r0 = q0 + 64 * wg + 16 * (warp % 4) + g;
   const uint32_t qs = q_s + wg * 64 * 128, dos = do_s + wg * 64 * 128;
+  const Dropout drop = DROP ? Dropout(p.drop) : Dropout();
+  const uint32_t drop_row = (uint32_t)((int64_t)bh * p.Sq + r0);
   float s[BN / 2], dp[BN / 2], dq[D / 2];
   uint32_t dsf[BN / 16][4];  // dS as the A operand of dS K, one k16 step of keys each
   float lse[2], dlt[2];
@@ -5964,6 +5994,7 @@ __global__ void __launch_bounds__(AttnDqTmaShape<D>::THREADS, 1)
     }
     wgmma_wait<0>();
     const bool masked = k0 + BN > p.Sk || (CAUSAL && k0 + BN - 1 > q0 + 64 * wg + offset);
+    if constexpr (DROP) drop.apply(as_fragments<BN>(dp), drop_row, drop_row + 8, k0);  // dP of the kept P
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       const int hh = (i >> 1) & 1;
@@ -6013,13 +6044,13 @@ static bool attn_tile_map(CUtensorMap& map, const void* x, const AttnLayout& l, 
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool DROP>
 static void attention_fwd_tma_launch(const CUtensorMap (&maps)[3], const AttnTmaArgs& p, cudaStream_t s) {
   using S = AttnTmaShape<D>;
-  raise_smem_limit<attention_fwd_tma_kernel<D, CAUSAL>>(S::SMEM);
+  raise_smem_limit<attention_fwd_tma_kernel<D, CAUSAL, DROP>>(S::SMEM);
   cudaMemsetAsync(p.next_unit, 0, sizeof(int), s);
   const int64_t units = (int64_t)ceil_div(p.Sq, S::BM) * p.BH;
-  launch_pdl(attention_fwd_tma_kernel<D, CAUSAL>, dim3((unsigned)std::min<int64_t>(units, num_sms())),
+  launch_pdl(attention_fwd_tma_kernel<D, CAUSAL, DROP>, dim3((unsigned)std::min<int64_t>(units, num_sms())),
              dim3(S::THREADS), S::SMEM, s, maps[0], maps[1], maps[2], p);
 }
 
@@ -6028,8 +6059,8 @@ static void attention_fwd_tma_launch(const CUtensorMap (&maps)[3], const AttnTma
 // the unit counter); false: it did not, and the caller runs attention_fwd_kernel.
 static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                               __nv_bfloat16* out, float* lse_log2, const AttnLayouts& l, int BH, int group, int Sq,
-                              int Sk, int D, bool causal, float scale_log2, const int64_t* kv_len, float* workspace,
-                              cudaStream_t s) {
+                              int Sk, int D, bool causal, float scale_log2, const int64_t* kv_len,
+                              const DropoutArgs& drop, float* workspace, cudaStream_t s) {
   if (!attention_wgmma_enabled.load() || !hopper_wgmma() || !is_head_size(limits::hopper_head_sizes{}, D) || kv_len || Sq < 128 || !workspace ||
       (int64_t)ceil_div(Sq, AttnTmaShape<64>::BM) * BH > INT_MAX)  // the units, counted in int
     return false;
@@ -6039,19 +6070,23 @@ static bool attention_fwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
       !attn_tile_map(maps[2], v, l.v, batch, Sk, D, 128))
     return false;
   int* next_unit = reinterpret_cast<int*>(workspace);
-  const AttnTmaArgs p{out, l.out, lse_log2, Sq, Sk, BH, l.q.heads, group, scale_log2, next_unit};
+  const AttnTmaArgs p{out, l.out, lse_log2, Sq, Sk, BH, l.q.heads, group, scale_log2, next_unit, drop};
   with_head_size(limits::hopper_head_sizes{}, D, [&](auto d) {
-    with_flag(causal, [&](auto c) { attention_fwd_tma_launch<decltype(d)::value, decltype(c)::value>(maps, p, s); });
+    with_flag(causal, [&](auto c) {
+      with_flag(drop.rng != nullptr, [&](auto dr) {
+        attention_fwd_tma_launch<decltype(d)::value, decltype(c)::value, decltype(dr)::value>(maps, p, s);
+      });
+    });
   });
   return true;
 }
 
-template <int D, bool CAUSAL, bool ADD_DQ>
+template <int D, bool CAUSAL, bool ADD_DQ, bool DROP = false>
 static void attention_bwd_dkv_tma_launch(const CUtensorMap (&maps)[4], const AttnBwdTmaArgs& p, int kv_heads,
                                          cudaStream_t s) {
   using S = AttnBwdTmaShape<D, ADD_DQ>;
-  raise_smem_limit<attention_bwd_dkv_tma_kernel<D, CAUSAL, ADD_DQ>>(S::SMEM);
-  launch_pdl(attention_bwd_dkv_tma_kernel<D, CAUSAL, ADD_DQ>, dim3(ceil_div(p.Sk, S::BN), kv_heads),
+  raise_smem_limit<attention_bwd_dkv_tma_kernel<D, CAUSAL, ADD_DQ, DROP>>(S::SMEM);
+  launch_pdl(attention_bwd_dkv_tma_kernel<D, CAUSAL, ADD_DQ, DROP>, dim3(ceil_div(p.Sk, S::BN), kv_heads),
              dim3(S::THREADS), S::SMEM, s, maps[0], maps[1], maps[2], maps[3], p);
 }
 
@@ -6066,11 +6101,11 @@ int64_t launch::attention_bwd_dq_sum_floats(int BH, int Sq, int D) {
   return attention_bwd_hopper(BH, D) ? (int64_t)BH * ceil_div(Sq, 64) * 64 * D : 0;
 }
 
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, bool DROP>
 static void attention_bwd_dq_tma_launch(const CUtensorMap (&maps)[4], const AttnDqTmaArgs& p, int BH, cudaStream_t s) {
   using S = AttnDqTmaShape<D>;
-  raise_smem_limit<attention_bwd_dq_tma_kernel<D, CAUSAL>>(S::SMEM);
-  launch_pdl(attention_bwd_dq_tma_kernel<D, CAUSAL>, dim3(ceil_div(p.Sq, S::BM), BH), dim3(S::THREADS), S::SMEM, s,
+  raise_smem_limit<attention_bwd_dq_tma_kernel<D, CAUSAL, DROP>>(S::SMEM);
+  launch_pdl(attention_bwd_dq_tma_kernel<D, CAUSAL, DROP>, dim3(ceil_div(p.Sq, S::BM), BH), dim3(S::THREADS), S::SMEM, s,
              maps[0], maps[1], maps[2], maps[3], p);
 }
 
@@ -6092,11 +6127,12 @@ static void attention_bwd_add_dq(const CUtensorMap (&maps)[4], AttnBwdTmaArgs p,
 // (attention_bwd_hopper, and operands the copy engine can address); false: they did not, and
 // attention_bwd_kernel runs. delta is computed already.
 // dq_sum (or nullptr): attention_bwd_dq_sum_floats floats, dQ added across key blocks in one kernel
-// (not deterministic; where dq's rows are 16-byte aligned for the finish kernel's stores).
+// (not deterministic; where dq's rows are 16-byte aligned for the finish kernel's stores; not with dropout).
 static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                               const __nv_bfloat16* dout, const float* lse_log2, const float* delta, __nv_bfloat16* dq,
                               __nv_bfloat16* dk, __nv_bfloat16* dv, const AttnLayouts& l, int BH, int group, int Sq,
-                              int Sk, int D, bool causal, float scale, float* dq_sum, cudaStream_t s) {
+                              int Sk, int D, bool causal, float scale, const DropoutArgs& drop, float* dq_sum,
+                              cudaStream_t s) {
   if (!attention_bwd_hopper(BH, D)) return false;
   const int batch = BH / l.q.heads;
   CUtensorMap kv[4];  // boxes of 64 queries and 128 keys (dK, dV)
@@ -6105,7 +6141,8 @@ static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
     return false;
   const float scale_log2 = scale * 1.4426950408889634f;
   AttnBwdTmaArgs pkv{lse_log2, delta, dk, dv, l.dk, l.dv, Sq, Sk, l.q.heads, group, scale, scale_log2};
-  if (dq_sum && aligned16(dq) && l.dq.ss % 8 == 0 && l.dq.sh % 8 == 0 && l.dq.sb % 8 == 0) {
+  pkv.drop = drop;
+  if (dq_sum && !drop.rng && aligned16(dq) && l.dq.ss % 8 == 0 && l.dq.sh % 8 == 0 && l.dq.sb % 8 == 0) {
     pkv.dq_sum = dq_sum;
     with_head_size(limits::hopper_head_sizes{}, D, [&](auto d) {
       attention_bwd_add_dq<decltype(d)::value>(kv, pkv, causal, dq, l.dq, BH, BH / group, s);
@@ -6116,15 +6153,17 @@ static bool attention_bwd_tma(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   if (!attn_tile_map(qo[0], q, l.q, batch, Sq, D, 128) || !attn_tile_map(qo[1], k, l.k, batch, Sk, D, 64) ||
       !attn_tile_map(qo[2], v, l.v, batch, Sk, D, 64) || !attn_tile_map(qo[3], dout, l.dout, batch, Sq, D, 128))
     return false;
-  const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2};
+  const AttnDqTmaArgs pq{lse_log2, delta, dq, l.dq, Sq, Sk, l.q.heads, group, scale, scale_log2, drop};
   with_head_size(limits::hopper_head_sizes{}, D, [&](auto d) {
     with_flag(causal, [&](auto c) {
-      constexpr int D_ = decltype(d)::value;
-      constexpr bool CAUSAL = decltype(c)::value;
-      attention_bwd_dkv_tma_launch<D_, CAUSAL, false>(kv, pkv, BH / group, s);
-      check_launch("attention_bwd_dkv_tma");
-      attention_bwd_dq_tma_launch<D_, CAUSAL>(qo, pq, BH, s);
-      check_launch("attention_bwd_dq_tma");
+      with_flag(drop.rng != nullptr, [&](auto dr) {
+        constexpr int D_ = decltype(d)::value;
+        constexpr bool CAUSAL = decltype(c)::value, DROP = decltype(dr)::value;
+        attention_bwd_dkv_tma_launch<D_, CAUSAL, false, DROP>(kv, pkv, BH / group, s);
+        check_launch("attention_bwd_dkv_tma");
+        attention_bwd_dq_tma_launch<D_, CAUSAL, DROP>(qo, pq, BH, s);
+        check_launch("attention_bwd_dq_tma");
+      });
     });
   });
   return true;
@@ -6151,10 +6190,9 @@ static void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse
   AttnArgs<T> p = attn_args<T>(Sq, Sk, group, causal, scale);
   p.q = q; p.k = k; p.v = v; p.out = out; p.lse_log2 = lse_log2; p.kv_len = kv_len;
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.drop = drop;
-  // Dropout runs on the mma.sync kernels (7.2, 7.3), the Hopper ones have none.
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (!drop.rng && attention_fwd_tma(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, p.scale_log2, kv_len, workspace,
-                          s)) {
+    if (attention_fwd_tma(q, k, v, out, lse_log2, l, BH, group, Sq, Sk, D, causal, p.scale_log2, kv_len, drop,
+                          workspace, s)) {
       check_launch("attention_fwd_fused");
       return;
     }
@@ -6209,8 +6247,8 @@ static void attention_bwd(const T* q, const T* k, const T* v, const T* out, cons
   p.lq = l.q; p.lk = l.k; p.lv = l.v; p.lout = l.out; p.ldout = l.dout; p.ldq = l.dq; p.ldk = l.dk; p.ldv = l.dv;
   p.drop = drop;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (!drop.rng && attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, dq_sum,
-                          s))
+    if (attention_bwd_tma(q, k, v, dout, lse_log2, delta, dq, dk, dv, l, BH, group, Sq, Sk, D, causal, scale, drop,
+                          dq_sum, s))
       return;
   }
   with_attn_ops<T>(D, precise, [&](auto ops) { attention_bwd_dispatch<decltype(ops)>(p, BH, s); });

@@ -1419,7 +1419,7 @@ def t_dropout_graph_replay():
         outs.append(y.clone())
         assert torch.equal(outs[-1], train.torch_dropout(x, 0.5, dropout_rng(offset=step), 3)), f"replay {step}"
     assert not torch.equal(outs[0], outs[1]), "two replays drew the same mask"
-    return f"3 replays, offsets 1..3, each the twin's mask"
+    return "3 replays, offsets 1..3, each the twin's mask"
 
 
 add("dropout/graph_replay", t_dropout_graph_replay)
@@ -3004,14 +3004,18 @@ def t_attention_joined_split():
 add("attention/fused-fp32/joined_split", t_attention_joined_split)
 
 
-def t_attention_dropout(dtype, B, H, Sq, Sk, D, causal, p=0.2, kv_heads=None, packed=False):
+def t_attention_dropout(dtype, B, H, Sq, Sk, D, causal, p=0.2, kv_heads=None, packed=False, wgmma=True):
     """Dropout on the probabilities inside the fused kernels, against the twin's spelled-out attention with the
     same masks (train.torch_attention: rows (b * H + h) * Sq + i of Sk columns), forward and backward: a
     kernel that skipped the dropout, or drew another mask, is off by whole probabilities. The outputs grow by
-    1 / (1 - p), and so do the tolerances."""
+    1 / (1 - p), and so do the tolerances. bf16 on Hopper at head sizes 64 and 128 runs the Hopper kernels
+    (wgmma=False: mma.sync), checked from the kernels' names."""
     Hkv = kv_heads or H
     rng, salt = dropout_rng(seed=4321, offset=77), 5
     grow = 1 / (1 - p)
+    hopper = dtype == BF16 and D in (64, 128) and torch.cuda.get_device_capability() == (9, 0)
+    if not wgmma and not hopper:
+        raise Skip("wgmma=False differs from the default only for bf16 at head sizes 64, 128 on compute capability 9.0")
 
     def f(ops, q, k, v):
         return ops.attention(q, k, v, causal=causal, dropout_p=p, rng=rng, salt=salt)
@@ -3023,15 +3027,33 @@ def t_attention_dropout(dtype, B, H, Sq, Sk, D, causal, p=0.2, kv_heads=None, pa
         tol, g = ATTN_TOL["fused-fp32"]
         group = math.sqrt(H // Hkv)
         compare(f, tol * grow, dict(q=g * grow, k=g * grow * group, v=g * grow * group), q=q, k=k, v=v)
+        route = ""
     else:
         tol = {n: (a * grow, r) for n, (a, r) in attn_bf16_tol(1, H // Hkv).items()}
-        compare_bf16(f, D, tol=tol, hopper=False, q=q, k=k, v=v)
+        with attention_wgmma(wgmma):
+            names = launched_kernels(lambda: compare_bf16(f, D, tol=tol, hopper=False, q=q, k=k, v=v))
+        route = attention_dropout_route(names, hopper and wgmma, Sq >= 128)
     with torch.no_grad():  # the dropout did something: without it the output differs
         q0, k0, v0 = (t.to(dtype) for t in (q, k, v))
         moved = (kernels.attention(q0, k0, v0, causal=causal, dropout_p=p, rng=rng, salt=salt)
                  - kernels.attention(q0, k0, v0, causal=causal)).abs().max().item()
     assert p == 0 or moved > 0, "dropout_p changed nothing"
-    return f"|out with dropout - without| up to {moved:.2f}"
+    return f"|out with dropout - without| up to {moved:.2f}{route}"
+
+
+def attention_dropout_route(names, hopper, whole_query_tile):
+    """Checks that a bf16 case ran the kernels its shape and wgmma flag pick: on Hopper's (*_tma_kernel) the
+    backward's dK/dV and dQ, and the forward where it has a whole query tile (128), else none of them; says
+    which."""
+    ours = {n.split("<")[0].split()[-1] for n in names if "attention_" in n}
+    if not ours:  # the profiler saw nothing (e.g. under compute-sanitizer): the values were checked all the same
+        return "; route not seen: the profiler recorded no kernel of ours"
+    tma = {n for n in ours if n.endswith("_tma_kernel")}
+    want = {"attention_bwd_dkv_tma_kernel", "attention_bwd_dq_tma_kernel"} if hopper else set()
+    if hopper and whole_query_tile:
+        want.add("attention_fwd_tma_kernel")
+    assert tma == want, f"ran {sorted(ours)}, expected {sorted(want) or 'no *_tma_kernel'}"
+    return f"; ran {', '.join(sorted(want))}" if want else "; ran mma.sync"
 
 
 for _dt, _B, _H, _Sq, _Sk, _D, _causal, _extra in (
@@ -3046,13 +3068,40 @@ for _dt, _B, _H, _Sq, _Sk, _D, _causal, _extra in (
         (torch.float32, 1, 8, 129, 129, 128, _C, dict(kv_heads=2, packed=True)),
         (BF16, 2, 3, 17, 17, 64, _C, {}),
         (BF16, 2, 3, 1000, 1000, 64, _C, {}),
+        (BF16, 2, 3, 1000, 1000, 64, _C, dict(wgmma=False)),
         (BF16, 2, 3, 256, 256, 128, False, {}),
+        (BF16, 2, 3, 256, 256, 128, False, dict(wgmma=False)),
+        (BF16, 2, 3, 200, 333, 128, _C, {}),
+        (BF16, 1, 4, 1031, 1031, 64, False, dict(p=0.9)),
+        (BF16, 2, 8, 300, 300, 64, _C, dict(kv_heads=2)),
         (BF16, 2, 8, 300, 300, 32, _C, dict(kv_heads=2)),
         (BF16, 2, 3, 200, 200, 96, _C, dict(p=0.9)),
         (BF16, 8, 6, 256, 256, 64, _C, dict(packed=True))):
     _name = (f"attention/dropout-{'bf16' if _dt == BF16 else 'fp32'}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}"
              + "_causal" * _causal + "".join(f"_{k}" if v is True else f"_{k}{v}" for k, v in _extra.items()))
     add(_name, t_attention_dropout, _dt, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
+
+
+def t_attention_dropout_deterministic_false():
+    # deterministic=False asks the bf16 Hopper backward to add dQ across key blocks, which has no dropout:
+    # with dropout the backward stays the deterministic one, bit for bit, its dQ kernel's
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("deterministic=False changes the backward only on compute capability 9.0")
+    q, k, v, dy = (rand(2, 3, 1000, 64).bfloat16() for _ in range(4))
+
+    def run(deterministic):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = kernels.attention(*leaves, causal=True, deterministic=deterministic, dropout_p=0.2,
+                                rng=dropout_rng(offset=9), salt=2)
+        return (out, *torch.autograd.grad(out, leaves, dy))
+    names = launched_kernels(lambda: run(False))
+    for label, a, b in zip(("out", "dq", "dk", "dv"), run(False), run(True), strict=True):
+        assert torch.equal(a, b), f"{label} differs from the deterministic backward's"
+    assert not any("attention_bwd_dq_finish_kernel" in n for n in names), "dQ was added across key blocks"
+    return "bit-equal to deterministic=True" + ("" if names else "; route not seen: the profiler recorded nothing")
+
+
+add("attention/dropout-bf16/b2h3_q1000k1000_d64_causal_deterministicFalse", t_attention_dropout_deterministic_false)
 
 
 def t_attention_dropout_graph_replay():
@@ -3175,10 +3224,23 @@ def _attention_deterministic_false_ignored():
         yield
 
 
-@mutant("attention_wgmma_false_ignored", "attention/fused-bf16/b2h3_q1000k1000_d64_causal_wgmmaFalse")
+@mutant("attention_wgmma_false_ignored", "attention/fused-bf16/b2h3_q1000k1000_d64_causal_wgmmaFalse",
+        "attention/dropout-bf16/b2h3_q1000k1000_d64_causal_wgmmaFalse")
 def _attention_wgmma_false_ignored():
     with unittest.mock.patch.object(kernels, "set_attention_wgmma", lambda on: None):
         yield
+
+
+@mutant("attention_dropout_off_hopper", "attention/dropout-bf16/b2h3_q1000k1000_d64_causal",
+        "attention/dropout-bf16/b2h3_q256k256_d128")
+def _attention_dropout_off_hopper():
+    # bf16 attention with dropout on mma.sync where Hopper's kernels should run
+    real = kernels.set_attention_wgmma
+    try:
+        with unittest.mock.patch.object(kernels, "set_attention_wgmma", lambda on: real(False)):
+            yield
+    finally:
+        real(True)
 
 
 def attention_route_taken(names, wgmma, deterministic):
@@ -3727,7 +3789,7 @@ ATTN_DROPOUT_BENCH = [(64, 6, 256, 64, True), (16, 16, 1024, 64, True), (16, 16,
 
 @bench_rows("attention dropout")
 def bench_attention_dropout(rows):
-    """Attention with dropout on the probabilities: ours (the masks drawn inside the fused mma.sync kernels)
+    """Attention with dropout on the probabilities: ours (the masks drawn inside the fused kernels, Hopper's for bf16)
     against SDPA with dropout_p (the backend PyTorch picks for it), and both without dropout, in the same run.
     The masks differ, so ours is checked against the twin with its own masks."""
     p, rng = ATTN_DROPOUT_P, dropout_rng()
