@@ -5304,6 +5304,102 @@ def _evaluation_with_dropout():
         yield
 
 
+def train_lr_schedule():
+    # lr_at at the large preset's schedule (lr 1e-3, 100 warm-up steps, cosine to 1e-4 at 1200), against nanoGPT's
+    # formula worked by hand: the warm-up's first and last steps, the peak, the cosine's quarter and middle, the
+    # last step and min_lr at max_iters; rising then falling; the constant schedule's --lr at any step
+    cfg = types.SimpleNamespace(**{**train.DEFAULTS, **train.PRESETS["large"]})
+    schedule = (cfg.lr, cfg.lr_schedule, cfg.warmup_iters, cfg.min_lr, cfg.max_iters)
+    assert schedule == (1e-3, "cosine", 100, 1e-4, 1200), f"the large preset's schedule: {schedule}"
+    want = {0: 1e-3 / 101, 99: 1e-3 * 100 / 101, 100: 1e-3, 375: 1e-4 + 0.5 * (1 + math.sqrt(0.5)) * 9e-4,
+            650: 5.5e-4, 1199: 1e-4 + 0.5 * (1 + math.cos(math.pi * 1099 / 1100)) * 9e-4, 1200: 1e-4}
+    bad = {it: (train.lr_at(cfg, it), w) for it, w in want.items() if not math.isclose(train.lr_at(cfg, it), w,
+                                                                                        rel_tol=1e-12)}
+    assert not bad, f"lr_at(it): (got, want) {bad}"
+    lrs = [train.lr_at(cfg, it) for it in range(cfg.max_iters + 1)]
+    assert all(a < b for a, b in zip(lrs[:100], lrs[1:101])), "the warm-up does not rise at every step"
+    assert all(a > b for a, b in zip(lrs[100:], lrs[101:])), "the cosine does not fall at every step"
+    const = types.SimpleNamespace(**train.DEFAULTS)
+    got = {it: train.lr_at(const, it) for it in (0, 1, 500, const.max_iters)}
+    assert const.lr_schedule == "constant" and set(got.values()) == {const.lr}, f"constant: {got}"
+    return f"{len(want)} points within 1e-12, up then down over {len(lrs)} steps; constant {const.lr:g}"
+
+
+@mutant("cosine_ignores_min_lr", "train/lr_schedule")
+def _cosine_ignores_min_lr():
+    # the cosine decays to 0, not to --min_lr
+    real = train.lr_at
+    with unittest.mock.patch.object(train, "lr_at",
+                                    lambda cfg, it: real(types.SimpleNamespace(**{**vars(cfg), "min_lr": 0.0}), it)):
+        yield
+
+
+@contextlib.contextmanager
+def _lr_seen(seen, interrupt_after=None):
+    """Each AdamW step of the runs within appends its param groups' lr to seen (train.make_optimizer patched).
+    interrupt_after: a SIGINT to this process in that step, as Ctrl-C mid-run (the run stops after it)."""
+    real = train.make_optimizer
+
+    def make(*args, **kwargs):
+        opt = real(*args, **kwargs)
+        opt.register_step_pre_hook(lambda opt, a, kw: seen.append([float(g["lr"]) for g in opt.param_groups]))
+        if interrupt_after:
+            opt.register_step_post_hook(
+                lambda opt, a, kw: signal.raise_signal(signal.SIGINT) if len(seen) == interrupt_after else None)
+        return opt
+    with unittest.mock.patch.object(train, "make_optimizer", make):
+        yield
+
+
+def train_cpu_lr_schedule_resume():
+    # --lr_schedule=cosine: every AdamW step of 8 sees lr_at of its iteration in both param groups; a run stopped by
+    # Ctrl-C after step 5 and resumed goes on from iteration 5's lr, and its losses equal the uninterrupted run's
+    sched = ("--lr_schedule=cosine", "--lr=1e-2", "--warmup_iters=2", "--min_lr=1e-3", "--max_iters=8")
+    cfg = train.parse_config(list(sched))
+    want = [[train.lr_at(cfg, it)] * 2 for it in range(8)]  # both param groups', before the runs patch anything
+    straight_lrs, cut_lrs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        one, two = (os.path.join(tmp, d) for d in ("straight", "cut"))
+        for folder in (one, two):
+            os.makedirs(folder)
+        with _lr_seen(straight_lrs):
+            _train_main_ok(*_train_tiny_args(one, *sched))
+        straight = _train_load_ckpt(os.path.join(one, "out", "ckpt_torch.pt"))
+        with _lr_seen(cut_lrs, interrupt_after=5):
+            code, out = _train_main(*_train_tiny_args(two, *sched))
+        assert code == data.signal_exit(signal.SIGINT) and "after iteration 5" in out, f"exit {code!r}\n{out[-1500:]}"
+        with _lr_seen(cut_lrs):
+            log = _train_main_ok(*_train_tiny_args(two, *sched, "--resume=true"))
+        assert "resuming from iteration 5" in log, f"no resume line in:\n{log}"
+        resumed = _train_load_ckpt(os.path.join(two, "out", "ckpt_torch.pt"))
+    assert straight_lrs == want, f"the uninterrupted run's steps saw lr {straight_lrs}, lr_at gives {want}"
+    assert cut_lrs == want, f"the stopped and resumed run's steps saw lr {cut_lrs}, lr_at gives {want}"
+    assert resumed["train_loss"] == straight["train_loss"], \
+        f"resumed losses {resumed['train_loss']}, uninterrupted {straight['train_loss']}"
+    return (f"lr {want[0][0]:.2e} -> {max(w[0] for w in want):.2e} -> {want[-1][0]:.2e} in 8 steps, 5 + 3 resumed: "
+            f"losses bit-equal")
+
+
+@mutant("lr_update_skipped", "train/cpu_lr_schedule_resume", "train/gpu_op_sets_agree_cosine_lr")
+def _lr_update_skipped():
+    # every step trains at the lr AdamW was built with: the schedule frozen at --lr
+    with unittest.mock.patch.object(train, "set_lr", lambda opt, lr: None):
+        yield
+
+
+@mutant("lr_schedule_restarts_on_resume", "train/cpu_lr_schedule_resume")
+def _lr_schedule_restarts_on_resume():
+    # a resumed run's schedule counts from the resume (warm-up again), not from the run's first step
+    real_resume, real_lr_at, start = train.OpSetRun.resume, train.lr_at, [0]
+
+    def resume(self):
+        real_resume(self)
+        start[0] = self.start
+    with unittest.mock.patch.object(train.OpSetRun, "resume", resume), \
+            unittest.mock.patch.object(train, "lr_at", lambda cfg, it: real_lr_at(cfg, it - start[0])):
+        yield
+
+
 def train_rejects_unknown_key():
     p = _train_run("--bogus=1")
     assert p.returncode != 0, "--bogus=1 was accepted"
@@ -5391,13 +5487,20 @@ def train_rejects_bad_values():
                            ("--weight_decay=-1", ("--weight_decay", ">= 0")),
                            ("--arch=bert", ("--arch", "gpt", "llama", "bert")),
                            ("--n_kv_head=3", ("--n_kv_head", "divide", "--n_head (2)")),
-                           ("--dropout=1", ("--dropout", "[0, 1)")), ("--dropout=-0.1", ("--dropout", "[0, 1)"))):
-            _train_fails(arg, words, *_train_tiny_args(tmp, "--max_iters=1", arg))
+                           ("--dropout=1", ("--dropout", "[0, 1)")), ("--dropout=-0.1", ("--dropout", "[0, 1)")),
+                           ("--lr_schedule=linear", ("--lr_schedule", "constant or cosine", "'linear'")),
+                           ("--warmup_iters=-1", ("--warmup_iters", ">= 0")),
+                           ("--lr_schedule=cosine --min_lr=0", ("--min_lr", "(0, 0.0003]", "got 0.0")),
+                           ("--lr_schedule=cosine --min_lr=1e-3", ("--min_lr", "(0, 0.0003]", "got 0.001")),
+                           ("--lr_schedule=cosine --warmup_iters=1", ("--warmup_iters", "< --max_iters (1)", "got 1"))):
+            _train_fails(arg, words, *_train_tiny_args(tmp, "--max_iters=1", *arg.split()))
         _train_fails("odd llama head", ("--arch=llama", "even", "15"),
                      *_train_tiny_args(tmp, "--max_iters=1", "--arch=llama", "--n_embd=30"))
         _train_fails("dropout in the sweep", ("--dropout", "sweep"),
                      *_train_tiny_args(tmp, "--max_iters=1", "--dropout=0.1", "--sweep=increment"))
-    return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch, heads and dropout checked"
+        _train_fails("cosine in the sweep", ("--lr_schedule=cosine", "sweep", "constant"),
+                     *_train_tiny_args(tmp, "--max_iters=1", "--lr_schedule=cosine", "--sweep=increment"))
+    return "--lr=-1: one line, no traceback; nan, inf, betas, decay, arch, heads, dropout and the lr schedule checked"
 
 
 @mutant("dropout_range_unchecked", "train/rejects_bad_values")
@@ -6062,7 +6165,7 @@ for _fn in (train_cpu_checkpoint_and_resume, train_rejects_unknown_key, train_re
             train_diverged_run_keeps_checkpoint, train_interrupt_saves_checkpoint, train_torchrun_ctrl_c,
             train_torchrun_refusal, train_resume_nothing_to_train, train_interrupted_sample, train_home_in_paths,
             train_out_of_memory, train_ddp_two_ranks, train_ddp_rank_failure, train_inductor_fallbacks,
-            train_cpu_dropout_resume, train_cpu_dropout_off_in_eval):
+            train_cpu_dropout_resume, train_cpu_dropout_off_in_eval, train_lr_schedule, train_cpu_lr_schedule_resume):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
 
 
@@ -7658,7 +7761,8 @@ for _fn in (data_call_timer, data_increment_batch, mhc_composite_gains_known, mh
 README_TINY = {  # appended to each README command this test runs: the CPU, tiny sizes, a few steps
     "train.py": ["--device=cpu", "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=3",
                  "--batch_size=2", "--block_size=16", "--n_embd=32", "--n_head=2", "--n_layer=1", "--sample_len=10",
-                 "--plot=false", "--sweep_depths=2", "--sweep_variants=baseline,mhc", "--timing_warmup=0"],
+                 "--plot=false", "--sweep_depths=2", "--sweep_variants=baseline,mhc", "--timing_warmup=0",
+                 "--warmup_iters=1"],  # shorter than the 3 steps (the large preset's is 100)
     "inference.py": ["--device=cpu", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=24", "--n_expert=2",
                      "--top_k=1", "--seeds=0", "--max_new_tokens=8", "--prompt=the"],
 }
@@ -8007,19 +8111,23 @@ OP_SETS_LOSS_TOL = 7e-6  # train/gpu_op_sets_agree, 20 steps' losses: 7.2e-7 mea
 FIRST_GRADS_TOL = 1e-5   # train/gpu_first_step_grads, error over a gradient's largest entry: up to 4.7e-6 measured
 
 
-def train_gpu_op_sets_agree(arch="gpt", dropout=0.0, graph_torch=False):
+def train_gpu_op_sets_agree(arch="gpt", dropout=0.0, graph_torch=False, cosine=False):
     # train.py's default config, 20 steps on each op set from the same weights and batches (train_op_set
     # seeds both from cfg.seed): torch eager, cuda graphed, as `python train.py` runs them. With dropout both
     # draw the same masks, a step's from the rng offset the step advances (the graphed one inside its graph):
     # each checkpoint's offset counts the steps. graph_torch: the torch op set graphed too (its twin's masks
-    # captured, drawn on the device from the advancing offset).
+    # captured, drawn on the device from the advancing offset). cosine: --lr_schedule=cosine, its lr a float32
+    # device tensor that each step fills and the graphed step reads at every replay; the last one filled is
+    # the last step's lr, not the first's (a float baked into the graph would part the curves).
     steps = under_tool(20, 5)
+    schedule = dict(lr_schedule="cosine", warmup_iters=steps // 4, min_lr=train.DEFAULTS["lr"] / 10) if cosine else {}
     cuda = train.cuda_op_set(kernels, train.DEFAULTS["n_embd"] // train.DEFAULTS["n_head"])
     with tempfile.TemporaryDirectory() as tmp:
         trained = {ops.name: gpu_train(ops, os.path.join(tmp, ops.name), max_iters=steps, arch=arch, dropout=dropout,
-                                       graph_torch=graph_torch)
+                                       graph_torch=graph_torch, **schedule)
                    for ops in (train.TORCH_OPS, cuda)}
     runs = {name: r for name, (r, _) in trained.items()}
+    assert runs["cuda"]["mode"] == "graph", f"cuda op set ran {runs['cuda']['mode']}"
     assert not graph_torch or runs["torch"]["mode"] == "graph", f"torch op set ran {runs['torch']['mode']}"
     if dropout:
         for name, (_, ckpt) in trained.items():
@@ -8028,10 +8136,19 @@ def train_gpu_op_sets_agree(arch="gpt", dropout=0.0, graph_torch=False):
     t, c = (torch.tensor(runs[n]["train_loss"], dtype=torch.float64) for n in ("torch", "cuda"))
     assert len(t) == len(c) == steps, f"{len(t)} and {len(c)} losses"
     check("loss", c, t, OP_SETS_LOSS_TOL)
+    if cosine:
+        cfg = types.SimpleNamespace(**{**train.DEFAULTS, "max_iters": steps, **schedule})
+        first, last = (torch.tensor(train.lr_at(cfg, it), dtype=torch.float32) for it in (0, steps - 1))
+        assert first != last, f"lr_at gives {first} at the first step and at the last"
+        for name, (_, ckpt) in trained.items():  # the optimizer's lr as its state_dict held it after the last step
+            lrs = [g["lr"] for g in ckpt["optimizer"]["param_groups"]]
+            assert all(torch.is_tensor(lr) and lr.shape == () and lr.dtype == torch.float32 for lr in lrs), \
+                f"{name}: lr {lrs}, not a 0-dim float32 tensor"
+            assert all(lr == last for lr in lrs), f"{name}: lr {lrs} after the last step, lr_at gives {last}"
     diff = (c - t).abs()
-    return (f"{arch}{f', dropout {dropout}' * bool(dropout)}: max |loss difference| {diff.max():.2e} at step "
-            f"{int(diff.argmax()) + 1} of {steps} (torch {runs['torch']['mode']}, cuda {runs['cuda']['mode']}); "
-            f"loss {t[0]:.4f} -> {t[-1]:.4f}")
+    return (f"{arch}{f', dropout {dropout}' * bool(dropout)}{', cosine lr' * cosine}: max |loss difference| "
+            f"{diff.max():.2e} at step {int(diff.argmax()) + 1} of {steps} (torch {runs['torch']['mode']}, cuda "
+            f"{runs['cuda']['mode']}); loss {t[0]:.4f} -> {t[-1]:.4f}")
 
 
 def tf32_round(x):
@@ -8083,6 +8200,16 @@ def _attention_dropout_ignored():
 def _dropout_offset_frozen():
     # every training step draws the first step's masks
     with unittest.mock.patch.object(train.GPT, "next_dropout_masks", lambda self: None):
+        yield
+
+
+@mutant("lr_baked_into_the_graph", "train/gpu_op_sets_agree_cosine_lr")
+def _lr_baked_into_the_graph():
+    # the schedule's lr assigned as a float on a GPU too: the graph captures the capture step's value
+    def set_float(opt, lr):
+        for group in opt.param_groups:
+            group["lr"] = lr
+    with unittest.mock.patch.object(train, "set_lr", set_float):
         yield
 
 
@@ -8290,6 +8417,7 @@ add("train/gpu_op_sets_agree_llama", train_gpu_op_sets_agree, "llama")
 add("train/gpu_op_sets_agree_dropout", train_gpu_op_sets_agree, dropout=0.2)
 add("train/gpu_op_sets_agree_llama_dropout", train_gpu_op_sets_agree, "llama", dropout=0.2)
 add("train/gpu_op_sets_agree_dropout_graph_torch", train_gpu_op_sets_agree, dropout=0.2, graph_torch=True)
+add("train/gpu_op_sets_agree_cosine_lr", train_gpu_op_sets_agree, cosine=True)
 add("train/gpu_bf16_op_sets_close", train_gpu_bf16_op_sets_close)
 add("train/gpu_bf16_first_step_grads_gpt", train_gpu_bf16_first_step_grads, "gpt")
 add("train/gpu_bf16_first_step_grads_llama", train_gpu_bf16_first_step_grads, "llama")

@@ -7,7 +7,7 @@ the speedup. With --dtype=bf16 both run under torch.autocast from fp32 master we
 our bf16 kernels) and agree to bf16 rounding.
 
     python train.py                                   # both op sets, default tiny config
-    python train.py --preset=large                    # nanoGPT's char recipe: 6 x 384, context 256, dropout 0.2
+    python train.py --preset=large                    # nanoGPT's char recipe: 6 x 384, context 256, dropout 0.2, cosine lr
     python train.py --device=cpu --max_iters=50       # PyTorch op set only
     python train.py --resume=true --max_iters=2000    # continue from out/ckpt_<op set>.pt
     python train.py --dtype=bf16 --compile=true       # mixed precision: autocast vs our bf16 kernels, compiled
@@ -47,9 +47,10 @@ from data import (BACKENDS, NO_TIMING, ONE_PROCESS, CallTimer, StepTimer, StopRe
 # options: key=(default, what it means). Override with --key=value, parsed as the default's type;
 # python train.py --help prints this table.
 PRESETS = {
-    # nanoGPT's char recipe; on the book's 187k characters validation is lowest near step 1200, then rises
+    # nanoGPT's char recipe, its lr schedule too; at a constant lr 3e-4 validation on the book's 187k characters
+    # was lowest near step 1200, then rose
     "large": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2, max_iters=1200,
-                  out_dir="out/large"),
+                  lr=1e-3, lr_schedule="cosine", warmup_iters=100, min_lr=1e-4, out_dir="out/large"),
     **mhc.PRESETS,  # the mHC depth sweeps
 }
 OPTIONS = dict(
@@ -63,7 +64,13 @@ OPTIONS = dict(
     dropout=(0.0, "training's dropout, in [0, 1): on the embeddings, the attention probabilities and the attention "
                   "and MLP outputs; both op sets draw the same masks (torch_dropout); 0: none, not even the draws"),
     n_kv_head=(0, "key/value heads dividing n_head (grouped-query attention); 0: n_head (gpt), n_head // 2 (llama)"),
-    lr=(3e-4, "AdamW learning rate, > 0; constant: no schedule keeps the graphed step free of lr updates"),
+    lr=(3e-4, "AdamW learning rate, > 0: the whole run's (constant schedule) or the peak (cosine)"),
+    lr_schedule=("constant", "constant: --lr throughout, no lr updates in the graphed step | cosine: nanoGPT's, "
+                             "--warmup_iters of linear warm-up, then a cosine down to --min_lr at --max_iters (lr_at)"),
+    warmup_iters=(0, "cosine: warm-up steps, < max_iters; step it (from 0) of them trains at lr * (it + 1) / "
+                     "(warmup_iters + 1)"),
+    min_lr=(1e-4, "cosine: the lr reached at --max_iters, in (0, --lr]; a resume to another --max_iters reshapes "
+                  "the decay from there"),
     weight_decay=(0.1, "AdamW decay, on weight matrices and embeddings only (not biases or LayerNorm)"),
     beta1=(0.9, "AdamW first-moment decay, in [0, 1)"),
     beta2=(0.99, "AdamW second-moment decay, in [0, 1) (nanoGPT's value for small char models)"),
@@ -116,7 +123,7 @@ def parse_config(argv):
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # processes torchrun started (1 without it)
     check_at_least(cfg, 1, ("batch_size", "block_size", "n_embd", "n_head", "n_layer", "eval_interval", "eval_iters",
                             "log_interval", "dist_timeout"), fail)
-    check_at_least(cfg, 0, ("max_iters", "timing_warmup", "sample_len"), fail)
+    check_at_least(cfg, 0, ("max_iters", "timing_warmup", "sample_len", "warmup_iters"), fail)
     check_arch(cfg, fail)
     # torch.optim checks these too, but only once training starts, and with a traceback.
     if not cfg.lr > 0:
@@ -134,9 +141,28 @@ def parse_config(argv):
         fail(f"--dropout must be in [0, 1), got {cfg.dropout}")
     if cfg.dropout and cfg.sweep:
         fail(f"--dropout applies to the op sets' training runs, not to the mHC sweep (--sweep={cfg.sweep})")
+    check_lr_schedule(cfg, given)
     if given:
         print("overrides: " + ", ".join(f"{k}={getattr(cfg, k)}" for k in given))
     return cfg
+
+
+def check_lr_schedule(cfg, given):
+    """--lr_schedule and the cosine's --warmup_iters and --min_lr."""
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        fail(f"--lr_schedule must be {' or '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
+    if cfg.lr_schedule == "constant":
+        if any(k in given for k in ("warmup_iters", "min_lr")):
+            print("note: --warmup_iters and --min_lr shape --lr_schedule=cosine; a constant one trains at --lr")
+        return
+    if cfg.sweep:
+        fail(f"--lr_schedule={cfg.lr_schedule} applies to the op sets' training runs; the mHC sweep (--sweep="
+             f"{cfg.sweep}) trains at a constant --lr")
+    if not 0 < cfg.min_lr <= cfg.lr:
+        fail(f"--min_lr must be in (0, --lr] = (0, {cfg.lr:g}] with --lr_schedule={cfg.lr_schedule}, got {cfg.min_lr}")
+    if cfg.warmup_iters >= cfg.max_iters:
+        fail(f"--warmup_iters must be < --max_iters ({cfg.max_iters}) with --lr_schedule={cfg.lr_schedule}, got "
+             f"{cfg.warmup_iters}: a shorter run needs a shorter warm-up")
 
 
 def check_arch(cfg, fail):
@@ -684,6 +710,38 @@ def model_from_config(cfg, vocab_size, ops, **overrides):
     return GPT(vocab_size, ops=ops, **{**args, **overrides})
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(cfg, it):
+    """The learning rate of step it (0-based): --lr throughout (constant), or nanoGPT's schedule (cosine): a
+    linear warm-up over warmup_iters steps, then half a cosine from lr down to min_lr at max_iters."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if it < cfg.warmup_iters:
+        return cfg.lr * (it + 1) / (cfg.warmup_iters + 1)
+    done = (min(it, cfg.max_iters) - cfg.warmup_iters) / (cfg.max_iters - cfg.warmup_iters)  # 0 to 1
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * done)) * (cfg.lr - cfg.min_lr)
+
+
+def lr_words(cfg):
+    """The schedule in a line, for the run's header."""
+    if cfg.lr_schedule == "constant":
+        return f"lr {cfg.lr:g}, constant"
+    return (f"lr {cfg.lr:g}, {cfg.lr_schedule}: {cfg.warmup_iters} warm-up steps, then down to {cfg.min_lr:g} at "
+            f"iteration {cfg.max_iters}")
+
+
+def set_lr(opt, lr):
+    """Sets every param group's lr for the next step: a tensor lr is filled in place (a kernel, no host sync),
+    so a step captured in a CUDA graph reads the new value at its next replay; a float lr is replaced."""
+    for group in opt.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
 def make_optimizer(model, cfg, on_cuda, graphed):
     decay = [p for n, p in model.named_parameters() if is_weight_matrix(n, p)]
     no_decay = [p for n, p in model.named_parameters() if not is_weight_matrix(n, p)]
@@ -691,7 +749,12 @@ def make_optimizer(model, cfg, on_cuda, graphed):
     # Same optimizer for both op sets on a GPU: fused AdamW. The fused kernel ignores `capturable`
     # (the flag only lets step() pass the graph-capture check), so graphed and eager runs update alike.
     kw = dict(fused=True, capturable=graphed) if on_cuda else {}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kw)
+    lr = cfg.lr
+    if on_cuda and cfg.lr_schedule != "constant":
+        # A float lr would be baked into a captured step: the fused kernel reads a float32 device tensor instead,
+        # which set_lr fills before each step (the constant schedule keeps the float: no update at all).
+        lr = torch.tensor(cfg.lr, dtype=torch.float32, device=next(model.parameters()).device)
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), **kw)
 
 # -----------------------------------------------------------------------------
 # one training step, eager or replayed from a CUDA graph
@@ -889,6 +952,10 @@ class OpSetRun:
 
     def train_one_step(self):
         cfg, ranks = self.cfg, self.ranks
+        if cfg.lr_schedule != "constant":
+            # self.done: this step's iteration from 0, a resumed run's too; the lr lives in the param groups
+            # load_state_dict left, which set_lr reads each time
+            set_lr(self.opt, lr_at(cfg, self.done))
         x, y = get_batch(self.train_ids, cfg.batch_size, cfg.block_size, self.batch_gen, self.device,  # (B, T)
                          ranks.rank, ranks.world)
         self.loss_buf[self.done - self.start].copy_(self.step(x, y))
@@ -1168,6 +1235,7 @@ def train_and_report(cfg, op_sets, argv, ranks):
     n_params = sum(p.numel() for p in model_from_config(cfg, tok.vocab_size, TORCH_OPS).parameters())
     print(f"op sets: {', '.join(o.name for o in op_sets)} | {n_params / 1e6:.2f}M parameters | vocab {tok.vocab_size}"
           f" | {len(train_ids):,} train / {len(val_ids):,} val tokens")
+    print(lr_words(cfg))
 
     runs = {}
     for ops in op_sets:
