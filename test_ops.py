@@ -207,7 +207,7 @@ def run_case(name, fn, gpu):
                 kernels.check_errors()    # and so does a bad index a kernel met
     except Skip as e:
         return "SKIP", str(e)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: a script's fail() called in-process ends the case, not the run
         if gpu:
             with contextlib.suppress(Exception):
                 kernels.check_errors()  # leave no pending index error to the next case
@@ -1371,6 +1371,8 @@ add("dropout/7x96_p0.3", t_dropout, (7, 96), 0.3)
 add("dropout_bf16/13x160_p0.3", t_dropout, (13, 160), 0.3, dtype=BF16)
 add("dropout/37x1000_p0.3_misaligned", t_dropout, (37, 1000), 0.3, layout="misaligned")
 add("dropout/37x1024_p0.3_misaligned", t_dropout, (37, 1024), 0.3, layout="misaligned")
+# past the grid's cap (32 blocks of 256 segments an SM): a warp's second group reuses its shared memory
+add("dropout_bf16/1100x32768_p0.2", t_dropout, (1100, 32768), 0.2, dtype=BF16)
 add("dropout/100x37_p0.3_transposed", t_dropout, (100, 37), 0.3, layout="transposed")
 add("dropout/17x33_p0.2_salt7", t_dropout, (17, 33), 0.2, salt=7)
 add("empty/dropout_0x64", t_dropout, (0, 64), 0.2)
@@ -3076,7 +3078,8 @@ for _dt, _B, _H, _Sq, _Sk, _D, _causal, _extra in (
         (BF16, 2, 8, 300, 300, 64, _C, dict(kv_heads=2)),
         (BF16, 2, 8, 300, 300, 32, _C, dict(kv_heads=2)),
         (BF16, 2, 3, 200, 200, 96, _C, dict(p=0.9)),
-        (BF16, 8, 6, 256, 256, 64, _C, dict(packed=True))):
+        (BF16, 8, 6, 256, 256, 64, _C, dict(packed=True)),
+        (BF16, 4, 8, 1024, 1024, 64, _C, {})):  # 256 query tiles: the persistent forward's blocks take several
     _name = (f"attention/dropout-{'bf16' if _dt == BF16 else 'fp32'}/b{_B}h{_H}_q{_Sq}k{_Sk}_d{_D}"
              + "_causal" * _causal + "".join(f"_{k}" if v is True else f"_{k}{v}" for k, v in _extra.items()))
     add(_name, t_attention_dropout, _dt, _B, _H, _Sq, _Sk, _D, _causal, **_extra)
@@ -5322,6 +5325,8 @@ def train_lr_schedule():
     const = types.SimpleNamespace(**train.DEFAULTS)
     got = {it: train.lr_at(const, it) for it in (0, 1, 500, const.max_iters)}
     assert const.lr_schedule == "constant" and set(got.values()) == {const.lr}, f"constant: {got}"
+    with contextlib.redirect_stdout(io.StringIO()):  # --max_iters=0 (evaluate the untrained model) runs no step
+        assert train.parse_config(["--preset=large", "--max_iters=0"]).max_iters == 0
     return f"{len(want)} points within 1e-12, up then down over {len(lrs)} steps; constant {const.lr:g}"
 
 

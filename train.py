@@ -160,7 +160,7 @@ def check_lr_schedule(cfg, given):
              f"{cfg.sweep}) trains at a constant --lr")
     if not 0 < cfg.min_lr <= cfg.lr:
         fail(f"--min_lr must be in (0, --lr] = (0, {cfg.lr:g}] with --lr_schedule={cfg.lr_schedule}, got {cfg.min_lr}")
-    if cfg.warmup_iters >= cfg.max_iters:
+    if cfg.max_iters and cfg.warmup_iters >= cfg.max_iters:  # (--max_iters=0 runs no step: no lr to schedule)
         fail(f"--warmup_iters must be < --max_iters ({cfg.max_iters}) with --lr_schedule={cfg.lr_schedule}, got "
              f"{cfg.warmup_iters}: a shorter run needs a shorter warm-up")
 
