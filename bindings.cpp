@@ -2189,8 +2189,19 @@ TORCH_LIBRARY_FRAGMENT(kernels, m) {
 // ---- embedding --------------------------------------------------------------------------------
 
 // weight float32 or bfloat16, rows copied as they are. The backward sums in fp32 (its deterministic
-// kernel is fp32), then rounds a bf16 weight's gradient once.
-static void check_embedding(const Tensor& idx, const Tensor& w) {
+// kernel is fp32), then rounds a bf16 weight's gradient once; padding_idx's row gets none.
+
+// padding_idx as F.embedding takes it (negative: counted from the end) as the kernel takes it: a row in
+// [0, V), or -1 for none.
+static int64_t padding_row(const std::optional<int64_t>& padding_idx, int64_t V) {
+  if (!padding_idx.has_value()) return -1;
+  const int64_t p = *padding_idx;
+  REQUIRE_VALUE(p >= -V && p < V, "embedding: padding_idx must be in [-num_embeddings, num_embeddings) = [", -V,
+                ", ", V, "), got ", p);
+  return p < 0 ? p + V : p;
+}
+
+static void check_embedding(const Tensor& idx, const Tensor& w, const std::optional<int64_t>& padding_idx) {
   const char* op = "embedding";
   check_index_cuda(op, idx, "idx");
   check_fp_cuda(op, w, "weight", w, "weight");
@@ -2199,6 +2210,7 @@ static void check_embedding(const Tensor& idx, const Tensor& w) {
   to_int(op, w.size(0), "num_embeddings");  // the backward sorts indices as 32-bit keys
   to_int(op, idx.numel(), "number of indices");
   to_int(op, w.size(1), "embedding_dim");
+  padding_row(padding_idx, w.size(0));
 }
 
 static std::vector<int64_t> embedding_shape(const Tensor& idx, const Tensor& w) {
@@ -2207,9 +2219,9 @@ static std::vector<int64_t> embedding_shape(const Tensor& idx, const Tensor& w) 
   return shape;
 }
 
-Tensor embedding_cuda(const Tensor& idx_in, const Tensor& w_in) {
+Tensor embedding_cuda(const Tensor& idx_in, const Tensor& w_in, std::optional<int64_t> padding_idx) {
   raise_pending_index_error();
-  check_embedding(idx_in, w_in);
+  check_embedding(idx_in, w_in, padding_idx);  // the forward copies padding_idx's row like any other
   const c10::cuda::CUDAGuard guard(w_in.device());
   const Tensor idx = idx_in.contiguous(), w = w_in.contiguous();
   Tensor out = at::empty(embedding_shape(idx, w), w.options());
@@ -2220,14 +2232,16 @@ Tensor embedding_cuda(const Tensor& idx_in, const Tensor& w_in) {
   return out;
 }
 
-Tensor embedding_meta(const Tensor& idx, const Tensor& w) {
-  check_embedding(idx, w);
+Tensor embedding_meta(const Tensor& idx, const Tensor& w, std::optional<int64_t> padding_idx) {
+  check_embedding(idx, w, padding_idx);
   return at::empty(embedding_shape(idx, w), w.options());
 }
 
 // Only this op's gradient, (num_embeddings, C) in dout's dtype: where the weight is also used elsewhere
 // (a tied output head), autograd adds the two.
-Tensor embedding_backward_cuda(const Tensor& idx, const Tensor& dout_in, int64_t num_embeddings) {
+Tensor embedding_backward_cuda(const Tensor& idx, const Tensor& dout_in, int64_t num_embeddings,
+                               std::optional<int64_t> padding_idx) {
+  const int64_t pad = padding_row(padding_idx, num_embeddings);
   const c10::cuda::CUDAGuard guard(idx.device());
   const Tensor dout = dout_in.contiguous().to(at::kFloat);
   const int C = (int)dout.size(-1), T = (int)idx.numel();
@@ -2235,47 +2249,54 @@ Tensor embedding_backward_cuda(const Tensor& idx, const Tensor& dout_in, int64_t
   Tensor ws = at::empty({(int64_t)launch::embedding_bwd_workspace_bytes(T, num_embeddings, C)},
                         dout.options().dtype(at::kByte));
   launch::embedding_bwd(idx.contiguous().data_ptr<int64_t>(), dout.data_ptr<float>(), dw.data_ptr<float>(), T, num_embeddings,
-                C, ws.numel() ? ws.data_ptr() : nullptr, stream());
+                C, pad, ws.numel() ? ws.data_ptr() : nullptr, stream());
   return dw.to(dout_in.scalar_type());
 }
 
-Tensor embedding_backward_meta(const Tensor&, const Tensor& dout, int64_t num_embeddings) {
+Tensor embedding_backward_meta(const Tensor&, const Tensor& dout, int64_t num_embeddings,
+                               std::optional<int64_t> padding_idx) {
+  padding_row(padding_idx, num_embeddings);
   return at::empty({num_embeddings, dout.size(-1)}, dout.options());
 }
 
 struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& idx, const Tensor& w) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& idx, const Tensor& w, std::optional<int64_t> padding_idx) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({idx});
     ctx->saved_data["V"] = w.size(0);
-    return KERNELS_OP("embedding", embedding_cuda).call(idx, w);
+    ctx->saved_data["padding_idx"] = padding_idx;
+    return KERNELS_OP("embedding", embedding_cuda).call(idx, w, padding_idx);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor idx = ctx->get_saved_variables()[0];
     const int64_t V = ctx->saved_data["V"].toInt();
-    return {Tensor(), KERNELS_OP("embedding_backward", embedding_backward_cuda).call(idx, grads[0], V)};
+    const auto padding_idx = ctx->saved_data["padding_idx"].toOptional<int64_t>();
+    return {Tensor(), KERNELS_OP("embedding_backward", embedding_backward_cuda).call(idx, grads[0], V, padding_idx),
+            Tensor()};
   }
 };
 
-Tensor embedding_autograd(const Tensor& idx, const Tensor& w) {
-  return autograd_or_below<EmbeddingFn>(KERNELS_OP("embedding", embedding_cuda), idx, w);
+Tensor embedding_autograd(const Tensor& idx, const Tensor& w, std::optional<int64_t> padding_idx) {
+  return autograd_or_below<EmbeddingFn>(KERNELS_OP("embedding", embedding_cuda), idx, w, padding_idx);
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // Rows of weight gathered by int64 idx (deterministic backward); an idx out of range gives a NaN row and
-  // a ValueError from the next call or check_errors().
-  def_op(m, "embedding(Tensor idx, Tensor weight) -> Tensor");
+  // Rows of weight gathered by int64 idx (deterministic backward; padding_idx's row gets no gradient); an idx
+  // out of range gives a NaN row and a ValueError from the next call or check_errors().
+  def_op(m, "embedding(Tensor idx, Tensor weight, int? padding_idx=None) -> Tensor");
   cuda_meta(m, "embedding", embedding_cuda, embedding_meta, CPU_ERRORS);
   autograd(m, "embedding", embedding_autograd);
-  def_half(m, "embedding_backward(Tensor idx, Tensor dout, int num_embeddings) -> Tensor");
+  def_half(m, "embedding_backward(Tensor idx, Tensor dout, int num_embeddings, int? padding_idx) -> Tensor");
   cuda_meta(m, "embedding_backward", embedding_backward_cuda, embedding_backward_meta);
 }
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
 // logits float32 or bfloat16; the loss is float32 either way (as under autocast), the logits' gradient
-// in their dtype. kernels::cross_entropy_forward returns the loss and each row's logsumexp.
+// in their dtype. Rows whose target is ignore_index count for nothing (F.cross_entropy's). Any int64
+// ignore_index is allowed, as in PyTorch. kernels::cross_entropy_forward returns the loss, each row's
+// logsumexp and the mean's denominator, the rows kept (a float32 on the device: no host sync).
 static void check_cross_entropy(const Tensor& logits, const Tensor& tgt) {
   const char* op = "cross_entropy";
   check_fp_cuda(op, logits, "logits", logits, "logits");
@@ -2289,77 +2310,86 @@ static void check_cross_entropy(const Tensor& logits, const Tensor& tgt) {
   to_int(op, logits.size(1), "C");
 }
 
-std::tuple<Tensor, Tensor> cross_entropy_forward_cuda(const Tensor& logits, const Tensor& tgt_in) {
+std::tuple<Tensor, Tensor, Tensor> cross_entropy_forward_cuda(const Tensor& logits, const Tensor& tgt_in,
+                                                              int64_t ignore_index) {
   raise_pending_index_error();
   check_cross_entropy(logits, tgt_in);
   const c10::cuda::CUDAGuard guard(logits.device());
   const Tensor x = logits.contiguous(), tgt = tgt_in.contiguous();
   const int R = (int)x.size(0), C = (int)x.size(1);
   const auto f32 = x.options().dtype(at::kFloat);
-  Tensor lse = at::empty({R}, f32), rows = at::empty({R}, f32), loss = at::empty({}, f32);
+  Tensor lse = at::empty({R}, f32), rows = at::empty({R}, f32), loss = at::empty({}, f32), kept = at::empty({}, f32);
   with_type(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    launch::cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ptr<float>(lse), ptr<float>(rows), ptr<float>(loss), R, C,
-                      stream());
+    launch::cross_entropy_fwd(ptr<T>(x), ptr<int64_t>(tgt), ignore_index, ptr<float>(lse), ptr<float>(rows),
+                              ptr<float>(loss), ptr<float>(kept), R, C, stream());
   });
-  return {loss, lse};
+  return {loss, lse, kept};
 }
 
-std::tuple<Tensor, Tensor> cross_entropy_forward_meta(const Tensor& logits, const Tensor& tgt) {
+std::tuple<Tensor, Tensor, Tensor> cross_entropy_forward_meta(const Tensor& logits, const Tensor& tgt, int64_t) {
   check_cross_entropy(logits, tgt);
   const auto f32 = logits.options().dtype(at::kFloat);
-  return {at::empty({}, f32), at::empty({logits.size(0)}, f32)};
+  return {at::empty({}, f32), at::empty({logits.size(0)}, f32), at::empty({}, f32)};
 }
 
-Tensor cross_entropy_backward_cuda(const Tensor& logits, const Tensor& tgt, const Tensor& lse,
-                                   const Tensor& dloss_in) {
+Tensor cross_entropy_backward_cuda(const Tensor& logits, const Tensor& tgt, const Tensor& lse, const Tensor& kept,
+                                   const Tensor& dloss_in, int64_t ignore_index) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const Tensor x = logits.contiguous(), dloss = dloss_in.contiguous();
   Tensor dx = at::empty_like(x);
   with_type(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
-    launch::cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt.contiguous()), ptr<float>(lse), ptr<float>(dloss), ptr<T>(dx),
-                      (int)x.size(0), (int)x.size(1), stream());
+    launch::cross_entropy_bwd(ptr<T>(x), ptr<int64_t>(tgt.contiguous()), ignore_index, ptr<float>(lse),
+                              ptr<float>(kept), ptr<float>(dloss), ptr<T>(dx), (int)x.size(0), (int)x.size(1),
+                              stream());
   });
   return dx;
 }
 
-Tensor cross_entropy_backward_meta(const Tensor& logits, const Tensor&, const Tensor&, const Tensor&) {
+Tensor cross_entropy_backward_meta(const Tensor& logits, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   int64_t) {
   return empty_like_contiguous(logits);
 }
 
 struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& tgt) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& tgt, int64_t ignore_index) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const auto [loss, lse] = KERNELS_OP("cross_entropy_forward", cross_entropy_forward_cuda).call(logits, tgt);
-    ctx->save_for_backward({logits, tgt, lse});
+    const auto [loss, lse, kept] =
+        KERNELS_OP("cross_entropy_forward", cross_entropy_forward_cuda).call(logits, tgt, ignore_index);
+    ctx->save_for_backward({logits, tgt, lse, kept});
+    ctx->saved_data["ignore_index"] = ignore_index;
     return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    return {KERNELS_OP("cross_entropy_backward", cross_entropy_backward_cuda).call(s[0], s[1], s[2], grads[0]),
-            Tensor()};
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    return {KERNELS_OP("cross_entropy_backward", cross_entropy_backward_cuda)
+                .call(s[0], s[1], s[2], s[3], grads[0], ignore_index),
+            Tensor(), Tensor()};
   }
 };
 
-Tensor cross_entropy_impl(const Tensor& logits, const Tensor& tgt) {
-  return std::get<0>(KERNELS_OP("cross_entropy_forward", cross_entropy_forward_cuda).call(logits, tgt));
+Tensor cross_entropy_impl(const Tensor& logits, const Tensor& tgt, int64_t ignore_index) {
+  return std::get<0>(KERNELS_OP("cross_entropy_forward", cross_entropy_forward_cuda).call(logits, tgt, ignore_index));
 }
 
-Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& tgt) {
-  return autograd_or_below<CrossEntropyFn>(KERNELS_OP("cross_entropy", cross_entropy_impl), logits, tgt);
+Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& tgt, int64_t ignore_index) {
+  return autograd_or_below<CrossEntropyFn>(KERNELS_OP("cross_entropy", cross_entropy_impl), logits, tgt, ignore_index);
 }
 
 TORCH_LIBRARY_FRAGMENT(kernels, m) {
-  // Mean cross-entropy of logits (N, C) against int64 targets (N,), float32; a target out of range: NaN, and
-  // a ValueError from the next call or check_errors().
-  def_op(m, "cross_entropy(Tensor logits, Tensor targets) -> Tensor");
+  // Mean cross-entropy of logits (N, C) against int64 targets (N,), float32, over the rows whose target is not
+  // ignore_index (none kept: NaN); a target out of range: NaN, and a ValueError from the next call or
+  // check_errors().
+  def_op(m, "cross_entropy(Tensor logits, Tensor targets, int ignore_index=-100) -> Tensor");
   composite(m, "cross_entropy", cross_entropy_impl);
   autograd(m, "cross_entropy", cross_entropy_autograd);
-  def_half(m, "cross_entropy_forward(Tensor logits, Tensor targets) -> (Tensor, Tensor)");
+  def_half(m, "cross_entropy_forward(Tensor logits, Tensor targets, int ignore_index) -> (Tensor, Tensor, Tensor)");
   cuda_meta(m, "cross_entropy_forward", cross_entropy_forward_cuda, cross_entropy_forward_meta, CPU_ERRORS);
-  def_half(m, "cross_entropy_backward(Tensor logits, Tensor targets, Tensor lse, Tensor dloss) -> Tensor");
+  def_half(m, "cross_entropy_backward(Tensor logits, Tensor targets, Tensor lse, Tensor kept, Tensor dloss, "
+              "int ignore_index) -> Tensor");
   cuda_meta(m, "cross_entropy_backward", cross_entropy_backward_cuda, cross_entropy_backward_meta);
 }
 

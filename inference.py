@@ -592,9 +592,12 @@ def _functional_routes(kernels, device_type):
 
     def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                   sparse=False):
+        # padding_idx's row gets no gradient in ours as in PyTorch's; one out of range is PyTorch's, which raises
         if (ours(weight) and input.device == weight.device and input.dtype == torch.long and weight.dim() == 2
-                and padding_idx is None and max_norm is None and not scale_grad_by_freq and not sparse):
-            return kernels.embedding(input, weight)
+                and (padding_idx is None or (isinstance(padding_idx, int)
+                                             and -weight.shape[0] <= padding_idx < weight.shape[0]))
+                and max_norm is None and not scale_grad_by_freq and not sparse):
+            return kernels.embedding(input, weight, padding_idx=padding_idx)
         return NotImplemented
 
     def softmax(input, dim=None, _stacklevel=3, dtype=None):
@@ -636,16 +639,18 @@ def _functional_routes(kernels, device_type):
 
     def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                       reduction="mean", label_smoothing=0.0):
-        # An ignored or out-of-range target must be looked for in the data: eagerly only (a traced graph cannot
-        # branch on it). PyTorch's mean over no rows is NaN, where ours raises.
+        # Ignored targets are skipped on the device, as PyTorch's skips them, so the data is never read here and
+        # a traced graph takes ours too. A target out of range (not ignore_index) is ours as well: a NaN loss and
+        # a ValueError from our next op or kernels.check_errors(), where PyTorch's CUDA kernel stops at a
+        # device-side assert that leaves the process's CUDA context unusable. PyTorch's mean over no rows is NaN,
+        # where ours raises.
         if not (ours(input) and input.dim() == 2 and input.shape[0] > 0 and torch.is_tensor(target)
                 and target.dtype == torch.long and target.shape == input.shape[:1] and target.device == input.device
                 and weight is None and size_average is None and reduce is None and reduction == "mean"
-                and label_smoothing == 0.0 and not tracing(input, target)):
+                and label_smoothing == 0.0 and isinstance(ignore_index, int)):
             return NotImplemented
-        if bool(((target == ignore_index) | (target < 0) | (target >= input.shape[1])).any()):
-            return NotImplemented
-        loss = kernels.cross_entropy(input, target)  # float32, as PyTorch's under autocast; else the logits' dtype
+        # float32, as PyTorch's under autocast; else the logits' dtype
+        loss = kernels.cross_entropy(input, target, ignore_index=ignore_index)
         return loss if autocast() else loss.to(input.dtype)
 
     return {f.__name__: f for f in (linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, cross_entropy,
@@ -660,12 +665,14 @@ def patched(kernels=None, device_type="cuda"):
     PyTorch's generator, which advances as with its own), and on PyTorch's own otherwise: where
     PyTorch's would raise, or broadcast, or take what ours do not (float16 or float64, mixed dtypes outside
     bf16 autocast, float16 autocast, bf16 products off Hopper, an attention mask, in-place dropout, v's own head
-    size, SDPA's causal mask with Sq != Sk, an embedding's padding_idx or max_norm, softmax to bf16 from
-    fp32, a loss's weights, a reduction other than the mean, label smoothing, an empty batch, an ignored or
-    out-of-range target). Yields a Counter of the eager calls by (name, "ours" or "torch"). A model under
-    torch.compile traces our ops whole, at static shapes (dynamic=False: the ops' meta versions are C++
-    functions of concrete sizes); cross_entropy then stays PyTorch's (finding an ignored target would read
-    the data).
+    size, SDPA's causal mask with Sq != Sk, an embedding's max_norm or a padding_idx out of range, softmax to
+    bf16 from fp32, a loss's weights, a reduction other than the mean, label smoothing, an empty batch). An
+    embedding's padding_idx and a loss's ignored targets (any ignore_index: Hugging Face's labels pad with -100)
+    are ours, as PyTorch computes them. A target out of range (not ignore_index) is ours too: the loss is NaN
+    and our next op, or kernels.check_errors(), raises a ValueError naming it, where PyTorch's CUDA kernel
+    stops at a device-side assert that leaves the process's CUDA unusable. Yields a Counter of the eager calls
+    by (name, "ours" or "torch"). A model under torch.compile traces our ops whole, cross_entropy included,
+    at static shapes (dynamic=False: the ops' meta versions are C++ functions of concrete sizes).
 
         with inference.patched() as counts:
             model = torch.compile(model, fullgraph=True)

@@ -30,31 +30,31 @@
 //   3.3  column sums: the norms' weight and bias gradients ................................... 2103
 //   4    Embedding and cross-entropy ......................................................... 2338
 //   4.1  embedding ........................................................................... 2343
-//   4.2  cross-entropy ....................................................................... 2563
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2672
-//   5.1  GEMV ................................................................................ 2677
-//   5.2  KV cache write ...................................................................... 2795
-//   5.3  top-k ............................................................................... 2864
-//   6    Matmul .............................................................................. 3157
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3162
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3384
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3552
-//   7    Attention ........................................................................... 4220
-//   7.1  attention: shapes, operand policies, tiles .......................................... 4226
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4737
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4956
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5164
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5261
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5536
-//   7.7  attention launchers ................................................................. 6027
-//   8    Hyper-connections (mhc.py) .......................................................... 6277
-//   8.1  stream loads and per-lane sums ...................................................... 6283
-//   8.2  Sinkhorn-Knopp ...................................................................... 6382
-//   8.3  mhc-dynamic's coefficients .......................................................... 6642
-//   8.4  mhc-dynamic's projection ............................................................ 6976
-//   8.5  stream mixing ....................................................................... 7467
-//   9    The decode megakernel ............................................................... 7871
-//   9.1  decode megakernel ................................................................... 7876
+//   4.2  cross-entropy ....................................................................... 2566
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2702
+//   5.1  GEMV ................................................................................ 2707
+//   5.2  KV cache write ...................................................................... 2825
+//   5.3  top-k ............................................................................... 2894
+//   6    Matmul .............................................................................. 3187
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3192
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3414
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3582
+//   7    Attention ........................................................................... 4250
+//   7.1  attention: shapes, operand policies, tiles .......................................... 4256
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4767
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4986
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5194
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5291
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5566
+//   7.7  attention launchers ................................................................. 6057
+//   8    Hyper-connections (mhc.py) .......................................................... 6307
+//   8.1  stream loads and per-lane sums ...................................................... 6313
+//   8.2  Sinkhorn-Knopp ...................................................................... 6412
+//   8.3  mhc-dynamic's coefficients .......................................................... 6672
+//   8.4  mhc-dynamic's projection ............................................................ 7006
+//   8.5  stream mixing ....................................................................... 7497
+//   9    The decode megakernel ............................................................... 7901
+//   9.1  decode megakernel ................................................................... 7906
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -162,14 +162,14 @@ template <class TG, class TD> void bias_grad(const TG* dy, float* part, TD* db, 
 template <class T>
 void embedding_fwd(const int64_t* idx, const T* weight, T* out, int64_t T_, int64_t V, int C, cudaStream_t s);
 size_t embedding_bwd_workspace_bytes(int T, int64_t V, int C);
-void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
-                   cudaStream_t s);
+void embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, int64_t padding_idx,
+                   void* workspace, cudaStream_t s);
 template <class T>
-void cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss, int R, int C,
-                       cudaStream_t s);
+void cross_entropy_fwd(const T* x, const int64_t* tgt, int64_t ignore_index, float* lse, float* loss_rows, float* loss,
+                       float* kept, int R, int C, cudaStream_t s);
 template <class T>
-void cross_entropy_bwd(const T* x, const int64_t* tgt, const float* lse, const float* dloss, T* dx, int R, int C,
-                       cudaStream_t s);
+void cross_entropy_bwd(const T* x, const int64_t* tgt, int64_t ignore_index, const float* lse, const float* kept,
+                       const float* dloss, T* dx, int R, int C, cudaStream_t s);
 // 5. decoding: GEMV, KV cache, top-k
 template <class T>
 void gemv(const T* W, const T* x, const T* bias, T* y, int N, int K, int S, const int64_t* experts, int64_t E,
@@ -2353,6 +2353,8 @@ FOR_ROW_TYPES(INSTANTIATE_NORMS)
 // column tile): a run inside a chunk is summed and written at once; a run that crosses chunks has
 // each chunk's piece written to a workspace, and a second kernel adds the pieces, in chunk order,
 // into the row. Every row is written by exactly one thread per column: no atomics, no races.
+// padding_idx (F.embedding's, >= 0; -1: none) names a row that gets no gradient: its positions take
+// the key of a bad index and are dropped with them.
 //
 // Twin: F.embedding. Uses: 1.2, 1.4, CUB's radix sort.
 
@@ -2404,12 +2406,13 @@ template void launch::embedding_fwd<__nv_bfloat16>(const int64_t*, const __nv_bf
                                                    int, cudaStream_t);
 ONE_TEMPLATE(embedding_fwd<__nv_bfloat16>);
 
-// Sort keys: the index, or V for a bad one (it sorts last and is dropped); values: the position.
-__global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, int* pos, int T, int64_t V) {
+// Sort keys: the index, or V for a bad one or padding_idx (it sorts last and is dropped); values: the position.
+__global__ void embedding_sort_keys_kernel(const int64_t* idx, unsigned* keys, int* pos, int T, int64_t V,
+                                           int64_t padding_idx) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= T) return;
   const int64_t row = idx[t];
-  keys[t] = row >= 0 && row < V ? (unsigned)row : (unsigned)V;
+  keys[t] = row >= 0 && row < V && row != padding_idx ? (unsigned)row : (unsigned)V;
   pos[t] = t;
 }
 
@@ -2532,12 +2535,12 @@ size_t launch::embedding_bwd_workspace_bytes(int T, int64_t V, int C) {
   return T == 0 || C == 0 ? 0 : embedding_bwd_carve(nullptr, T, V, C).total;
 }
 
-// dweight (V, C) must be zeroed by the caller (rows no index names stay zero); V <= 2^31 - 1.
-void launch::embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C, void* workspace,
-                           cudaStream_t s) {
+// dweight (V, C) must be zeroed by the caller (rows no index names stay zero, and padding_idx's); V <= 2^31 - 1.
+void launch::embedding_bwd(const int64_t* idx, const float* dout, float* dweight, int T, int64_t V, int C,
+                           int64_t padding_idx, void* workspace, cudaStream_t s) {
   if (T == 0 || C == 0) return;
   const EmbeddingBwdWorkspace w = embedding_bwd_carve(workspace, T, V, C);
-  embedding_sort_keys_kernel<<<ceil_div(T, 256), 256, 0, s>>>(idx, w.keys_in, w.pos_in, T, V);
+  embedding_sort_keys_kernel<<<ceil_div(T, 256), 256, 0, s>>>(idx, w.keys_in, w.pos_in, T, V, padding_idx);
   check_launch("embedding_bwd_keys");
   size_t sort_bytes = w.sort_bytes;
   const cudaError_t err = cub::DeviceRadixSort::SortPairs(w.sort_tmp, sort_bytes, w.keys_in, w.keys_out, w.pos_in,
@@ -2562,19 +2565,29 @@ void launch::embedding_bwd(const int64_t* idx, const float* dout, float* dweight
 // ------------------------------------------------------------------------------------------------
 // 4.2 cross-entropy
 // Cross-entropy over rows of logits (R, V) with int64 targets: per-row loss = lse - x[target],
-// then a single-block mean in a fixed order. Backward: (softmax - onehot) * dloss / R, with dloss
-// read from device memory so no host sync is needed. A target outside [0, V) gives that row a NaN
-// loss (so the mean is NaN) and NaN gradients, and goes to the error mailbox.
+// then a single-block mean in a fixed order. A row whose target is ignore_index (F.cross_entropy's;
+// Hugging Face pads labels with -100) is skipped: loss 0 (lse 0, unread), not counted. The mean is
+// over the kept rows, counted in the same block (as a float, exact below 2^24 rows) and written to
+// `kept` for the backward; with none kept it is 0/0 = NaN, as PyTorch's. Backward:
+// (softmax - onehot) * dloss / kept, dloss and kept read from device memory so that no host sync is
+// needed; an ignored row's gradient is exactly zero, its logits unread (PyTorch's is NaN where they hold
+// a NaN or inf). A target outside [0, V), not ignore_index, gives that row a NaN loss (so the mean
+// is NaN) and NaN gradients, and goes to the error mailbox.
 //
 // Twin: F.cross_entropy. Uses: 1.2 row_reduce, 1.3, 1.4.
 
 template <int TX, int N, int VEC, class T>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kernel(const T* x, const int64_t* tgt,
-    float* lse_out, float* loss_rows, int R, int C, IndexErrorBox* box) {
+    int64_t ignore_index, float* lse_out, float* loss_rows, int R, int C, IndexErrorBox* box) {
   __shared__ float red[32];
   pdl_begin();
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
+  const int64_t target = tgt[r];
+  if (target == ignore_index) {  // the whole row (a warp, or the block) leaves together
+    if (threadIdx.x == 0) lse_out[r] = loss_rows[r] = 0.f;
+    return;
+  }
   const T* xr = x + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   float v[N][VEC];
@@ -2604,25 +2617,35 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_fwd_kern
   sum = row_reduce<TX, false>(sum, red);
   if (threadIdx.x == 0) {
     const float lse = mx + logf(sum);
-    const int64_t t = tgt[r];
-    const bool ok = t >= 0 && t < C;
-    if (!ok) report_bad_index(box, kBadCrossEntropyTarget, t, C);
+    const bool ok = target >= 0 && target < C;
+    if (!ok) report_bad_index(box, kBadCrossEntropyTarget, target, C);
     lse_out[r] = lse;
-    loss_rows[r] = ok ? lse - to_float(xr[t]) : NAN;
+    loss_rows[r] = ok ? lse - to_float(xr[target]) : NAN;
   }
 }
 
-__global__ void mean_kernel(const float* v, float* out, int n) {
+// The mean over the kept rows, and their count, in one block: the same order every run.
+__global__ void cross_entropy_mean_kernel(const float* loss_rows, const int64_t* tgt, int64_t ignore_index,
+                                          float* loss, float* kept, int n) {
   __shared__ float red[32];
   float acc = 0.f;
-  for (int i = threadIdx.x; i < n; i += 1024) acc += v[i];
+  int count = 0;
+  for (int i = threadIdx.x; i < n; i += 1024) {
+    if (tgt[i] == ignore_index) continue;
+    acc += loss_rows[i];
+    ++count;
+  }
   acc = row_reduce<1024, false>(acc, red);
-  if (threadIdx.x == 0) *out = acc / n;
+  const float total = row_reduce<1024, false>((float)count, red);
+  if (threadIdx.x == 0) {
+    *loss = acc / total;
+    *kept = total;
+  }
 }
 
 template <int TX, int N, int VEC, class T>
 __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kernel(const T* x, const int64_t* tgt,
-    const float* lse_in, const float* dloss, T* dx, int R, int C) {
+    int64_t ignore_index, const float* lse_in, const float* kept, const float* dloss, T* dx, int R, int C) {
   pdl_begin();
   const int r = blockIdx.x * blockDim.y + threadIdx.y;
   if (r >= R) return;
@@ -2630,7 +2653,12 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kern
   T* dxr = dx + (int64_t)r * C;
   const int units = (C + VEC - 1) / VEC;
   const int64_t t = tgt[r];
-  const float lse = lse_in[r], g = t >= 0 && t < C ? *dloss / R : NAN;  // a bad target: NaN, like its loss
+  if (t == ignore_index) {  // no loss, no gradient
+    const float zero[VEC] = {};
+    for (int u = threadIdx.x; u < units; u += TX) store_unit<VEC>(dxr, u, C, zero);
+    return;
+  }
+  const float lse = lse_in[r], g = t >= 0 && t < C ? *dloss / *kept : NAN;  // a bad target: NaN, like its loss
   for (int u = threadIdx.x; u < units; u += TX) {
     float v[VEC], o[VEC];
     load_unit<VEC>(xr, u, C, v, 0.f);
@@ -2640,29 +2668,31 @@ __global__ void __launch_bounds__(TX == 32 ? 128 : TX, 1) cross_entropy_bwd_kern
   }
 }
 
-// logits and dx of type T (fp32 or bf16); loss_rows and lse are R-float workspaces; loss is one float.
+// logits and dx of type T (fp32 or bf16); loss_rows and lse are R-float workspaces; loss and kept one float each.
 template <class T>
-void launch::cross_entropy_fwd(const T* x, const int64_t* tgt, float* lse, float* loss_rows, float* loss, int R, int C,
-                               cudaStream_t s) {
+void launch::cross_entropy_fwd(const T* x, const int64_t* tgt, int64_t ignore_index, float* lse, float* loss_rows,
+                               float* loss, float* kept, int R, int C, cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x));
-  LAUNCH_ROW(cross_entropy_fwd_kernel, (T), L, R, s, x, tgt, lse, loss_rows, R, C, index_error_box());
+  LAUNCH_ROW(cross_entropy_fwd_kernel, (T), L, R, s, x, tgt, ignore_index, lse, loss_rows, R, C, index_error_box());
   check_launch("cross_entropy_fwd");
-  mean_kernel<<<1, 1024, 0, s>>>(loss_rows, loss, R);
+  cross_entropy_mean_kernel<<<1, 1024, 0, s>>>(loss_rows, tgt, ignore_index, loss, kept, R);
   check_launch("cross_entropy_mean");
 }
 
 template <class T>
-void launch::cross_entropy_bwd(const T* x, const int64_t* tgt, const float* lse, const float* dloss, T* dx, int R, int C,
-                               cudaStream_t s) {
+void launch::cross_entropy_bwd(const T* x, const int64_t* tgt, int64_t ignore_index, const float* lse,
+                               const float* kept, const float* dloss, T* dx, int R, int C, cudaStream_t s) {
   RowLaunch L = row_launch(C, aligned16(x) && aligned16(dx));
-  LAUNCH_ROW(cross_entropy_bwd_kernel, (T), L, R, s, x, tgt, lse, dloss, dx, R, C);
+  LAUNCH_ROW(cross_entropy_bwd_kernel, (T), L, R, s, x, tgt, ignore_index, lse, kept, dloss, dx, R, C);
   check_launch("cross_entropy_bwd");
 }
 
-#define INSTANTIATE_CROSS_ENTROPY(T)                                                                                            \
-  template void launch::cross_entropy_fwd<T>(const T*, const int64_t*, float*, float*, float*, int, int, cudaStream_t);         \
-  ONE_TEMPLATE(cross_entropy_fwd<T>);                                                                                           \
-  template void launch::cross_entropy_bwd<T>(const T*, const int64_t*, const float*, const float*, T*, int, int, cudaStream_t); \
+#define INSTANTIATE_CROSS_ENTROPY(T)                                                                          \
+  template void launch::cross_entropy_fwd<T>(const T*, const int64_t*, int64_t, float*, float*, float*, float*, \
+                                             int, int, cudaStream_t);                                        \
+  ONE_TEMPLATE(cross_entropy_fwd<T>);                                                                         \
+  template void launch::cross_entropy_bwd<T>(const T*, const int64_t*, int64_t, const float*, const float*,     \
+                                             const float*, T*, int, int, cudaStream_t);                      \
   ONE_TEMPLATE(cross_entropy_bwd<T>);
 INSTANTIATE_CROSS_ENTROPY(float)
 INSTANTIATE_CROSS_ENTROPY(__nv_bfloat16)
