@@ -14,7 +14,8 @@ kernels.decode_megakernel; the generated tokens are compared one by one.
     python inference.py --device=cpu --seeds=0       # PyTorch path only
     python inference.py --dtype=fp32,bf16            # also in bf16 (weights, activations, KV cache), compared
 
-patched() runs other people's models on our kernels: torch.nn.functional's calls, routed to them.
+patched() runs other people's models on our kernels: torch.nn.functional's calls, routed to them; apply_kernels()
+swaps in our kernels for the Hugging Face modules that call none (RMSNorm, SwiGLU MLP, RoPE, Conv1D, GELU).
 
 Every default below can be overridden with --key=value; python inference.py --help lists them.
 """
@@ -522,7 +523,8 @@ def choose_paths(cfg, specs):
 
 
 # -----------------------------------------------------------------------------
-# the drop-in: other people's models on our kernels, through torch.nn.functional (README: In your own model)
+# the drop-in: other people's models on our kernels, through torch.nn.functional and Hugging Face's modules
+# (README: In your own model)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -534,19 +536,26 @@ def tracing(*tensors):
     return torch.compiler.is_compiling() or any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors)
 
 
+def _takes(device_type, *tensors):
+    """Whether our kernels take these tensors: on one device of device_type (a GPU) in float32 or bfloat16 (None:
+    an absent optional one), outside autocast or under bf16's (our kernels have no float16 path)."""
+    given = [t for t in tensors if t is not None]
+    if not given or (torch.is_autocast_enabled(device_type)
+                     and torch.get_autocast_dtype(device_type) != torch.bfloat16):
+        return False
+    return all(torch.is_tensor(t) and t.device.type == device_type and t.device == given[0].device
+               and t.dtype in FLOAT_DTYPES for t in given)
+
+
 def _functional_routes(kernels, device_type):
     """name -> torch.nn.functional.<name> on our kernels, or NotImplemented where PyTorch's would give another
     dtype, shape or error (then PyTorch's runs). Our ops follow bf16 autocast as PyTorch's do (bindings.cpp,
-    autocast); under another autocast dtype every call is PyTorch's (our kernels have no float16 path)."""
+    autocast); under another autocast dtype every call is PyTorch's."""
     def autocast():
         return torch.is_autocast_enabled(device_type)
 
-    def ours(*tensors):  # tensors on one GPU in float32 or bfloat16 (None: an absent optional one)
-        given = [t for t in tensors if t is not None]
-        if not given or (autocast() and torch.get_autocast_dtype(device_type) != torch.bfloat16):
-            return False
-        return all(torch.is_tensor(t) and t.device.type == device_type and t.device == given[0].device
-                   and t.dtype in FLOAT_DTYPES for t in given)
+    def ours(*tensors):
+        return _takes(device_type, *tensors)
 
     def one_dtype(*tensors):  # outside autocast PyTorch's ops raise on mixed dtypes; ours may not
         given = [t for t in tensors if t is not None]
@@ -657,6 +666,16 @@ def _functional_routes(kernels, device_type):
                                     dropout, scaled_dot_product_attention)}
 
 
+def _kernels_for(who, kernels):
+    """The kernels extension (or the stand-in given), its ops registered with Inductor for torch.compile."""
+    if kernels is None:
+        kernels, why = data.import_kernels()
+        if kernels is None:
+            raise RuntimeError(f"{who} needs the kernels extension: {why}")
+    data.register_inductor_fallbacks()
+    return kernels
+
+
 @contextlib.contextmanager
 def patched(kernels=None, device_type="cuda"):
     """Within it, torch.nn.functional's linear, layer_norm, rms_norm, gelu, silu, embedding, softmax, dropout,
@@ -677,21 +696,17 @@ def patched(kernels=None, device_type="cuda"):
         with inference.patched() as counts:
             model = torch.compile(model, fullgraph=True)
             loss = model(x, y)  # F.linear, F.layer_norm, ... on our kernels"""
-    if kernels is None:
-        kernels, why = data.import_kernels()
-        if kernels is None:
-            raise RuntimeError(f"patched() needs the kernels extension: {why}")
-    data.register_inductor_fallbacks()
-    counts = collections.Counter()
-    routes = _functional_routes(kernels, device_type)
+    counts, routes = collections.Counter(), _functional_routes(_kernels_for("patched()", kernels), device_type)
     originals = {name: getattr(F, name) for name in routes}
 
     def route(name):
-        ours, original = routes[name], originals[name]
+        original = originals[name]
 
         @functools.wraps(original)
         def call(*args, **kwargs):
-            out = ours(*args, **kwargs)
+            if name not in routes:  # after the block: a function kept from inside it (HF's GELU modules keep F.gelu)
+                return original(*args, **kwargs)
+            out = routes[name](*args, **kwargs)
             if not tracing(*args, *kwargs.values()):  # eager calls: a compiled graph is traced once
                 counts[name, "torch" if out is NotImplemented else "ours"] += 1
             return original(*args, **kwargs) if out is NotImplemented else out
@@ -704,6 +719,110 @@ def patched(kernels=None, device_type="cuda"):
     finally:
         for name, original in originals.items():
             setattr(F, name, original)
+        routes.clear()
+
+
+# Hugging Face modules whose forwards patched() cannot route (Python on PyTorch's tensor ops, addmm, or a function
+# kept when the model was built), by class name: transformers stays an optional import.
+HF_RMSNORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+HF_SWIGLU_MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")
+HF_ROPE_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "MistralAttention")  # their module's apply_rotary_pos_emb
+# each GELU module's approximation: NewGELU, FastGELU and AccurateGELU spell out the tanh one in Python
+HF_GELUS = {"GELUActivation": "none", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh", "NewGELUActivation": "tanh",
+            "FastGELUActivation": "tanh", "AccurateGELUActivation": "tanh"}
+HF_CONV1DS = ("Conv1D",)  # GPT-2's projections: y = x @ W + b, W (in, out), by torch.addmm
+
+
+@contextlib.contextmanager
+def apply_kernels(model, kernels=None, device_type="cuda"):
+    """Within it, the Hugging Face modules of model's types run on our kernels wherever they compute what the
+    originals would, and as the originals otherwise: the RMSNorm (rmsnorm), SwiGLU MLP (linear, swiglu, linear) and
+    apply_rotary_pos_emb (rope) of transformers' Llama, Qwen2 and Mistral, GPT-2's Conv1D (linear) and the GELU
+    modules (gelu, with the approximation each computes). They call nothing patched() could route: their forwards
+    are Python on tensor ops, or torch.addmm, or keep F.gelu from when the model was built; patched() around it
+    takes the rest (F.linear, SDPA, the embedding, ...). Each forward, and the attention's module's
+    apply_rotary_pos_emb, is swapped in its class or module until the block ends: every instance runs ours, built
+    before the block or in it, of this model or another. Yields a Counter of the eager calls by (class or function
+    name, "ours" or "torch").
+
+        with inference.patched(), inference.apply_kernels(model) as counts:
+            loss = model(input_ids, labels=labels).loss  # RMSNorm, MLP, RoPE, Linear, SDPA, ... on our kernels
+
+    The originals run where patched()'s routes refuse (CPU tensors, float16, float64, mixed dtypes, ...: an RMSNorm
+    whose weight's dtype is not its input's, where HF's promotes), for an MLP whose act is not SiLU or whose
+    projections are not nn.Linear as built (a LoRA layer, a hook), and for a rotation of positions that differ
+    across the batch (cos (B > 1, T, D)) or traced by torch.compile (our rope's (T, D/2) tables need the halves of
+    HF's to be equal, checked on the data)."""
+    kernels = _kernels_for("apply_kernels()", kernels)
+    counts, routes = collections.Counter(), _functional_routes(kernels, device_type)
+    linear = routes["linear"]
+
+    def rmsnorm(self, hidden_states):  # HF's: in float32, written in the input's dtype, times the weight
+        return routes["rms_norm"](hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+
+    def as_built(m):  # a subclass (a LoRA layer), a hook or a wrapped forward would be skipped by our linear
+        return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m))
+
+    def swiglu_mlp(self, x):  # down(act(gate(x)) * up(x)); where one linear refuses, the original does it all
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if type(self.act_fn).__name__ not in ("SiLUActivation", "SiLU") or not all(map(as_built, (gate, up, down))):
+            return NotImplemented
+        a = linear(x, gate.weight, gate.bias)
+        b = a if a is NotImplemented else linear(x, up.weight, up.bias)
+        return b if b is NotImplemented else linear(kernels.swiglu(a, b), down.weight, down.bias)
+
+    def conv1d(self, x):  # x @ W + b, W (in, out): our linear reads its transpose, a view, without a copy
+        return linear(x, self.weight.t(), self.bias)
+
+    def gelu(approximate):
+        return lambda self, input: routes["gelu"](input, approximate)
+
+    halves = []  # the last cos, sin found to repeat their first half: one check a forward, not one a layer
+
+    def rope(q, k, cos, sin, unsqueeze_dim=1):
+        # rotate_half pairs element i of q, k (B, H, T, D) with i + D/2, as our rope does, by cos, sin (B, T, D) whose
+        # halves HF's rotary embeddings make equal (cat(freqs, freqs)); ours reads (T, D/2) for the whole batch
+        T, D = q.shape[2:] if q.dim() == 4 else (0, 1)
+        if not (unsqueeze_dim == 1 and q.dim() == k.dim() == 4 and k.shape[2:] == q.shape[2:] and D % 2 == 0
+                and q.dtype == k.dtype and cos.dtype == sin.dtype and cos.shape == sin.shape == (1, T, D)
+                and not (cos.requires_grad or sin.requires_grad) and _takes(device_type, q, k, cos, sin)
+                and not tracing(q, k, cos, sin)):
+            return NotImplemented
+        if not (halves and halves[0] is cos and halves[1] is sin):
+            if not all(torch.equal(t[..., :D // 2], t[..., D // 2:]) for t in (cos, sin)):
+                return NotImplemented
+            halves[:] = cos, sin
+        dtype = torch.promote_types(q.dtype, cos.dtype)  # HF's products promote: bf16 q, fp32 tables give fp32
+        c, s = (t[0, :, :D // 2].float() for t in (cos, sin))
+        return kernels.rope(q.to(dtype), c, s), kernels.rope(k.to(dtype), c, s)
+
+    ours = {**dict.fromkeys(HF_RMSNORMS, rmsnorm), **dict.fromkeys(HF_SWIGLU_MLPS, swiglu_mlp),
+            **dict.fromkeys(HF_CONV1DS, conv1d), **{name: gelu(approximate) for name, approximate in HF_GELUS.items()}}
+    swaps = {}  # (class or module, attribute) -> our version
+    for cls in {type(m) for m in model.modules() if type(m).__module__.startswith("transformers.")}:
+        if cls.__name__ in HF_ROPE_ATTENTIONS and "apply_rotary_pos_emb" in vars(sys.modules[cls.__module__]):
+            swaps[sys.modules[cls.__module__], "apply_rotary_pos_emb"] = rope
+        elif cls.__name__ in ours and "forward" in vars(cls):
+            swaps[cls, "forward"] = ours[cls.__name__]
+    originals = {key: vars(key[0])[key[1]] for key in swaps}
+
+    def stand_in(original, fn, label):  # fn's result, or the original's where fn returns NotImplemented
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if not tracing(*args, *kwargs.values()):  # eager calls: a compiled graph is traced once
+                counts[label, "torch" if out is NotImplemented else "ours"] += 1
+            return original(*args, **kwargs) if out is NotImplemented else out
+        return call
+
+    for (owner, attr), fn in swaps.items():
+        label = attr if attr != "forward" else owner.__name__
+        setattr(owner, attr, stand_in(originals[owner, attr], fn, label))
+    try:
+        yield counts
+    finally:
+        for (owner, attr), original in originals.items():
+            setattr(owner, attr, original)
 
 
 def main(argv):

@@ -17,6 +17,7 @@ sharpens the check, so the error shown is ours alone. The data.py tests run here
 import argparse
 import collections
 import contextlib
+import copy
 import fcntl
 import functools
 import hashlib
@@ -6814,6 +6815,15 @@ def _fake_kernels(calls):
             raise ValueError("our gelu: approximate must be 'none' or 'tanh'")
         return aten.gelu(x.float(), approximate=approximate).to(x.dtype)
 
+    def swiglu(cast, a, b):  # in fp32, rounded once
+        need(a.dtype == b.dtype and a.shape == b.shape, "swiglu")
+        return (aten.silu(a.float()) * b.float()).to(a.dtype)
+
+    def rope(cast, x, cos, sin):  # float32 tables (T, D/2), constant
+        need(x.dim() == 4 and x.shape[3] % 2 == 0 and cos.dtype == sin.dtype == f32 and not cos.requires_grad
+             and not sin.requires_grad and cos.shape == sin.shape == (x.shape[2], x.shape[3] // 2), "rope")
+        return train.torch_rope(x.float(), cos, sin).to(x.dtype)
+
     return types.SimpleNamespace(
         LIMITS={"fused_head_sizes": fused},
         linear=op("linear", linear),
@@ -6823,6 +6833,8 @@ def _fake_kernels(calls):
             aten.rms_norm, x, w, None, eps, out_dtype, cast)),
         gelu=op("gelu", gelu),
         silu=op("silu", lambda cast, x: aten.silu(x.float()).to(x.dtype)),
+        swiglu=op("swiglu", swiglu),
+        rope=op("rope", rope),
         embedding=op("embedding", embedding),
         softmax=op("softmax", softmax),
         dropout=op("dropout", lambda cast, x, p, rng, salt=0: train.torch_dropout(x, p, rng, salt)),
@@ -7066,21 +7078,22 @@ def _patched_calls(dev):
 PATCHED_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2**-6)}
 
 
-def run_patched_calls(kernels, dev):
-    """_patched_calls(dev) under inference.patched(kernels): each call's route must be the one wanted, and
-    its result PyTorch's dtype and shape with values within PATCHED_TOL, or the exception type PyTorch's
-    raises. Returns a summary: the calls by route and the largest error over tolerance by dtype."""
+def run_patched_calls(kernels, dev, calls=None, block=None):
+    """calls (default _patched_calls(dev)) under block(kernels) (default inference.patched): each call's route
+    must be the one wanted, and its result PyTorch's dtype and shape with values within PATCHED_TOL, or the
+    exception type PyTorch's raises. Returns a summary: the calls by route and the largest error over tolerance by
+    dtype."""
     def outcome(call, autocast):
         with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             try:
                 return call()
             except Exception as e:
                 return e
-    calls = [row for row in _patched_calls(dev) if row[3] in (None, dev.type)]
+    calls = [row for row in calls or _patched_calls(dev) if row[3] in (None, dev.type)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PyTorch's own, about mixed dtypes
         refs = [outcome(call, ac) for _, _, ac, _, call in calls]
-        with inference.patched(kernels, device_type=dev.type) as counts:  # counts before and after each call
+        with (block or inference.patched)(kernels, device_type=dev.type) as counts:  # counts before and after each
             runs = [(counts.copy(), outcome(call, ac), counts.copy()) for _, _, ac, _, call in calls]
     worst, raised, routes = collections.defaultdict(float), 0, collections.Counter()
     for (label, want, ac, *_), ref, (before, got, after) in zip(calls, refs, runs, strict=True):
@@ -7345,6 +7358,314 @@ for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, in
             inference_match_margins, inference_patched_calls, inference_sigterm_keeps_results,
             inference_second_run_beside_first, inference_patched_dropout, inference_patched_cross_entropy_bad_target):
     add(_fn.__name__.replace("_", "/", 1), _fn, gpu=False)
+
+
+# inference.apply_kernels: Hugging Face models' own modules (RMSNorm, SwiGLU MLP, RoPE, Conv1D, GELU) on our ops
+
+HF_ARCHS = ("llama", "qwen2", "mistral", "gpt2")
+HF_LAYERS = 2
+# A whole model on the GPU, logits and a few steps' losses against PyTorch's: as the compiled GPT's losses
+# (inference/gpu_patched_compiled_gpt); single-pass TF32 products (~1e-3) fail it. On the CPU our ops are
+# _fake_kernels, PyTorch's arithmetic: PATCHED_TOL's fp32 rounding.
+HF_GPU_TOL = (1e-4, 1e-4)
+
+
+def _transformers():
+    """transformers, imported by these cases only: CI does not install it, and they skip there, saying so."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise Skip(f"transformers is not installed ({e}); pip install transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _hf_model(arch, dev="cpu", **config):
+    """A tiny transformers causal LM (llama, qwen2, mistral or gpt2), random weights of seed 0, no download: 64
+    wide, HF_LAYERS layers, 4 heads (2 K/V heads), vocabulary 100, no dropout; weights drawn at std 0.2, where
+    HF's 0.02 leaves the MLP's inputs so near 0 that GELU's two approximations give the same logits to 1e-7."""
+    T = _transformers()
+    common = dict(vocab_size=100, initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        cfg = T.GPT2Config(n_embd=64, n_layer=HF_LAYERS, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0, **common, **config)
+    else:
+        cfg = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig}[arch](
+            hidden_size=64, intermediate_size=128, num_hidden_layers=HF_LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, **common, **config)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).to(dev)
+
+
+def _hf_calls(arch):
+    """Calls of the swapped modules in one forward, by the name apply_kernels counts them under."""
+    if arch == "gpt2":
+        return {"Conv1D": 4 * HF_LAYERS, "NewGELUActivation": HF_LAYERS}  # c_attn, attention's c_proj, c_fc, c_proj
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    return {f"{prefix}RMSNorm": 2 * HF_LAYERS + 1, f"{prefix}MLP": HF_LAYERS, "apply_rotary_pos_emb": HF_LAYERS}
+
+
+def _hf_forwards(model):
+    """Every forward of the model's classes and every apply_rotary_pos_emb of their modules, as they are now."""
+    return {(owner, attr): vars(owner).get(attr) for cls in {type(m) for m in model.modules()}
+            for owner, attr in ((cls, "forward"), (sys.modules[cls.__module__], "apply_rotary_pos_emb"))}
+
+
+def run_hf_model(kernels, dev, arch, tol, steps=3):
+    """A tiny transformers model under inference.apply_kernels(kernels): (a) its logits within tol of the same
+    model's without it, (b) `steps` AdamW steps' losses within tol of a twin's trained without it, (c) every call
+    of each swapped module ours, (d) after the block every forward the original object and the logits the same
+    bits as before it, (e) a model built inside the block computes as the one built before it, in it and after."""
+    model, want_calls = _hf_model(arch, dev), _hf_calls(arch)
+    idx = torch.randint(0, 100, (2, 16), device=dev)
+    batches = torch.randint(0, 100, (steps, 4, 16), device=dev)
+    with torch.no_grad():
+        want, originals = model(idx).logits, _hf_forwards(model)
+        with inference.apply_kernels(model, kernels, device_type=dev.type) as counts:
+            got = model(idx).logits
+            inside = _hf_model(arch, dev)
+            got_inside = inside(idx).logits
+            assert _hf_forwards(model) != originals, "nothing was swapped"
+        assert dict(counts) == {(n, "ours"): 2 * c for n, c in want_calls.items()}, f"calls {dict(counts)}"
+        assert _hf_forwards(model) == originals, "a forward was not put back: " + ", ".join(
+            f"{getattr(o, '__name__', o)}.{a}" for (o, a), f in _hf_forwards(model).items() if f is not originals[o, a])
+        assert torch.equal(model(idx).logits, want), "the logits after the block differ from those before it"
+        assert torch.equal(inside(idx).logits, want), "a model built in the block computes otherwise after it"
+    check("logits", got, want, tol)
+    assert torch.equal(got_inside, got), "a model built in the block computes otherwise than one built before it"
+    losses = {}
+    for ours in (False, True):
+        net = _hf_model(arch, dev)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        block = inference.apply_kernels(net, kernels, device_type=dev.type) if ours else contextlib.nullcontext()
+        with block as n:
+            losses[ours] = []
+            for b in batches:
+                loss = net(b, labels=b).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses[ours].append(loss.detach())
+    assert dict(n) == {(name, "ours"): steps * k for name, k in want_calls.items()}, f"training calls {dict(n)}"
+    check("losses", torch.stack(losses[True]), torch.stack(losses[False]), tol)
+    return f"{sum(counts.values()) + sum(n.values())} calls of swapped modules, all ours; loss " \
+        f"{losses[True][0].item():.4f} -> {losses[True][-1].item():.4f}"
+
+
+def inference_hf_model(arch):
+    # on the CPU, our ops as _fake_kernels (PyTorch's arithmetic, our ops' checks and dtype rules)
+    return run_hf_model(_fake_kernels([]), torch.device("cpu"), arch, PATCHED_TOL[torch.float32])
+
+
+def inference_gpu_hf_model(arch):
+    return run_hf_model(kernels, torch.device(DEV), arch, HF_GPU_TOL)
+
+
+def inference_hf_fallbacks():
+    # where our ops cannot take a call in a model, a swapped module runs its original forward, counted as PyTorch's
+    calls, idx = [], torch.randint(0, 100, (2, 16))
+    fake = _fake_kernels(calls)
+
+    def run(model, **kwargs):
+        with torch.no_grad():
+            want = model(idx, **kwargs).logits
+            with inference.apply_kernels(model, fake, device_type="cpu") as counts:
+                got = model(idx, **kwargs).logits
+        return got, want, {f"{n} {way}": k for (n, way), k in counts.items()}
+
+    got, want, counts = run(_hf_model("llama").double())  # float64: every call PyTorch's
+    assert torch.equal(got, want) and not calls, f"float64: {len(calls)} calls of ours"
+    assert counts == {"LlamaRMSNorm torch": 5, "LlamaMLP torch": 2, "apply_rotary_pos_emb torch": 2}, counts
+    # positions per row (packed sequences): cos, sin (2, T, D), where ours reads one (T, D/2) table
+    got, want, counts = run(_hf_model("llama"), position_ids=torch.stack([torch.arange(16), torch.arange(5, 21)]))
+    check("positions per row", got, want, PATCHED_TOL[torch.float32])
+    assert counts == {"LlamaRMSNorm ours": 5, "LlamaMLP ours": 2, "apply_rotary_pos_emb torch": 2}, counts
+    # a GELU MLP: the original's forward, in which the GELU module is ours
+    got, want, counts = run(_hf_model("llama", hidden_act="gelu"))
+    check("gelu mlp", got, want, PATCHED_TOL[torch.float32])
+    assert counts == {"LlamaRMSNorm ours": 5, "LlamaMLP torch": 2, "GELUActivation ours": 2,
+                      "apply_rotary_pos_emb ours": 2}, counts
+    # a hooked projection (as accelerate hooks them): our linear would skip the hook
+    model, seen = _hf_model("llama"), []
+    model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *a: seen.append(1))
+    got, want, counts = run(model)
+    assert counts["LlamaMLP torch"] == 1 and counts["LlamaMLP ours"] == 1 and len(seen) == 2, (counts, seen)
+    return "float64, positions per row, a GELU MLP, a hooked projection: the originals where ours cannot"
+
+
+def inference_hf_built_inside_patched():
+    # HF's GELUActivation keeps F.gelu from when it is built: inside patched(), patched()'s function, which after
+    # the block is PyTorch's own (no call of ours); under apply_kernels both models run our gelu alike
+    calls, idx = [], torch.randint(0, 100, (2, 16))
+    fake = _fake_kernels(calls)
+    before = _hf_model("gpt2", activation_function="gelu")
+    with inference.patched(fake, device_type="cpu"):
+        inside = _hf_model("gpt2", activation_function="gelu")
+    with torch.no_grad():
+        want = [m(idx).logits for m in (before, inside)]
+        assert not calls, f"after patched() a model built in it called our ops: {collections.Counter(calls)}"
+        with inference.apply_kernels(before, fake, device_type="cpu") as counts:
+            got = [m(idx).logits for m in (before, inside)]
+    assert torch.equal(want[0], want[1]) and torch.equal(got[0], got[1]), "the two models differ"
+    check("logits", got[0], want[0], PATCHED_TOL[torch.float32])
+    assert dict(counts) == {("GELUActivation", "ours"): 4, ("Conv1D", "ours"): 16}, dict(counts)
+    return f"{sum(counts.values())} calls of swapped modules, all ours, both models alike"
+
+
+def _hf_swapped_calls(dev):
+    """The swapped forwards one call at a time, as _patched_calls's rows (label, route, autocast dtype, device or
+    None, call), and the modules to give apply_kernels for them: Llama's RMSNorm (its weight drawn, not HF's ones),
+    MLP and apply_rotary_pos_emb, GPT-2's Conv1D and every GELU module of HF_GELUS, ours where our ops take the
+    inputs (fp32, bf16, bf16 autocast) and the originals elsewhere. A GELU module given the other approximation
+    is off by up to 4.7e-4 (at |x| = 2.7), 20x fp32's tolerance there."""
+    T, bf16 = _transformers(), torch.bfloat16
+    llama, gpt2, llama_b, gpt2_b = (_hf_model(a, dev) for a in ("llama", "gpt2", "llama", "gpt2"))
+    with torch.no_grad():
+        for m in (llama, llama_b):
+            m.model.norm.weight.copy_(torch.linspace(-2, 2, 64))
+    llama_b, gpt2_b = llama_b.to(bf16), gpt2_b.to(bf16)
+    norm, mlp, conv = llama.model.norm, llama.model.layers[0].mlp, gpt2.transformer.h[0].mlp.c_fc
+    norm_b, mlp_b, conv_b = llama_b.model.norm, llama_b.model.layers[0].mlp, gpt2_b.transformer.h[0].mlp.c_fc
+    norm_d = copy.deepcopy(norm).double()
+    gelus = [getattr(T.activations, n)() for n in inference.HF_GELUS if hasattr(T.activations, n)] + \
+        [T.activations.GELUActivation(use_gelu_python=True), T.activations.GELUTanh(use_gelu_tanh_python=True)]
+    mod = sys.modules[type(llama.model.layers[0].self_attn).__module__]
+    x = torch.randn(2, 5, 64, device=dev)
+    # the MLP is three ops: at unit inputs its bf16 outputs (std 5) carry PyTorch's extra rounding of silu(a) * b
+    # past one op's tolerance; at a quarter they stay near 1. GELU's approximations part most near |x| = 2.7.
+    xb, xm, xg = x.to(bf16), x / 4, 3 * x
+    xmb = xm.to(bf16)
+    q, k = torch.randn(2, 4, 5, 16, device=dev), torch.randn(2, 2, 5, 16, device=dev)
+    pos, rows = torch.arange(5, device=dev)[None], torch.stack([torch.arange(5), torch.arange(3, 8)]).to(dev)
+    cos, sin = llama.model.rotary_emb(x, pos)  # (1, 5, 16): one set of positions, the angles twice
+    cos_b, sin_b = (t.to(bf16) for t in (cos, sin))
+    cos_r, sin_r = llama.model.rotary_emb(x, rows)  # (2, 5, 16): positions per row
+
+    def rope(q, k, cos, sin, **kw):  # both rotated heads in one tensor: the table compares one output
+        return lambda: torch.cat([t.flatten() for t in mod.apply_rotary_pos_emb(q, k, cos, sin, **kw)])
+    calls = [
+        ("rmsnorm fp32", "ours", None, None, lambda: norm(x)),
+        ("rmsnorm bf16", "ours", None, None, lambda: norm_b(xb)),
+        ("rmsnorm fp32, autocast", "ours", bf16, None, lambda: norm(x)),
+        ("rmsnorm bf16 input, fp32 weight (HF's promotes)", "torch", None, None, lambda: norm(xb)),
+        ("rmsnorm float64", "torch", None, None, lambda: norm_d(x.double())),
+        ("mlp fp32", "ours", None, None, lambda: mlp(xm)),
+        ("mlp bf16", "ours", None, None, lambda: mlp_b(xmb)),
+        ("mlp fp32, autocast", "ours", bf16, None, lambda: mlp(xm)),
+        ("mlp bf16 input, fp32 weights", "torch", None, None, lambda: mlp(xmb)),
+        ("conv1d fp32", "ours", None, None, lambda: conv(x)),
+        ("conv1d bf16", "ours", None, None, lambda: conv_b(xb)),
+        ("conv1d fp32, autocast", "ours", bf16, None, lambda: conv(x)),
+        ("conv1d bf16 input, fp32 weight", "torch", None, None, lambda: conv(xb)),
+        ("rope fp32", "ours", None, None, rope(q, k, cos, sin)),
+        ("rope bf16", "ours", None, None, rope(q.to(bf16), k.to(bf16), cos_b, sin_b)),
+        ("rope bf16 heads, fp32 tables (autocast's)", "ours", None, None, rope(q.to(bf16), k.to(bf16), cos, sin)),
+        ("rope positions per row", "torch", None, None, rope(q, k, cos_r, sin_r)),
+        ("rope unequal halves", "torch", None, None, rope(q, k, torch.rand_like(cos), sin)),
+        ("rope (B, T, H, D) heads", "torch", None, None, rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                                                               unsqueeze_dim=2)),
+        ("rope float64", "torch", None, None, rope(q.double(), k.double(), cos.double(), sin.double())),
+        ("gelu_new bf16", "ours", None, None, lambda: gelus[0](xb)),
+        ("gelu float64", "torch", None, None, lambda: gelus[0](xg.double()))]
+    calls += [(f"{type(g).__name__}{' (Python)' * (i >= len(gelus) - 2)} fp32", "ours", None, None,
+               functools.partial(g, xg)) for i, g in enumerate(gelus)]
+    return torch.nn.ModuleList([llama, gpt2, llama_b, gpt2_b, *gelus]), calls
+
+
+def run_hf_calls(kernels, dev):
+    modules, calls = _hf_swapped_calls(dev)
+    with torch.no_grad():
+        return run_patched_calls(kernels, dev, calls, functools.partial(inference.apply_kernels, modules))
+
+
+def inference_hf_calls():
+    # every call of _hf_swapped_calls on the CPU, our ops as _fake_kernels
+    return run_hf_calls(_fake_kernels([]), torch.device("cpu"))
+
+
+def inference_gpu_hf_calls():
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise Skip("the table's bf16 products are ours on Hopper's wgmma alone (compute capability 9.0)")
+    return run_hf_calls(kernels, torch.device(DEV))
+
+
+for _arch in HF_ARCHS:
+    add(f"inference/hf_{_arch}", inference_hf_model, _arch, gpu=False)
+    add(f"inference/gpu_hf_{_arch}", inference_gpu_hf_model, _arch)
+add("inference/hf_fallbacks", inference_hf_fallbacks, gpu=False)
+add("inference/hf_calls", inference_hf_calls, gpu=False)
+add("inference/gpu_hf_calls", inference_gpu_hf_calls)
+add("inference/hf_built_inside_patched", inference_hf_built_inside_patched, gpu=False)
+
+
+def _hf_cases(*names):
+    return [f"inference/{gpu}hf_{name}" for name in names for gpu in ("", "gpu_")]
+
+
+def _hf_table_emptied(table):
+    """A mutant's plant: apply_kernels leaves out one kind of module (its table emptied)."""
+    with unittest.mock.patch.object(inference, table, type(getattr(inference, table))()):
+        yield
+
+
+for _table in ("HF_RMSNORMS", "HF_SWIGLU_MLPS", "HF_ROPE_ATTENTIONS", "HF_CONV1DS", "HF_GELUS"):
+    _archs = ("gpt2",) if _table in ("HF_CONV1DS", "HF_GELUS") else ("llama", "qwen2", "mistral")
+    mutant(f"apply_kernels_skips_{_table[3:].lower()}", *_hf_cases(*_archs, "calls"))(
+        functools.partial(_hf_table_emptied, _table))
+
+
+@mutant("apply_kernels_gelu_other_approximation", "inference/hf_built_inside_patched", *_hf_cases("gpt2", "calls"))
+def _apply_kernels_gelu_other_approximation():
+    other = {name: {"none": "tanh", "tanh": "none"}[a] for name, a in inference.HF_GELUS.items()}
+    with unittest.mock.patch.object(inference, "HF_GELUS", other):
+        yield
+
+
+@mutant("apply_kernels_undo_leaves_a_swap", *_hf_cases(*HF_ARCHS))
+def _apply_kernels_undo_leaves_a_swap():
+    # the block's end puts back every forward but the MLP's or the Conv1D's (then put back here, for later cases)
+    real, left = inference.apply_kernels, {}
+
+    @contextlib.contextmanager
+    def leaky(model, *args, **kwargs):
+        cls = next(type(m) for m in model.modules() if type(m).__name__ in inference.HF_SWIGLU_MLPS + ("Conv1D",))
+        left.setdefault(cls, vars(cls)["forward"])
+        with real(model, *args, **kwargs) as counts:
+            stand_in = cls.forward
+            yield counts
+        cls.forward = stand_in
+    try:
+        with unittest.mock.patch.object(inference, "apply_kernels", leaky):
+            yield
+    finally:
+        for cls, original in left.items():
+            cls.forward = original
+
+
+@mutant("apply_kernels_takes_any_dtype", "inference/hf_fallbacks", "inference/hf_calls", "inference/patched_calls")
+def _apply_kernels_takes_any_dtype():
+    # our ops' dtype and device rule, which patched()'s routes share, lets every tensor through
+    with unittest.mock.patch.object(inference, "_takes", lambda device_type, *tensors: True):
+        yield
+
+
+@mutant("apply_kernels_rope_halves_unchecked", *_hf_cases("calls"))
+def _apply_kernels_rope_halves_unchecked():
+    # our rope takes tables whose halves differ, as if HF's rotary embedding had made them
+    with unittest.mock.patch.object(torch, "equal", lambda a, b: True):
+        yield
+
+
+class _KeptRoutes(dict):
+    def clear(self):  # patched()'s end leaves its routes in place
+        pass
+
+
+@mutant("patched_routes_after_its_block", "inference/hf_built_inside_patched")
+def _patched_routes_after_its_block():
+    real = inference._functional_routes
+    with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: _KeptRoutes(real(*args))):
+        yield
 
 
 def inference_gpu_paths_agree():
