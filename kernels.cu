@@ -24,37 +24,37 @@
 //   2.2  SwiGLU .............................................................................. 1448
 //   2.3  RoPE ................................................................................ 1484
 //   2.4  dropout ............................................................................. 1554
-//   3    Rows ................................................................................ 1654
-//   3.1  softmax ............................................................................. 1659
-//   3.2  layernorm and RMSNorm ............................................................... 1795
-//   3.3  column sums: the norms' weight and bias gradients ................................... 2103
-//   4    Embedding and cross-entropy ......................................................... 2338
-//   4.1  embedding ........................................................................... 2343
-//   4.2  cross-entropy ....................................................................... 2566
-//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2702
-//   5.1  GEMV ................................................................................ 2707
-//   5.2  KV cache write ...................................................................... 2825
-//   5.3  top-k ............................................................................... 2894
-//   6    Matmul .............................................................................. 3187
-//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3192
-//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3414
-//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3582
-//   7    Attention ........................................................................... 4250
-//   7.1  attention: shapes, operand policies, tiles .......................................... 4256
-//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4767
-//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 4986
-//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5194
-//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5291
-//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5566
-//   7.7  attention launchers ................................................................. 6057
-//   8    Hyper-connections (mhc.py) .......................................................... 6307
-//   8.1  stream loads and per-lane sums ...................................................... 6313
-//   8.2  Sinkhorn-Knopp ...................................................................... 6412
-//   8.3  mhc-dynamic's coefficients .......................................................... 6672
-//   8.4  mhc-dynamic's projection ............................................................ 7006
-//   8.5  stream mixing ....................................................................... 7497
-//   9    The decode megakernel ............................................................... 7901
-//   9.1  decode megakernel ................................................................... 7906
+//   3    Rows ................................................................................ 1675
+//   3.1  softmax ............................................................................. 1680
+//   3.2  layernorm and RMSNorm ............................................................... 1816
+//   3.3  column sums: the norms' weight and bias gradients ................................... 2124
+//   4    Embedding and cross-entropy ......................................................... 2359
+//   4.1  embedding ........................................................................... 2364
+//   4.2  cross-entropy ....................................................................... 2587
+//   5    Decoding: GEMV, KV cache, top-k ..................................................... 2723
+//   5.1  GEMV ................................................................................ 2728
+//   5.2  KV cache write ...................................................................... 2846
+//   5.3  top-k ............................................................................... 2915
+//   6    Matmul .............................................................................. 3208
+//   6.1  matmul on mma.sync (any GPU from sm_80) ............................................. 3213
+//   6.2  fp32 matmul on Hopper: pack, then wgmma ............................................. 3435
+//   6.3  bf16 matmul on Hopper: tensor-map copies, then wgmma ................................ 3603
+//   7    Attention ........................................................................... 4271
+//   7.1  attention: shapes, operand policies, tiles .......................................... 4277
+//   7.2  fused forward (mma.sync): online softmax over key tiles, the splits' merge .......... 4788
+//   7.3  fused backward (mma.sync): delta, dK and dV per key block, dQ per query block ....... 5007
+//   7.4  fused launch: the operand policy and head size of a call, splits .................... 5215
+//   7.5  Hopper forward (bf16, sm_90a): TMA, warp specialization, wgmma ...................... 5312
+//   7.6  Hopper backward (bf16, sm_90a) ...................................................... 5587
+//   7.7  attention launchers ................................................................. 6078
+//   8    Hyper-connections (mhc.py) .......................................................... 6328
+//   8.1  stream loads and per-lane sums ...................................................... 6334
+//   8.2  Sinkhorn-Knopp ...................................................................... 6433
+//   8.3  mhc-dynamic's coefficients .......................................................... 6693
+//   8.4  mhc-dynamic's projection ............................................................ 7027
+//   8.5  stream mixing ....................................................................... 7518
+//   9    The decode megakernel ............................................................... 7922
+//   9.1  decode megakernel ................................................................... 7927
 
 // ================================================================================================
 // 0. The launchers: limits, shared structs, declarations
@@ -1590,20 +1590,22 @@ __global__ void __launch_bounds__(256) dropout_kernel(const T* x, T* y, int64_t 
 }
 
 // Rows of whole segments (cols % 32 == 0, 16-byte aligned), which then lie side by side in memory: a warp
-// takes 32 consecutive segments, each lane drawing one segment's numbers into shared memory; then lane i
-// copies the warp's 16-byte chunks i, i + 32, ... (a warp's accesses one contiguous span, where a thread a
+// takes 32 consecutive segments, each lane drawing one segment's numbers into shared memory; lane i moves
+// the warp's 16-byte chunks i, i + 32, ... (a warp's accesses one contiguous span, where a thread a
 // segment would read 32 spans 128 bytes apart), each chunk's numbers read back from its segment's lane.
+// A whole group of 32 segments issues all of a lane's loads before the draws, which then run while the
+// loads are in flight; the last, partial group loads a chunk at a time.
 constexpr int DROPOUT_WARPS = 8;
 
 template <class T>
 __global__ void __launch_bounds__(32 * DROPOUT_WARPS) dropout_segments_kernel(const T* x, T* y, int64_t segs,
                                                                                int64_t segs_per_row, DropoutArgs a) {
   __shared__ uint4 nums[DROPOUT_WARPS][4][32];  // a warp's counters t of its 32 segments, segment fastest
-  constexpr int W = per16<T>(), CHUNKS = 32 / W;  // a chunk's values, a segment's chunks
+  constexpr int W = per16<T>(), CHUNKS = 32 / W;  // a chunk's values, a segment's chunks (and a lane's chunks)
   const Dropout d(a);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t stride = (int64_t)gridDim.x * DROPOUT_WARPS * 32;
-  for (int64_t s0 = ((int64_t)blockIdx.x * DROPOUT_WARPS + warp) * 32; s0 < segs; s0 += stride) {
+  auto draw = [&](int64_t s0) {  // segment s0 + lane's numbers into nums
     if (s0 + lane < segs) {
       const int64_t s = s0 + lane;
       const uint32_t r = (uint32_t)(s / segs_per_row), u = Dropout::unit(s % segs_per_row * 32);
@@ -1611,16 +1613,35 @@ __global__ void __launch_bounds__(32 * DROPOUT_WARPS) dropout_segments_kernel(co
       for (int t = 0; t < 4; ++t) nums[warp][t][lane] = d.draws(r, u + t);
     }
     __syncwarp();
-    const int chunks = (int)min((int64_t)32, segs - s0) * CHUNKS;
+  };
+  auto scale = [&](float (&v)[W], int ch) {  // chunk ch of the group: its values times their factors
+    const int seg = ch / CHUNKS, c = ch % CHUNKS * W;  // the chunk's segment, its first column there
+#pragma unroll
+    for (int w = 0; w < W; ++w) v[w] *= d.factor(nums[warp][((c + w) & 7) >> 1][seg], Dropout::lane(c + w));
+  };
+  for (int64_t s0 = ((int64_t)blockIdx.x * DROPOUT_WARPS + warp) * 32; s0 < segs; s0 += stride) {
     const T* xs = x + s0 * 32;
     T* ys = y + s0 * 32;
-    for (int ch = lane; ch < chunks; ch += 32) {
-      const int seg = ch / CHUNKS, c = ch % CHUNKS * W;  // the chunk's segment, its first column there
-      float v[W];
-      unpack16(*reinterpret_cast<const float4*>(xs + ch * W), v);
+    if (s0 + 32 <= segs) {
+      float4 in[CHUNKS];
 #pragma unroll
-      for (int w = 0; w < W; ++w) v[w] *= d.factor(nums[warp][((c + w) & 7) >> 1][seg], Dropout::lane(c + w));
-      *reinterpret_cast<float4*>(ys + ch * W) = pack16(v);
+      for (int k = 0; k < CHUNKS; ++k) in[k] = *reinterpret_cast<const float4*>(xs + (lane + 32 * k) * W);
+      draw(s0);
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        float v[W];
+        unpack16(in[k], v);
+        scale(v, lane + 32 * k);
+        *reinterpret_cast<float4*>(ys + (lane + 32 * k) * W) = pack16(v);
+      }
+    } else {
+      draw(s0);
+      for (int ch = lane; ch < (int)(segs - s0) * CHUNKS; ch += 32) {
+        float v[W];
+        unpack16(*reinterpret_cast<const float4*>(xs + ch * W), v);
+        scale(v, ch);
+        *reinterpret_cast<float4*>(ys + ch * W) = pack16(v);
+      }
     }
     __syncwarp();  // every lane has read the numbers before the next segments' overwrite them
   }
