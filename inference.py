@@ -777,6 +777,9 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     def gelu(approximate):
         return lambda self, input: routes["gelu"](input, approximate)
 
+    def capturing(t):  # a CUDA graph being captured on t's device: no data can be read
+        return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
     halves = []  # the last cos, sin found to repeat their first half: one check a forward, not one a layer
 
     def rope(q, k, cos, sin, unsqueeze_dim=1):
@@ -786,7 +789,7 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
         if not (unsqueeze_dim == 1 and q.dim() == k.dim() == 4 and k.shape[2:] == q.shape[2:] and D % 2 == 0
                 and q.dtype == k.dtype and cos.dtype == sin.dtype and cos.shape == sin.shape == (1, T, D)
                 and not (cos.requires_grad or sin.requires_grad) and _takes(device_type, q, k, cos, sin)
-                and not tracing(q, k, cos, sin)):
+                and not tracing(q, k, cos, sin) and not capturing(q)):  # the halves' check reads the data
             return NotImplemented
         if not (halves and halves[0] is cos and halves[1] is sin):
             if not all(torch.equal(t[..., :D // 2], t[..., D // 2:]) for t in (cos, sin)):

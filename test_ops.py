@@ -2180,10 +2180,12 @@ def t_cross_entropy_ignore(N, V, ignored, ignore_index=-100, dtype=torch.float32
     return f"{int(skip.sum())} of {N} rows ignored, their gradient zero; loss {loss.item():.4f}"
 
 
-# V 65, 1001, 50304: a warp, 256 threads and 1024 threads a row
+# V 65, 1001, 50304: a warp, 256 threads and 1024 threads a row; N 3000: a thread of the mean counts
+# several rows
 for _N, _V, _ignored, _index in ((1, 65, "all", -100), (1, 65, "none", -100), (37, 65, "some", -100),
                                  (37, 65, "all", -100), (1000, 65, "some", 0), (37, 1001, "some", 1001),
-                                 (37, 50304, "some", 3), (37, 50304, "none", 7), (5, 50304, "all", -1)):
+                                 (37, 50304, "some", 3), (37, 50304, "none", 7), (5, 50304, "all", -1),
+                                 (3000, 65, "some", -100)):  # past the mean kernel's 1024 threads
     add(f"cross_entropy/ignore_{_ignored}_{_N}x{_V}" + f"_index{_index}" * (_index != -100), t_cross_entropy_ignore,
         _N, _V, _ignored, _index)
 for _N, _V, _ignored, _index in ((37, 65, "some", -100), (37, 50304, "some", 7), (1, 1001, "none", -100)):
