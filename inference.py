@@ -621,10 +621,11 @@ def _functional_routes(kernels, device_type):
         return torch.empty(2, dtype=torch.long, device=device).random_()
 
     def dropout(input, p=0.5, training=True, inplace=False):
-        # Outside training PyTorch's returns the input itself (no work); in place stays PyTorch's.
-        if not (ours(input) and training and not inplace and isinstance(p, (int, float)) and 0 < p <= 1):
+        # Outside training PyTorch's returns the input itself (no work); in place stays PyTorch's. At p = 0 it
+        # returns the input itself too, drawing nothing (GPT-2's modules as Hugging Face builds them): so do we.
+        if not (ours(input) and training and not inplace and isinstance(p, (int, float)) and 0 <= p <= 1):
             return NotImplemented
-        return kernels.dropout(input, float(p), fresh_rng(input.device))
+        return input if p == 0 else kernels.dropout(input, float(p), fresh_rng(input.device))
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
@@ -740,7 +741,9 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     apply_rotary_pos_emb (rope) of transformers' Llama, Qwen2 and Mistral, GPT-2's Conv1D (linear) and the GELU
     modules (gelu, with the approximation each computes). They call nothing patched() could route: their forwards
     are Python on tensor ops, or torch.addmm, or keep F.gelu from when the model was built; patched() around it
-    takes the rest (F.linear, SDPA, the embedding, ...). Each forward, and the attention's module's
+    takes the rest (F.linear, SDPA, the embedding, ...). Under torch.compile, HF's SDPA mask function gives an
+    unpadded causal mask as the is_causal flag, as HF's does when not compiling (_causal_sdpa_mask), so the compiled
+    attention is ours too. Each forward, and the attention's module's
     apply_rotary_pos_emb, is swapped in its class or module until the block ends: every instance runs ours, built
     before the block or in it, of this model or another. Yields a Counter of the eager calls by (class or function
     name, "ours" or "torch").
@@ -821,11 +824,33 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     for (owner, attr), fn in swaps.items():
         label = attr if attr != "forward" else owner.__name__
         setattr(owner, attr, stand_in(originals[owner, attr], fn, label))
+    masks = getattr(sys.modules.get("transformers.masking_utils"), "AttentionMaskInterface", None)
+    sdpa_mask = masks and masks._global_mapping.get("sdpa")
+    if sdpa_mask and swaps:
+        masks._global_mapping["sdpa"] = _causal_sdpa_mask(sdpa_mask, sys.modules["transformers.masking_utils"])
     try:
         yield counts
     finally:
         for (owner, attr), original in originals.items():
             setattr(owner, attr, original)
+        if sdpa_mask and swaps:
+            masks._global_mapping["sdpa"] = sdpa_mask
+
+
+def _causal_sdpa_mask(original, masking):
+    """Hugging Face's SDPA mask function, but for a causal mask that nothing else shapes (no padding, window or
+    cache offset) under torch.compile: None, so that the attention passes is_causal, as HF's does when not
+    compiling. Compiling, HF's (for torch < 2.14, which cannot tell compiling from exporting) builds the whole
+    causal mask, and a masked attention call is PyTorch's, not ours. HF calls it by keywords."""
+    @functools.wraps(original)
+    def mask(*args, **kw):
+        if (not args and torch.compiler.is_compiling() and kw.get("allow_is_causal_skip", True)
+                and kw.get("attention_mask") is None and kw.get("mask_function") is masking.causal_mask_function
+                and kw.get("local_size") is None and not torch.is_tensor(kw.get("q_offset", 0))
+                and kw.get("q_length") in (1, kw.get("kv_length"))):
+            return None
+        return original(*args, **kw)
+    return mask
 
 
 def main(argv):

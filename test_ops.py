@@ -1042,7 +1042,7 @@ def bench_bf16_rows(rows, op, f, ins):
 
 # --bench's tables, in the order it prints them; each op's block adds its functions with @bench_rows(table).
 BENCH_TABLES = {table: [] for table in ("ops", "overhead", "attention", "attention_bf16", "attention gqa",
-                                        "attention dropout", "megakernel", "mhc_profile", "ddp")}
+                                        "attention dropout", "megakernel", "mhc_profile", "hf", "hf_compiled", "ddp")}
 
 
 def bench_rows(table):
@@ -1057,10 +1057,10 @@ def bench_rows(table):
 def bench_table_selected(table):
     """--only picks the rows of the op table one by one (bench_op: the op's name contains it) and the other
     tables whole, where it is part of the table's name; ddp (training runs of --preset=large on one and two
-    GPUs, minutes each) only when asked for by name."""
+    GPUs, minutes each) and hf_compiled (a compilation a row) only when asked for by name."""
     if table == "ops":
         return True
-    return ONLY == "ddp" if table == "ddp" else ONLY in table
+    return ONLY == table if table in ("ddp", "hf_compiled") else ONLY in table
 
 
 def bench_main(json_path):
@@ -3209,6 +3209,11 @@ def t_attention_dropout(dtype, B, H, Sq, Sk, D, causal, p=0.2, kv_heads=None, pa
         route = ""
     else:
         tol = {n: (a * grow, r) for n, (a, r) in attn_bf16_tol(1, H // Hkv).items()}
+        # The kernels round P z (z: 0 or 1 / (1 - p)) to bf16 before P V; the float64 twin keeps it. In a row of
+        # few keys (causal's first rows) those roundings, 2^-9 of each term at most, add up to 2^-9 grow max|v|
+        # where the terms cancel to a small output, past the atol (4x8x1024: 5.2e-3 at 0.036).
+        bound = 2**-9 * grow * v.bfloat16().abs().max().item()
+        tol["out"] = (max(tol["out"][0], bound), tol["out"][1])
         with attention_wgmma(wgmma):
             names = launched_kernels(lambda: compare_bf16(f, D, tol=tol, hopper=False, q=q, k=k, v=v))
         route = attention_dropout_route(names, hopper and wgmma, Sq >= 128)
@@ -6884,12 +6889,14 @@ def run_patched_dropout(kernels, dev):
         y3 = net(x)
         y1.square().mean().backward()
         ones = F.dropout(torch.ones(256, 256, device=dev), p)
+        kept = torch.ones(3, device=dev)
+        assert F.dropout(kept, 0.0) is kept, "p = 0: not the input itself, as PyTorch's returns it"
         training_counts = dict(counts)
         net.eval()
         got_eval = net(x)
     torch_calls = {k: v for k, v in training_counts.items() if k[1] == "torch"}
     assert not torch_calls, f"training calls on PyTorch's kernels: {torch_calls}"
-    assert training_counts[("dropout", "ours")] == 3 * 3 + 1, training_counts
+    assert training_counts[("dropout", "ours")] == 3 * 3 + 2, training_counts
     assert training_counts[("scaled_dot_product_attention", "ours")] == 3, training_counts
     assert torch.equal(y1, y2), "one generator state drew two masks"
     assert not torch.equal(y1, y3), "the generator did not advance: the next call drew the same masks"
@@ -7185,7 +7192,8 @@ def _patched_dropout_reuses_one_rng():
 
 
 @mutant("patched_routes_to_pytorch", "inference/patched_routes", "inference/patched_calls", "readme/patched_example",
-        "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls", "inference/patched_dropout")
+        "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls", "inference/patched_dropout",
+        "readme/hf_example", "readme/gpu_hf_example")
 def _mutant_patched_routes_to_pytorch():
     real = inference._functional_routes
     with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: {
@@ -7320,6 +7328,36 @@ def readme_patched_example():
     return f"printed {one_line(out.getvalue())[:120]}; {launches} launches of our kernels"
 
 
+def run_readme_hf_example(dev):
+    """The README's Hugging Face example run as printed (on the CPU: our ops as _fake_kernels, the tensors on the
+    CPU), its counts all ours, each swapped kind of call among them."""
+    _transformers()
+    text = open(os.path.join(HERE, "README.md")).read()
+    block = text.split("A Hugging Face model takes both blocks", 1)[1].split("\n\n    import torch", 1)[1]
+    code = "\n".join(line[4:] for line in ("    import torch" + block.split("\n\n", 1)[0]).splitlines())
+    scope = {}
+    if dev == "cpu":
+        scope["fake"] = _fake_kernels([])
+        for a, b in ((".cuda()", ""), ('device="cuda"', 'device="cpu"'),
+                     ("inference.patched()", "inference.patched(fake, device_type='cpu')"),
+                     ("inference.apply_kernels(model)", "inference.apply_kernels(model, fake, device_type='cpu')")):
+            assert a in code, f"the README's example has no {a!r}"
+            code = code.replace(a, b)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), scope)
+    counts = scope["calls"] + scope["modules"]
+    assert counts and all(way == "ours" for _, way in counts), f"calls on PyTorch's: {dict(counts)}"
+    want = {"linear", "LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb", "scaled_dot_product_attention",
+            "embedding", "cross_entropy"}
+    assert {name for name, _ in counts} == want, f"calls {dict(counts)}"
+    return f"printed {one_line(out.getvalue())[:150]}"
+
+
+add("readme/hf_example", run_readme_hf_example, "cpu", gpu=False)
+add("readme/gpu_hf_example", run_readme_hf_example, DEV)
+
+
 def inference_gpu_patched_compiled_gpt():
     # a GPT written on torch.nn.functional trains on our kernels under inference.patched and
     # torch.compile(fullgraph=True), its losses within fp32 drift of the same model on PyTorch's ops; as Hugging
@@ -7366,10 +7404,10 @@ for _fn in (inference_cache_matches_full_forward, inference_slides_when_full, in
 
 HF_ARCHS = ("llama", "qwen2", "mistral", "gpt2")
 HF_LAYERS = 2
-# A whole model on the GPU, logits and a few steps' losses against PyTorch's: as the compiled GPT's losses
-# (inference/gpu_patched_compiled_gpt); single-pass TF32 products (~1e-3) fail it. On the CPU our ops are
-# _fake_kernels, PyTorch's arithmetic: PATCHED_TOL's fp32 rounding.
-HF_GPU_TOL = (1e-4, 1e-4)
+# A whole model on the GPU, logits and a few steps' losses against PyTorch's: on an H200 the logits differ by up
+# to 8.1e-6 and the losses by 9.5e-7; 3e-5 is ~4x that, where single-pass TF32 products (~1e-3) fail. On the
+# CPU our ops are _fake_kernels, PyTorch's arithmetic: PATCHED_TOL's fp32 rounding.
+HF_GPU_TOL = (3e-5, 3e-5)
 
 
 def _transformers():
@@ -7514,6 +7552,37 @@ def inference_hf_built_inside_patched():
     return f"{sum(counts.values())} calls of swapped modules, all ours, both models alike"
 
 
+def inference_hf_compiled_attention():
+    # Compiling, HF builds the whole causal mask (it cannot tell compiling from exporting) where it would pass SDPA
+    # is_causal; apply_kernels makes its mask function pass is_causal, so patched()'s route takes the attention,
+    # which a mask sends to PyTorch's. Our ops are _fake_kernels here, called while Dynamo traces. torch < 2.14's
+    # Dynamo reads torch.compiler.is_exporting() as True while compiling: HF's check of it is made to, on any torch.
+    idx, seen = torch.randint(0, 100, (2, 16)), {}
+    masking = _transformers().masking_utils
+    for arch in ("llama", "gpt2"):
+        calls, model = [], _hf_model(arch)
+        fake = _fake_kernels(calls)
+        with torch.no_grad():
+            want = model(idx).logits
+            with (inference.patched(fake, device_type="cpu"), inference.apply_kernels(model, fake, device_type="cpu"),
+                  unittest.mock.patch.object(masking, "is_torchdynamo_exporting", torch.compiler.is_compiling)):
+                got = torch.compile(model, backend="eager")(idx).logits
+        torch._dynamo.reset()
+        seen[arch] = calls.count("attention")
+        assert seen[arch] == HF_LAYERS, f"{arch}: {seen[arch]} attention calls of ours, expected {HF_LAYERS}"
+        check(f"{arch} logits", got, want, PATCHED_TOL[torch.float32])
+    return f"compiled, attention calls of ours: {seen}"
+
+
+add("inference/hf_compiled_attention", inference_hf_compiled_attention, gpu=False)
+
+
+@mutant("apply_kernels_keeps_hf_compiled_mask", "inference/hf_compiled_attention")
+def _apply_kernels_keeps_hf_compiled_mask():
+    with unittest.mock.patch.object(inference, "_causal_sdpa_mask", lambda original, masking: original):
+        yield
+
+
 def _hf_swapped_calls(dev):
     """The swapped forwards one call at a time, as _patched_calls's rows (label, route, autocast dtype, device or
     None, call), and the modules to give apply_kernels for them: Llama's RMSNorm (its weight drawn, not HF's ones),
@@ -7656,6 +7725,102 @@ def _apply_kernels_rope_halves_unchecked():
     # our rope takes tables whose halves differ, as if HF's rotary embedding had made them
     with unittest.mock.patch.object(torch, "equal", lambda a, b: True):
         yield
+
+
+# --bench --only hf: a Hugging Face model's training step (forward, backward, AdamW) on PyTorch's ops against the
+# same model under patched() and apply_kernels(), in one run; hf_compiled: both under torch.compile too.
+HF_BENCH_BATCH, HF_BENCH_SEQ = 8, 512
+
+
+def _hf_bench_model(arch, dev):
+    """A mid-sized transformers causal LM (1024 wide, 8 layers, 16 heads; Llama-style ones 4 K/V heads and MLP
+    2816 wide), random weights of seed 0, vocabulary 32000, no dropout."""
+    T = _transformers()
+    common = dict(vocab_size=32000, bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        cfg = T.GPT2Config(n_embd=1024, n_layer=8, n_head=16, n_positions=HF_BENCH_SEQ, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    else:
+        cfg = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig}[arch](
+            hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+            num_key_value_heads=4, max_position_embeddings=HF_BENCH_SEQ, **common)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).to(dev)
+
+
+def hf_step_ms(arch, dtype, ours, compiled, steps=20):
+    """Median ms of a training step, the last step's loss, and the eager calls by (name, "ours"/"torch")."""
+    model = _hf_bench_model(arch, DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (HF_BENCH_BATCH, HF_BENCH_SEQ), device=DEV)
+    counted = [collections.Counter()]  # patched()'s and apply_kernels()'s, which count every eager call
+    with contextlib.ExitStack() as stack:
+        if ours:
+            counted = [stack.enter_context(inference.patched(kernels)),
+                       stack.enter_context(inference.apply_kernels(model, kernels))]
+        net = torch.compile(model) if compiled else model
+        autocast = torch.autocast("cuda", torch.bfloat16, enabled=dtype == BF16)
+
+        def step():
+            with autocast:
+                loss = net(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        for _ in range(3):  # warm-up: compilation, optimizer state, library handles
+            step()
+        for c in counted:
+            c.clear()
+        step()
+        calls = sum(counted, collections.Counter())  # one step's
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    torch._dynamo.reset()
+    return statistics.median(times), loss.item(), calls
+
+
+@bench_rows("hf")
+def bench_hf(rows, compiled_too=False):
+    try:
+        _transformers()
+    except Skip as e:
+        print(f"\nhf: {e}")
+        return
+    title = f"{HF_BENCH_BATCH}x{HF_BENCH_SEQ} tokens, 1024 wide, 8 layers"
+    print(f"\nHugging Face training step (forward, backward, AdamW), {title}; ours = patched() + apply_kernels()")
+    cols = ["arch", "dtype", "mode", "torch ms", "ours ms", "torch/ours", "loss torch", "loss ours",
+            "calls ours/torch"]
+    print(md_row(cols))
+    print(md_row(["---"] * len(cols)))
+    modes = (False, True) if compiled_too else (False,)
+    for arch in HF_ARCHS:
+        for dtype in (torch.float32, BF16):
+            for compiled in modes:
+                (t_ms, t_loss, _), (o_ms, o_loss, calls) = (hf_step_ms(arch, dtype, ours, compiled)
+                                                            for ours in (False, True))
+                n_ours = sum(k for (_, way), k in calls.items() if way == "ours")
+                n_torch = sum(calls.values()) - n_ours
+                name, mode = "bf16 autocast" if dtype == BF16 else "fp32", "compiled" if compiled else "eager"
+                rows.append(dict(op="hf step", shape=f"{arch} {name} {mode}", torch_ms=t_ms, ours_ms=o_ms,
+                                 torch_over_ours=t_ms / o_ms, calls_ours=n_ours, calls_torch=n_torch,
+                                 torch_calls={n: k for (n, way), k in calls.items() if way == "torch"}))
+                print(md_row([arch, name, mode, f"{t_ms:.2f}", f"{o_ms:.2f}", f"{t_ms / o_ms:.2f}x",
+                              f"{t_loss:.4f}", f"{o_loss:.4f}",
+                              "- (traced)" if compiled else f"{n_ours}/{n_torch}" + "".join(
+                                  f" {n}:{k}" for (n, way), k in sorted(calls.items()) if way == "torch")]),
+                      flush=True)
+
+
+@bench_rows("hf_compiled")
+def bench_hf_compiled(rows):
+    bench_hf(rows, compiled_too=True)
 
 
 class _KeptRoutes(dict):
