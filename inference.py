@@ -754,8 +754,8 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     The originals run where patched()'s routes refuse (CPU tensors, float16, float64, mixed dtypes, ...: an RMSNorm
     whose weight's dtype is not its input's, where HF's promotes), for an MLP whose act is not SiLU or whose
     projections are not nn.Linear as built (a LoRA layer, a hook), and for a rotation of positions that differ
-    across the batch (cos (B > 1, T, D)) or traced by torch.compile (our rope's (T, D/2) tables need the halves of
-    HF's to be equal, checked on the data)."""
+    across the batch rows or traced by torch.compile (our rope's one (T, D/2) table needs HF's rows equal and the
+    halves of each equal, checked on the data)."""
     kernels = _kernels_for("apply_kernels()", kernels)
     counts, routes = collections.Counter(), _functional_routes(kernels, device_type)
     linear = routes["linear"]
@@ -783,19 +783,22 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     def capturing(t):  # a CUDA graph being captured on t's device: no data can be read
         return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
-    halves = []  # the last cos, sin found to repeat their first half: one check a forward, not one a layer
+    halves = []  # the last cos, sin found fit (halves equal, rows equal): one check a forward, not one a layer
 
     def rope(q, k, cos, sin, unsqueeze_dim=1):
-        # rotate_half pairs element i of q, k (B, H, T, D) with i + D/2, as our rope does, by cos, sin (B, T, D) whose
-        # halves HF's rotary embeddings make equal (cat(freqs, freqs)); ours reads (T, D/2) for the whole batch
-        T, D = q.shape[2:] if q.dim() == 4 else (0, 1)
+        # rotate_half pairs element i of q, k (B, H, T, D) with i + D/2, as our rope does, by cos, sin (1 or B, T, D)
+        # whose halves HF's rotary embeddings make equal (cat(freqs, freqs)); ours reads (T, D/2) for the whole
+        # batch, so B rows of tables must be equal (generate's position ids are per row, mostly the same)
+        B, T, D = q.shape[0], *(q.shape[2:] if q.dim() == 4 else (0, 1))
         if not (unsqueeze_dim == 1 and q.dim() == k.dim() == 4 and k.shape[2:] == q.shape[2:] and D % 2 == 0
-                and q.dtype == k.dtype and cos.dtype == sin.dtype and cos.shape == sin.shape == (1, T, D)
-                and not (cos.requires_grad or sin.requires_grad) and _takes(device_type, q, k, cos, sin)
-                and not tracing(q, k, cos, sin) and not capturing(q)):  # the halves' check reads the data
+                and q.dtype == k.dtype and cos.dtype == sin.dtype and cos.shape == sin.shape
+                and cos.shape in ((1, T, D), (B, T, D)) and not (cos.requires_grad or sin.requires_grad)
+                and _takes(device_type, q, k, cos, sin)
+                and not tracing(q, k, cos, sin) and not capturing(q)):  # the tables' checks read the data
             return NotImplemented
         if not (halves and halves[0] is cos and halves[1] is sin):
-            if not all(torch.equal(t[..., :D // 2], t[..., D // 2:]) for t in (cos, sin)):
+            if not all(torch.equal(t[..., :D // 2], t[..., D // 2:]) and torch.equal(t, t[:1].expand_as(t))
+                       for t in (cos, sin)):
                 return NotImplemented
             halves[:] = cos, sin
         dtype = torch.promote_types(q.dtype, cos.dtype)  # HF's products promote: bf16 q, fp32 tables give fp32

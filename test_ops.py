@@ -7193,7 +7193,7 @@ def _patched_dropout_reuses_one_rng():
 
 @mutant("patched_routes_to_pytorch", "inference/patched_routes", "inference/patched_calls", "readme/patched_example",
         "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls", "inference/patched_dropout",
-        "readme/hf_example", "readme/gpu_hf_example")
+        "readme/hf_example", "readme/gpu_hf_example", "inference/hf_generate_llama")
 def _mutant_patched_routes_to_pytorch():
     real = inference._functional_routes
     with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: {
@@ -7420,18 +7420,19 @@ def _transformers():
     return transformers
 
 
-def _hf_model(arch, dev="cpu", **config):
+def _hf_model(arch, dev="cpu", width=64, **config):
     """A tiny transformers causal LM (llama, qwen2, mistral or gpt2), random weights of seed 0, no download: 64
-    wide, HF_LAYERS layers, 4 heads (2 K/V heads), vocabulary 100, no dropout; weights drawn at std 0.2, where
-    HF's 0.02 leaves the MLP's inputs so near 0 that GELU's two approximations give the same logits to 1e-7."""
+    wide (head size 16, which our attention runs tiled; 128: 32, fused), HF_LAYERS layers, 4 heads (2 K/V heads),
+    vocabulary 100, no dropout; weights drawn at std 0.2, where HF's 0.02 leaves the MLP's inputs so near 0 that
+    GELU's two approximations give the same logits to 1e-7."""
     T = _transformers()
     common = dict(vocab_size=100, initializer_range=0.2, bos_token_id=0, eos_token_id=0)
     if arch == "gpt2":
-        cfg = T.GPT2Config(n_embd=64, n_layer=HF_LAYERS, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                           attn_pdrop=0.0, **common, **config)
+        cfg = T.GPT2Config(n_embd=width, n_layer=HF_LAYERS, n_head=4, n_positions=64, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, **common, **config)
     else:
         cfg = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig}[arch](
-            hidden_size=64, intermediate_size=128, num_hidden_layers=HF_LAYERS, num_attention_heads=4,
+            hidden_size=width, intermediate_size=2 * width, num_hidden_layers=HF_LAYERS, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, **common, **config)
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(cfg).to(dev)
@@ -7552,6 +7553,40 @@ def inference_hf_built_inside_patched():
     return f"{sum(counts.values())} calls of swapped modules, all ours, both models alike"
 
 
+def run_hf_generate(kernels, dev, arch):
+    """Greedy generation (transformers' generate: a prefill, then one query a step against its KV cache) of a tiny
+    model (head size 32) under patched() and apply_kernels(): the same new tokens as without them, every call ours,
+    and tokens that vary (a model that repeated one token would make the match prove nothing)."""
+    model = _hf_model(arch, dev, width=128)
+    prompt = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1)).to(dev)
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        want = model.generate(prompt, **kw)
+        with inference.patched(kernels, device_type=dev.type) as calls, \
+                inference.apply_kernels(model, kernels, device_type=dev.type) as modules:
+            got = model.generate(prompt, **kw)
+    new = want[:, prompt.shape[1]:]
+    assert len(set(new.flatten().tolist())) >= 8, f"the model repeats itself: {new.tolist()}"
+    for row, (a, b) in enumerate(zip(got.tolist(), want.tolist(), strict=True)):
+        assert a == b, f"row {row}: tokens differ from position {inference.first_difference(a, b)}"
+    counts = calls + modules
+    assert counts and all(way == "ours" for _, way in counts), f"calls on PyTorch's: {dict(counts)}"
+    return f"{new.numel()} new tokens equal ({len(set(new.flatten().tolist()))} distinct); {sum(counts.values())} calls, all ours"
+
+
+def inference_hf_generate(arch):
+    return run_hf_generate(_fake_kernels([]), torch.device("cpu"), arch)
+
+
+def inference_gpu_hf_generate(arch):
+    return run_hf_generate(kernels, torch.device(DEV), arch)
+
+
+for _arch in ("llama", "gpt2"):
+    add(f"inference/hf_generate_{_arch}", inference_hf_generate, _arch, gpu=False)
+    add(f"inference/gpu_hf_generate_{_arch}", inference_gpu_hf_generate, _arch)
+
+
 def inference_hf_compiled_attention():
     # Compiling, HF builds the whole causal mask (it cannot tell compiling from exporting) where it would pass SDPA
     # is_causal; apply_kernels makes its mask function pass is_causal, so patched()'s route takes the attention,
@@ -7611,6 +7646,7 @@ def _hf_swapped_calls(dev):
     cos, sin = llama.model.rotary_emb(x, pos)  # (1, 5, 16): one set of positions, the angles twice
     cos_b, sin_b = (t.to(bf16) for t in (cos, sin))
     cos_r, sin_r = llama.model.rotary_emb(x, rows)  # (2, 5, 16): positions per row
+    cos_e, sin_e = llama.model.rotary_emb(x, pos.expand(2, -1))  # (2, 5, 16), rows alike: generate's position ids
 
     def rope(q, k, cos, sin, **kw):  # both rotated heads in one tensor: the table compares one output
         return lambda: torch.cat([t.flatten() for t in mod.apply_rotary_pos_emb(q, k, cos, sin, **kw)])
@@ -7632,6 +7668,7 @@ def _hf_swapped_calls(dev):
         ("rope bf16", "ours", None, None, rope(q.to(bf16), k.to(bf16), cos_b, sin_b)),
         ("rope bf16 heads, fp32 tables (autocast's)", "ours", None, None, rope(q.to(bf16), k.to(bf16), cos, sin)),
         ("rope positions per row", "torch", None, None, rope(q, k, cos_r, sin_r)),
+        ("rope positions per row, all alike", "ours", None, None, rope(q, k, cos_e, sin_e)),
         ("rope unequal halves", "torch", None, None, rope(q, k, torch.rand_like(cos), sin)),
         ("rope (B, T, H, D) heads", "torch", None, None, rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
                                                                unsqueeze_dim=2)),
