@@ -7590,17 +7590,20 @@ for _arch in ("llama", "gpt2"):
 def inference_hf_compiled_attention():
     # Compiling, HF builds the whole causal mask (it cannot tell compiling from exporting) where it would pass SDPA
     # is_causal; apply_kernels makes its mask function pass is_causal, so patched()'s route takes the attention,
-    # which a mask sends to PyTorch's. Our ops are _fake_kernels here, called while Dynamo traces. torch < 2.14's
-    # Dynamo reads torch.compiler.is_exporting() as True while compiling: HF's check of it is made to, on any torch.
+    # which a mask sends to PyTorch's. Our ops are _fake_kernels here, called while Dynamo traces. Recent
+    # transformers ask torch.compiler.is_exporting(), which torch < 2.14's Dynamo reads as True while compiling: made
+    # so here on any torch (older transformers refuse the skip whenever Dynamo traces).
     idx, seen = torch.randint(0, 100, (2, 16)), {}
     masking = _transformers().masking_utils
+    exporting = (unittest.mock.patch.object(masking, "is_torchdynamo_exporting", torch.compiler.is_compiling)
+                 if hasattr(masking, "is_torchdynamo_exporting") else contextlib.nullcontext())
     for arch in ("llama", "gpt2"):
         calls, model = [], _hf_model(arch)
         fake = _fake_kernels(calls)
         with torch.no_grad():
             want = model(idx).logits
-            with (inference.patched(fake, device_type="cpu"), inference.apply_kernels(model, fake, device_type="cpu"),
-                  unittest.mock.patch.object(masking, "is_torchdynamo_exporting", torch.compiler.is_compiling)):
+            with inference.patched(fake, device_type="cpu"), inference.apply_kernels(model, fake, device_type="cpu"), \
+                    exporting:
                 got = torch.compile(model, backend="eager")(idx).logits
         torch._dynamo.reset()
         seen[arch] = calls.count("attention")
