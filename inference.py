@@ -783,7 +783,8 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     def capturing(t):  # a CUDA graph being captured on t's device: no data can be read
         return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
-    halves = []  # the last cos, sin found fit (halves equal, rows equal): one check a forward, not one a layer
+    # the last cos, sin checked (halves equal, rows equal), and whether they were fit: a check a forward, not a layer
+    checked = [None, None, False]
 
     def rope(q, k, cos, sin, unsqueeze_dim=1):
         # rotate_half pairs element i of q, k (B, H, T, D) with i + D/2, as our rope does, by cos, sin (1 or B, T, D)
@@ -796,11 +797,11 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
                 and _takes(device_type, q, k, cos, sin)
                 and not tracing(q, k, cos, sin) and not capturing(q)):  # the tables' checks read the data
             return NotImplemented
-        if not (halves and halves[0] is cos and halves[1] is sin):
-            if not all(torch.equal(t[..., :D // 2], t[..., D // 2:]) and torch.equal(t, t[:1].expand_as(t))
-                       for t in (cos, sin)):
-                return NotImplemented
-            halves[:] = cos, sin
+        if not (checked[0] is cos and checked[1] is sin):
+            checked[:] = cos, sin, all(torch.equal(t[..., :D // 2], t[..., D // 2:]) and
+                                       torch.equal(t, t[:1].expand_as(t)) for t in (cos, sin))
+        if not checked[2]:
+            return NotImplemented
         dtype = torch.promote_types(q.dtype, cos.dtype)  # HF's products promote: bf16 q, fp32 tables give fp32
         c, s = (t[0, :, :D // 2].float() for t in (cos, sin))
         return kernels.rope(q.to(dtype), c, s), kernels.rope(k.to(dtype), c, s)
