@@ -743,10 +743,9 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
     are Python on tensor ops, or torch.addmm, or keep F.gelu from when the model was built; patched() around it
     takes the rest (F.linear, SDPA, the embedding, ...). Under torch.compile, HF's SDPA mask function gives an
     unpadded causal mask as the is_causal flag, as HF's does when not compiling (_causal_sdpa_mask), so the compiled
-    attention is ours too. Each forward, and the attention's module's
-    apply_rotary_pos_emb, is swapped in its class or module until the block ends: every instance runs ours, built
-    before the block or in it, of this model or another. Yields a Counter of the eager calls by (class or function
-    name, "ours" or "torch").
+    attention is ours too. Each forward, and the attention's module's apply_rotary_pos_emb, is swapped in its class
+    or module until the block ends: every instance runs ours, built before the block or in it, of this model or
+    another. Yields a Counter of the eager calls by (class or function name, "ours" or "torch").
 
         with inference.patched(), inference.apply_kernels(model) as counts:
             loss = model(input_ids, labels=labels).loss  # RMSNorm, MLP, RoPE, Linear, SDPA, ... on our kernels
@@ -842,16 +841,18 @@ def apply_kernels(model, kernels=None, device_type="cuda"):
 
 
 def _causal_sdpa_mask(original, masking):
-    """Hugging Face's SDPA mask function, but for a causal mask that nothing else shapes (no padding, window or
-    cache offset) under torch.compile: None, so that the attention passes is_causal, as HF's does when not
-    compiling. Compiling, HF's (for torch < 2.14, which cannot tell compiling from exporting) builds the whole
-    causal mask, and a masked attention call is PyTorch's, not ours. HF calls it by keywords."""
+    """Hugging Face's SDPA mask function, but under torch.compile, for a mask HF itself would skip when not compiling
+    (its caller allows the skip, no padding, no sliding window or chunk that bites, no tensor cache offset, one
+    query or as many as keys): None, so that the attention passes is_causal. Compiling, HF's (for torch < 2.14,
+    which cannot tell compiling from exporting) builds the whole causal mask, and a masked attention call is
+    PyTorch's, not ours. HF calls it by keywords."""
     @functools.wraps(original)
     def mask(*args, **kw):
+        q_len, kv_len, local = kw.get("q_length"), kw.get("kv_length"), kw.get("local_size")
         if (not args and torch.compiler.is_compiling() and kw.get("allow_is_causal_skip", True)
-                and kw.get("attention_mask") is None and kw.get("mask_function") is masking.causal_mask_function
-                and kw.get("local_size") is None and not torch.is_tensor(kw.get("q_offset", 0))
-                and kw.get("q_length") in (1, kw.get("kv_length"))):
+                and kw.get("attention_mask") is None and isinstance(q_len, int) and isinstance(kv_len, int)
+                and (local is None or kv_len < local) and not torch.is_tensor(kw.get("q_offset", 0))
+                and q_len in (1, kv_len)):
             return None
         return original(*args, **kw)
     return mask

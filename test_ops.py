@@ -7193,7 +7193,7 @@ def _patched_dropout_reuses_one_rng():
 
 @mutant("patched_routes_to_pytorch", "inference/patched_routes", "inference/patched_calls", "readme/patched_example",
         "inference/gpu_patched_compiled_gpt", "inference/gpu_patched_calls", "inference/patched_dropout",
-        "readme/hf_example", "readme/gpu_hf_example", "inference/hf_generate_llama")
+        "readme/hf_example", "readme/gpu_hf_example", "inference/hf_generate_llama", "inference/hf_generate_gpt2")
 def _mutant_patched_routes_to_pytorch():
     real = inference._functional_routes
     with unittest.mock.patch.object(inference, "_functional_routes", lambda *args: {
@@ -7597,7 +7597,7 @@ def inference_hf_compiled_attention():
     masking = _transformers().masking_utils
     exporting = (unittest.mock.patch.object(masking, "is_torchdynamo_exporting", torch.compiler.is_compiling)
                  if hasattr(masking, "is_torchdynamo_exporting") else contextlib.nullcontext())
-    for arch in ("llama", "gpt2"):
+    for arch in ("llama", "mistral", "gpt2"):  # Mistral's sliding window, longer than the sequence
         calls, model = [], _hf_model(arch)
         fake = _fake_kernels(calls)
         with torch.no_grad():
